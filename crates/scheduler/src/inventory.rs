@@ -1,0 +1,39 @@
+//! The devices jobs can be placed on: nodes, each with devices of some kind and free memory.
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::DeviceKind;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Device {
+    pub kind: DeviceKind,
+    /// Memory a rank may use on this device.
+    pub memory_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub name: String,
+    pub devices: Vec<Device>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Inventory {
+    pub nodes: Vec<Node>,
+}
+
+impl Inventory {
+    /// One node with `count` identical devices.
+    pub fn uniform(count: usize, memory_bytes: u64, kind: DeviceKind) -> Inventory {
+        Inventory {
+            nodes: vec![Node {
+                name: "node-0".into(),
+                devices: vec![Device { kind, memory_bytes }; count],
+            }],
+        }
+    }
+
+    pub fn devices(&self) -> impl Iterator<Item = &Device> {
+        self.nodes.iter().flat_map(|n| &n.devices)
+    }
+}

@@ -1,0 +1,12 @@
+//! zerotrain's scheduler library: job specs, the memory model of ZeRO-sharded mixed-precision
+//! training, and the planner that turns a spec into a configuration that fits. No I/O, no async.
+
+pub mod bytes;
+mod error;
+pub mod inventory;
+pub mod memory;
+pub mod model;
+pub mod plan;
+pub mod spec;
+
+pub use error::Error;

@@ -1,0 +1,107 @@
+//! Communication per optimizer step. Every collective is a ring over a buffer split in N equal
+//! chunks (units are padded so they split exactly): reduce-scatter and all-gather send (N−1)
+//! chunks per rank, all-reduce (reduce-scatter + all-gather) twice that.
+//!
+//! Stage 0 all-reduces gradients once per step; stage 1 reduce-scatters them once and
+//! all-gathers the updated parameters; stage 2 reduce-scatters per micro-batch (only the own
+//! shard is kept across micro-batches); stage 3 all-gathers every unit before its forward and
+//! again before its backward, and reduce-scatters its gradient, per micro-batch. With one
+//! micro-batch that is the ZeRO paper's 2Ψ(N−1)/N elements for stages 0-2 and 3Ψ(N−1)/N for
+//! stage 3. Sharded stages also all-reduce one f32 (the squared gradient norm, non-finite on
+//! overflow) when fp16 or clipping needs it, and Adafactor's factored statistics and per-tensor
+//! RMS sums.
+
+use serde::Serialize;
+
+use super::Setup;
+use super::optimizer::{adafactor_factored_len, tensor_count};
+use crate::model::Units;
+use crate::spec::{Architecture, Optimizer, ZeroStage};
+
+/// Bytes one rank sends, by collective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Comm {
+    pub all_reduce: u64,
+    pub reduce_scatter: u64,
+    pub all_gather: u64,
+}
+
+impl Comm {
+    pub fn total(&self) -> u64 {
+        self.all_reduce + self.reduce_scatter + self.all_gather
+    }
+}
+
+/// Bytes a rank sends in a reduce-scatter or all-gather of `bytes` over `n` ranks.
+fn ring(bytes: u64, n: u64) -> u64 {
+    (bytes * (n - 1)).div_ceil(n)
+}
+
+/// Elements padded to a multiple of `n`, as every ring buffer is.
+fn padded(elems: u64, n: u64) -> u64 {
+    elems.next_multiple_of(n)
+}
+
+pub(super) fn per_step(setup: &Setup) -> Comm {
+    let n = setup.world_size as u64;
+    if n == 1 {
+        return Comm::default();
+    }
+    let x = setup.dtype.bytes();
+    let (model_elems, factored, tensors) = match setup.arch {
+        Architecture::Gpt(shape) => (
+            Units::new(&shape, setup.world_size).padded_len() as u64,
+            adafactor_factored_len(&shape) as u64,
+            tensor_count(&shape) as u64,
+        ),
+        Architecture::Params(psi) => (psi, 2 * psi.isqrt().max(1), 1),
+    };
+    let pass = ring(x * model_elems, n);
+    let micro = setup.grad_accum as u64;
+    let mut c = match setup.stage {
+        ZeroStage::Ddp => Comm {
+            all_reduce: 2 * pass,
+            ..Comm::default()
+        },
+        ZeroStage::Optimizer => Comm {
+            reduce_scatter: pass,
+            all_gather: pass,
+            ..Comm::default()
+        },
+        ZeroStage::Gradients => Comm {
+            reduce_scatter: micro * pass,
+            all_gather: pass,
+            ..Comm::default()
+        },
+        ZeroStage::Parameters => Comm {
+            reduce_scatter: micro * pass,
+            all_gather: 2 * micro * pass,
+            ..Comm::default()
+        },
+    };
+    if setup.stage.shards_optimizer() {
+        let all_reduce_f32 = |elems: u64| 2 * ring(4 * padded(elems, n), n);
+        if setup.reduces_norm {
+            c.all_reduce += all_reduce_f32(1);
+        }
+        if let Optimizer::Adafactor(_) = setup.optimizer {
+            c.all_reduce += all_reduce_f32(factored) + all_reduce_f32(tensors);
+        }
+    }
+    c
+}
+
+/// The receive buffer of the ring: one chunk of the largest buffer any collective moves.
+pub(super) fn scratch_bytes(setup: &Setup, units: &Units) -> u64 {
+    let n = setup.world_size as u64;
+    if n == 1 {
+        return 0;
+    }
+    let mut chunk = setup.dtype.bytes() * units.largest_shard_len() as u64;
+    if let (Optimizer::Adafactor(_), Architecture::Gpt(shape)) = (setup.optimizer, setup.arch) {
+        if setup.stage.shards_optimizer() {
+            chunk = chunk.max(4 * padded(adafactor_factored_len(&shape) as u64, n) / n);
+        }
+    }
+    chunk
+}

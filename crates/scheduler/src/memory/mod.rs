@@ -1,0 +1,266 @@
+//! The memory model: bytes per rank by category, and bytes each rank sends per step, for one
+//! resolved training configuration. Exact for zerotrain's GPT (its parameter layout, shard
+//! padding and activation tensors come from `crate::model`, the same description the trainer
+//! allocates from); closed-form for a bare parameter count. A pure function: no I/O, no printing.
+
+mod comm;
+mod optimizer;
+
+pub use comm::Comm;
+
+use serde::ser::SerializeStruct;
+use serde::{Deserialize, Serialize, Serializer};
+
+use crate::model::{Activations, GptShape, Units};
+use crate::spec::{Architecture, Dtype, JobSpec, Optimizer, ZeroStage};
+
+/// What a byte is held for. The trainer's accounting allocator uses the same categories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Category {
+    /// Weights in the compute dtype (fp32 training: the only copy).
+    Params,
+    /// Gradients in the compute dtype.
+    Grads,
+    /// fp32 master weights (mixed precision) and optimizer states.
+    Optimizer,
+    /// Tensors saved for backward and the backward's scratch.
+    Activations,
+    /// Logits, token ids, communication scratch, unit gradient buffers, gathered stage-3 units.
+    Buffers,
+    /// Per-device runtime cost (a CUDA context); 0 on CPU devices.
+    Overhead,
+}
+
+impl Category {
+    pub const ALL: [Category; 6] = [
+        Category::Params,
+        Category::Grads,
+        Category::Optimizer,
+        Category::Activations,
+        Category::Buffers,
+        Category::Overhead,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Params => "params",
+            Category::Grads => "grads",
+            Category::Optimizer => "optimizer",
+            Category::Activations => "activations",
+            Category::Buffers => "buffers",
+            Category::Overhead => "overhead",
+        }
+    }
+}
+
+/// The kind of device a rank runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// A virtual CPU device with a memory budget.
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// CUDA context, cuBLAS workspace and NCCL channel buffers per GPU: an allowance until it is
+/// measured on the GPU machines.
+pub const CUDA_OVERHEAD_BYTES: u64 = 1 << 30;
+
+impl DeviceKind {
+    pub fn overhead_bytes(self) -> u64 {
+        match self {
+            DeviceKind::Cpu => 0,
+            DeviceKind::Cuda => CUDA_OVERHEAD_BYTES,
+        }
+    }
+}
+
+/// Bytes one rank holds, by category.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct Breakdown {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+    pub buffers: u64,
+    pub overhead: u64,
+}
+
+impl Breakdown {
+    pub fn get(&self, c: Category) -> u64 {
+        match c {
+            Category::Params => self.params,
+            Category::Grads => self.grads,
+            Category::Optimizer => self.optimizer,
+            Category::Activations => self.activations,
+            Category::Buffers => self.buffers,
+            Category::Overhead => self.overhead,
+        }
+    }
+
+    /// Parameters, gradients and optimizer states: what the ZeRO paper's Table 1 counts.
+    pub fn model_states(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+
+    pub fn total(&self) -> u64 {
+        Category::ALL.iter().map(|&c| self.get(c)).sum()
+    }
+}
+
+impl Serialize for Breakdown {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("Breakdown", 7)?;
+        for c in Category::ALL {
+            st.serialize_field(c.name(), &self.get(c))?;
+        }
+        st.serialize_field("total", &self.total())?;
+        st.end()
+    }
+}
+
+/// One fully resolved way of running a job: no `"auto"` left.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Setup {
+    pub arch: Architecture,
+    pub dtype: Dtype,
+    pub optimizer: Optimizer,
+    pub stage: ZeroStage,
+    pub world_size: usize,
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub grad_accum: usize,
+    pub checkpointing: bool,
+    /// Whether ranks agree on a scalar each step (found-inf for fp16, the norm for clipping).
+    pub reduces_norm: bool,
+}
+
+impl Setup {
+    /// The spec's configuration with the given choices for its `"auto"` fields.
+    pub fn new(
+        spec: &JobSpec,
+        stage: ZeroStage,
+        checkpointing: bool,
+        micro_batch: u32,
+        grad_accum: u32,
+    ) -> Setup {
+        Setup {
+            arch: spec.architecture(),
+            dtype: spec.precision.dtype,
+            optimizer: spec.optimizer,
+            stage,
+            world_size: spec.world_size.get() as usize,
+            micro_batch: micro_batch as usize,
+            seq_len: spec.training.seq_len.get() as usize,
+            grad_accum: grad_accum as usize,
+            checkpointing,
+            reduces_norm: spec.precision.dtype == Dtype::Fp16 || spec.training.grad_clip > 0.0,
+        }
+    }
+}
+
+/// The memory model's answer for one setup on one kind of device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Estimate {
+    /// Trainable parameters Ψ (unpadded).
+    pub parameters: u64,
+    /// The rank with the largest total (ranks differ only by Adafactor's per-tensor state).
+    pub per_rank: Breakdown,
+    /// Bytes each rank sends per optimizer step, by collective.
+    pub comm: Comm,
+}
+
+pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
+    let per_rank = (0..rank_count(setup))
+        .map(|r| rank_breakdown(setup, r))
+        .max_by_key(Breakdown::total)
+        .unwrap_or_default();
+    Estimate {
+        parameters: setup.arch.parameter_count(),
+        per_rank: Breakdown {
+            overhead: device.overhead_bytes(),
+            ..per_rank
+        },
+        comm: comm::per_step(setup),
+    }
+}
+
+/// Ranks whose breakdowns can differ: all of them for exact Adafactor, else rank 0 stands for all.
+fn rank_count(setup: &Setup) -> usize {
+    match (setup.arch, setup.optimizer) {
+        (Architecture::Gpt(_), Optimizer::Adafactor(_)) if setup.stage.shards_optimizer() => {
+            setup.world_size
+        }
+        _ => 1,
+    }
+}
+
+/// Bytes rank `rank` holds, without device overhead.
+pub fn rank_breakdown(setup: &Setup, rank: usize) -> Breakdown {
+    match setup.arch {
+        Architecture::Gpt(shape) => gpt(setup, &shape, rank),
+        Architecture::Params(psi) => closed_form(setup, psi),
+    }
+}
+
+fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
+    let n = setup.world_size;
+    let units = Units::new(shape, n);
+    let x = setup.dtype.bytes();
+    let (whole, shard) = (units.padded_len() as u64, units.shard_len() as u64);
+    let held = |sharded: bool| if sharded { shard } else { whole };
+    let stage = setup.stage;
+
+    let acts = Activations::new(
+        shape,
+        setup.micro_batch,
+        setup.seq_len,
+        setup.checkpointing,
+        x,
+    );
+    let mut buffers = acts.buffers + comm::scratch_bytes(setup, &units);
+    if stage.shards_grads() {
+        // Full gradients of the unit in backward, and of the embeddings, which the tied LM head
+        // and the encoder both add to, from the first backward op to the last.
+        buffers += x * (units.embeddings().padded_len + units.largest_other_padded_len()) as u64;
+    }
+    if stage.shards_params() {
+        // Gathered embeddings (encoder, LM head) and two block-sized units (current, prefetched).
+        buffers +=
+            x * (units.embeddings().padded_len + 2 * units.largest_other_padded_len()) as u64;
+    }
+
+    let opt_elems = held(stage.shards_optimizer());
+    let master = if setup.dtype.has_master_weights() { 4 * opt_elems } else { 0 };
+    Breakdown {
+        params: x * held(stage.shards_params()),
+        grads: x * held(stage.shards_grads()),
+        optimizer: master + optimizer::gpt_state_bytes(setup, shape, &units, rank),
+        activations: acts.activations,
+        buffers,
+        overhead: 0,
+    }
+}
+
+/// A bare parameter count Ψ: model states only (nothing is known of activations or units).
+/// Shards hold Ψ/N elements exactly; each category rounds its bytes up.
+fn closed_form(setup: &Setup, psi: u64) -> Breakdown {
+    let n = setup.world_size as u64;
+    let x = setup.dtype.bytes();
+    let per_rank = |bytes_per_param: u64, sharded: bool| {
+        (bytes_per_param * psi).div_ceil(if sharded { n } else { 1 })
+    };
+    let stage = setup.stage;
+    let master = if setup.dtype.has_master_weights() { 4 } else { 0 };
+    let opt_ranks = if stage.shards_optimizer() { n } else { 1 };
+    let per_element = master + optimizer::per_element_bytes(&setup.optimizer);
+    Breakdown {
+        params: per_rank(x, stage.shards_params()),
+        grads: per_rank(x, stage.shards_grads()),
+        optimizer: (per_element * psi).div_ceil(opt_ranks)
+            + optimizer::closed_form_extra_bytes(&setup.optimizer, psi, opt_ranks),
+        ..Breakdown::default()
+    }
+}

@@ -1,0 +1,86 @@
+//! Optimizer state bytes beyond the fp32 master weights.
+
+use crate::model::{Dims, GptShape, Units};
+use crate::spec::{Adam8bit, Optimizer};
+
+use super::Setup;
+
+/// fp32 state bytes kept per element of the range an optimizer updates.
+pub(super) fn per_element_bytes(opt: &Optimizer) -> u64 {
+    match opt {
+        Optimizer::Sgd(_) => 0,
+        Optimizer::Momentum(_) | Optimizer::Lion(_) => 4,
+        Optimizer::Adamw(_) => 8,
+        Optimizer::Adafactor(a) => 4 * u64::from(a.beta1.is_some()),
+        // m and v quantised to one byte each.
+        Optimizer::Adam8bit(_) => 2,
+    }
+}
+
+/// Elements of Adafactor's factored statistics: rows + cols of every matrix. Every rank keeps
+/// all of them (they are small) and all-reduces its partial sums into them each step.
+pub(crate) fn adafactor_factored_len(shape: &GptShape) -> usize {
+    Units::new(shape, 1)
+        .iter()
+        .flat_map(|u| &u.tensors)
+        .map(|t| match t.dims {
+            Dims::Matrix(r, c) => r + c,
+            Dims::Vector(_) => 0,
+        })
+        .sum()
+}
+
+/// Parameter tensors: one partial sum of squared updates each, for Adafactor's RMS clipping.
+pub(crate) fn tensor_count(shape: &GptShape) -> usize {
+    Units::new(shape, 1).iter().map(|u| u.tensors.len()).sum()
+}
+
+pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, rank: usize) -> u64 {
+    let sharded = setup.stage.shards_optimizer();
+    let held = |u: &crate::model::Unit| {
+        if sharded { u.shard_range(rank) } else { 0..u.padded_len }
+    };
+    let elems: usize = units.iter().map(|u| held(u).len()).sum();
+    let mut bytes = per_element_bytes(&setup.optimizer) * elems as u64;
+    match setup.optimizer {
+        Optimizer::Adam8bit(Adam8bit { block_size, .. }) => {
+            let blocks: usize = units
+                .iter()
+                .map(|u| held(u).len().div_ceil(block_size as usize))
+                .sum();
+            // One fp32 absmax per block, for m and for v.
+            bytes += 2 * 4 * blocks as u64;
+        }
+        Optimizer::Adafactor(_) => {
+            // Unfactored second moment for the vector elements this rank updates.
+            let vector_elems: usize = units
+                .iter()
+                .flat_map(|u| {
+                    let range = held(u);
+                    u.tensors.iter().filter_map(move |t| match t.dims {
+                        Dims::Vector(_) => {
+                            let r = t.range();
+                            Some(r.end.min(range.end).saturating_sub(r.start.max(range.start)))
+                        }
+                        Dims::Matrix(..) => None,
+                    })
+                })
+                .sum();
+            // Factored statistics and the buffer their partial sums are reduced in.
+            let factored = 2 * adafactor_factored_len(shape);
+            bytes += 4 * (factored + tensor_count(shape) + vector_elems) as u64;
+        }
+        _ => {}
+    }
+    bytes
+}
+
+/// State bytes that do not scale per element, for a bare parameter count split over `ranks`.
+pub(super) fn closed_form_extra_bytes(opt: &Optimizer, psi: u64, ranks: u64) -> u64 {
+    match opt {
+        Optimizer::Adam8bit(a) => 2 * 4 * psi.div_ceil(ranks * u64::from(a.block_size)),
+        // Taken as one square matrix: its row and column statistics, twice, and one RMS sum.
+        Optimizer::Adafactor(_) => 4 * (2 * 2 * psi.isqrt().max(1) + 1),
+        _ => 0,
+    }
+}

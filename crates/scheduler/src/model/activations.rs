@@ -1,0 +1,229 @@
+//! What one micro-batch of training keeps besides the model states: the tensors each forward
+//! saves for its backward, the backward's scratch, and the step's buffers (logits, tokens).
+//! B = micro-batch, T = sequence length, C = channels, NH = heads, V = vocabulary, L = layers.
+
+use super::GptShape;
+
+/// Every tensor the trainer allocates per micro-batch, named for its role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActivationTensor {
+    // Saved by each block's forward for its backward.
+    /// (B, T, C) first LayerNorm output.
+    Ln1,
+    /// (B, T) fp32 statistics of the first LayerNorm.
+    Ln1Mean,
+    Ln1Rstd,
+    /// (B, T, 3C) query, key, value.
+    Qkv,
+    /// (B, NH, T, T) attention probabilities.
+    Att,
+    /// (B, T, C) attention output before its projection.
+    AttY,
+    /// (B, T, C) residual stream after attention.
+    Res2,
+    /// (B, T, C) second LayerNorm output.
+    Ln2,
+    Ln2Mean,
+    Ln2Rstd,
+    /// (B, T, 4C) MLP pre-activation.
+    Fch,
+    /// (B, T, 4C) MLP GELU output.
+    FchGelu,
+    /// (B, T, C) block output: the next block's input. The only per-block tensor kept under
+    /// activation checkpointing.
+    Res3,
+    // Saved once.
+    /// (B, T, C) token + position embedding: block 0's input.
+    Encoded,
+    /// (B, T, C) final LayerNorm output and its fp32 statistics.
+    Lnf,
+    LnfMean,
+    LnfRstd,
+    // Backward scratch, reused by every block.
+    /// (B, T, C) gradient of the residual stream.
+    DResidual,
+    /// (B, T, C) gradient of a LayerNorm output or of the attention output.
+    DChannels,
+    /// (B, T, 4C) gradient of the MLP hidden layer, then of qkv.
+    DWide,
+    /// (B, NH, T, T) gradient of the attention probabilities.
+    DAtt,
+    // Buffers.
+    /// (B, T, V) fp32 logits, overwritten in place by their gradient.
+    Logits,
+    /// (B, T) fp32 per-token losses.
+    Losses,
+    /// (B, T) input token ids.
+    Inputs,
+    /// (B, T) target token ids.
+    Targets,
+}
+
+/// How an activation tensor's elements are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Element {
+    /// The compute dtype (fp32, fp16 or bf16).
+    Compute,
+    F32,
+    U32,
+}
+
+impl Element {
+    pub fn bytes(self, compute_bytes: u64) -> u64 {
+        match self {
+            Element::Compute => compute_bytes,
+            Element::F32 | Element::U32 => 4,
+        }
+    }
+}
+
+impl ActivationTensor {
+    /// Tensors saved per block (all of them unless activation checkpointing is on).
+    pub const BLOCK: [ActivationTensor; 13] = [
+        Self::Ln1,
+        Self::Ln1Mean,
+        Self::Ln1Rstd,
+        Self::Qkv,
+        Self::Att,
+        Self::AttY,
+        Self::Res2,
+        Self::Ln2,
+        Self::Ln2Mean,
+        Self::Ln2Rstd,
+        Self::Fch,
+        Self::FchGelu,
+        Self::Res3,
+    ];
+    /// Tensors held once per step.
+    pub const ONCE: [ActivationTensor; 12] = [
+        Self::Encoded,
+        Self::Lnf,
+        Self::LnfMean,
+        Self::LnfRstd,
+        Self::DResidual,
+        Self::DChannels,
+        Self::DWide,
+        Self::DAtt,
+        Self::Logits,
+        Self::Losses,
+        Self::Inputs,
+        Self::Targets,
+    ];
+
+    /// Number of elements for a micro-batch of `b` sequences of `t` tokens.
+    pub fn len(self, s: &GptShape, b: usize, t: usize) -> usize {
+        let (c, tokens) = (s.n_embd, b * t);
+        match self {
+            Self::Ln1Mean
+            | Self::Ln1Rstd
+            | Self::Ln2Mean
+            | Self::Ln2Rstd
+            | Self::LnfMean
+            | Self::LnfRstd
+            | Self::Losses
+            | Self::Inputs
+            | Self::Targets => tokens,
+            Self::Ln1
+            | Self::AttY
+            | Self::Res2
+            | Self::Ln2
+            | Self::Res3
+            | Self::Encoded
+            | Self::Lnf
+            | Self::DResidual
+            | Self::DChannels => tokens * c,
+            Self::Qkv => tokens * 3 * c,
+            Self::Fch | Self::FchGelu | Self::DWide => tokens * 4 * c,
+            Self::Att | Self::DAtt => b * s.n_head * t * t,
+            Self::Logits => tokens * s.vocab_size,
+        }
+    }
+
+    pub fn element(self) -> Element {
+        match self {
+            Self::Ln1Mean
+            | Self::Ln1Rstd
+            | Self::Ln2Mean
+            | Self::Ln2Rstd
+            | Self::LnfMean
+            | Self::LnfRstd
+            | Self::Logits
+            | Self::Losses => Element::F32,
+            Self::Inputs | Self::Targets => Element::U32,
+            _ => Element::Compute,
+        }
+    }
+
+    /// Logits and token ids count as buffers; everything else as activations.
+    pub fn is_buffer(self) -> bool {
+        matches!(
+            self,
+            Self::Logits | Self::Losses | Self::Inputs | Self::Targets
+        )
+    }
+
+    /// How many copies a step holds: per-block tensors once per layer, or, under activation
+    /// checkpointing, block outputs once per layer plus one block's worth to recompute into.
+    pub fn copies(self, s: &GptShape, checkpointing: bool) -> usize {
+        match self {
+            Self::Res3 => s.n_layer,
+            t if Self::BLOCK.contains(&t) && !checkpointing => s.n_layer,
+            _ => 1,
+        }
+    }
+}
+
+/// Bytes of activations and of activation-sized buffers for one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Activations {
+    pub activations: u64,
+    pub buffers: u64,
+}
+
+impl Activations {
+    pub fn new(s: &GptShape, b: usize, t: usize, checkpointing: bool, compute_bytes: u64) -> Self {
+        let mut out = Activations {
+            activations: 0,
+            buffers: 0,
+        };
+        for tensor in ActivationTensor::BLOCK.iter().chain(&ActivationTensor::ONCE) {
+            let bytes = (tensor.len(s, b, t) * tensor.copies(s, checkpointing)) as u64
+                * tensor.element().bytes(compute_bytes);
+            if tensor.is_buffer() {
+                out.buffers += bytes;
+            } else {
+                out.activations += bytes;
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+
+    #[test]
+    fn checkpointing_keeps_block_outputs_and_one_block_to_recompute() {
+        let s = Preset::Gpt2Small.shape();
+        let (b, t) = (4, 64);
+        let full = Activations::new(&s, b, t, false, 4).activations;
+        let ckpt = Activations::new(&s, b, t, true, 4).activations;
+        let block: u64 = ActivationTensor::BLOCK
+            .iter()
+            .map(|a| a.len(&s, b, t) as u64 * a.element().bytes(4))
+            .sum();
+        let res3 = ActivationTensor::Res3.len(&s, b, t) as u64 * 4;
+        assert_eq!(full - ckpt, (s.n_layer as u64 - 1) * (block - res3));
+    }
+
+    #[test]
+    fn half_precision_halves_stored_tensors_but_not_statistics() {
+        let s = Preset::Tiny.shape();
+        let f32 = Activations::new(&s, 2, 16, false, 4);
+        let bf16 = Activations::new(&s, 2, 16, false, 2);
+        assert!(bf16.activations < f32.activations && bf16.activations * 2 > f32.activations);
+        assert_eq!(bf16.buffers, f32.buffers);
+    }
+}

@@ -1,0 +1,288 @@
+//! Parameter layout: one flat buffer per unit (the embeddings, each block, the final LayerNorm),
+//! padded to `SHARD_ALIGN × world_size` elements and split into `world_size` equal contiguous
+//! shards, as FSDP flat parameters are. Gradients and optimizer states share the layout, so
+//! sharding is `(offset, len)` arithmetic and every ZeRO stage uses the same buffers.
+
+use std::ops::Range;
+
+use super::GptShape;
+
+/// Shards start on multiples of this many elements (64 bytes of fp32), so every shard of every
+/// dtype is SIMD-aligned relative to its buffer.
+pub const SHARD_ALIGN: usize = 16;
+
+/// The kinds of parameter tensors of GPT-2, in Hugging Face state-dict order within a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorKind {
+    /// (V, C) token embedding, also the LM head (tied).
+    Wte,
+    /// (maxT, C) position embedding.
+    Wpe,
+    Ln1Weight,
+    Ln1Bias,
+    /// (C, 3C) query/key/value projection, used as x·W + b.
+    AttnWeight,
+    AttnBias,
+    /// (C, C) attention output projection.
+    AttnProjWeight,
+    AttnProjBias,
+    Ln2Weight,
+    Ln2Bias,
+    /// (C, 4C) MLP expansion.
+    FcWeight,
+    FcBias,
+    /// (4C, C) MLP contraction.
+    FcProjWeight,
+    FcProjBias,
+    LnfWeight,
+    LnfBias,
+}
+
+/// Dimensions of a parameter tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dims {
+    Vector(usize),
+    /// Row-major (rows, cols).
+    Matrix(usize, usize),
+}
+
+impl Dims {
+    pub fn len(self) -> usize {
+        match self {
+            Dims::Vector(n) => n,
+            Dims::Matrix(r, c) => r * c,
+        }
+    }
+
+    pub fn to_vec(self) -> Vec<usize> {
+        match self {
+            Dims::Vector(n) => vec![n],
+            Dims::Matrix(r, c) => vec![r, c],
+        }
+    }
+}
+
+impl TensorKind {
+    pub const EMBEDDINGS: [TensorKind; 2] = [TensorKind::Wte, TensorKind::Wpe];
+    pub const BLOCK: [TensorKind; 12] = [
+        TensorKind::Ln1Weight,
+        TensorKind::Ln1Bias,
+        TensorKind::AttnWeight,
+        TensorKind::AttnBias,
+        TensorKind::AttnProjWeight,
+        TensorKind::AttnProjBias,
+        TensorKind::Ln2Weight,
+        TensorKind::Ln2Bias,
+        TensorKind::FcWeight,
+        TensorKind::FcBias,
+        TensorKind::FcProjWeight,
+        TensorKind::FcProjBias,
+    ];
+    pub const FINAL_NORM: [TensorKind; 2] = [TensorKind::LnfWeight, TensorKind::LnfBias];
+
+    pub fn dims(self, s: &GptShape) -> Dims {
+        let c = s.n_embd;
+        match self {
+            TensorKind::Wte => Dims::Matrix(s.vocab_size, c),
+            TensorKind::Wpe => Dims::Matrix(s.context_length, c),
+            TensorKind::AttnWeight => Dims::Matrix(c, 3 * c),
+            TensorKind::AttnBias => Dims::Vector(3 * c),
+            TensorKind::AttnProjWeight => Dims::Matrix(c, c),
+            TensorKind::FcWeight => Dims::Matrix(c, 4 * c),
+            TensorKind::FcBias => Dims::Vector(4 * c),
+            TensorKind::FcProjWeight => Dims::Matrix(4 * c, c),
+            TensorKind::Ln1Weight
+            | TensorKind::Ln1Bias
+            | TensorKind::AttnProjBias
+            | TensorKind::Ln2Weight
+            | TensorKind::Ln2Bias
+            | TensorKind::FcProjBias
+            | TensorKind::LnfWeight
+            | TensorKind::LnfBias => Dims::Vector(c),
+        }
+    }
+
+    /// Weight decay applies to matrices (embeddings and linear weights), not to biases or
+    /// LayerNorm parameters: the nanoGPT / llm.c rule.
+    pub fn decayed(self, s: &GptShape) -> bool {
+        matches!(self.dims(s), Dims::Matrix(..))
+    }
+
+    /// The Hugging Face `GPT2LMHeadModel` state-dict name, without the `transformer.` prefix.
+    pub fn hf_name(self, layer: Option<usize>) -> String {
+        let local = match self {
+            TensorKind::Wte => return "wte.weight".into(),
+            TensorKind::Wpe => return "wpe.weight".into(),
+            TensorKind::LnfWeight => return "ln_f.weight".into(),
+            TensorKind::LnfBias => return "ln_f.bias".into(),
+            TensorKind::Ln1Weight => "ln_1.weight",
+            TensorKind::Ln1Bias => "ln_1.bias",
+            TensorKind::AttnWeight => "attn.c_attn.weight",
+            TensorKind::AttnBias => "attn.c_attn.bias",
+            TensorKind::AttnProjWeight => "attn.c_proj.weight",
+            TensorKind::AttnProjBias => "attn.c_proj.bias",
+            TensorKind::Ln2Weight => "ln_2.weight",
+            TensorKind::Ln2Bias => "ln_2.bias",
+            TensorKind::FcWeight => "mlp.c_fc.weight",
+            TensorKind::FcBias => "mlp.c_fc.bias",
+            TensorKind::FcProjWeight => "mlp.c_proj.weight",
+            TensorKind::FcProjBias => "mlp.c_proj.bias",
+        };
+        format!("h.{}.{local}", layer.expect("block tensors belong to a layer"))
+    }
+}
+
+/// Which part of the model a unit holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitKind {
+    Embeddings,
+    Block(usize),
+    FinalNorm,
+}
+
+/// A tensor's place in its unit's flat buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamTensor {
+    pub kind: TensorKind,
+    pub dims: Dims,
+    /// Element offset within the unit.
+    pub offset: usize,
+}
+
+impl ParamTensor {
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.dims.len()
+    }
+}
+
+/// One flat parameter buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    pub kind: UnitKind,
+    pub tensors: Vec<ParamTensor>,
+    /// Elements holding parameters.
+    pub len: usize,
+    /// `len` rounded up to a multiple of `SHARD_ALIGN × world_size`; the tail is zero padding.
+    pub padded_len: usize,
+    world_size: usize,
+}
+
+impl Unit {
+    /// Elements in each rank's shard.
+    pub fn shard_len(&self) -> usize {
+        self.padded_len / self.world_size
+    }
+
+    /// The element range of `rank`'s shard within the unit.
+    pub fn shard_range(&self, rank: usize) -> Range<usize> {
+        let n = self.shard_len();
+        rank * n..(rank + 1) * n
+    }
+
+    pub fn layer(&self) -> Option<usize> {
+        match self.kind {
+            UnitKind::Block(l) => Some(l),
+            UnitKind::Embeddings | UnitKind::FinalNorm => None,
+        }
+    }
+}
+
+/// All units of a model, laid out for `world_size` ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Units {
+    units: Vec<Unit>,
+}
+
+impl Units {
+    pub fn new(shape: &GptShape, world_size: usize) -> Units {
+        assert!(world_size > 0, "world_size must be positive");
+        let unit = |kind, kinds: &[TensorKind]| {
+            let mut offset = 0;
+            let tensors = kinds
+                .iter()
+                .map(|&k| {
+                    let t = ParamTensor {
+                        kind: k,
+                        dims: k.dims(shape),
+                        offset,
+                    };
+                    offset += t.dims.len();
+                    t
+                })
+                .collect();
+            Unit {
+                kind,
+                tensors,
+                len: offset,
+                padded_len: offset.next_multiple_of(SHARD_ALIGN * world_size),
+                world_size,
+            }
+        };
+        let mut units = vec![unit(UnitKind::Embeddings, &TensorKind::EMBEDDINGS)];
+        units.extend((0..shape.n_layer).map(|l| unit(UnitKind::Block(l), &TensorKind::BLOCK)));
+        units.push(unit(UnitKind::FinalNorm, &TensorKind::FINAL_NORM));
+        Units { units }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Unit> {
+        self.units.iter()
+    }
+
+    pub fn embeddings(&self) -> &Unit {
+        &self.units[0]
+    }
+
+    /// Sum of padded unit lengths: the elements a whole (unsharded) copy occupies.
+    pub fn padded_len(&self) -> usize {
+        self.units.iter().map(|u| u.padded_len).sum()
+    }
+
+    /// Sum of shard lengths: the elements one rank's shard of every unit occupies.
+    pub fn shard_len(&self) -> usize {
+        self.units.iter().map(Unit::shard_len).sum()
+    }
+
+    /// The largest unit other than the embeddings (blocks or the final LayerNorm).
+    pub fn largest_other_padded_len(&self) -> usize {
+        self.units[1..].iter().map(|u| u.padded_len).max().unwrap_or(0)
+    }
+
+    pub fn largest_shard_len(&self) -> usize {
+        self.units.iter().map(Unit::shard_len).max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+
+    #[test]
+    fn shards_are_equal_aligned_and_cover_every_parameter() {
+        let shape = Preset::Tiny.shape();
+        for world in [1, 2, 3, 4, 8] {
+            let units = Units::new(&shape, world);
+            for u in units.iter() {
+                assert_eq!(u.padded_len % (SHARD_ALIGN * world), 0);
+                assert!(u.padded_len >= u.len && u.padded_len - u.len < SHARD_ALIGN * world);
+                assert_eq!(u.shard_range(world - 1).end, u.padded_len);
+                let last = u.tensors.last().unwrap();
+                assert_eq!(last.range().end, u.len);
+            }
+        }
+    }
+
+    #[test]
+    fn hugging_face_names_follow_gpt2_state_dict() {
+        assert_eq!(TensorKind::AttnWeight.hf_name(Some(3)), "h.3.attn.c_attn.weight");
+        assert_eq!(TensorKind::Wte.hf_name(None), "wte.weight");
+        assert_eq!(TensorKind::LnfBias.hf_name(None), "ln_f.bias");
+    }
+
+    #[test]
+    fn only_matrices_are_decayed() {
+        let s = Preset::Tiny.shape();
+        assert!(TensorKind::Wte.decayed(&s) && TensorKind::FcProjWeight.decayed(&s));
+        assert!(!TensorKind::AttnBias.decayed(&s) && !TensorKind::Ln1Weight.decayed(&s));
+    }
+}

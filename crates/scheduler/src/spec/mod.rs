@@ -1,0 +1,249 @@
+//! The job spec: what a user submits, parsed into types that cannot hold an untrainable job.
+//! Unknown fields are rejected; every field but `model` has a default (see each type).
+//! A DeepSpeed config is accepted too (`deepspeed` module).
+
+mod data;
+mod deepspeed;
+mod model;
+mod optimizer;
+mod precision;
+mod training;
+
+pub use data::Data;
+pub use model::{Architecture, ModelSource, ModelSpec};
+pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, Sgd};
+pub use precision::{Dtype, DynamicLossScale, LossScale, Precision, ScalerSemantics};
+pub use training::{LrSchedule, Training, WarmupType};
+
+use std::num::NonZeroU32;
+
+use serde::de::{DeserializeOwned, Error as _};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::{Error, ensure};
+
+/// A value the planner may choose (`"auto"`) or a fixed one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Auto<T> {
+    Auto,
+    Fixed(T),
+}
+
+impl<T: Copy> Auto<T> {
+    pub fn fixed(self) -> Option<T> {
+        match self {
+            Auto::Auto => None,
+            Auto::Fixed(v) => Some(v),
+        }
+    }
+}
+
+impl<T: Serialize> Serialize for Auto<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Auto::Auto => s.serialize_str("auto"),
+            Auto::Fixed(v) => v.serialize(s),
+        }
+    }
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Auto<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = serde_json::Value::deserialize(d)?;
+        if v.as_str() == Some("auto") {
+            return Ok(Auto::Auto);
+        }
+        T::deserialize(v).map(Auto::Fixed).map_err(|e| {
+            D::Error::custom(format!("{e} (or \"auto\")"))
+        })
+    }
+}
+
+/// ZeRO stage: which model states are sharded across the data-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ZeroStage {
+    /// Stage 0: plain data parallelism (DDP), gradients all-reduced.
+    Ddp,
+    /// Stage 1: optimizer states (and fp32 master weights) sharded.
+    Optimizer,
+    /// Stage 2: gradients sharded too.
+    Gradients,
+    /// Stage 3: parameters sharded too.
+    Parameters,
+}
+
+impl ZeroStage {
+    pub const ALL: [ZeroStage; 4] = [
+        ZeroStage::Ddp,
+        ZeroStage::Optimizer,
+        ZeroStage::Gradients,
+        ZeroStage::Parameters,
+    ];
+
+    pub fn index(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_index(i: u64) -> Option<ZeroStage> {
+        Self::ALL.get(usize::try_from(i).ok()?).copied()
+    }
+
+    pub fn shards_optimizer(self) -> bool {
+        self >= ZeroStage::Optimizer
+    }
+
+    pub fn shards_grads(self) -> bool {
+        self >= ZeroStage::Gradients
+    }
+
+    pub fn shards_params(self) -> bool {
+        self == ZeroStage::Parameters
+    }
+}
+
+impl Serialize for ZeroStage {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u8(self.index())
+    }
+}
+
+impl<'de> Deserialize<'de> for ZeroStage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let i = u64::deserialize(d)?;
+        ZeroStage::from_index(i)
+            .ok_or_else(|| D::Error::custom(format!("stage {i} does not exist; use 0, 1, 2 or 3")))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Zero {
+    /// Default `"auto"`: the planner picks the lowest stage that fits.
+    #[serde(default = "auto")]
+    pub stage: Auto<ZeroStage>,
+}
+
+impl Default for Zero {
+    fn default() -> Self {
+        Zero { stage: Auto::Auto }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    /// Save a resumable checkpoint every this many steps; 0 (default) saves only the final
+    /// Hugging Face export.
+    #[serde(default)]
+    pub every_steps: u32,
+}
+
+fn auto<T>() -> Auto<T> {
+    Auto::Auto
+}
+
+fn one() -> NonZeroU32 {
+    NonZeroU32::MIN
+}
+
+/// A training job as submitted, with every default filled in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// 1-64 characters of `[A-Za-z0-9._-]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub model: ModelSpec,
+    #[serde(default)]
+    pub training: Training,
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default)]
+    pub optimizer: Optimizer,
+    #[serde(default)]
+    pub zero: Zero,
+    /// Recompute each block in backward instead of keeping its activations. Default `"auto"`.
+    #[serde(default = "auto")]
+    pub activation_checkpointing: Auto<bool>,
+    /// Data-parallel ranks. Default 1.
+    #[serde(default = "one")]
+    pub world_size: NonZeroU32,
+    #[serde(default)]
+    pub data: Data,
+    #[serde(default)]
+    pub checkpoint: Checkpoint,
+}
+
+/// What a spec is for: a bare parameter count can be estimated but not trained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Train,
+    Estimate,
+}
+
+/// A parsed spec and the keys of a DeepSpeed config that zerotrain does not support (and so
+/// ignores); empty for native specs, which reject unknown keys instead.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    pub spec: JobSpec,
+    pub unsupported_keys: Vec<String>,
+}
+
+impl JobSpec {
+    /// Parses and validates a native job spec or a DeepSpeed-form job (`{"deepspeed": …}`).
+    pub fn parse(json: &str, purpose: Purpose) -> Result<Parsed, Error> {
+        let value: serde_json::Value = serde_json::from_str(json)
+            .map_err(|e| Error::spec("spec", format!("not valid JSON: {e}")))?;
+        let parsed = if value.get("deepspeed").is_some() {
+            deepspeed::translate(value)?
+        } else {
+            Parsed {
+                spec: from_value(value)?,
+                unsupported_keys: Vec::new(),
+            }
+        };
+        parsed.spec.validate(purpose)?;
+        Ok(parsed)
+    }
+
+    /// Checks ranges and cross-field consistency, naming the offending field.
+    pub fn validate(&self, purpose: Purpose) -> Result<(), Error> {
+        if let Some(name) = &self.name {
+            ensure(
+                (1..=64).contains(&name.len())
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
+                "name",
+                || format!("{name:?} must be 1-64 characters of letters, digits, '.', '_' or '-'"),
+            )?;
+        }
+        let arch = self.model.validate(purpose)?;
+        self.training.validate(&arch, self.world_size)?;
+        self.precision.validate()?;
+        self.optimizer.validate()?;
+        self.data.validate(&arch)
+    }
+
+    pub fn architecture(&self) -> Architecture {
+        self.model.source.architecture()
+    }
+}
+
+/// Deserializes `value` as `T`, reporting the path of the first offending field.
+pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, Error> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let reason = e.into_inner().to_string();
+        // serde reports a missing field at its parent; name the field itself.
+        let field = match reason.strip_prefix("missing field `") {
+            Some(rest) => {
+                let missing = rest.split('`').next().unwrap_or_default();
+                if path == "." { missing.to_string() } else { format!("{path}.{missing}") }
+            }
+            None if path == "." => "spec".to_string(),
+            None => path,
+        };
+        Error::spec(field, reason)
+    })
+}

@@ -1,0 +1,197 @@
+//! `model`: a preset, an explicit GPT-2 shape, or (for estimates only) a bare parameter count.
+
+use serde::{Deserialize, Serialize};
+
+use super::Purpose;
+use crate::error::{Error, ensure};
+use crate::model::{GptShape, Preset};
+
+/// The largest bare parameter count accepted (1e15, a petaparameter; exact in f64).
+const MAX_PARAMS: f64 = 1e15;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "ModelDoc", into = "ModelDoc")]
+pub struct ModelSpec {
+    pub source: ModelSource,
+    /// A safetensors file of Hugging Face GPT-2 weights to start from.
+    pub init_from: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ModelSource {
+    Preset(Preset),
+    Shape(GptShape),
+    /// A bare parameter count, for closed-form estimates of any model.
+    Params(u64),
+}
+
+/// What the memory model and the trainer see.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Architecture {
+    Gpt(GptShape),
+    Params(u64),
+}
+
+impl Architecture {
+    pub fn parameter_count(&self) -> u64 {
+        match self {
+            Architecture::Gpt(s) => s.parameter_count(),
+            Architecture::Params(n) => *n,
+        }
+    }
+
+    pub fn gpt(&self) -> Option<&GptShape> {
+        match self {
+            Architecture::Gpt(s) => Some(s),
+            Architecture::Params(_) => None,
+        }
+    }
+}
+
+impl ModelSource {
+    pub fn architecture(&self) -> Architecture {
+        match *self {
+            ModelSource::Preset(p) => Architecture::Gpt(p.shape()),
+            ModelSource::Shape(s) => Architecture::Gpt(s),
+            ModelSource::Params(n) => Architecture::Params(n),
+        }
+    }
+}
+
+impl ModelSpec {
+    pub(super) fn validate(&self, purpose: Purpose) -> Result<Architecture, Error> {
+        let arch = self.source.architecture();
+        match (arch, purpose) {
+            (Architecture::Params(_), Purpose::Train) => {
+                return Err(Error::spec(
+                    "model.params",
+                    "a bare parameter count can be estimated but not trained; give a preset or a shape",
+                ));
+            }
+            (Architecture::Params(_), Purpose::Estimate) => {}
+            (Architecture::Gpt(s), _) => validate_shape(&s)?,
+        }
+        if let Some(path) = &self.init_from {
+            ensure(!path.trim().is_empty(), "model.init_from", || {
+                "must be a path to a .safetensors file".into()
+            })?;
+            ensure(arch.gpt().is_some(), "model.init_from", || {
+                "needs a preset or a shape, not a bare parameter count".into()
+            })?;
+        }
+        Ok(arch)
+    }
+}
+
+fn validate_shape(s: &GptShape) -> Result<(), Error> {
+    for (field, v) in [
+        ("vocab_size", s.vocab_size),
+        ("context_length", s.context_length),
+        ("n_layer", s.n_layer),
+        ("n_head", s.n_head),
+        ("n_embd", s.n_embd),
+    ] {
+        ensure(v > 0, &format!("model.{field}"), || "must be positive".into())?;
+        ensure(v <= 1 << 20, &format!("model.{field}"), || {
+            format!("{v} is larger than zerotrain supports (2^20)")
+        })?;
+    }
+    ensure(s.n_embd % s.n_head == 0, "model.n_embd", || {
+        format!("{} is not divisible by model.n_head {}", s.n_embd, s.n_head)
+    })
+}
+
+/// The wire form: exactly one of `preset`, the five shape fields, or `params`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelDoc {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    preset: Option<Preset>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    vocab_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    context_length: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    n_layer: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    n_head: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    n_embd: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    params: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    init_from: Option<String>,
+}
+
+impl TryFrom<ModelDoc> for ModelSpec {
+    type Error = String;
+
+    fn try_from(d: ModelDoc) -> Result<Self, String> {
+        let shape_fields = [
+            ("vocab_size", d.vocab_size),
+            ("context_length", d.context_length),
+            ("n_layer", d.n_layer),
+            ("n_head", d.n_head),
+            ("n_embd", d.n_embd),
+        ];
+        let any_shape = shape_fields.iter().any(|(_, v)| v.is_some());
+        let source = match (d.preset, any_shape, d.params) {
+            (Some(p), false, None) => ModelSource::Preset(p),
+            (None, true, None) => {
+                if let Some((missing, _)) = shape_fields.iter().find(|(_, v)| v.is_none()) {
+                    return Err(format!(
+                        "missing {missing}: an explicit shape needs vocab_size, context_length, n_layer, n_head and n_embd"
+                    ));
+                }
+                let [v, t, l, h, c] = shape_fields.map(|(_, v)| v.unwrap_or_default());
+                ModelSource::Shape(GptShape {
+                    vocab_size: v,
+                    context_length: t,
+                    n_layer: l,
+                    n_head: h,
+                    n_embd: c,
+                })
+            }
+            (None, false, Some(p)) => {
+                if !(p >= 1.0 && p <= MAX_PARAMS && p.fract() == 0.0) {
+                    return Err(format!(
+                        "params {p} must be a whole number of parameters between 1 and 1e15"
+                    ));
+                }
+                ModelSource::Params(p as u64)
+            }
+            (None, false, None) => {
+                return Err(
+                    "give a preset (gpt2-tiny, gpt2-124M, gpt2-350M, gpt2-774M, gpt2-1558M), a shape or params"
+                        .into(),
+                );
+            }
+            _ => return Err("give exactly one of preset, an explicit shape, or params".into()),
+        };
+        Ok(ModelSpec {
+            source,
+            init_from: d.init_from,
+        })
+    }
+}
+
+impl From<ModelSpec> for ModelDoc {
+    fn from(m: ModelSpec) -> ModelDoc {
+        let mut d = ModelDoc {
+            init_from: m.init_from,
+            ..ModelDoc::default()
+        };
+        match m.source {
+            ModelSource::Preset(p) => d.preset = Some(p),
+            ModelSource::Params(n) => d.params = Some(n as f64),
+            ModelSource::Shape(s) => {
+                d.vocab_size = Some(s.vocab_size);
+                d.context_length = Some(s.context_length);
+                d.n_layer = Some(s.n_layer);
+                d.n_head = Some(s.n_head);
+                d.n_embd = Some(s.n_embd);
+            }
+        }
+        d
+    }
+}
