@@ -7,6 +7,7 @@ pub mod inventory;
 pub mod memory;
 pub mod model;
 pub mod plan;
+pub mod report;
 pub mod spec;
 
 pub use error::Error;

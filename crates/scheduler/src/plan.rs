@@ -90,7 +90,7 @@ pub struct NoFit {
     /// Devices that could hold one rank of `closest`.
     pub fitting_devices: usize,
     /// The first configuration beyond the spec's fixed choices that fits (`true`), or else the
-    /// smallest of all (`false`); `None` when the spec fixed nothing.
+    /// smallest of all (`false`) when it is smaller than `closest`.
     pub alternative: Option<(Candidate, u64, bool)>,
 }
 
@@ -193,15 +193,14 @@ pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
         .min_by_key(|c| need(c))
         .expect("a valid spec allows at least one configuration");
     let relaxed = candidates(spec, true);
-    let alternative = (relaxed.len() > allowed.len()).then(|| {
-        match relaxed.iter().find(|c| fitting(c) >= n) {
-            Some(c) => (*c, need(c), true),
-            None => {
-                let smallest = relaxed.iter().min_by_key(|c| need(c)).unwrap_or(&closest);
-                (*smallest, need(smallest), false)
-            }
-        }
-    });
+    let alternative = match relaxed.iter().find(|c| fitting(c) >= n) {
+        Some(c) => Some((*c, need(c), true)),
+        None => relaxed
+            .iter()
+            .min_by_key(|c| need(c))
+            .filter(|c| need(c) < need(&closest))
+            .map(|c| (*c, need(c), false)),
+    };
     Err(Error::DoesNotFit(Box::new(NoFit {
         world_size: n,
         closest,

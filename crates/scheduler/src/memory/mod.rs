@@ -245,21 +245,37 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
 }
 
 /// A bare parameter count Ψ: model states only (nothing is known of activations or units).
-/// Shards hold Ψ/N elements exactly; each category rounds its bytes up.
+/// Shards hold exactly Ψ/N elements, as in the ZeRO paper; bytes are rounded up cumulatively
+/// (each category ends where the rounded-up running total ends), so the total is the exact
+/// value rounded up and each category is within a byte of its exact value.
 fn closed_form(setup: &Setup, psi: u64) -> Breakdown {
-    let n = setup.world_size as u64;
-    let x = setup.dtype.bytes();
-    let per_rank = |bytes_per_param: u64, sharded: bool| {
-        (bytes_per_param * psi).div_ceil(if sharded { n } else { 1 })
-    };
+    let n = setup.world_size as u128;
     let stage = setup.stage;
     let master = if setup.dtype.has_master_weights() { 4 } else { 0 };
-    let opt_ranks = if stage.shards_optimizer() { n } else { 1 };
     let per_element = master + optimizer::per_element_bytes(&setup.optimizer);
+    // Numerators over the common denominator N.
+    let over_n = |bytes_per_param: u64, sharded: bool| {
+        u128::from(bytes_per_param) * u128::from(psi) * if sharded { 1 } else { n }
+    };
+    let x = setup.dtype.bytes();
+    let exact = [
+        over_n(x, stage.shards_params()),
+        over_n(x, stage.shards_grads()),
+        over_n(per_element, stage.shards_optimizer()),
+    ];
+    let mut rounded = [0u64; 3];
+    let (mut running, mut previous) = (0u128, 0u128);
+    for (out, part) in rounded.iter_mut().zip(exact) {
+        running += part;
+        let end = running.div_ceil(n);
+        *out = u64::try_from(end - previous).expect("model states fit in u64 bytes");
+        previous = end;
+    }
+    let opt_ranks = if stage.shards_optimizer() { setup.world_size as u64 } else { 1 };
     Breakdown {
-        params: per_rank(x, stage.shards_params()),
-        grads: per_rank(x, stage.shards_grads()),
-        optimizer: (per_element * psi).div_ceil(opt_ranks)
+        params: rounded[0],
+        grads: rounded[1],
+        optimizer: rounded[2]
             + optimizer::closed_form_extra_bytes(&setup.optimizer, psi, opt_ranks),
         ..Breakdown::default()
     }

@@ -1,0 +1,98 @@
+//! The estimate report: per-rank bytes for every ZeRO stage, communication, and the plan, for
+//! one spec on one inventory. The `zerotrain estimate` CLI and `POST /v1/estimate` both render it.
+
+use serde::Serialize;
+
+use crate::Error;
+use crate::inventory::Inventory;
+use crate::memory::{self, Breakdown, Comm, DeviceKind, Setup};
+use crate::plan::{self, Plan};
+use crate::spec::{JobSpec, ZeroStage};
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    /// Trainable parameters Ψ.
+    pub parameters: u64,
+    pub world_size: u32,
+    pub micro_batch_size: u32,
+    pub grad_accum_steps: u32,
+    pub activation_checkpointing: bool,
+    /// Device overhead the stage table includes.
+    pub device_kind: DeviceKind,
+    pub stages: Vec<StageRow>,
+    pub plan: PlanOutcome,
+    /// DeepSpeed keys zerotrain ignored.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unsupported_keys: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StageRow {
+    pub stage: u8,
+    pub per_rank_bytes: Breakdown,
+    pub comm_bytes_per_step: u64,
+    pub comm_bytes_by_collective: Comm,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum PlanOutcome {
+    Fits {
+        fits: bool,
+        #[serde(flatten)]
+        plan: Plan,
+    },
+    DoesNotFit {
+        fits: bool,
+        reason: String,
+    },
+}
+
+impl Report {
+    /// The stage table uses the spec's fixed choices, taking for `"auto"` no checkpointing and
+    /// the whole per-rank batch in one micro-batch; the plan resolves `"auto"` properly.
+    pub fn new(
+        spec: &JobSpec,
+        unsupported_keys: Vec<String>,
+        inventory: &Inventory,
+        device_kind: DeviceKind,
+    ) -> Result<Report, Error> {
+        let t = &spec.training;
+        let (micro, accum) = match t.micro_batch_size.fixed() {
+            Some(m) => (m.get(), t.grad_accum_steps.get()),
+            None => (t.sequences_per_rank(spec.world_size), 1),
+        };
+        let ckpt = spec.activation_checkpointing.fixed().unwrap_or(false);
+        let stages = ZeroStage::ALL
+            .iter()
+            .map(|&stage| {
+                let e = memory::estimate(&Setup::new(spec, stage, ckpt, micro, accum), device_kind);
+                StageRow {
+                    stage: stage.index(),
+                    per_rank_bytes: e.per_rank,
+                    comm_bytes_per_step: e.comm.total(),
+                    comm_bytes_by_collective: e.comm,
+                }
+            })
+            .collect();
+        let plan = match plan::plan(spec, inventory) {
+            Ok(plan) => PlanOutcome::Fits { fits: true, plan },
+            Err(Error::DoesNotFit(no)) => PlanOutcome::DoesNotFit {
+                fits: false,
+                reason: no.to_string(),
+            },
+            Err(other) => return Err(other),
+        };
+        Ok(Report {
+            parameters: spec.architecture().parameter_count(),
+            world_size: spec.world_size.get(),
+            micro_batch_size: micro,
+            grad_accum_steps: accum,
+            activation_checkpointing: ckpt,
+            device_kind,
+            stages,
+            plan,
+            unsupported_keys,
+        })
+    }
+}
