@@ -1,0 +1,62 @@
+//! Fused softmax + cross-entropy over f32 logits.
+
+use crate::math::{exp, sum};
+use rayon::prelude::*;
+
+/// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`.
+///
+/// With `dloss = Some(s)` the logits are overwritten by their gradient
+/// `(softmax - onehot(target)) · s` (`s` is ∂L/∂loss_i, e.g. `loss_scale / N`).
+pub fn crossentropy_forward(
+    losses: &mut [f32],
+    logits: &mut [f32],
+    targets: &[u32],
+    v: usize,
+    dloss: Option<f32>,
+) {
+    assert!(
+        v > 0 && logits.len() == losses.len() * v,
+        "logits must be (N, V), losses (N)"
+    );
+    assert_eq!(targets.len(), losses.len(), "targets must be (N)");
+    logits
+        .par_chunks_mut(v)
+        .zip(losses.par_iter_mut())
+        .zip(targets)
+        .for_each(|((row, loss), &target)| {
+            let target = target as usize;
+            assert!(target < v, "target {target} outside the vocabulary of {v}");
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let picked = row[target];
+            let total = match dloss {
+                Some(_) => {
+                    row.iter_mut().for_each(|x| *x = exp(*x - max));
+                    sum(row)
+                }
+                None => sum_exp(row, max),
+            };
+            *loss = max + total.ln() - picked;
+            if let Some(s) = dloss {
+                let scale = s / total;
+                row.iter_mut().for_each(|x| *x *= scale);
+                row[target] -= s;
+            }
+        });
+}
+
+/// `Σ exp(x - max)` in 16 lanes (the order of [`crate::math::sum`]) without storing the terms.
+fn sum_exp(row: &[f32], max: f32) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let chunks = row.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] += exp(c[l] - max);
+        }
+    }
+    for (l, x) in tail.iter().enumerate() {
+        acc[l] += exp(x - max);
+    }
+    sum(&acc)
+}

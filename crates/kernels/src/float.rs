@@ -1,0 +1,247 @@
+//! The compute dtypes and vectorised casts between them and `f32`.
+//!
+//! Conversions round to nearest even and match `half`'s scalar conversions bit for bit,
+//! including NaN (quieted, payload kept), infinities and subnormals. On x86_64 with AVX-512
+//! the casts use 16-lane code chosen at run time: bf16 by integer rounding (not
+//! `vcvtneps2bf16`, which flushes subnormal inputs to zero), f16 by `vcvtps2ph`/`vcvtph2ps`,
+//! which ignore MXCSR's FTZ/DAZ bits, so casts give the same bits in flushed training threads.
+
+use half::{bf16, f16};
+use std::fmt::Debug;
+
+/// A storage dtype for activations, weights copies and gradients.
+pub trait Float: Copy + Send + Sync + Default + PartialEq + Debug + 'static {
+    const ZERO: Self;
+    /// Size in bytes.
+    const BYTES: usize;
+    /// Short name (`"f32"`, `"f16"`, `"bf16"`).
+    const NAME: &'static str;
+
+    fn to_f32(self) -> f32;
+    /// Round to nearest even.
+    fn from_f32(x: f32) -> Self;
+    /// True unless the value is infinite or NaN.
+    fn is_finite(self) -> bool;
+    /// `Some` when `Self` is `f32`, so kernels can skip a conversion.
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// Mutable counterpart of [`Float::as_f32`].
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+    /// `dst[i] = src[i] as f32`; lengths must match.
+    fn cast_to_f32(src: &[Self], dst: &mut [f32]);
+    /// `dst[i] = round(src[i])`; lengths must match.
+    fn cast_from_f32(src: &[f32], dst: &mut [Self]);
+}
+
+/// Widen a slice to `f32` (`src.len() == dst.len()`).
+pub fn to_f32<X: Float>(src: &[X], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "cast length mismatch");
+    X::cast_to_f32(src, dst);
+}
+
+/// Round a slice of `f32` to `X` (`src.len() == dst.len()`).
+pub fn from_f32<X: Float>(src: &[f32], dst: &mut [X]) {
+    assert_eq!(src.len(), dst.len(), "cast length mismatch");
+    X::cast_from_f32(src, dst);
+}
+
+impl Float for f32 {
+    const ZERO: Self = 0.0;
+    const BYTES: usize = 4;
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+    fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn cast_from_f32(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Float for bf16 {
+    const ZERO: Self = bf16::ZERO;
+    const BYTES: usize = 2;
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        self.to_bits() & 0x7f80 != 0x7f80
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            // SAFETY: the required CPU features were detected at run time.
+            return unsafe { x86::bf16_to_f32(src, dst) };
+        }
+        src.iter().zip(dst).for_each(|(s, d)| *d = s.to_f32());
+    }
+    fn cast_from_f32(src: &[f32], dst: &mut [Self]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            // SAFETY: the required CPU features were detected at run time.
+            return unsafe { x86::f32_to_bf16(src, dst) };
+        }
+        src.iter()
+            .zip(dst)
+            .for_each(|(s, d)| *d = bf16::from_f32(*s));
+    }
+}
+
+impl Float for f16 {
+    const ZERO: Self = f16::ZERO;
+    const BYTES: usize = 2;
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        self.to_bits() & 0x7c00 != 0x7c00
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            // SAFETY: the required CPU features were detected at run time.
+            return unsafe { x86::f16_to_f32(src, dst) };
+        }
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+    fn cast_from_f32(src: &[f32], dst: &mut [Self]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            // SAFETY: the required CPU features were detected at run time.
+            return unsafe { x86::f32_to_f16(src, dst) };
+        }
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len() / 16 * 16;
+        let exp_mask = _mm512_set1_epi32(0x7fff_ffff);
+        let inf = _mm512_set1_epi32(0x7f80_0000);
+        let bias = _mm512_set1_epi32(0x7fff);
+        let one = _mm512_set1_epi32(1);
+        let quiet = _mm512_set1_epi32(0x40);
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 <= len for both slices; unaligned loads and stores.
+            unsafe {
+                let x = _mm512_loadu_si512(src.as_ptr().add(i).cast());
+                let is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, exp_mask), inf);
+                let lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
+                let rounded =
+                    _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)), 16);
+                let nan = _mm512_or_si512(_mm512_srli_epi32(x, 16), quiet);
+                let r = _mm512_mask_blend_epi32(is_nan, rounded, nan);
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi16(r));
+            }
+        }
+        for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
+            *d = bf16::from_f32(*s);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+        let n = src.len() / 16 * 16;
+        let abs = _mm512_set1_epi32(0x7fff);
+        let inf = _mm512_set1_epi32(0x7f80);
+        let quiet = _mm512_set1_epi32(0x40);
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 <= len for both slices; unaligned loads and stores.
+            unsafe {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.as_ptr().add(i).cast()));
+                let is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(h, abs), inf);
+                let h = _mm512_mask_or_epi32(h, is_nan, h, quiet);
+                _mm512_storeu_si512(dst.as_mut_ptr().add(i).cast(), _mm512_slli_epi32(h, 16));
+            }
+        }
+        for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
+            *d = s.to_f32();
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    pub unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+        let n = src.len() / 16 * 16;
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 <= len for both slices; unaligned loads and stores.
+            unsafe {
+                let x = _mm512_loadu_ps(src.as_ptr().add(i));
+                let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), h);
+            }
+        }
+        for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
+            *d = f16::from_f32(*s);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len() / 16 * 16;
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 <= len for both slices; unaligned loads and stores.
+            unsafe {
+                let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+            }
+        }
+        for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
+            *d = s.to_f32();
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! Numeric kernels for zerotrain's GPT-2 trainer (CPU back end).
+//!
+//! Activations live in a compute dtype `X` ([`Float`]: `f32`, `f16`, `bf16`); every kernel
+//! computes in `f32` and rounds once on store (round-to-nearest-even). LayerNorm statistics,
+//! logits and losses are `f32`; master weights and optimizer states are `f32`.
+//!
+//! Every kernel is deterministic: its output is bit-identical for identical input whatever the
+//! rayon pool size, because work is split by fixed rules (rows, columns, blocks whose bounds
+//! depend only on the shapes) and each reduction runs in one fixed order on one thread.
+//! Kernels run on the caller's current rayon pool (see [`cpu::thread_pool`]) and keep no
+//! allocations between calls.
+//!
+//! Shapes are written `(B, T, C)`: batch, sequence length, channels; `NH` heads of size `hs`,
+//! vocabulary `V`. All tensors are row-major slices.
+
+pub mod attention;
+pub mod cpu;
+pub mod crossentropy;
+pub mod encoder;
+pub mod float;
+pub mod gelu;
+pub mod layernorm;
+pub mod loss_scale;
+mod math;
+pub mod matmul;
+pub mod norm;
+pub mod optim;
+mod par;
+pub mod reference;
+pub mod residual;
+
+pub use float::Float;

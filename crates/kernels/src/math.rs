@@ -1,0 +1,86 @@
+//! Scalar f32 helpers written so that LLVM vectorises the loops that call them: no libm calls,
+//! and reductions over fixed lane arrays summed in a fixed order (bit-reproducible).
+
+use crate::Float;
+
+/// Elements converted per stack block by the row kernels (1 KiB of f32).
+pub(crate) const BLOCK: usize = 256;
+const LANES: usize = 16;
+
+/// `e^x` with ~1 ulp error: Cody-Waite reduction by ln 2 and a degree-6 polynomial.
+/// Returns 0 below -87.3 (the softmax masking case) and saturates above 88.7.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer (RNE)
+    let xc = x.clamp(-87.3, 88.7);
+    let k = (xc * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = xc - k * 0.693_359_4 - k * -2.121_944_4e-4;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 0.166_666_65)
+        * r
+        + 0.5;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    if x < -87.3 { 0.0 } else { y * scale }
+}
+
+/// `tanh(x) = 1 - 2 / (e^{2x} + 1)`; absolute error ~1e-7, enough for GELU's `1 + tanh`.
+#[inline(always)]
+pub(crate) fn tanh(x: f32) -> f32 {
+    1.0 - 2.0 / (exp(2.0 * x) + 1.0)
+}
+
+/// Sum in 16 lanes, then the lanes pairwise: a fixed order the compiler can vectorise.
+pub(crate) fn sum(a: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let chunks = a.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    for (l, x) in tail.iter().enumerate() {
+        acc[l] += x;
+    }
+    reduce(acc)
+}
+
+/// Dot product with the same fixed order as [`sum`].
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ta.iter().zip(tb).enumerate() {
+        acc[l] += x * y;
+    }
+    reduce(acc)
+}
+
+fn reduce(mut acc: [f32; LANES]) -> f32 {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+        w /= 2;
+    }
+    acc[0]
+}
+
+/// Call `f(offset, block)` for consecutive `f32` copies of `src` of at most [`BLOCK`] elements.
+#[inline]
+pub(crate) fn for_blocks<X: Float>(src: &[X], mut f: impl FnMut(usize, &[f32])) {
+    let mut buf = [0f32; BLOCK];
+    for (i, c) in src.chunks(BLOCK).enumerate() {
+        let b = &mut buf[..c.len()];
+        X::cast_to_f32(c, b);
+        f(i * BLOCK, b);
+    }
+}

@@ -1,0 +1,393 @@
+//! Dense layers: `out = inp · W + bias` and its backward, on the `gemm` crate's f32 kernels
+//! (AVX-512 with the `x86-v4` feature, chosen at run time).
+//!
+//! f32 operands go to `sgemm` in place through strides. f16/bf16 operands are widened tile by
+//! tile into the caller's `scratch` and multiplied by the same `sgemm`; results that are not
+//! f32 accumulate in an f32 tile and are rounded once. Each output element is produced by one
+//! thread with a fixed k order (gemm splits only rows/columns across threads, its k blocking
+//! depends on the shapes alone), so results do not depend on the pool size.
+
+use crate::Float;
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// How a weight matrix is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `(K, N)` row-major, used as `x·W` (Hugging Face Conv1D: c_attn, c_proj, c_fc).
+    KN,
+    /// `(N, K)` row-major, used as `x·Wᵀ` (the LM head tied to wte `(V, C)`).
+    NK,
+}
+
+/// Preferred tile sizes (rows, depth, columns) when the scratch allows them.
+const TILE: (usize, usize, usize) = (512, 1024, 1024);
+/// Smallest tile edge; scratch shorter than `3 · 16²` cannot hold one tile of each operand.
+const MIN_EDGE: usize = 16;
+
+/// Shortest `scratch` any matmul accepts (f32 elements). Results are reproducible for a given
+/// scratch length; a longer scratch gives larger tiles (faster) and may change the rounding of
+/// f16/bf16 results, never of f32 ones.
+pub const MIN_SCRATCH: usize = 3 * MIN_EDGE * MIN_EDGE;
+
+/// Scratch length (f32 elements) for full-size tiles of an `(M, K) · (K, N)` product, the
+/// largest any of its forward/backward calls can use. f32-only calls need none.
+pub fn scratch_len(m: usize, k: usize, n: usize) -> usize {
+    // Forward, dinp and the two dweight products, each with every operand widened.
+    [(m, k, n), (m, n, k), (k, m, n), (n, m, k)]
+        .into_iter()
+        .map(|(m, k, n)| {
+            need(
+                [m.min(TILE.0), k.clamp(1, TILE.1), n.min(TILE.2)],
+                (true, true, true),
+            )
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Forward: `out (M, N) = inp (M, K) · W + bias`.
+///
+/// `weight` is `(K, N)` for [`Layout::KN`] or `(N, K)` for [`Layout::NK`]; `bias` is `(N)`.
+/// `out` is `X` or `f32` (logits). `scratch` needs [`MIN_SCRATCH`] elements unless every
+/// operand is f32 (then it may be empty); see [`scratch_len`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward<X: Float, Y: Float>(
+    out: &mut [Y],
+    inp: &[X],
+    weight: &[X],
+    bias: Option<&[X]>,
+    layout: Layout,
+    (m, k, n): (usize, usize, usize),
+    scratch: &mut [f32],
+) {
+    assert_eq!(out.len(), m * n, "out must be (M, N)");
+    assert_eq!(inp.len(), m * k, "inp must be (M, K)");
+    assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
+    let w = match layout {
+        Layout::KN => Operand::new(weight, n, false),
+        Layout::NK => Operand::new(weight, k, true),
+    };
+    let init = match bias {
+        Some(b) => {
+            assert_eq!(b.len(), n, "bias must be (N)");
+            Init::Bias(b)
+        }
+        None => Init::Zero,
+    };
+    product(
+        out,
+        Operand::new(inp, k, false),
+        w,
+        (m, k, n),
+        init,
+        scratch,
+    );
+}
+
+/// Backward of [`matmul_forward`]: `dinp (M, K) = dout · Wᵀ` (overwritten),
+/// `dweight += inpᵀ · dout` in the layout of `weight` and `dbias (N) +=` column sums of `dout`.
+///
+/// `dout (M, N)` is `X` or `f32` (dlogits). Scratch as for [`matmul_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward<X: Float, G: Float>(
+    dinp: &mut [X],
+    dweight: &mut [X],
+    dbias: Option<&mut [X]>,
+    dout: &[G],
+    inp: &[X],
+    weight: &[X],
+    layout: Layout,
+    (m, k, n): (usize, usize, usize),
+    scratch: &mut [f32],
+) {
+    assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
+    assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
+    assert_eq!(dout.len(), m * n, "dout must be (M, N)");
+    assert_eq!(inp.len(), m * k, "inp must be (M, K)");
+    assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
+    let dy = Operand::new(dout, n, false);
+    match layout {
+        Layout::KN => {
+            let wt = Operand::new(weight, n, true);
+            product(dinp, dy, wt, (m, n, k), Init::<X>::Zero, scratch);
+            let xt = Operand::new(inp, k, true);
+            product(dweight, xt, dy, (k, m, n), Init::<X>::Read, scratch);
+        }
+        Layout::NK => {
+            product(
+                dinp,
+                dy,
+                Operand::new(weight, k, false),
+                (m, n, k),
+                Init::<X>::Zero,
+                scratch,
+            );
+            let dyt = Operand::new(dout, n, true);
+            let x = Operand::new(inp, k, false);
+            product(dweight, dyt, x, (n, m, k), Init::<X>::Read, scratch);
+        }
+    }
+    if let Some(db) = dbias {
+        assert_eq!(db.len(), n, "dbias must be (N)");
+        column_sums(db, dout, n);
+    }
+}
+
+/// `db[j] += Σ_i dout[i, j]`, each column summed in row order on one thread.
+fn column_sums<X: Float, G: Float>(db: &mut [X], dout: &[G], n: usize) {
+    const W: usize = crate::math::BLOCK;
+    db.par_chunks_mut(W).enumerate().for_each(|(c, db)| {
+        let (j0, w) = (c * W, db.len());
+        let (mut acc, mut row) = ([0f32; W], [0f32; W]);
+        for r in dout.chunks_exact(n) {
+            G::cast_to_f32(&r[j0..j0 + w], &mut row[..w]);
+            acc.iter_mut().zip(&row[..w]).for_each(|(a, x)| *a += x);
+        }
+        for (d, a) in db.iter_mut().zip(acc) {
+            *d = X::from_f32(d.to_f32() + a);
+        }
+    });
+}
+
+/// A row-major matrix `data` with leading dimension `ld`, used as itself or transposed.
+struct Operand<'a, T> {
+    data: &'a [T],
+    ld: usize,
+    trans: bool,
+}
+
+// Manual impls: a derive would require `T: Copy`.
+impl<T> Clone for Operand<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Operand<'_, T> {}
+
+impl<'a, T: Float> Operand<'a, T> {
+    fn new(data: &'a [T], ld: usize, trans: bool) -> Self {
+        Self { data, ld, trans }
+    }
+
+    /// Strides (row, column) of the logical matrix in `data`.
+    fn strides(&self) -> (isize, isize) {
+        if self.trans {
+            (1, self.ld as isize)
+        } else {
+            (self.ld as isize, 1)
+        }
+    }
+
+    /// Offset of logical element (i, j).
+    fn offset(&self, i: usize, j: usize) -> usize {
+        if self.trans {
+            j * self.ld + i
+        } else {
+            i * self.ld + j
+        }
+    }
+
+    /// Widen the logical block rows `i0..i0+r`, cols `j0..j0+c` into `buf`, copying source rows
+    /// as they lie; returns the block's strides in `buf`.
+    fn widen(
+        &self,
+        (i0, j0): (usize, usize),
+        (r, c): (usize, usize),
+        buf: &mut [f32],
+    ) -> (isize, isize) {
+        let (rows, len, s0, t0) = if self.trans {
+            (c, r, j0, i0)
+        } else {
+            (r, c, i0, j0)
+        };
+        let ld = self.ld;
+        buf[..rows * len]
+            .par_chunks_mut(len)
+            .enumerate()
+            .for_each(|(s, dst)| {
+                let start = (s0 + s) * ld + t0;
+                T::cast_to_f32(&self.data[start..start + len], dst);
+            });
+        if self.trans {
+            (1, len as isize)
+        } else {
+            (len as isize, 1)
+        }
+    }
+}
+
+/// What the output holds before the product is added.
+enum Init<'a, B> {
+    Zero,
+    Bias(&'a [B]),
+    /// Accumulate into the existing values.
+    Read,
+}
+
+/// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major.
+fn product<A: Float, B: Float, C: Float, I: Float>(
+    c: &mut [C],
+    a: Operand<'_, A>,
+    b: Operand<'_, B>,
+    (m, k, n): (usize, usize, usize),
+    init: Init<'_, I>,
+    scratch: &mut [f32],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let af = A::as_f32(a.data).map(|d| Operand::new(d, a.ld, a.trans));
+    let bf = B::as_f32(b.data).map(|d| Operand::new(d, b.ld, b.trans));
+    let (mb, kb, nb) = tiles(
+        (m, k, n),
+        (af.is_none(), bf.is_none(), C::as_f32(c).is_none()),
+        scratch.len(),
+    );
+    let (sa, rest) = scratch.split_at_mut(if af.is_none() { mb * kb } else { 0 });
+    let (sb, sc) = rest.split_at_mut(if bf.is_none() { kb * nb } else { 0 });
+    // f32 output: gemm accumulates straight into it; otherwise into an f32 tile of scratch.
+    let direct = C::as_f32_mut(c).map(|cf| {
+        match init {
+            Init::Bias(bias) => cf
+                .par_chunks_mut(n)
+                .for_each(|row| I::cast_to_f32(bias, row)),
+            Init::Zero if k == 0 => cf.fill(0.0),
+            _ => {}
+        }
+        cf.as_mut_ptr()
+    });
+    let (mut a_key, mut b_key) = (None, None);
+    let (mut a_st, mut b_st) = ((0, 0), (0, 0));
+    for i0 in (0..m).step_by(mb) {
+        let r = mb.min(m - i0);
+        for j0 in (0..n).step_by(nb) {
+            let w = nb.min(n - j0);
+            let (c_tile, c_rs): (*mut f32, isize) = match direct {
+                // SAFETY: (i0, j0) is inside the m×n output.
+                Some(p) => (unsafe { p.add(i0 * n + j0) }, n as isize),
+                None => {
+                    let t = &mut sc[..r * w];
+                    t.par_chunks_mut(w)
+                        .enumerate()
+                        .for_each(|(i, row)| match &init {
+                            Init::Zero => row.fill(0.0),
+                            Init::Bias(bias) => I::cast_to_f32(&bias[j0..j0 + w], row),
+                            Init::Read => C::cast_to_f32(&c[(i0 + i) * n + j0..][..w], row),
+                        });
+                    (t.as_mut_ptr(), w as isize)
+                }
+            };
+            let mut read = !matches!(init, Init::Zero);
+            for k0 in (0..k).step_by(kb) {
+                let d = kb.min(k - k0);
+                let (a_ptr, (a_rs, a_cs)) = match &af {
+                    Some(f) => (f.data[f.offset(i0, k0)..].as_ptr(), f.strides()),
+                    None => {
+                        if a_key != Some((i0, k0)) {
+                            a_st = a.widen((i0, k0), (r, d), sa);
+                            a_key = Some((i0, k0));
+                        }
+                        (sa.as_ptr(), a_st)
+                    }
+                };
+                let (b_ptr, (b_rs, b_cs)) = match &bf {
+                    Some(f) => (f.data[f.offset(k0, j0)..].as_ptr(), f.strides()),
+                    None => {
+                        if b_key != Some((k0, j0)) {
+                            b_st = b.widen((k0, j0), (d, w), sb);
+                            b_key = Some((k0, j0));
+                        }
+                        (sb.as_ptr(), b_st)
+                    }
+                };
+                // SAFETY: every pointer/stride pair addresses an in-bounds r×d, d×w or r×w
+                // block; the C tile is not aliased by the operands.
+                unsafe {
+                    gemm::gemm(
+                        r,
+                        w,
+                        d,
+                        c_tile,
+                        1,
+                        c_rs,
+                        read,
+                        a_ptr,
+                        a_cs,
+                        a_rs,
+                        b_ptr,
+                        b_cs,
+                        b_rs,
+                        1.0f32,
+                        1.0f32,
+                        false,
+                        false,
+                        false,
+                        Parallelism::Rayon(0),
+                    );
+                }
+                read = true;
+            }
+            if direct.is_none() {
+                sc[..r * w]
+                    .par_chunks(w)
+                    .zip(c[i0 * n..(i0 + r) * n].par_chunks_mut(n))
+                    .for_each(|(t, row)| C::cast_from_f32(t, &mut row[j0..j0 + w]));
+            }
+        }
+    }
+}
+
+/// Tile sizes (rows, depth, cols) that fit `len` scratch elements given which of A, B and C
+/// need an f32 copy: start from [`TILE`] and halve the largest edge until they fit.
+fn tiles(
+    (m, k, n): (usize, usize, usize),
+    widen: (bool, bool, bool),
+    len: usize,
+) -> (usize, usize, usize) {
+    let mut t = [m.min(TILE.0), k.clamp(1, TILE.1), n.min(TILE.2)];
+    while need(t, widen) > len {
+        let (i, &e) = t
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, e)| **e)
+            .expect("three edges");
+        assert!(
+            e > MIN_EDGE,
+            "matmul scratch of {len} f32 is too short for ({m}, {k}) · ({k}, {n}); at least {MIN_SCRATCH} needed"
+        );
+        t[i] = e.div_ceil(2).max(MIN_EDGE);
+    }
+    (t[0], t[1], t[2])
+}
+
+/// Scratch elements for tiles `t` when A, B, C (per flag) are widened.
+fn need(t: [usize; 3], (wa, wb, wc): (bool, bool, bool)) -> usize {
+    wa as usize * t[0] * t[1] + wb as usize * t[1] * t[2] + wc as usize * t[0] * t[2]
+}
+
+/// Median GFLOP/s of a 2048³ f32 product on the current rayon pool: the peak that model FLOP
+/// utilisation is measured against. Allocates 48 MiB and takes about a second.
+pub fn measure_peak_gflops() -> f64 {
+    const S: usize = 2048;
+    let a: Vec<f32> = (0..S * S).map(|i| (i % 7) as f32 * 0.25).collect();
+    let b: Vec<f32> = (0..S * S).map(|i| (i % 5) as f32 * 0.5).collect();
+    let mut c = vec![0f32; S * S];
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            let id = Operand::new(&a[..], S, false);
+            product(
+                &mut c,
+                id,
+                Operand::new(&b[..], S, false),
+                (S, S, S),
+                Init::<f32>::Zero,
+                &mut [],
+            );
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    2.0 * (S * S * S) as f64 / times[2] / 1e9
+}

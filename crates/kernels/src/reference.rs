@@ -1,0 +1,257 @@
+//! Plain f64 implementations of every forward and backward, the ground truth for tests.
+//! Shapes and meanings match the optimised kernels; backward functions return fresh gradients
+//! (the kernels' accumulate-or-overwrite conventions are the caller's business here).
+
+use crate::attention::Dims;
+use crate::matmul::Layout;
+
+/// `out (B·T, C) = wte[tokens] + wpe[t]`.
+pub fn encoder_forward(tokens: &[u32], wte: &[f64], wpe: &[f64], t: usize, c: usize) -> Vec<f64> {
+    let mut out = vec![0.0; tokens.len() * c];
+    for (i, &tok) in tokens.iter().enumerate() {
+        for j in 0..c {
+            out[i * c + j] = wte[tok as usize * c + j] + wpe[(i % t) * c + j];
+        }
+    }
+    out
+}
+
+/// `(dwte (V, C), dwpe (T, C))`.
+pub fn encoder_backward(
+    dout: &[f64],
+    tokens: &[u32],
+    v: usize,
+    t: usize,
+    c: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; t * c]);
+    for (i, &tok) in tokens.iter().enumerate() {
+        for j in 0..c {
+            dwte[tok as usize * c + j] += dout[i * c + j];
+            dwpe[(i % t) * c + j] += dout[i * c + j];
+        }
+    }
+    (dwte, dwpe)
+}
+
+/// `(out (N, C), mean (N), rstd (N))`, eps 1e-5.
+pub fn layernorm_forward(inp: &[f64], w: &[f64], b: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let c = w.len();
+    let (mut out, mut mean, mut rstd) = (vec![0.0; inp.len()], vec![], vec![]);
+    for (x, o) in inp.chunks(c).zip(out.chunks_mut(c)) {
+        let m = x.iter().sum::<f64>() / c as f64;
+        let var = x.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / c as f64;
+        let r = 1.0 / (var + 1e-5).sqrt();
+        for j in 0..c {
+            o[j] = (x[j] - m) * r * w[j] + b[j];
+        }
+        mean.push(m);
+        rstd.push(r);
+    }
+    (out, mean, rstd)
+}
+
+/// `(dinp (N, C), dweight (C), dbias (C))`.
+pub fn layernorm_backward(
+    dout: &[f64],
+    inp: &[f64],
+    w: &[f64],
+    mean: &[f64],
+    rstd: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let c = w.len();
+    let (mut dinp, mut dw, mut db) = (vec![0.0; inp.len()], vec![0.0; c], vec![0.0; c]);
+    for (i, (x, dy)) in inp.chunks(c).zip(dout.chunks(c)).enumerate() {
+        let norm: Vec<f64> = x.iter().map(|x| (x - mean[i]) * rstd[i]).collect();
+        let s1 = (0..c).map(|j| w[j] * dy[j]).sum::<f64>() / c as f64;
+        let s2 = (0..c).map(|j| w[j] * dy[j] * norm[j]).sum::<f64>() / c as f64;
+        for j in 0..c {
+            dw[j] += dy[j] * norm[j];
+            db[j] += dy[j];
+            dinp[i * c + j] = (w[j] * dy[j] - s1 - norm[j] * s2) * rstd[i];
+        }
+    }
+    (dinp, dw, db)
+}
+
+/// `W[k, n]` for either layout.
+fn w_at(w: &[f64], layout: Layout, k: usize, n: usize, (kk, nn): (usize, usize)) -> f64 {
+    match layout {
+        Layout::KN => w[k * nn + n],
+        Layout::NK => w[n * kk + k],
+    }
+}
+
+/// `out (M, N) = inp (M, K) · W + bias`.
+pub fn matmul_forward(
+    inp: &[f64],
+    w: &[f64],
+    bias: Option<&[f64]>,
+    layout: Layout,
+    (m, k, n): (usize, usize, usize),
+) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let s: f64 = (0..k)
+                .map(|p| inp[i * k + p] * w_at(w, layout, p, j, (k, n)))
+                .sum();
+            out[i * n + j] = s + bias.map_or(0.0, |b| b[j]);
+        }
+    }
+    out
+}
+
+/// `(dinp (M, K), dweight (layout of W), dbias (N))`.
+pub fn matmul_backward(
+    dout: &[f64],
+    inp: &[f64],
+    w: &[f64],
+    layout: Layout,
+    (m, k, n): (usize, usize, usize),
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (mut dinp, mut dw, mut db) = (vec![0.0; m * k], vec![0.0; k * n], vec![0.0; n]);
+    for i in 0..m {
+        for j in 0..n {
+            let g = dout[i * n + j];
+            db[j] += g;
+            for p in 0..k {
+                dinp[i * k + p] += g * w_at(w, layout, p, j, (k, n));
+                let at = match layout {
+                    Layout::KN => p * n + j,
+                    Layout::NK => j * k + p,
+                };
+                dw[at] += g * inp[i * k + p];
+            }
+        }
+    }
+    (dinp, dw, db)
+}
+
+/// `(out (B, T, C), att (B, NH, T, T))` from `qkv (B, T, 3C)`.
+pub fn attention_forward(qkv: &[f64], d: Dims) -> (Vec<f64>, Vec<f64>) {
+    let Dims {
+        b: bn,
+        t: tn,
+        c,
+        nh,
+    } = d;
+    let hs = c / nh;
+    let (mut out, mut att) = (vec![0.0; bn * tn * c], vec![0.0; bn * nh * tn * tn]);
+    let at = |b: usize, t: usize, p: usize, h: usize, i: usize| {
+        qkv[(b * tn + t) * 3 * c + p * c + h * hs + i]
+    };
+    for b in 0..bn {
+        for h in 0..nh {
+            for t in 0..tn {
+                let s: Vec<f64> = (0..=t)
+                    .map(|t2| {
+                        (0..hs)
+                            .map(|i| at(b, t, 0, h, i) * at(b, t2, 1, h, i))
+                            .sum::<f64>()
+                            / (hs as f64).sqrt()
+                    })
+                    .collect();
+                let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|s| (s - max).exp()).sum();
+                let row = ((b * nh + h) * tn + t) * tn;
+                for t2 in 0..=t {
+                    let p = (s[t2] - max).exp() / z;
+                    att[row + t2] = p;
+                    for i in 0..hs {
+                        out[(b * tn + t) * c + h * hs + i] += p * at(b, t2, 2, h, i);
+                    }
+                }
+            }
+        }
+    }
+    (out, att)
+}
+
+/// `dqkv (B, T, 3C)` from `dout (B, T, C)` and the forward's `qkv` and `att`.
+pub fn attention_backward(dout: &[f64], qkv: &[f64], att: &[f64], d: Dims) -> Vec<f64> {
+    let Dims {
+        b: bn,
+        t: tn,
+        c,
+        nh,
+    } = d;
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f64).sqrt();
+    let mut dqkv = vec![0.0; qkv.len()];
+    let idx = |b: usize, t: usize, p: usize, h: usize, i: usize| {
+        (b * tn + t) * 3 * c + p * c + h * hs + i
+    };
+    for b in 0..bn {
+        for h in 0..nh {
+            for t in 0..tn {
+                let row = ((b * nh + h) * tn + t) * tn;
+                let dy = |i: usize| dout[(b * tn + t) * c + h * hs + i];
+                let datt: Vec<f64> = (0..=t)
+                    .map(|t2| (0..hs).map(|i| dy(i) * qkv[idx(b, t2, 2, h, i)]).sum())
+                    .collect();
+                let total: f64 = (0..=t).map(|t2| att[row + t2] * datt[t2]).sum();
+                for t2 in 0..=t {
+                    let ds = att[row + t2] * (datt[t2] - total) * scale;
+                    for i in 0..hs {
+                        dqkv[idx(b, t2, 2, h, i)] += att[row + t2] * dy(i);
+                        dqkv[idx(b, t, 0, h, i)] += ds * qkv[idx(b, t2, 1, h, i)];
+                        dqkv[idx(b, t2, 1, h, i)] += ds * qkv[idx(b, t, 0, h, i)];
+                    }
+                }
+            }
+        }
+    }
+    dqkv
+}
+
+const GELU_K: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+
+pub fn gelu_forward(x: &[f64]) -> Vec<f64> {
+    x.iter()
+        .map(|&x| 0.5 * x * (1.0 + (GELU_K * (x + 0.044715 * x * x * x)).tanh()))
+        .collect()
+}
+
+/// `dinp = dout · gelu'(x)`.
+pub fn gelu_backward(dout: &[f64], x: &[f64]) -> Vec<f64> {
+    x.iter()
+        .zip(dout)
+        .map(|(&x, &g)| {
+            let th = (GELU_K * (x + 0.044715 * x * x * x)).tanh();
+            g * (0.5 * (1.0 + th)
+                + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3.0 * 0.044715 * x * x))
+        })
+        .collect()
+}
+
+pub fn residual_forward(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(a, b)| a + b).collect()
+}
+
+/// Per-row `logsumexp(logits) - logits[target]` for `logits (N, V)`.
+pub fn crossentropy_forward(logits: &[f64], targets: &[u32], v: usize) -> Vec<f64> {
+    logits
+        .chunks(v)
+        .zip(targets)
+        .map(|(row, &t)| {
+            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln() - row[t as usize]
+        })
+        .collect()
+}
+
+/// `dlogits = (softmax - onehot) · dloss`.
+pub fn crossentropy_backward(logits: &[f64], targets: &[u32], v: usize, dloss: f64) -> Vec<f64> {
+    let mut d = Vec::with_capacity(logits.len());
+    for (row, &t) in logits.chunks(v).zip(targets) {
+        let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = row.iter().map(|x| (x - max).exp()).sum();
+        d.extend(
+            row.iter()
+                .enumerate()
+                .map(|(j, x)| ((x - max).exp() / z - (j == t as usize) as u8 as f64) * dloss),
+        );
+    }
+    d
+}
