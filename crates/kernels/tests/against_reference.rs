@@ -1,0 +1,290 @@
+//! Every optimised kernel against the f64 reference, one body per dtype. Inputs are rounded
+//! to `X` first and the reference sees the same rounded values, so the only differences are
+//! f32 arithmetic and the final rounding, bounded by `rtol::<X>()`.
+
+mod common;
+
+use common::*;
+use kernels::attention::{Dims, attention_backward, attention_forward};
+use kernels::matmul::{Layout, MIN_SCRATCH, matmul_backward, matmul_forward, scratch_len};
+use kernels::{
+    Float, crossentropy, encoder, gelu, layernorm, loss_scale, norm, reference, residual,
+};
+
+const LAYOUTS: [Layout; 2] = [Layout::KN, Layout::NK];
+
+fn matmul_forward_matches<X: Float>() {
+    let mut rng = Rng::new(1);
+    // Odd sizes; the short scratch forces 16-wide tiles in every dimension.
+    let (m, k, n) = (37, 70, 45);
+    for layout in LAYOUTS {
+        for short in [false, true] {
+            let inp = rounded::<X>(&rng.vec(m * k, 1.0));
+            let w = rounded::<X>(&rng.vec(k * n, 0.2));
+            let b = rounded::<X>(&rng.vec(n, 0.5));
+            let want = reference::matmul_forward(&inp, &w, Some(&b), layout, (m, k, n));
+            let mut scratch = vec![
+                0f32;
+                if short {
+                    MIN_SCRATCH
+                } else {
+                    scratch_len(m, k, n)
+                }
+            ];
+            let (xi, xw, xb) = (to_x::<X>(&inp), to_x::<X>(&w), to_x::<X>(&b));
+            let mut out = vec![X::ZERO; m * n];
+            matmul_forward(
+                &mut out,
+                &xi,
+                &xw,
+                Some(&xb),
+                layout,
+                (m, k, n),
+                &mut scratch,
+            );
+            assert_close("out", &to_f64(&out), &want, rtol::<X>());
+            // f32 output (logits), no bias.
+            let want = reference::matmul_forward(&inp, &w, None, layout, (m, k, n));
+            let mut out = vec![0f32; m * n];
+            matmul_forward(&mut out, &xi, &xw, None, layout, (m, k, n), &mut scratch);
+            assert_close("logits", &to_f64(&out), &want, rtol::<f32>());
+        }
+    }
+}
+
+fn matmul_backward_matches<X: Float>() {
+    let mut rng = Rng::new(2);
+    let (m, k, n) = (33, 40, 51);
+    for layout in LAYOUTS {
+        for short in [false, true] {
+            let inp = rounded::<X>(&rng.vec(m * k, 1.0));
+            let w = rounded::<X>(&rng.vec(k * n, 0.2));
+            let dout = rounded::<X>(&rng.vec(m * n, 1.0));
+            let (dw0, db0) = (
+                rounded::<X>(&rng.vec(k * n, 1.0)),
+                rounded::<X>(&rng.vec(n, 1.0)),
+            );
+            let (di, dw, db) = reference::matmul_backward(&dout, &inp, &w, layout, (m, k, n));
+            let want_dw: Vec<f64> = dw.iter().zip(&dw0).map(|(a, b)| a + b).collect();
+            let want_db: Vec<f64> = db.iter().zip(&db0).map(|(a, b)| a + b).collect();
+            let mut scratch = vec![
+                0f32;
+                if short {
+                    MIN_SCRATCH
+                } else {
+                    scratch_len(m, k, n)
+                }
+            ];
+            let (xi, xw) = (to_x::<X>(&inp), to_x::<X>(&w));
+            // dout in X, then in f32 (the dlogits path).
+            let (mut gi, mut gw, mut gb) = (vec![X::ZERO; m * k], to_x::<X>(&dw0), to_x::<X>(&db0));
+            let dy = to_x::<X>(&dout);
+            matmul_backward(
+                &mut gi,
+                &mut gw,
+                Some(&mut gb),
+                &dy,
+                &xi,
+                &xw,
+                layout,
+                (m, k, n),
+                &mut scratch,
+            );
+            assert_close("dinp", &to_f64(&gi), &di, rtol::<X>());
+            assert_close("dweight", &to_f64(&gw), &want_dw, rtol::<X>());
+            assert_close("dbias", &to_f64(&gb), &want_db, rtol::<X>());
+            let (mut gi, mut gw) = (vec![X::ZERO; m * k], to_x::<X>(&dw0));
+            let dy = to_x::<f32>(&dout);
+            matmul_backward(
+                &mut gi,
+                &mut gw,
+                None,
+                &dy,
+                &xi,
+                &xw,
+                layout,
+                (m, k, n),
+                &mut scratch,
+            );
+            assert_close("dinp (f32 dout)", &to_f64(&gi), &di, rtol::<X>());
+            assert_close("dweight (f32 dout)", &to_f64(&gw), &want_dw, rtol::<X>());
+        }
+    }
+}
+
+fn encoder_matches<X: Float>() {
+    let mut rng = Rng::new(3);
+    let (b, t, c, v) = (3, 5, 300, 7); // few tokens: many repeats
+    let tokens = rng.tokens(b * t, v);
+    let (wte, wpe) = (
+        rounded::<X>(&rng.vec(v * c, 1.0)),
+        rounded::<X>(&rng.vec(t * c, 1.0)),
+    );
+    let mut out = vec![X::ZERO; b * t * c];
+    encoder::encoder_forward(&mut out, &tokens, &to_x(&wte), &to_x(&wpe), t, c);
+    let want = reference::encoder_forward(&tokens, &wte, &wpe, t, c);
+    assert_close("out", &to_f64(&out), &want, rtol::<X>());
+
+    let dout = rounded::<X>(&rng.vec(b * t * c, 1.0));
+    let (d0, p0) = (
+        rounded::<X>(&rng.vec(v * c, 1.0)),
+        rounded::<X>(&rng.vec(t * c, 1.0)),
+    );
+    let (dwte, dwpe) = reference::encoder_backward(&dout, &tokens, v, t, c);
+    let (mut gte, mut gpe) = (to_x::<X>(&d0), to_x::<X>(&p0));
+    encoder::encoder_backward(&mut gte, &mut gpe, &to_x(&dout), &tokens, t, c);
+    let plus = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(a, b)| a + b).collect::<Vec<_>>();
+    assert_close("dwte", &to_f64(&gte), &plus(&dwte, &d0), rtol::<X>());
+    assert_close("dwpe", &to_f64(&gpe), &plus(&dwpe, &p0), rtol::<X>());
+}
+
+fn layernorm_matches<X: Float>() {
+    let mut rng = Rng::new(4);
+    let (rows, c) = (9, 300); // C crosses the 256-element block
+    let inp: Vec<f64> = rounded::<X>(
+        &rng.vec(rows * c, 2.0)
+            .iter()
+            .map(|x| x + 0.5)
+            .collect::<Vec<_>>(),
+    );
+    let (w, b) = (
+        rounded::<X>(&rng.vec(c, 1.0)),
+        rounded::<X>(&rng.vec(c, 1.0)),
+    );
+    let (want, wmean, wrstd) = reference::layernorm_forward(&inp, &w, &b);
+    let (mut out, mut mean, mut rstd) =
+        (vec![X::ZERO; rows * c], vec![0f32; rows], vec![0f32; rows]);
+    let (xi, xw, xb) = (to_x::<X>(&inp), to_x::<X>(&w), to_x::<X>(&b));
+    layernorm::layernorm_forward(&mut out, &mut mean, &mut rstd, &xi, &xw, &xb);
+    assert_close("out", &to_f64(&out), &want, rtol::<X>());
+    assert_close("mean", &to_f64(&mean), &wmean, 1e-6);
+    assert_close("rstd", &to_f64(&rstd), &wrstd, 1e-6);
+
+    let dout = rounded::<X>(&rng.vec(rows * c, 1.0));
+    let (di0, dw0, db0) = (
+        rounded::<X>(&rng.vec(rows * c, 1.0)),
+        rounded::<X>(&rng.vec(c, 1.0)),
+        rounded::<X>(&rng.vec(c, 1.0)),
+    );
+    // The kernel's f32 statistics are the reference's input, so both differentiate the same point.
+    let (m64, r64) = (to_f64(&mean), to_f64(&rstd));
+    let (di, dw, db) = reference::layernorm_backward(&dout, &inp, &w, &m64, &r64);
+    let (mut gi, mut gw, mut gb) = (to_x::<X>(&di0), to_x::<X>(&dw0), to_x::<X>(&db0));
+    layernorm::layernorm_backward(
+        &mut gi,
+        &mut gw,
+        &mut gb,
+        &to_x(&dout),
+        &xi,
+        &xw,
+        &mean,
+        &rstd,
+    );
+    let plus = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(a, b)| a + b).collect::<Vec<_>>();
+    assert_close("dinp", &to_f64(&gi), &plus(&di, &di0), rtol::<X>());
+    assert_close("dweight", &to_f64(&gw), &plus(&dw, &dw0), rtol::<X>());
+    assert_close("dbias", &to_f64(&gb), &plus(&db, &db0), rtol::<X>());
+}
+
+fn attention_matches<X: Float>() {
+    let mut rng = Rng::new(5);
+    let d = Dims {
+        b: 2,
+        t: 19,
+        c: 60,
+        nh: 3,
+    };
+    let qkv = rounded::<X>(&rng.vec(d.b * d.t * 3 * d.c, 1.0));
+    let (want, want_att) = reference::attention_forward(&qkv, d);
+    let (mut out, mut att) = (
+        vec![X::ZERO; d.b * d.t * d.c],
+        vec![X::ZERO; d.b * d.nh * d.t * d.t],
+    );
+    let xq = to_x::<X>(&qkv);
+    attention_forward(&mut out, &mut att, &xq, d);
+    assert_close("out", &to_f64(&out), &want, rtol::<X>());
+    assert_close("att", &to_f64(&att), &want_att, rtol::<X>());
+
+    let dout = rounded::<X>(&rng.vec(d.b * d.t * d.c, 1.0));
+    let want = reference::attention_backward(&dout, &qkv, &to_f64(&att), d);
+    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; att.len()]);
+    attention_backward(&mut dqkv, &mut datt, &to_x(&dout), &xq, &att, d);
+    assert_close("dqkv", &to_f64(&dqkv), &want, rtol::<X>());
+}
+
+fn gelu_and_residual_match<X: Float>() {
+    let mut rng = Rng::new(6);
+    let n = 1000;
+    let x = rounded::<X>(&rng.vec(n, 4.0));
+    let mut out = vec![X::ZERO; n];
+    gelu::gelu_forward(&mut out, &to_x(&x));
+    assert_close(
+        "gelu",
+        &to_f64(&out),
+        &reference::gelu_forward(&x),
+        rtol::<X>(),
+    );
+    let g = rounded::<X>(&rng.vec(n, 1.0));
+    let mut gx = to_x::<X>(&g);
+    gelu::gelu_backward(&mut gx, &to_x(&x));
+    assert_close(
+        "dgelu",
+        &to_f64(&gx),
+        &reference::gelu_backward(&g, &x),
+        rtol::<X>(),
+    );
+
+    let y = rounded::<X>(&rng.vec(n, 1.0));
+    let want = reference::residual_forward(&x, &y);
+    let mut out = vec![X::ZERO; n];
+    residual::residual_forward(&mut out, &to_x(&x), &to_x(&y));
+    assert_close("residual", &to_f64(&out), &want, rtol::<X>());
+    let mut a = to_x::<X>(&x);
+    residual::residual_accumulate(&mut a, &to_x(&y));
+    assert_close("residual +=", &to_f64(&a), &want, rtol::<X>());
+}
+
+fn norm_and_overflow_match<X: Float>() {
+    let mut rng = Rng::new(7);
+    let x = rounded::<X>(&rng.vec(100_003, 3.0));
+    let want: f64 = x.iter().map(|x| x * x).sum();
+    let got = norm::sum_squares(&to_x::<X>(&x));
+    assert!(
+        (got - want).abs() <= 1e-12 * want,
+        "sum_squares {got} vs {want}"
+    );
+    let mut xs = to_x::<X>(&x);
+    assert!(!loss_scale::found_nonfinite(&xs));
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        xs[77_777] = X::from_f32(bad);
+        assert!(loss_scale::found_nonfinite(&xs), "missed {bad}");
+    }
+}
+
+per_dtype! {
+    matmul_forward_agrees_with_reference => matmul_forward_matches;
+    matmul_backward_agrees_with_reference => matmul_backward_matches;
+    encoder_agrees_with_reference => encoder_matches;
+    layernorm_agrees_with_reference => layernorm_matches;
+    attention_agrees_with_reference => attention_matches;
+    gelu_and_residual_agree_with_reference => gelu_and_residual_match;
+    sum_squares_and_overflow_check_agree_with_reference => norm_and_overflow_match;
+}
+
+#[test]
+fn crossentropy_agrees_with_reference() {
+    let mut rng = Rng::new(8);
+    let (n, v) = (6, 1003);
+    let logits = rounded::<f32>(&rng.vec(n * v, 8.0));
+    let targets = rng.tokens(n, v);
+    let want = reference::crossentropy_forward(&logits, &targets, v);
+    let mut l = to_x::<f32>(&logits);
+    let mut losses = vec![0f32; n];
+    crossentropy::crossentropy_forward(&mut losses, &mut l, &targets, v, None);
+    assert_close("losses", &to_f64(&losses), &want, 1e-5);
+    assert_eq!(l, to_x::<f32>(&logits), "logits untouched without dloss");
+    crossentropy::crossentropy_forward(&mut losses, &mut l, &targets, v, Some(0.25));
+    assert_close("losses", &to_f64(&losses), &want, 1e-5);
+    let dl = reference::crossentropy_backward(&logits, &targets, v, 0.25);
+    assert_close("dlogits", &to_f64(&l), &dl, 1e-5);
+}

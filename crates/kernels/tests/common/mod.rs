@@ -1,0 +1,88 @@
+//! Shared test helpers: a seeded generator, dtype round trips and tolerances.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use kernels::Float;
+
+/// SplitMix64: small, seeded, reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f64) -> Vec<f64> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+    pub fn tokens(&mut self, n: usize, v: usize) -> Vec<u32> {
+        (0..n)
+            .map(|_| (self.next_u64() % v as u64) as u32)
+            .collect()
+    }
+}
+
+/// Round to `X` (via f32, as the trainer stores values).
+pub fn to_x<X: Float>(v: &[f64]) -> Vec<X> {
+    v.iter().map(|&x| X::from_f32(x as f32)).collect()
+}
+
+pub fn to_f64<X: Float>(v: &[X]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f32() as f64).collect()
+}
+
+/// Values of `v` after rounding to `X`, as f64: the exact inputs a kernel sees.
+pub fn rounded<X: Float>(v: &[f64]) -> Vec<f64> {
+    to_f64(&to_x::<X>(v))
+}
+
+/// Relative tolerance for a kernel that computes in f32 and stores `X`: twice the unit
+/// roundoff of the store (f16 2^-11, bf16 2^-8), and for f32 the error of f32 accumulation
+/// over ~1000 terms with margin (~1e-5).
+pub fn rtol<X: Float>() -> f64 {
+    match X::NAME {
+        "f32" => 1e-5,
+        "f16" => 1e-3,
+        "bf16" => 8e-3,
+        other => panic!("no tolerance for {other}"),
+    }
+}
+
+/// `|got - want| <= rtol · (|want| + rms(want))` elementwise: relative to each value, plus
+/// the scale of the whole output for entries that cancel towards zero.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], rtol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let rms = (want.iter().map(|x| x * x).sum::<f64>() / want.len().max(1) as f64).sqrt();
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = rtol * (w.abs() + rms);
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}[{i}]: got {g}, want {w} (tol {tol:e}, rms {rms:e})"
+        );
+    }
+}
+
+/// Run a generic test body once per dtype.
+#[macro_export]
+macro_rules! per_dtype {
+    ($($name:ident => $body:ident;)*) => {
+        $(mod $name {
+            use super::*;
+            #[test]
+            fn f32() { $body::<f32>() }
+            #[test]
+            fn f16() { $body::<half::f16>() }
+            #[test]
+            fn bf16() { $body::<half::bf16>() }
+        })*
+    };
+}
