@@ -1,0 +1,128 @@
+//! `zerotrain estimate SPEC.json [--devices N] [--device-memory 80GiB] [--json]`
+
+use std::fmt::Write as _;
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use scheduler::bytes::{human, parse_size};
+use scheduler::inventory::Inventory;
+use scheduler::memory::{Category, DeviceKind};
+use scheduler::report::{PlanOutcome, Report};
+use scheduler::spec::{JobSpec, Purpose};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A job spec (native or DeepSpeed form), JSON.
+    spec: PathBuf,
+    /// Data-parallel ranks, one per device [default: the spec's world_size].
+    #[arg(long)]
+    devices: Option<NonZeroU32>,
+    /// Memory of each device, e.g. 80GiB or 40GB.
+    #[arg(long, default_value = "80GiB", value_parser = parse_size)]
+    device_memory: u64,
+    /// Kind of device: `cuda` reserves its runtime overhead, `cpu` none.
+    #[arg(long, value_enum, default_value_t = Kind::Cuda)]
+    device_kind: Kind,
+    /// Print the report as JSON (integers are bytes).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Kind {
+    Cpu,
+    Cuda,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.spec)
+        .with_context(|| format!("reading {}", args.spec.display()))?;
+    let mut parsed = JobSpec::parse(&text, Purpose::Estimate)?;
+    if let Some(n) = args.devices {
+        parsed.spec.world_size = n;
+        parsed.spec.validate(Purpose::Estimate)?;
+    }
+    let kind = match args.device_kind {
+        Kind::Cpu => DeviceKind::Cpu,
+        Kind::Cuda => DeviceKind::Cuda,
+    };
+    let devices = parsed.spec.world_size.get() as usize;
+    let inventory = Inventory::uniform(devices, args.device_memory, kind);
+    let report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", table(&report, args.device_memory));
+    }
+    Ok(())
+}
+
+fn table(r: &Report, device_memory: u64) -> String {
+    let mut out = String::new();
+    let kind = match r.device_kind {
+        DeviceKind::Cpu => "CPU",
+        DeviceKind::Cuda => "CUDA",
+    };
+    let _ = writeln!(
+        out,
+        "{} parameters on {} {kind} device(s) of {}; micro-batch {} × {} accumulation steps, activation checkpointing {}",
+        group_digits(r.parameters),
+        r.world_size,
+        human(device_memory),
+        r.micro_batch_size,
+        r.grad_accum_steps,
+        if r.activation_checkpointing { "on" } else { "off" },
+    );
+    let _ = writeln!(out, "\nper rank:");
+    let mut header = format!("{:<6}", "stage");
+    for c in Category::ALL {
+        let _ = write!(header, "{:>12}", c.name());
+    }
+    let _ = writeln!(out, "{header}{:>12}{:>14}", "total", "comm/step");
+    for row in &r.stages {
+        let b = &row.per_rank_bytes;
+        let mut line = format!("{:<6}", row.stage);
+        for c in Category::ALL {
+            let _ = write!(line, "{:>12}", human(b.get(c)));
+        }
+        let _ = writeln!(line, "{:>12}{:>14}", human(b.total()), human(row.comm_bytes_per_step));
+        out.push_str(&line);
+    }
+    out.push('\n');
+    match &r.plan {
+        PlanOutcome::Fits { plan, .. } => {
+            let c = &plan.chosen;
+            let _ = writeln!(
+                out,
+                "plan: stage {}, activation checkpointing {}, micro-batch {} × {} accumulation steps: {} per rank, {} sent per rank per step",
+                c.zero_stage.index(),
+                if c.activation_checkpointing { "on" } else { "off" },
+                c.micro_batch_size,
+                c.grad_accum_steps,
+                human(plan.per_rank_bytes.total()),
+                human(plan.comm_bytes_per_step),
+            );
+        }
+        PlanOutcome::DoesNotFit { reason, .. } => {
+            let _ = writeln!(out, "plan: does not fit: {reason}");
+        }
+    }
+    if !r.unsupported_keys.is_empty() {
+        let _ = writeln!(out, "ignored DeepSpeed keys: {}", r.unsupported_keys.join(", "));
+    }
+    out
+}
+
+/// 124439808 → "124,439,808".
+fn group_digits(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}

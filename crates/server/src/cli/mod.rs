@@ -1,0 +1,34 @@
+//! The `zerotrain` command line: one subcommand per module.
+
+mod estimate;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "zerotrain", version, about = "ZeRO-sharded mixed-precision training as a service")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Per-rank memory for ZeRO stages 0-3, communication per step, and the plan for a job spec.
+    Estimate(estimate::Args),
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Estimate(args) => estimate::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

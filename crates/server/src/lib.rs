@@ -1,0 +1,3 @@
+//! zerotrain's service: the HTTP API, the store, the scheduling loop and the command line.
+
+pub mod cli;
