@@ -339,19 +339,28 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
 }
 
 /// Tile sizes (rows, depth, cols) that fit `len` scratch elements given which of A, B and C
-/// need an f32 copy: start from [`TILE`] and halve the largest edge until they fit.
+/// need an f32 copy. Edges that size a widened block start at [`TILE`] and the largest of
+/// them is halved until the blocks fit; the others stay whole, so an all-f32 product is one
+/// gemm call.
 fn tiles(
     (m, k, n): (usize, usize, usize),
     widen: (bool, bool, bool),
     len: usize,
 ) -> (usize, usize, usize) {
-    let mut t = [m.min(TILE.0), k.clamp(1, TILE.1), n.min(TILE.2)];
+    let (wa, wb, wc) = widen;
+    let used = [wa || wc, wa || wb, wb || wc];
+    let mut t = [m, k.max(1), n];
+    for ((t, cap), used) in t.iter_mut().zip([TILE.0, TILE.1, TILE.2]).zip(used) {
+        if used {
+            *t = (*t).min(cap);
+        }
+    }
     while need(t, widen) > len {
-        let (i, &e) = t
-            .iter()
-            .enumerate()
-            .max_by_key(|(_, e)| **e)
-            .expect("three edges");
+        let (i, e) = (0..3)
+            .filter(|&i| used[i])
+            .map(|i| (i, t[i]))
+            .max_by_key(|&(_, e)| e)
+            .expect("a widened edge");
         assert!(
             e > MIN_EDGE,
             "matmul scratch of {len} f32 is too short for ({m}, {k}) · ({k}, {n}); at least {MIN_SCRATCH} needed"

@@ -288,3 +288,20 @@ fn crossentropy_agrees_with_reference() {
     let dl = reference::crossentropy_backward(&logits, &targets, v, 0.25);
     assert_close("dlogits", &to_f64(&l), &dl, 1e-5);
 }
+
+#[test]
+#[should_panic(expected = "matmul scratch")]
+fn matmul_rejects_scratch_below_minimum() {
+    let (m, k, n) = (20, 20, 20);
+    let (x, w) = (vec![half::bf16::ZERO; m * k], vec![half::bf16::ZERO; k * n]);
+    let mut out = vec![half::bf16::ZERO; m * n];
+    matmul_forward(
+        &mut out,
+        &x,
+        &w,
+        None,
+        Layout::KN,
+        (m, k, n),
+        &mut vec![0f32; MIN_SCRATCH - 1],
+    );
+}

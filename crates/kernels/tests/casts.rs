@@ -133,7 +133,7 @@ fn casts_are_unaffected_by_flushed_denormals() {
 #[test]
 fn flush_denormals_only_affects_the_calling_thread() {
     let pool = cpu::thread_pool(2).unwrap();
-    let flushed = pool.install(|| cpu::denormals_flushed());
+    let flushed = pool.install(cpu::denormals_flushed);
     assert_eq!(flushed, cfg!(target_arch = "x86_64"));
     assert!(!cpu::denormals_flushed());
 }
