@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use scheduler::memory::{self, Breakdown, DeviceKind, Setup};
-use scheduler::model::{GptShape, Preset, SHARD_ALIGN, Units};
+use scheduler::model::{GptShape, MATMUL_SCRATCH_F32, Preset, SHARD_ALIGN, Units};
 use scheduler::spec::{AdamW, Architecture, Dtype, Lion, Momentum, Optimizer, Sgd, ZeroStage};
 use serde::Deserialize;
 
@@ -116,8 +116,9 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
     let per_block = 3_342_336 * 2 + 1_024 * 4;
     let once = (2 * 196_608 + 2 * 196_608 + 786_432 + 196_608) * 2 + 512 * 4;
     assert_eq!(b.activations, 12 * per_block + once);
-    // Logits (B, T, V) fp32, losses fp32, input and target ids u32; no communication at N = 1.
-    assert_eq!(b.buffers, 256 * 50_257 * 4 + 3 * 256 * 4);
+    // Logits (B, T, V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch;
+    // no communication at N = 1.
+    assert_eq!(b.buffers, 256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64);
     assert_eq!(b.overhead, 0);
 }
 
@@ -141,7 +142,7 @@ fn stage_3_gathers_units_and_keeps_only_shards() {
     let grad_buffers = 2 * (emb + block);
     let ring_chunk = 2 * units.largest_shard_len() as u64;
     assert_eq!(s3.buffers - s0.buffers, gathered + grad_buffers);
-    assert_eq!(s0.buffers, 256 * 50_257 * 4 + 3 * 256 * 4 + ring_chunk);
+    assert_eq!(s0.buffers, 256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + ring_chunk);
     assert_eq!(s3.activations, s0.activations);
 }
 

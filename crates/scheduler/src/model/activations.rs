@@ -173,6 +173,10 @@ impl ActivationTensor {
     }
 }
 
+/// f32 scratch the matrix multiplications widen fp16/bf16 tiles into: enough for the kernels'
+/// full tiles (512×1024 inputs, 1024×1024 weights, 512×1024 outputs). fp32 needs none.
+pub const MATMUL_SCRATCH_F32: usize = 1 << 21;
+
 /// Bytes of activations and of activation-sized buffers for one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Activations {
@@ -184,7 +188,7 @@ impl Activations {
     pub fn new(s: &GptShape, b: usize, t: usize, checkpointing: bool, compute_bytes: u64) -> Self {
         let mut out = Activations {
             activations: 0,
-            buffers: 0,
+            buffers: if compute_bytes == 4 { 0 } else { 4 * MATMUL_SCRATCH_F32 as u64 },
         };
         for tensor in ActivationTensor::BLOCK.iter().chain(&ActivationTensor::ONCE) {
             let bytes = (tensor.len(s, b, t) * tensor.copies(s, checkpointing)) as u64
@@ -224,6 +228,7 @@ mod tests {
         let f32 = Activations::new(&s, 2, 16, false, 4);
         let bf16 = Activations::new(&s, 2, 16, false, 2);
         assert!(bf16.activations < f32.activations && bf16.activations * 2 > f32.activations);
-        assert_eq!(bf16.buffers, f32.buffers);
+        // Logits and token ids stay 4 bytes; fp16/bf16 add the matmuls' widening scratch.
+        assert_eq!(bf16.buffers, f32.buffers + 4 * MATMUL_SCRATCH_F32 as u64);
     }
 }
