@@ -25,5 +25,9 @@ impl Error {
 
 /// Fails with `Error::InvalidSpec` at `field` unless `ok`.
 pub(crate) fn ensure(ok: bool, field: &str, reason: impl FnOnce() -> String) -> Result<(), Error> {
-    if ok { Ok(()) } else { Err(Error::spec(field, reason())) }
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::spec(field, reason()))
+    }
 }

@@ -113,7 +113,9 @@ impl fmt::Display for NoFit {
             write!(f, "largest device has {}", human(self.largest_device_bytes))?;
         }
         match &self.alternative {
-            Some((alt, need, true)) => write!(f, "; {} needs {} (fits)", alt.describe(c), human(*need)),
+            Some((alt, need, true)) => {
+                write!(f, "; {} needs {} (fits)", alt.describe(c), human(*need))
+            }
             Some((alt, need, false)) => write!(
                 f,
                 "; the smallest configuration, {}, needs {}",

@@ -49,8 +49,13 @@ struct Row {
 
 #[test]
 fn reproduces_zero_paper_table_1() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/reference/zero_paper_table1.json");
-    let text = std::fs::read_to_string(path).unwrap().replace("printed_GB", "printed_gb");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/reference/zero_paper_table1.json"
+    );
+    let text = std::fs::read_to_string(path)
+        .unwrap()
+        .replace("printed_GB", "printed_gb");
     let table: Table1 = serde_json::from_str(&text).unwrap();
     assert_eq!(table.rows.len(), 54);
     for row in table.rows {
@@ -118,7 +123,10 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
     assert_eq!(b.activations, 12 * per_block + once);
     // Logits (B, T, V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch;
     // no communication at N = 1.
-    assert_eq!(b.buffers, 256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64);
+    assert_eq!(
+        b.buffers,
+        256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64
+    );
     assert_eq!(b.overhead, 0);
 }
 
@@ -127,7 +135,13 @@ fn stage_3_gathers_units_and_keeps_only_shards() {
     let shape = Preset::Gpt2Small.shape();
     let n = 8;
     let units = Units::new(&shape, n);
-    let s0 = per_rank(&setup(Architecture::Gpt(shape), Dtype::Bf16, adamw(), ZeroStage::Ddp, n));
+    let s0 = per_rank(&setup(
+        Architecture::Gpt(shape),
+        Dtype::Bf16,
+        adamw(),
+        ZeroStage::Ddp,
+        n,
+    ));
     let s3 = per_rank(&setup(
         Architecture::Gpt(shape),
         Dtype::Bf16,
@@ -142,7 +156,10 @@ fn stage_3_gathers_units_and_keeps_only_shards() {
     let grad_buffers = 2 * (emb + block);
     let ring_chunk = 2 * units.largest_shard_len() as u64;
     assert_eq!(s3.buffers - s0.buffers, gathered + grad_buffers);
-    assert_eq!(s0.buffers, 256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + ring_chunk);
+    assert_eq!(
+        s0.buffers,
+        256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + ring_chunk
+    );
     assert_eq!(s3.activations, s0.activations);
 }
 
@@ -168,7 +185,13 @@ fn communication_is_2_psi_for_stages_0_to_2_and_3_psi_for_stage_3() {
 #[test]
 fn sharded_stages_also_reduce_one_f32_for_the_norm() {
     let shape = Preset::Tiny.shape();
-    let mut s = setup(Architecture::Gpt(shape), Dtype::Fp16, adamw(), ZeroStage::Optimizer, 4);
+    let mut s = setup(
+        Architecture::Gpt(shape),
+        Dtype::Fp16,
+        adamw(),
+        ZeroStage::Optimizer,
+        4,
+    );
     let without = memory::estimate(&s, DeviceKind::Cpu).comm;
     s.reduces_norm = true;
     let with = memory::estimate(&s, DeviceKind::Cpu).comm;
@@ -176,12 +199,22 @@ fn sharded_stages_also_reduce_one_f32_for_the_norm() {
     assert_eq!(with.all_reduce - without.all_reduce, 2 * 3 * 4);
     s.stage = ZeroStage::Ddp;
     let ddp = memory::estimate(&s, DeviceKind::Cpu).comm;
-    assert_eq!(ddp.reduce_scatter + ddp.all_gather, 0, "stage 0 checks its all-reduced grads");
+    assert_eq!(
+        ddp.reduce_scatter + ddp.all_gather,
+        0,
+        "stage 0 checks its all-reduced grads"
+    );
 }
 
 #[test]
 fn cuda_devices_add_their_runtime_overhead() {
-    let s = setup(Architecture::Params(1_000_000), Dtype::Bf16, adamw(), ZeroStage::Ddp, 1);
+    let s = setup(
+        Architecture::Params(1_000_000),
+        Dtype::Bf16,
+        adamw(),
+        ZeroStage::Ddp,
+        1,
+    );
     let cpu = memory::estimate(&s, DeviceKind::Cpu).per_rank;
     let gpu = memory::estimate(&s, DeviceKind::Cuda).per_rank;
     assert_eq!(gpu.total() - cpu.total(), memory::CUDA_OVERHEAD_BYTES);
@@ -191,12 +224,25 @@ fn cuda_devices_add_their_runtime_overhead() {
 fn optimizers_keep_their_documented_state_per_parameter() {
     let psi = 1_000_000u64;
     let bytes = |opt, dtype| {
-        per_rank(&setup(Architecture::Params(psi), dtype, opt, ZeroStage::Ddp, 1)).optimizer
+        per_rank(&setup(
+            Architecture::Params(psi),
+            dtype,
+            opt,
+            ZeroStage::Ddp,
+            1,
+        ))
+        .optimizer
     };
     assert_eq!(bytes(Optimizer::Sgd(Sgd::default()), Dtype::Fp32), 0);
     assert_eq!(bytes(Optimizer::Sgd(Sgd::default()), Dtype::Bf16), 4 * psi);
-    assert_eq!(bytes(Optimizer::Momentum(Momentum::default()), Dtype::Fp32), 4 * psi);
-    assert_eq!(bytes(Optimizer::Lion(Lion::default()), Dtype::Bf16), 8 * psi);
+    assert_eq!(
+        bytes(Optimizer::Momentum(Momentum::default()), Dtype::Fp32),
+        4 * psi
+    );
+    assert_eq!(
+        bytes(Optimizer::Lion(Lion::default()), Dtype::Bf16),
+        8 * psi
+    );
     assert_eq!(bytes(adamw(), Dtype::Fp32), 8 * psi);
     // 8-bit Adam: two bytes of state plus two fp32 absmax per 2048-element block.
     let adam8 = Optimizer::Adam8bit(Default::default());
@@ -211,7 +257,13 @@ fn adafactor_on_gpt_keeps_factored_statistics_and_vector_moments() {
     let shape = Preset::Tiny.shape();
     let (v, t, c, l) = (512, 128, 64, 2);
     let ada = Optimizer::Adafactor(Default::default());
-    let b = per_rank(&setup(Architecture::Gpt(shape), Dtype::Fp32, ada, ZeroStage::Ddp, 1));
+    let b = per_rank(&setup(
+        Architecture::Gpt(shape),
+        Dtype::Fp32,
+        ada,
+        ZeroStage::Ddp,
+        1,
+    ));
     let factored = (v + c) + (t + c) + l * ((c + 3 * c) + (c + c) + (c + 4 * c) + (4 * c + c));
     let vectors = l * (c + c + 3 * c + c + c + c + 4 * c + c) + 2 * c;
     let tensors = 2 + 12 * l + 2;

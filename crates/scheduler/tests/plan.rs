@@ -59,10 +59,16 @@ fn auto_stage_escalates_to_the_lowest_stage_that_fits() {
 
 #[test]
 fn a_single_rank_prefers_stage_0_because_sharding_one_rank_only_adds_buffers() {
-    let p = fits(r#"{"model": {"preset": "gpt2-124M"}, "precision": {"dtype": "bf16"}}"#, &cpus(1, 80 * GB));
+    let p = fits(
+        r#"{"model": {"preset": "gpt2-124M"}, "precision": {"dtype": "bf16"}}"#,
+        &cpus(1, 80 * GB),
+    );
     assert_eq!(p.chosen.zero_stage, ZeroStage::Ddp);
     assert!(!p.chosen.activation_checkpointing);
-    assert_eq!((p.chosen.micro_batch_size, p.chosen.grad_accum_steps), (4, 1));
+    assert_eq!(
+        (p.chosen.micro_batch_size, p.chosen.grad_accum_steps),
+        (4, 1)
+    );
     assert_eq!(p.comm_bytes_per_step, 0);
 }
 
@@ -87,37 +93,79 @@ fn shrinks_the_micro_batch_last_and_keeps_the_batch() {
                    "batch_size": 64, "seq_len": 1024}, "activation_checkpointing": false,
                    "zero": {"stage": 0}, "world_size": 2}"#;
     let at = |m: u32| {
-        let fixed = json.replace("\"auto\"", &m.to_string()).replace("\"batch_size\": 64,", "\"grad_accum_steps\": 32,");
-        fits(&fixed.replace("\"grad_accum_steps\": 32", &format!("\"grad_accum_steps\": {}", 32 / m)), &cpus(2, 1000 * GB))
-            .per_rank_bytes
-            .total()
+        let fixed = json
+            .replace("\"auto\"", &m.to_string())
+            .replace("\"batch_size\": 64,", "\"grad_accum_steps\": 32,");
+        fits(
+            &fixed.replace(
+                "\"grad_accum_steps\": 32",
+                &format!("\"grad_accum_steps\": {}", 32 / m),
+            ),
+            &cpus(2, 1000 * GB),
+        )
+        .per_rank_bytes
+        .total()
     };
     // A budget that holds micro-batch 8 but not 16.
     let budget = at(8);
     assert!(at(16) > budget);
     let p = fits(json, &cpus(2, budget));
-    assert_eq!((p.chosen.micro_batch_size, p.chosen.grad_accum_steps), (8, 4));
-    assert_eq!(p.chosen.micro_batch_size * p.chosen.grad_accum_steps * 2, 64);
+    assert_eq!(
+        (p.chosen.micro_batch_size, p.chosen.grad_accum_steps),
+        (8, 4)
+    );
+    assert_eq!(
+        p.chosen.micro_batch_size * p.chosen.grad_accum_steps * 2,
+        64
+    );
 }
 
 #[test]
 fn counts_devices_and_explains_when_too_few_are_large_enough() {
     let inv = Inventory {
         nodes: vec![
-            Node { name: "big".into(), devices: vec![Device { kind: DeviceKind::Cpu, memory_bytes: 80 * GB }; 2] },
-            Node { name: "small".into(), devices: vec![Device { kind: DeviceKind::Cpu, memory_bytes: 16 * GB }; 2] },
+            Node {
+                name: "big".into(),
+                devices: vec![
+                    Device {
+                        kind: DeviceKind::Cpu,
+                        memory_bytes: 80 * GB
+                    };
+                    2
+                ],
+            },
+            Node {
+                name: "small".into(),
+                devices: vec![
+                    Device {
+                        kind: DeviceKind::Cpu,
+                        memory_bytes: 16 * GB
+                    };
+                    2
+                ],
+            },
         ],
     };
     let no = refused(&paper("3"), &inv);
     assert_eq!(no.fitting_devices, 2);
-    assert_eq!(no.to_string(), "needs 30.0 GB per rank at stage 3 on 4 devices; only 2 devices have that much");
+    assert_eq!(
+        no.to_string(),
+        "needs 30.0 GB per rank at stage 3 on 4 devices; only 2 devices have that much"
+    );
 }
 
 #[test]
 fn refuses_more_ranks_than_devices() {
-    let no = refused(&paper("\"auto\"").replace("\"world_size\": 4", "\"world_size\": 8"), &cpus(4, 1000 * GB));
+    let no = refused(
+        &paper("\"auto\"").replace("\"world_size\": 4", "\"world_size\": 8"),
+        &cpus(4, 1000 * GB),
+    );
     assert_eq!(no.fitting_devices, 4);
-    assert!(no.to_string().contains("on 8 devices; only 4 devices have that much"), "{no}");
+    assert!(
+        no.to_string()
+            .contains("on 8 devices; only 4 devices have that much"),
+        "{no}"
+    );
 }
 
 #[test]
@@ -129,19 +177,43 @@ fn cuda_devices_pay_their_runtime_overhead() {
     let no = refused(json, &gpus);
     assert_eq!(no.closest_need_bytes, exactly + CUDA_OVERHEAD_BYTES);
     let gpus = Inventory::uniform(4, exactly + CUDA_OVERHEAD_BYTES, DeviceKind::Cuda);
-    assert_eq!(fits(json, &gpus).per_rank_bytes.overhead, CUDA_OVERHEAD_BYTES);
+    assert_eq!(
+        fits(json, &gpus).per_rank_bytes.overhead,
+        CUDA_OVERHEAD_BYTES
+    );
 }
 
 #[test]
 fn mixed_device_kinds_use_whichever_devices_fit() {
     let inv = Inventory {
         nodes: vec![
-            Node { name: "gpu".into(), devices: vec![Device { kind: DeviceKind::Cuda, memory_bytes: 30 * GB }; 2] },
-            Node { name: "cpu".into(), devices: vec![Device { kind: DeviceKind::Cpu, memory_bytes: 30 * GB }; 4] },
+            Node {
+                name: "gpu".into(),
+                devices: vec![
+                    Device {
+                        kind: DeviceKind::Cuda,
+                        memory_bytes: 30 * GB
+                    };
+                    2
+                ],
+            },
+            Node {
+                name: "cpu".into(),
+                devices: vec![
+                    Device {
+                        kind: DeviceKind::Cpu,
+                        memory_bytes: 30 * GB
+                    };
+                    4
+                ],
+            },
         ],
     };
     let p = fits(&paper("3"), &inv);
-    assert_eq!(p.devices_that_fit, 4, "the GPUs lose 1 GiB to the CUDA runtime");
+    assert_eq!(
+        p.devices_that_fit, 4,
+        "the GPUs lose 1 GiB to the CUDA runtime"
+    );
 }
 
 #[test]
@@ -151,7 +223,11 @@ fn names_the_smallest_configuration_when_nothing_fits() {
     let no = refused(json, &cpus(1, GB));
     let (alt, need, fits) = no.alternative.unwrap();
     assert!(!fits);
-    assert_eq!(alt.zero_stage, ZeroStage::Ddp, "one rank: sharding only adds buffers");
+    assert_eq!(
+        alt.zero_stage,
+        ZeroStage::Ddp,
+        "one rank: sharding only adds buffers"
+    );
     assert!(alt.activation_checkpointing);
     assert_eq!(alt.micro_batch_size, 1);
     assert!(need > GB);
@@ -160,10 +236,16 @@ fn names_the_smallest_configuration_when_nothing_fits() {
 
 #[test]
 fn fully_automatic_specs_have_no_alternative_to_offer() {
-    let no = refused(r#"{"model": {"preset": "gpt2-1558M"}, "training": {"micro_batch_size": "auto"}}"#, &cpus(1, GB));
+    let no = refused(
+        r#"{"model": {"preset": "gpt2-1558M"}, "training": {"micro_batch_size": "auto"}}"#,
+        &cpus(1, GB),
+    );
     assert!(no.alternative.is_none());
     assert!(no.to_string().starts_with("needs "), "{no}");
-    assert!(no.to_string().ends_with("largest device has 1.0 GB"), "{no}");
+    assert!(
+        no.to_string().ends_with("largest device has 1.0 GB"),
+        "{no}"
+    );
 }
 
 #[test]

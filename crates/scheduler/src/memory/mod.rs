@@ -100,6 +100,17 @@ impl Breakdown {
         }
     }
 
+    pub fn get_mut(&mut self, c: Category) -> &mut u64 {
+        match c {
+            Category::Params => &mut self.params,
+            Category::Grads => &mut self.grads,
+            Category::Optimizer => &mut self.optimizer,
+            Category::Activations => &mut self.activations,
+            Category::Buffers => &mut self.buffers,
+            Category::Overhead => &mut self.overhead,
+        }
+    }
+
     /// Parameters, gradients and optimizer states: what the ZeRO paper's Table 1 counts.
     pub fn model_states(&self) -> u64 {
         self.params + self.grads + self.optimizer
@@ -233,7 +244,11 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
     }
 
     let opt_elems = held(stage.shards_optimizer());
-    let master = if setup.dtype.has_master_weights() { 4 * opt_elems } else { 0 };
+    let master = if setup.dtype.has_master_weights() {
+        4 * opt_elems
+    } else {
+        0
+    };
     Breakdown {
         params: x * held(stage.shards_params()),
         grads: x * held(stage.shards_grads()),
@@ -251,7 +266,11 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
 fn closed_form(setup: &Setup, psi: u64) -> Breakdown {
     let n = setup.world_size as u128;
     let stage = setup.stage;
-    let master = if setup.dtype.has_master_weights() { 4 } else { 0 };
+    let master = if setup.dtype.has_master_weights() {
+        4
+    } else {
+        0
+    };
     let per_element = master + optimizer::per_element_bytes(&setup.optimizer);
     // Numerators over the common denominator N.
     let over_n = |bytes_per_param: u64, sharded: bool| {
@@ -271,7 +290,11 @@ fn closed_form(setup: &Setup, psi: u64) -> Breakdown {
         *out = u64::try_from(end - previous).expect("model states fit in u64 bytes");
         previous = end;
     }
-    let opt_ranks = if stage.shards_optimizer() { setup.world_size as u64 } else { 1 };
+    let opt_ranks = if stage.shards_optimizer() {
+        setup.world_size as u64
+    } else {
+        1
+    };
     Breakdown {
         params: rounded[0],
         grads: rounded[1],

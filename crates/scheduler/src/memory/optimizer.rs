@@ -38,7 +38,11 @@ pub(crate) fn tensor_count(shape: &GptShape) -> usize {
 pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, rank: usize) -> u64 {
     let sharded = setup.stage.shards_optimizer();
     let held = |u: &crate::model::Unit| {
-        if sharded { u.shard_range(rank) } else { 0..u.padded_len }
+        if sharded {
+            u.shard_range(rank)
+        } else {
+            0..u.padded_len
+        }
     };
     let elems: usize = units.iter().map(|u| held(u).len()).sum();
     let mut bytes = per_element_bytes(&setup.optimizer) * elems as u64;
@@ -60,7 +64,11 @@ pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, ra
                     u.tensors.iter().filter_map(move |t| match t.dims {
                         Dims::Vector(_) => {
                             let r = t.range();
-                            Some(r.end.min(range.end).saturating_sub(r.start.max(range.start)))
+                            Some(
+                                r.end
+                                    .min(range.end)
+                                    .saturating_sub(r.start.max(range.start)),
+                            )
                         }
                         Dims::Matrix(..) => None,
                     })

@@ -188,9 +188,16 @@ impl Activations {
     pub fn new(s: &GptShape, b: usize, t: usize, checkpointing: bool, compute_bytes: u64) -> Self {
         let mut out = Activations {
             activations: 0,
-            buffers: if compute_bytes == 4 { 0 } else { 4 * MATMUL_SCRATCH_F32 as u64 },
+            buffers: if compute_bytes == 4 {
+                0
+            } else {
+                4 * MATMUL_SCRATCH_F32 as u64
+            },
         };
-        for tensor in ActivationTensor::BLOCK.iter().chain(&ActivationTensor::ONCE) {
+        for tensor in ActivationTensor::BLOCK
+            .iter()
+            .chain(&ActivationTensor::ONCE)
+        {
             let bytes = (tensor.len(s, b, t) * tensor.copies(s, checkpointing)) as u64
                 * tensor.element().bytes(compute_bytes);
             if tensor.is_buffer() {

@@ -128,7 +128,10 @@ impl TensorKind {
             TensorKind::FcProjWeight => "mlp.c_proj.weight",
             TensorKind::FcProjBias => "mlp.c_proj.bias",
         };
-        format!("h.{}.{local}", layer.expect("block tensors belong to a layer"))
+        format!(
+            "h.{}.{local}",
+            layer.expect("block tensors belong to a layer")
+        )
     }
 }
 
@@ -244,7 +247,11 @@ impl Units {
 
     /// The largest unit other than the embeddings (blocks or the final LayerNorm).
     pub fn largest_other_padded_len(&self) -> usize {
-        self.units[1..].iter().map(|u| u.padded_len).max().unwrap_or(0)
+        self.units[1..]
+            .iter()
+            .map(|u| u.padded_len)
+            .max()
+            .unwrap_or(0)
     }
 
     pub fn largest_shard_len(&self) -> usize {
@@ -274,7 +281,10 @@ mod tests {
 
     #[test]
     fn hugging_face_names_follow_gpt2_state_dict() {
-        assert_eq!(TensorKind::AttnWeight.hf_name(Some(3)), "h.3.attn.c_attn.weight");
+        assert_eq!(
+            TensorKind::AttnWeight.hf_name(Some(3)),
+            "h.3.attn.c_attn.weight"
+        );
         assert_eq!(TensorKind::Wte.hf_name(None), "wte.weight");
         assert_eq!(TensorKind::LnfBias.hf_name(None), "ln_f.bias");
     }

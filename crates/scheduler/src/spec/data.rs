@@ -6,7 +6,7 @@ use super::Architecture;
 use crate::error::{Error, ensure};
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+#[serde(tag = "kind", rename_all = "lowercase", from = "DataDoc")]
 pub enum Data {
     /// A built-in corpus generated from `training.seed` (the default).
     #[default]
@@ -15,6 +15,18 @@ pub enum Data {
     Text { path: String },
     /// llm.c token shards (header magic 20240520, uint16 tokens); `path` may be a glob.
     /// `shuffle: false` (default) reads batches sequentially exactly as llm.c's loader does.
+    Tokens { path: String, shuffle: bool },
+}
+
+/// The wire form. serde ignores extra keys next to the tag of a unit variant, so `synthetic` is
+/// an empty struct variant here, where `deny_unknown_fields` applies.
+#[derive(Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+enum DataDoc {
+    Synthetic {},
+    Text {
+        path: String,
+    },
     Tokens {
         path: String,
         #[serde(default)]
@@ -22,12 +34,24 @@ pub enum Data {
     },
 }
 
+impl From<DataDoc> for Data {
+    fn from(d: DataDoc) -> Data {
+        match d {
+            DataDoc::Synthetic {} => Data::Synthetic,
+            DataDoc::Text { path } => Data::Text { path },
+            DataDoc::Tokens { path, shuffle } => Data::Tokens { path, shuffle },
+        }
+    }
+}
+
 impl Data {
     pub(super) fn validate(&self, arch: &Architecture) -> Result<(), Error> {
         match self {
             Data::Synthetic => Ok(()),
             Data::Text { path } => {
-                ensure(!path.trim().is_empty(), "data.path", || "must not be empty".into())?;
+                ensure(!path.trim().is_empty(), "data.path", || {
+                    "must not be empty".into()
+                })?;
                 match arch.gpt() {
                     Some(s) => ensure(s.vocab_size >= 256, "data.kind", || {
                         format!(
@@ -38,9 +62,9 @@ impl Data {
                     None => Ok(()),
                 }
             }
-            Data::Tokens { path, .. } => {
-                ensure(!path.trim().is_empty(), "data.path", || "must not be empty".into())
-            }
+            Data::Tokens { path, .. } => ensure(!path.trim().is_empty(), "data.path", || {
+                "must not be empty".into()
+            }),
         }
     }
 }

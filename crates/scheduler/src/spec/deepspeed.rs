@@ -113,18 +113,25 @@ fn batch(ds: &mut Section, world: NonZeroU32, t: &mut Training) -> Result<(), Er
     let micro: Option<Auto<NonZeroU32>> = ds.take("train_micro_batch_size_per_gpu")?;
     let accum: Option<NonZeroU32> = ds.take("gradient_accumulation_steps")?;
     let w = world.get();
-    let exact = |num: u32, den: u32, field: &str| {
-        NonZeroU32::new(num / den).filter(|_| num % den == 0).ok_or_else(|| {
-            Error::spec(
-                ds.field(field),
-                format!("train_batch_size {num} is not divisible by {den} (the other batch terms × world_size {w})"),
-            )
-        })
+    // `terms` names the given factors of `den`; the quotient is the missing key, `derived`.
+    // In u64, so that large factors are refused rather than overflowing.
+    let exact = |g: NonZeroU32, den: u64, terms: &str, derived: &str| {
+        let g = g.get();
+        u32::try_from(u64::from(g) / den)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .filter(|_| u64::from(g) % den == 0)
+            .ok_or_else(|| {
+                Error::spec(
+                    ds.field("train_batch_size"),
+                    format!("{g} is not divisible by {terms}, so {derived} cannot be derived"),
+                )
+            })
     };
     let (micro, accum) = match (global, micro, accum) {
         (Some(g), Some(Auto::Fixed(m)), Some(a)) => {
-            let implied = m.get() * a.get() * w;
-            if g.get() != implied {
+            let implied = u64::from(m.get()) * u64::from(a.get()) * u64::from(w);
+            if u64::from(g.get()) != implied {
                 return Err(Error::spec(
                     ds.field("train_batch_size"),
                     format!(
@@ -135,16 +142,24 @@ fn batch(ds: &mut Section, world: NonZeroU32, t: &mut Training) -> Result<(), Er
             (Auto::Fixed(m), a)
         }
         (Some(g), Some(Auto::Fixed(m)), None) => {
-            (Auto::Fixed(m), exact(g.get(), m.get() * w, "gradient_accumulation_steps")?)
+            let den = u64::from(m.get()) * u64::from(w);
+            let terms = format!("train_micro_batch_size_per_gpu {m} × world_size {w} = {den}");
+            (
+                Auto::Fixed(m),
+                exact(g, den, &terms, "gradient_accumulation_steps")?,
+            )
         }
-        (Some(g), None, Some(a)) => (
-            Auto::Fixed(exact(g.get(), a.get() * w, "train_micro_batch_size_per_gpu")?),
-            a,
-        ),
-        (Some(g), None, None) => (
-            Auto::Fixed(exact(g.get(), w, "train_micro_batch_size_per_gpu")?),
-            NonZeroU32::MIN,
-        ),
+        (Some(g), None, Some(a)) => {
+            let den = u64::from(a.get()) * u64::from(w);
+            let terms = format!("gradient_accumulation_steps {a} × world_size {w} = {den}");
+            let m = exact(g, den, &terms, "train_micro_batch_size_per_gpu")?;
+            (Auto::Fixed(m), a)
+        }
+        (Some(g), None, None) => {
+            let terms = format!("world_size {w}");
+            let m = exact(g, u64::from(w), &terms, "train_micro_batch_size_per_gpu")?;
+            (Auto::Fixed(m), NonZeroU32::MIN)
+        }
         (g, Some(Auto::Auto), a) => {
             t.batch_size = g;
             (Auto::Auto, a.unwrap_or(NonZeroU32::MIN))
@@ -210,26 +225,35 @@ fn precision(ds: &mut Section, unsupported: &mut Vec<String>) -> Result<Precisio
 }
 
 /// DeepSpeed's optimizer section: Adam/AdamW (FusedAdam defaults: lr 1e-3, weight_decay 0),
-/// Lion (FusedLion: betas 0.9/0.999), SGD (momentum 0 unless given).
+/// Lion (FusedLion: betas 0.9/0.999), SGD (momentum 0 unless given). Without the section the job
+/// gets FusedAdam with its defaults, as with `{"type": "AdamW"}`.
 fn optimizer(
     ds: &mut Section,
     t: &mut Training,
     unsupported: &mut Vec<String>,
 ) -> Result<Optimizer, Error> {
     let Some(mut o) = ds.section("optimizer")? else {
-        return Ok(Optimizer::default());
+        t.lr = 1e-3;
+        return Ok(Optimizer::Adamw(AdamW {
+            weight_decay: 0.0,
+            ..AdamW::default()
+        }));
     };
-    let kind: String = o.take("type")?.ok_or_else(|| Error::spec(o.field("type"), "missing"))?;
+    let kind: String = o
+        .take("type")?
+        .ok_or_else(|| Error::spec(o.field("type"), "missing"))?;
     let type_field = o.field("type");
     let mut p = o
         .section("params")?
         .unwrap_or_else(|| Section::new(o.field("params"), Map::new()));
     t.lr = p.take("lr")?.unwrap_or(1e-3);
     let weight_decay = p.take("weight_decay")?.unwrap_or(0.0);
-    let optimizer = match kind.to_ascii_lowercase().as_str() {
+    let lower = kind.to_ascii_lowercase();
+    let optimizer = match lower.as_str() {
         "adam" | "adamw" => {
+            // DeepSpeed applies adam_w_mode to "Adam" only; "AdamW" is always decoupled.
             let decoupled: bool = p.take("adam_w_mode")?.unwrap_or(true);
-            if !decoupled {
+            if lower == "adam" && !decoupled {
                 return Err(Error::spec(
                     p.field("adam_w_mode"),
                     "Adam with L2 regularisation (adam_w_mode false) is not supported; zerotrain's Adam is AdamW",
@@ -258,10 +282,10 @@ fn optimizer(
                 Optimizer::Sgd(Sgd { weight_decay })
             }
         }
-        other => {
+        _ => {
             return Err(Error::spec(
                 type_field,
-                format!("{other} is not supported; use Adam, AdamW, Lion or SGD"),
+                format!("{kind} is not supported; use Adam, AdamW, Lion or SGD"),
             ));
         }
     };
@@ -281,7 +305,9 @@ fn scheduler(
     let Some(mut s) = ds.section("scheduler")? else {
         return Ok(());
     };
-    let kind: String = s.take("type")?.ok_or_else(|| Error::spec(s.field("type"), "missing"))?;
+    let kind: String = s
+        .take("type")?
+        .ok_or_else(|| Error::spec(s.field("type"), "missing"))?;
     let type_field = s.field("type");
     let mut p = s
         .section("params")?
@@ -346,6 +372,7 @@ impl Section {
                 Error::InvalidSpec { field, reason } => {
                     let field = match field.as_str() {
                         "spec" => self.field(key),
+                        index if index.starts_with('[') => format!("{}{index}", self.field(key)),
                         inner => format!("{}.{inner}", self.field(key)),
                     };
                     Error::InvalidSpec { field, reason }

@@ -53,9 +53,9 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Auto<T> {
         if v.as_str() == Some("auto") {
             return Ok(Auto::Auto);
         }
-        T::deserialize(v).map(Auto::Fixed).map_err(|e| {
-            D::Error::custom(format!("{e} (or \"auto\")"))
-        })
+        T::deserialize(v)
+            .map(Auto::Fixed)
+            .map_err(|e| D::Error::custom(format!("{e} (or \"auto\")")))
     }
 }
 
@@ -239,7 +239,11 @@ pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Resul
         let field = match reason.strip_prefix("missing field `") {
             Some(rest) => {
                 let missing = rest.split('`').next().unwrap_or_default();
-                if path == "." { missing.to_string() } else { format!("{path}.{missing}") }
+                if path == "." {
+                    missing.to_string()
+                } else {
+                    format!("{path}.{missing}")
+                }
             }
             None if path == "." => "spec".to_string(),
             None => path,

@@ -84,20 +84,30 @@ impl ModelSpec {
 }
 
 fn validate_shape(s: &GptShape) -> Result<(), Error> {
-    for (field, v) in [
-        ("vocab_size", s.vocab_size),
-        ("context_length", s.context_length),
-        ("n_layer", s.n_layer),
-        ("n_head", s.n_head),
-        ("n_embd", s.n_embd),
+    // Caps keep a layout (one unit per layer) and every byte count small enough to compute.
+    for (field, v, max) in [
+        ("vocab_size", s.vocab_size, 1 << 20),
+        ("context_length", s.context_length, 1 << 20),
+        ("n_layer", s.n_layer, 4096),
+        ("n_head", s.n_head, 4096),
+        ("n_embd", s.n_embd, 1 << 20),
     ] {
-        ensure(v > 0, &format!("model.{field}"), || "must be positive".into())?;
-        ensure(v <= 1 << 20, &format!("model.{field}"), || {
-            format!("{v} is larger than zerotrain supports (2^20)")
+        ensure(v > 0, &format!("model.{field}"), || {
+            "must be positive".into()
+        })?;
+        ensure(v <= max, &format!("model.{field}"), || {
+            format!("{v} is larger than zerotrain supports ({max})")
         })?;
     }
     ensure(s.n_embd % s.n_head == 0, "model.n_embd", || {
         format!("{} is not divisible by model.n_head {}", s.n_embd, s.n_head)
+    })?;
+    // Closed form of `GptShape::parameter_count` (which lays out every block), checked first so
+    // that no later sum of bytes can overflow: (V + T)·C + L·(12C² + 13C) + 2C.
+    let [v, t, l, c] = [s.vocab_size, s.context_length, s.n_layer, s.n_embd].map(|x| x as f64);
+    let params = (v + t) * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
+    ensure(params <= MAX_PARAMS, "model", || {
+        format!("this shape has {params:.3e} parameters, which exceeds 1e15")
     })
 }
 

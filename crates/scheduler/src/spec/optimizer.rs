@@ -158,14 +158,18 @@ impl Optimizer {
 
     pub(super) fn validate(&self) -> Result<(), Error> {
         let wd = self.weight_decay();
-        ensure(wd.is_finite() && wd >= 0.0, "optimizer.weight_decay", || {
-            format!("{wd} must be a finite number ≥ 0")
-        })?;
+        ensure(
+            wd.is_finite() && wd >= 0.0,
+            "optimizer.weight_decay",
+            || format!("{wd} must be a finite number ≥ 0"),
+        )?;
         let betas = |b: [f64; 2]| {
             for (i, v) in b.into_iter().enumerate() {
-                ensure((0.0..1.0).contains(&v), &format!("optimizer.betas[{i}]"), || {
-                    format!("{v} must be in [0, 1)")
-                })?;
+                ensure(
+                    (0.0..1.0).contains(&v),
+                    &format!("optimizer.betas[{i}]"),
+                    || format!("{v} must be in [0, 1)"),
+                )?;
             }
             Ok(())
         };
@@ -177,12 +181,16 @@ impl Optimizer {
         match *self {
             Optimizer::Sgd(_) => Ok(()),
             Optimizer::Momentum(m) => {
-                ensure((0.0..1.0).contains(&m.momentum), "optimizer.momentum", || {
-                    format!("{} must be in [0, 1)", m.momentum)
-                })?;
-                ensure(!m.nesterov || m.momentum > 0.0, "optimizer.nesterov", || {
-                    "nesterov needs a positive momentum".into()
-                })
+                ensure(
+                    (0.0..1.0).contains(&m.momentum),
+                    "optimizer.momentum",
+                    || format!("{} must be in [0, 1)", m.momentum),
+                )?;
+                ensure(
+                    !m.nesterov || m.momentum > 0.0,
+                    "optimizer.nesterov",
+                    || "nesterov needs a positive momentum".into(),
+                )
             }
             Optimizer::Adamw(a) => betas(a.betas).and_then(|_| eps(a.eps)),
             Optimizer::Lion(l) => betas(l.betas),
@@ -191,9 +199,11 @@ impl Optimizer {
                 ensure(a.clip_threshold > 0.0, "optimizer.clip_threshold", || {
                     format!("{} must be positive", a.clip_threshold)
                 })?;
-                ensure((-1.0..0.0).contains(&a.decay_rate), "optimizer.decay_rate", || {
-                    format!("{} must be in [-1, 0)", a.decay_rate)
-                })?;
+                ensure(
+                    (-1.0..0.0).contains(&a.decay_rate),
+                    "optimizer.decay_rate",
+                    || format!("{} must be in [-1, 0)", a.decay_rate),
+                )?;
                 match a.beta1 {
                     Some(b) => ensure((0.0..1.0).contains(&b), "optimizer.beta1", || {
                         format!("{b} must be in [0, 1)")
@@ -205,9 +215,11 @@ impl Optimizer {
                 betas(a.betas)?;
                 eps(a.eps)?;
                 let b = a.block_size;
-                ensure(b.is_power_of_two() && (64..=1 << 16).contains(&b), "optimizer.block_size", || {
-                    format!("{b} must be a power of two between 64 and 65536")
-                })
+                ensure(
+                    b.is_power_of_two() && (64..=1 << 16).contains(&b),
+                    "optimizer.block_size",
+                    || format!("{b} must be a power of two between 64 and 65536"),
+                )
             }
         }
     }

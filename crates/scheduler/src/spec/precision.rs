@@ -58,9 +58,11 @@ impl Precision {
             format!("only fp16 takes a loss scale, not {:?}", self.dtype).to_lowercase()
         })?;
         match scale {
-            LossScale::Static(s) => ensure(s.is_finite() && s > 0.0, "precision.loss_scale", || {
-                format!("static scale {s} must be a positive number")
-            }),
+            LossScale::Static(s) => {
+                ensure(s.is_finite() && s > 0.0, "precision.loss_scale", || {
+                    format!("static scale {s} must be a positive number")
+                })
+            }
             LossScale::Dynamic(d) => d.validate(),
         }
     }
@@ -153,18 +155,27 @@ impl DynamicLossScale {
         ensure(self.init.is_finite() && self.init > 0.0, &f("init"), || {
             format!("{} must be a positive number", self.init)
         })?;
-        ensure(self.growth_factor > 1.0 && self.growth_factor.is_finite(), &f("growth_factor"), || {
-            format!("{} must be greater than 1", self.growth_factor)
-        })?;
+        ensure(
+            self.growth_factor > 1.0 && self.growth_factor.is_finite(),
+            &f("growth_factor"),
+            || format!("{} must be greater than 1", self.growth_factor),
+        )?;
         ensure(
             self.backoff_factor > 0.0 && self.backoff_factor < 1.0,
             &f("backoff_factor"),
             || format!("{} must be between 0 and 1", self.backoff_factor),
         )?;
-        ensure(self.growth_interval > 0, &f("growth_interval"), || "must be positive".into())?;
-        ensure(self.hysteresis > 0, &f("hysteresis"), || "must be positive".into())?;
+        ensure(self.growth_interval > 0, &f("growth_interval"), || {
+            "must be positive".into()
+        })?;
+        ensure(self.hysteresis > 0, &f("hysteresis"), || {
+            "must be positive".into()
+        })?;
         ensure(self.min > 0.0 && self.min <= self.init, &f("min"), || {
-            format!("{} must be positive and at most init {}", self.min, self.init)
+            format!(
+                "{} must be positive and at most init {}",
+                self.min, self.init
+            )
         })
     }
 }
@@ -196,7 +207,9 @@ impl From<DynamicDoc> for DynamicLossScale {
             backoff_factor: d.backoff_factor.unwrap_or(base.backoff_factor),
             growth_interval: d.growth_interval.unwrap_or(base.growth_interval),
             hysteresis: d.hysteresis.unwrap_or(base.hysteresis),
-            consecutive_hysteresis: d.consecutive_hysteresis.unwrap_or(base.consecutive_hysteresis),
+            consecutive_hysteresis: d
+                .consecutive_hysteresis
+                .unwrap_or(base.consecutive_hysteresis),
             min: d.min.unwrap_or(base.min),
         }
     }

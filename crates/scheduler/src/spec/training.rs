@@ -108,19 +108,37 @@ impl Training {
                 format!("{t} exceeds model.context_length {}", s.context_length)
             })?;
         }
-        if let Some(b) = self.batch_size {
-            let b = b.get();
-            ensure(b % world.get() == 0, "training.batch_size", || {
-                format!("{b} is not divisible by world_size {world}")
-            })?;
-            if let Auto::Fixed(m) = self.micro_batch_size {
-                let implied = m.get() * self.grad_accum_steps.get() * world.get();
-                ensure(b == implied, "training.batch_size", || {
-                    format!(
-                        "{b} disagrees with micro_batch_size {m} × grad_accum_steps {} × world_size {world} = {implied}",
-                        self.grad_accum_steps
-                    )
+        // In u64: micro × accumulation × world can exceed u32 (and must then be refused).
+        let accum = u64::from(self.grad_accum_steps.get());
+        let w = u64::from(world.get());
+        match (self.batch_size, self.micro_batch_size) {
+            (Some(b), micro) => {
+                let b = u64::from(b.get());
+                ensure(b % w == 0, "training.batch_size", || {
+                    format!("{b} is not divisible by world_size {world}")
                 })?;
+                if let Auto::Fixed(m) = micro {
+                    let implied = u64::from(m.get()) * accum * w;
+                    ensure(b == implied, "training.batch_size", || {
+                        format!(
+                            "{b} disagrees with micro_batch_size {m} × grad_accum_steps {accum} × world_size {world} = {implied}"
+                        )
+                    })?;
+                }
+            }
+            (None, micro) => {
+                let m = u64::from(micro.fixed().map_or(DEFAULT_MICRO_BATCH, NonZeroU32::get));
+                let implied = m * accum * w;
+                ensure(
+                    implied <= u64::from(u32::MAX),
+                    "training.grad_accum_steps",
+                    || {
+                        format!(
+                            "micro_batch_size {m} × grad_accum_steps {accum} × world_size {world} = {implied} is more than {} sequences per step",
+                            u32::MAX
+                        )
+                    },
+                )?;
             }
         }
         for (field, v) in [
