@@ -117,9 +117,10 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
     assert_eq!(b.optimizer, 12 * psi);
     // B=4, T=64, C=768, NH=12, L=12 in bf16 (LayerNorm statistics fp32):
     // per block 5·BTC + 3BTC + B·NH·T² + 8BTC = 3,342,336 bf16 + 1,024 fp32 elements;
-    // once: 2·BTC (encoded, lnf) + 2·BTC + 4BTC + B·NH·T² (backward scratch) bf16 + 512 fp32.
+    // once: 2·BTC (encoded, lnf) + 2·BTC + 4BTC (backward scratch) bf16, 512 fp32 statistics
+    // and the B·NH·T² fp32 gradient of the attention scores.
     let per_block = 3_342_336 * 2 + 1_024 * 4;
-    let once = (2 * 196_608 + 2 * 196_608 + 786_432 + 196_608) * 2 + 512 * 4;
+    let once = (2 * 196_608 + 2 * 196_608 + 786_432) * 2 + 512 * 4 + 196_608 * 4;
     assert_eq!(b.activations, 12 * per_block + once);
     // Logits (B, T, V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch;
     // no communication at N = 1.

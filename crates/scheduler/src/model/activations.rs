@@ -46,7 +46,7 @@ pub enum ActivationTensor {
     DChannels,
     /// (B, T, 4C) gradient of the MLP hidden layer, then of qkv.
     DWide,
-    /// (B, NH, T, T) gradient of the attention probabilities.
+    /// (B, NH, T, T) fp32 gradient of the attention scores.
     DAtt,
     // Buffers.
     /// (B, T, V) fp32 logits, overwritten in place by their gradient.
@@ -147,6 +147,7 @@ impl ActivationTensor {
             | Self::Ln2Rstd
             | Self::LnfMean
             | Self::LnfRstd
+            | Self::DAtt
             | Self::Logits
             | Self::Losses => Element::F32,
             Self::Inputs | Self::Targets => Element::U32,
