@@ -8,13 +8,13 @@
 //! again before its backward, and reduce-scatters its gradient, per micro-batch. With one
 //! micro-batch that is the ZeRO paper's 2Ψ(N−1)/N elements for stages 0-2 and 3Ψ(N−1)/N for
 //! stage 3. Sharded stages also all-reduce one f32 (the squared gradient norm, non-finite on
-//! overflow) when fp16 or clipping needs it, and Adafactor's factored statistics and per-tensor
-//! RMS sums.
+//! overflow) when fp16 or clipping needs it, and Adafactor's exact (f64-limb) sums of its
+//! factored statistics and per-tensor RMS.
 
 use serde::Serialize;
 
 use super::Setup;
-use super::optimizer::{adafactor_factored_len, tensor_count};
+use super::optimizer::{ADAFACTOR_SUM_LIMBS, adafactor_factored_len, tensor_count};
 use crate::model::Units;
 use crate::spec::{Architecture, Optimizer, ZeroStage};
 
@@ -80,12 +80,13 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         },
     };
     if setup.stage.shards_optimizer() {
-        let all_reduce_f32 = |elems: u64| 2 * ring(4 * padded(elems, n), n);
+        let all_reduce = |elem_bytes: u64, elems: u64| 2 * ring(elem_bytes * padded(elems, n), n);
         if setup.reduces_norm {
-            c.all_reduce += all_reduce_f32(1);
+            c.all_reduce += all_reduce(4, 1);
         }
         if let Optimizer::Adafactor(_) = setup.optimizer {
-            c.all_reduce += all_reduce_f32(factored) + all_reduce_f32(tensors);
+            let limbs = ADAFACTOR_SUM_LIMBS as u64;
+            c.all_reduce += all_reduce(8, factored * limbs) + all_reduce(8, tensors * limbs);
         }
     }
     c
@@ -100,7 +101,8 @@ pub(super) fn scratch_bytes(setup: &Setup, units: &Units) -> u64 {
     let mut chunk = setup.dtype.bytes() * units.largest_shard_len() as u64;
     if let (Optimizer::Adafactor(_), Architecture::Gpt(shape)) = (setup.optimizer, setup.arch) {
         if setup.stage.shards_optimizer() {
-            chunk = chunk.max(4 * padded(adafactor_factored_len(&shape) as u64, n) / n);
+            let sums = (ADAFACTOR_SUM_LIMBS * adafactor_factored_len(&shape)) as u64;
+            chunk = chunk.max(8 * padded(sums, n) / n);
         }
     }
     chunk

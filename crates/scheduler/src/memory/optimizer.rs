@@ -17,6 +17,10 @@ pub(super) fn per_element_bytes(opt: &Optimizer) -> u64 {
     }
 }
 
+/// f64 limbs per exact Adafactor sum (`kernels::optim::LIMBS`): partial sums of g² taken over
+/// any split of a matrix add up to the same bits, so sharded and whole steps agree exactly.
+pub const ADAFACTOR_SUM_LIMBS: usize = 12;
+
 /// Elements of Adafactor's factored statistics: rows + cols of every matrix. Every rank keeps
 /// all of them (they are small) and all-reduces its partial sums into them each step.
 pub(crate) fn adafactor_factored_len(shape: &GptShape) -> usize {
@@ -74,9 +78,11 @@ pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, ra
                     })
                 })
                 .sum();
-            // Factored statistics and the buffer their partial sums are reduced in.
-            let factored = 2 * adafactor_factored_len(shape);
-            bytes += 4 * (factored + tensor_count(shape) + vector_elems) as u64;
+            // Factored statistics (fp32), the exact partial sums of every row and column and
+            // the per-tensor sums of squared updates (f64 limbs), all-reduced each step.
+            let factored = adafactor_factored_len(shape);
+            let sums = ADAFACTOR_SUM_LIMBS * (factored + tensor_count(shape));
+            bytes += 4 * (factored + vector_elems) as u64 + 8 * sums as u64;
         }
         _ => {}
     }
@@ -87,8 +93,11 @@ pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, ra
 pub(super) fn closed_form_extra_bytes(opt: &Optimizer, psi: u64, ranks: u64) -> u64 {
     match opt {
         Optimizer::Adam8bit(a) => 2 * 4 * psi.div_ceil(ranks * u64::from(a.block_size)),
-        // Taken as one square matrix: its row and column statistics, twice, and one RMS sum.
-        Optimizer::Adafactor(_) => 4 * (2 * 2 * psi.isqrt().max(1) + 1),
+        // Taken as one square matrix: its row and column statistics and their exact sums.
+        Optimizer::Adafactor(_) => {
+            let factored = 2 * psi.isqrt().max(1);
+            4 * factored + 8 * ADAFACTOR_SUM_LIMBS as u64 * (factored + 1)
+        }
         _ => 0,
     }
 }
