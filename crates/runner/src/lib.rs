@@ -1,3 +1,15 @@
 //! zerotrain's runner: the agent that executes assigned ranks, and the sharded mixed-precision
 //! GPT trainer (model, ZeRO engine, precision and loss scaling, optimizers, data, checkpoints).
-//! The trainer arrives with the trainer issue; this crate is its home in the workspace.
+
+pub mod accounting;
+pub mod comm;
+pub mod data;
+mod error;
+mod gpt;
+pub mod loss_scale;
+pub mod optimizer;
+pub mod schedule;
+pub mod train;
+pub mod zero;
+
+pub use error::Error;

@@ -1,0 +1,51 @@
+//! `error`: everything the runner can fail with, as one enum with the facts a person needs.
+
+use std::path::PathBuf;
+
+use scheduler::bytes::human;
+use scheduler::memory::Category;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A data file (or glob pattern) that cannot be used: missing, unreadable, bad header,
+    /// truncated, or too short for one batch.
+    #[error("data file {}: {reason}", path.display())]
+    Data { path: PathBuf, reason: String },
+    /// A token the model cannot embed; `index` counts tokens from the start of the file's data.
+    #[error(
+        "data file {}: token {token} at index {index} is not below the model's vocab_size {vocab_size}",
+        path.display()
+    )]
+    TokenOutOfRange {
+        path: PathBuf,
+        index: u64,
+        token: u32,
+        vocab_size: usize,
+    },
+    /// The loader's arguments do not fit the data kind (e.g. a vocabulary too small for it).
+    #[error("data: {reason}")]
+    DataConfig { reason: String },
+    /// fp16 gradients overflowed although the loss scale is already at its minimum: training has
+    /// diverged. DeepSpeed stops the same way.
+    #[error(
+        "step {step}: gradients overflowed with the loss scale already at its minimum {scale}; \
+         cannot decrease the scale any more (lower the learning rate or \
+         precision.loss_scale.min, or train in bf16)"
+    )]
+    LossScaleAtMinimum { scale: f32, step: u64 },
+    /// A rank's tracked bytes would pass its device budget.
+    #[error(
+        "out of device memory: allocating {} of {} with {} in use would pass the rank's budget of {}",
+        human(*requested), category.name(), human(*in_use), human(*budget)
+    )]
+    OutOfMemory { category: Category, requested: u64, in_use: u64, budget: u64 },
+    /// Gradients became inf or NaN without a loss scaler to skip the step (fp32/bf16).
+    #[error("step {step}: gradients are not finite (inf or NaN); lower the learning rate or enable clipping")]
+    NonFiniteGradients { step: u64 },
+    /// The spec cannot be planned onto the devices.
+    #[error(transparent)]
+    Plan(#[from] scheduler::Error),
+    /// The job cannot be trained as given.
+    #[error("cannot train this job: {reason}")]
+    Untrainable { reason: String },
+}

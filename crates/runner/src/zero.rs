@@ -1,0 +1,419 @@
+//! The ZeRO engine of one rank. Parameters, gradients, fp32 master weights and optimizer
+//! states live in flat per-unit buffers (`scheduler::model::Units`); the stage decides which
+//! are kept whole and which as this rank's shard, and when the collectives run:
+//!
+//! - stage 0: everything whole; gradients all-reduced after the last micro-batch;
+//! - stage 1: optimizer states and master weights sharded; gradients reduce-scattered, the
+//!   updated parameters all-gathered;
+//! - stage 2: gradients sharded too: each unit's gradient is reduce-scattered as soon as
+//!   backward finishes it, and only the own shard is kept across micro-batches;
+//! - stage 3: parameters sharded too: each unit is all-gathered before its forward and again
+//!   before its backward.
+
+use std::ops::Range;
+
+use kernels::Float;
+use kernels::norm::sum_squares;
+use kernels::residual::residual_accumulate;
+use rand::SeedableRng;
+use rand::rngs::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use scheduler::memory::{Category, Setup};
+use scheduler::model::{GptShape, TensorKind, Unit, Units};
+use scheduler::spec::ZeroStage;
+
+use crate::Error;
+use crate::accounting::{Accountant, Buffer};
+use crate::comm::Communicator;
+use crate::gpt::{self, Acts, Block, Dims};
+use crate::data::DataLoader;
+use crate::loss_scale::LossScaler;
+use crate::optimizer::{OptimizerState, Slices, Step};
+
+/// Index of the embeddings unit; block `l` is unit `l + 1`, the final norm unit `L + 1`.
+const EMB: usize = 0;
+
+/// The model's buffers on this rank.
+struct Buffers<X> {
+    /// Per unit: whole (stages 0-2) or this rank's shard (stage 3).
+    params: Vec<Buffer<X>>,
+    /// Per unit: whole (stages 0-1) or this rank's shard (stages 2-3).
+    grads: Vec<Buffer<X>>,
+    /// Stages 2-3: the full gradient of the embeddings and of the other unit in backward.
+    unit_grads: Option<[Buffer<X>; 2]>,
+    /// Stage 3: the gathered embeddings and two block-sized units (alternating).
+    gathered: Option<[Buffer<X>; 3]>,
+}
+
+impl<X: Float> Buffers<X> {
+    fn gathered_slot(u: usize) -> usize {
+        if u == EMB { 0 } else { 1 + u % 2 }
+    }
+
+    fn grad_slot(u: usize) -> usize {
+        usize::from(u != EMB)
+    }
+
+    /// Unit `u`'s whole parameters (gathered first at stage 3).
+    fn param(&self, u: usize, len: usize) -> &[X] {
+        match &self.gathered {
+            Some(g) => &g[Self::gathered_slot(u)][..len],
+            None => &self.params[u][..len],
+        }
+    }
+
+    /// Where backward adds unit `u`'s whole gradient.
+    fn grad(&mut self, u: usize) -> &mut [X] {
+        match &mut self.unit_grads {
+            Some(g) => &mut g[Self::grad_slot(u)],
+            None => &mut self.grads[u],
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the step's tokens on this rank.
+    pub loss: f64,
+    /// The loss scale the step's gradients carried.
+    pub loss_scale: f32,
+    pub skipped: bool,
+    /// Global gradient norm, when it was needed (fp16 or clipping).
+    pub grad_norm: Option<f64>,
+}
+
+pub struct Engine<X: Float> {
+    shape: GptShape,
+    units: Units,
+    stage: ZeroStage,
+    dims: Dims,
+    checkpointing: bool,
+    grad_accum: usize,
+    /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
+    reduces_norm: bool,
+    bufs: Buffers<X>,
+    /// Mixed precision: fp32 master weights of each unit's held range.
+    master: Option<Vec<Buffer<f32>>>,
+    optimizer: OptimizerState,
+    acts: Acts<X>,
+    comm: Communicator,
+    acct: Accountant,
+    /// Optimizer updates applied so far (skipped steps do not count, as in PyTorch).
+    applied: u64,
+}
+
+impl<X: Float> Engine<X> {
+    /// Allocates every buffer through `acct` and initialises the weights, GPT-2 style, from
+    /// `seed`: the same values whatever the stage or world size.
+    pub fn new(
+        setup: &Setup,
+        shape: GptShape,
+        seed: u64,
+        comm: Communicator,
+        acct: Accountant,
+    ) -> Result<Engine<X>, Error> {
+        let (stage, rank) = (setup.stage, comm.rank());
+        let units = Units::new(&shape, comm.world_size());
+        let held_len = |u: &Unit, sharded: bool| if sharded { u.shard_len() } else { u.padded_len };
+        let alloc_units = |category, sharded: bool| {
+            units
+                .iter()
+                .map(|u| acct.alloc::<X>(category, held_len(u, sharded)))
+                .collect::<Result<Vec<_>, Error>>()
+        };
+        let params = alloc_units(Category::Params, stage.shards_params())?;
+        let grads = alloc_units(Category::Grads, stage.shards_grads())?;
+        let mixed = X::as_f32(&[]).is_none();
+        let master = if mixed {
+            Some(
+                units
+                    .iter()
+                    .map(|u| acct.alloc::<f32>(Category::Optimizer, held_len(u, stage.shards_optimizer())))
+                    .collect::<Result<Vec<_>, Error>>()?,
+            )
+        } else {
+            None
+        };
+        let held: Vec<(&Unit, Range<usize>)> =
+            units.iter().map(|u| (u, held_range(u, stage, rank))).collect();
+        let optimizer = OptimizerState::new(setup.optimizer, &held, &acct)?;
+        let (emb, other) = (units.embeddings().padded_len, units.largest_other_padded_len());
+        let unit_grads = if stage.shards_grads() {
+            Some([acct.alloc(Category::Buffers, emb)?, acct.alloc(Category::Buffers, other)?])
+        } else {
+            None
+        };
+        let gathered = if stage.shards_params() {
+            Some([
+                acct.alloc(Category::Buffers, emb)?,
+                acct.alloc(Category::Buffers, other)?,
+                acct.alloc(Category::Buffers, other)?,
+            ])
+        } else {
+            None
+        };
+        let dims = Dims::new(&shape, setup.micro_batch, setup.seq_len);
+        let acts = Acts::new(&acct, &shape, dims.b, dims.t, setup.checkpointing)?;
+        let mut engine = Engine {
+            shape,
+            units,
+            stage,
+            dims,
+            checkpointing: setup.checkpointing,
+            grad_accum: setup.grad_accum,
+            reduces_norm: setup.reduces_norm,
+            bufs: Buffers { params, grads, unit_grads, gathered },
+            master,
+            optimizer,
+            acts,
+            comm,
+            acct,
+            applied: 0,
+        };
+        engine.init_weights(seed);
+        Ok(engine)
+    }
+
+    pub fn accountant(&self) -> &Accountant {
+        &self.acct
+    }
+
+    pub fn dims(&self) -> Dims {
+        self.dims
+    }
+
+    /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
+    /// biases 0, LayerNorm weights 1. Each tensor draws from its own stream keyed by the seed,
+    /// the unit and the tensor, so the values do not depend on how units are sharded.
+    fn init_weights(&mut self, seed: u64) {
+        let rank = self.comm.rank();
+        let std = 0.02;
+        let residual_std = std / (2.0 * self.shape.n_layer as f64).sqrt();
+        let units = self.units.clone();
+        for (ui, unit) in units.iter().enumerate() {
+            for (ti, t) in unit.tensors.iter().enumerate() {
+                let mut key = [0u8; 32];
+                key[..8].copy_from_slice(&seed.to_le_bytes());
+                key[8..16].copy_from_slice(&(ui as u64).to_le_bytes());
+                key[16..24].copy_from_slice(&(ti as u64).to_le_bytes());
+                let mut rng = ChaCha8Rng::from_seed(key);
+                let value: Box<dyn FnMut() -> f32> = match t.kind {
+                    TensorKind::Ln1Weight | TensorKind::Ln2Weight | TensorKind::LnfWeight => Box::new(|| 1.0),
+                    k if !k.decayed(&self.shape) => Box::new(|| 0.0),
+                    k => {
+                        let s = match k {
+                            TensorKind::AttnProjWeight | TensorKind::FcProjWeight => residual_std,
+                            _ => std,
+                        };
+                        let normal = Normal::new(0.0, s).expect("a positive standard deviation");
+                        Box::new(move || normal.sample(&mut rng) as f32)
+                    }
+                };
+                self.write_tensor(ui, t.range(), rank, value);
+            }
+        }
+    }
+
+    /// Writes the values `next` yields for elements `range` of unit `ui` into this rank's
+    /// parameters and master weights, wherever they hold them.
+    fn write_tensor(&mut self, ui: usize, range: Range<usize>, rank: usize, mut next: impl FnMut() -> f32) {
+        let unit = self.units.iter().nth(ui).expect("unit index");
+        let params_at = if self.stage.shards_params() { unit.shard_range(rank) } else { 0..unit.padded_len };
+        let master_at = held_range(unit, self.stage, rank);
+        for i in range {
+            let v = next();
+            if params_at.contains(&i) {
+                self.bufs.params[ui][i - params_at.start] = X::from_f32(v);
+            }
+            if let Some(master) = &mut self.master {
+                if master_at.contains(&i) {
+                    master[ui][i - master_at.start] = v;
+                }
+            }
+        }
+    }
+
+    /// Stage 3: gathers unit `u`'s parameters from every rank's shard.
+    fn fetch(&mut self, u: usize) -> Result<(), Error> {
+        let Some(gathered) = &mut self.bufs.gathered else {
+            return Ok(());
+        };
+        let unit = self.units.iter().nth(u).expect("unit index");
+        let buf = &mut gathered[Buffers::<X>::gathered_slot(u)][..unit.padded_len];
+        buf[unit.shard_range(self.comm.rank())].copy_from_slice(&self.bufs.params[u]);
+        self.comm.all_gather(buf)
+    }
+
+    /// Stages 2-3: reduce-scatters unit `u`'s gradient and adds this rank's shard of it into
+    /// the gradient kept across micro-batches; then clears the buffer for the next unit.
+    fn grads_done(&mut self, u: usize) -> Result<(), Error> {
+        let Some(unit_grads) = &mut self.bufs.unit_grads else {
+            return Ok(());
+        };
+        let unit = self.units.iter().nth(u).expect("unit index");
+        let buf = &mut unit_grads[Buffers::<X>::grad_slot(u)][..unit.padded_len];
+        self.comm.reduce_scatter(buf)?;
+        residual_accumulate(&mut self.bufs.grads[u], &buf[unit.shard_range(self.comm.rank())]);
+        buf.fill(X::ZERO);
+        Ok(())
+    }
+
+    fn unit_len(&self, u: usize) -> usize {
+        self.units.iter().nth(u).expect("unit index").padded_len
+    }
+
+    /// Forward and backward of the micro-batch in `acts.inputs`/`targets`; returns its loss.
+    fn micro_step(&mut self, dloss: f32) -> Result<f64, Error> {
+        let (shape, d, l_n) = (self.shape, self.dims, self.shape.n_layer);
+        let norm = l_n + 1;
+        let ckpt = self.checkpointing;
+        let slot = move |l: usize| if ckpt { 0 } else { l };
+        self.fetch(EMB)?;
+        gpt::embed_forward(self.bufs.param(EMB, self.unit_len(EMB)), &shape, &d, &mut self.acts);
+        for l in 0..l_n {
+            self.fetch(l + 1)?;
+            let p = Block::new(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
+            gpt::block_forward(&p, &mut self.acts, l, slot(l), &d);
+        }
+        self.fetch(norm)?;
+        self.fetch(EMB)?;
+        let loss = {
+            let (norm_len, emb_len) = (self.unit_len(norm), self.unit_len(EMB));
+            let Buffers { params, grads, unit_grads, gathered } = &mut self.bufs;
+            let (p_norm, p_emb) = match gathered {
+                Some(g) => (&g[Buffers::<X>::gathered_slot(norm)][..norm_len], &g[0][..emb_len]),
+                None => (&params[norm][..], &params[EMB][..]),
+            };
+            let (g_norm, g_emb) = match unit_grads {
+                Some([emb, other]) => (&mut other[..], &mut emb[..]),
+                None => {
+                    let [g_emb, g_norm] = grads.get_disjoint_mut([EMB, norm]).expect("distinct units");
+                    (&mut g_norm[..], &mut g_emb[..])
+                }
+            };
+            gpt::head(p_norm, p_emb, g_norm, g_emb, &mut self.acts, &shape, &d, dloss)
+        };
+        self.grads_done(norm)?;
+        for l in (0..l_n).rev() {
+            self.fetch(l + 1)?;
+            let len = self.unit_len(l + 1);
+            if self.checkpointing {
+                let p = Block::new(self.bufs.param(l + 1, len), &shape);
+                gpt::block_forward(&p, &mut self.acts, l, 0, &d);
+            }
+            let Buffers { params, grads, unit_grads, gathered } = &mut self.bufs;
+            let p = match gathered {
+                Some(g) => &g[Buffers::<X>::gathered_slot(l + 1)][..len],
+                None => &params[l + 1][..],
+            };
+            let g = match unit_grads {
+                Some([_, other]) => &mut other[..len],
+                None => &mut grads[l + 1][..],
+            };
+            gpt::block_backward(&Block::new(p, &shape), Block::new_mut(g, &shape), &mut self.acts, l, slot(l), &d);
+            self.grads_done(l + 1)?;
+        }
+        gpt::embed_backward(self.bufs.grad(EMB), &shape, &d, &self.acts);
+        self.grads_done(EMB)?;
+        Ok(loss)
+    }
+
+    /// One optimizer step: `grad_accum` micro-batches from `data`, the gradient reductions, the
+    /// global norm (found-inf and clipping), the loss scaler's verdict, and the update.
+    pub fn step(
+        &mut self,
+        data: &mut DataLoader,
+        scaler: &mut LossScaler,
+        lr: f32,
+        clip: f64,
+    ) -> Result<StepReport, Error> {
+        for g in &mut self.bufs.grads {
+            g.fill(X::ZERO);
+        }
+        let scale = scaler.scale();
+        let tokens = self.dims.tokens() * self.grad_accum * self.comm.world_size();
+        // Each token's loss is divided by the tokens of the whole step on every rank, so the
+        // summed gradients are the mean's; the loss scale rides along.
+        let dloss = scale / tokens as f32;
+        let mut loss = 0.0;
+        for _ in 0..self.grad_accum {
+            data.next_batch(&mut self.acts.inputs, &mut self.acts.targets)?;
+            loss += self.micro_step(dloss)?;
+        }
+        loss /= self.grad_accum as f64;
+        match self.stage {
+            ZeroStage::Ddp => self.bufs.grads.iter_mut().try_for_each(|g| self.comm.all_reduce(g))?,
+            ZeroStage::Optimizer => {
+                self.bufs.grads.iter_mut().try_for_each(|g| self.comm.reduce_scatter(g))?
+            }
+            ZeroStage::Gradients | ZeroStage::Parameters => {}
+        }
+        let grad_norm = if self.reduces_norm { Some(self.grad_norm(scale)?) } else { None };
+        let found_inf = grad_norm.is_some_and(|n| !n.is_finite());
+        let step = self.applied + 1;
+        let report = |skipped| StepReport { loss, loss_scale: scale, skipped, grad_norm };
+        if scaler.update(found_inf)?.is_skipped() {
+            return Ok(report(true));
+        }
+        if found_inf {
+            return Err(Error::NonFiniteGradients { step });
+        }
+        let clip_coef = match grad_norm {
+            Some(norm) if clip > 0.0 => (clip / (norm + 1e-6)).min(1.0),
+            _ => 1.0,
+        };
+        let s = Step { lr, t: step, grad_scale: (clip_coef / f64::from(scale)) as f32 };
+        self.update(s)?;
+        self.applied = step;
+        Ok(report(false))
+    }
+
+    /// ‖g‖ of the unscaled gradients this rank holds, summed over ranks when sharded.
+    fn grad_norm(&mut self, scale: f32) -> Result<f64, Error> {
+        let rank = self.comm.rank();
+        let mut sq = 0f64;
+        for (unit, g) in self.units.iter().zip(&self.bufs.grads) {
+            let held = if self.stage.shards_grads() { 0..g.len() } else { held_range(unit, self.stage, rank) };
+            sq += sum_squares(&g[held]);
+        }
+        if self.stage.shards_optimizer() {
+            let mut total = [sq as f32];
+            self.comm.all_reduce(&mut total)?;
+            sq = f64::from(total[0]);
+        }
+        Ok(sq.sqrt() / f64::from(scale))
+    }
+
+    /// Applies the optimizer to every unit's held range, then (stages 1-2) gathers the
+    /// updated parameters from every rank.
+    fn update(&mut self, s: Step) -> Result<(), Error> {
+        let (stage, rank) = (self.stage, self.comm.rank());
+        let mut masters: Vec<Option<&mut [f32]>> = match &mut self.master {
+            Some(m) => m.iter_mut().map(|b| Some(&mut b[..])).collect(),
+            None => self.bufs.params.iter().map(|_| None).collect(),
+        };
+        let mut slices = Vec::with_capacity(masters.len());
+        let units = self.units.iter().zip(self.bufs.params.iter_mut()).zip(&self.bufs.grads);
+        for (((unit, p), g), m) in units.zip(masters.iter_mut().map(Option::take)) {
+            let held = held_range(unit, stage, rank);
+            let grads = if stage.shards_grads() { &g[..] } else { &g[held.clone()] };
+            let params = if stage.shards_params() { &mut p[..] } else { &mut p[held.clone()] };
+            let (master, param_out) = match m {
+                Some(m) => (m, Some(params)),
+                None => (X::as_f32_mut(params).expect("fp32 parameters are their own master"), None),
+            };
+            slices.push(Slices { unit, held, master, grads, param_out });
+        }
+        self.optimizer.step(&mut slices, s, &mut self.comm)?;
+        if matches!(stage, ZeroStage::Optimizer | ZeroStage::Gradients) {
+            self.bufs.params.iter_mut().try_for_each(|p| self.comm.all_gather(p))?;
+        }
+        Ok(())
+    }
+}
+
+/// The range of a unit whose optimizer state this rank keeps and updates.
+fn held_range(unit: &Unit, stage: ZeroStage, rank: usize) -> Range<usize> {
+    if stage.shards_optimizer() { unit.shard_range(rank) } else { 0..unit.padded_len }
+}
