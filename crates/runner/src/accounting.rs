@@ -36,7 +36,11 @@ impl Accountant {
     }
 
     /// A zeroed buffer of `len` elements charged to `category`.
-    pub fn alloc<T: Copy + Default>(&self, category: Category, len: usize) -> Result<Buffer<T>, Error> {
+    pub fn alloc<T: Copy + Default>(
+        &self,
+        category: Category,
+        len: usize,
+    ) -> Result<Buffer<T>, Error> {
         let bytes = (len * size_of::<T>()) as u64;
         {
             let mut l = self.ledger();
@@ -128,9 +132,18 @@ mod tests {
         let err = acct.alloc::<f32>(Category::Optimizer, 6).unwrap_err();
         assert!(matches!(
             err,
-            Error::OutOfMemory { category: Category::Optimizer, requested: 24, in_use: 80, budget: 100 }
+            Error::OutOfMemory {
+                category: Category::Optimizer,
+                requested: 24,
+                in_use: 80,
+                budget: 100
+            }
         ));
         assert!(err.to_string().contains("optimizer"), "{err}");
-        assert_eq!(acct.current().optimizer, 0, "a refused allocation charges nothing");
+        assert_eq!(
+            acct.current().optimizer,
+            0,
+            "a refused allocation charges nothing"
+        );
     }
 }

@@ -44,7 +44,10 @@ impl Communicator {
     }
 
     fn single<T>(&self, _buf: &mut [T]) -> Result<(), Error> {
-        assert_eq!(self.world_size, 1, "multi-rank collectives are not built yet");
+        assert_eq!(
+            self.world_size, 1,
+            "multi-rank collectives are not built yet"
+        );
         Ok(())
     }
 }

@@ -38,9 +38,16 @@ pub enum Error {
         "out of device memory: allocating {} of {} with {} in use would pass the rank's budget of {}",
         human(*requested), category.name(), human(*in_use), human(*budget)
     )]
-    OutOfMemory { category: Category, requested: u64, in_use: u64, budget: u64 },
+    OutOfMemory {
+        category: Category,
+        requested: u64,
+        in_use: u64,
+        budget: u64,
+    },
     /// Gradients became inf or NaN without a loss scaler to skip the step (fp32/bf16).
-    #[error("step {step}: gradients are not finite (inf or NaN); lower the learning rate or enable clipping")]
+    #[error(
+        "step {step}: gradients are not finite (inf or NaN); lower the learning rate or enable clipping"
+    )]
     NonFiniteGradients { step: u64 },
     /// The spec cannot be planned onto the devices.
     #[error(transparent)]

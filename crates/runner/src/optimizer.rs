@@ -43,10 +43,21 @@ enum UnitState {
     Stateless,
     /// Momentum's buffer or Lion's m.
     One(Buffer<f32>),
-    Adam { m: Buffer<f32>, v: Buffer<f32> },
-    Adam8bit { m: Buffer<u8>, v: Buffer<u8>, absmax_m: Buffer<f32>, absmax_v: Buffer<f32> },
+    Adam {
+        m: Buffer<f32>,
+        v: Buffer<f32>,
+    },
+    Adam8bit {
+        m: Buffer<u8>,
+        v: Buffer<u8>,
+        absmax_m: Buffer<f32>,
+        absmax_v: Buffer<f32>,
+    },
     /// Full second moments of the vector tensors' held elements, and the first moment.
-    Adafactor { vectors: Vec<Buffer<f32>>, exp_avg: Option<Buffer<f32>> },
+    Adafactor {
+        vectors: Vec<Buffer<f32>>,
+        exp_avg: Option<Buffer<f32>>,
+    },
 }
 
 /// Adafactor's statistics of every matrix (all ranks keep all of them) and the exact sums
@@ -59,7 +70,10 @@ struct Factored {
 }
 
 /// The tensors of `unit` intersecting `held`, with the intersection relative to the tensor.
-fn pieces<'u>(unit: &'u Unit, held: &Range<usize>) -> impl Iterator<Item = (usize, Dims, Range<usize>)> + 'u {
+fn pieces<'u>(
+    unit: &'u Unit,
+    held: &Range<usize>,
+) -> impl Iterator<Item = (usize, Dims, Range<usize>)> + 'u {
     let held = held.clone();
     unit.tensors.iter().enumerate().filter_map(move |(i, t)| {
         let r = t.range();
@@ -82,7 +96,10 @@ impl OptimizerState {
                 Ok(match spec {
                     Optimizer::Sgd(_) => UnitState::Stateless,
                     Optimizer::Momentum(_) | Optimizer::Lion(_) => UnitState::One(f32s(n)?),
-                    Optimizer::Adamw(_) => UnitState::Adam { m: f32s(n)?, v: f32s(n)? },
+                    Optimizer::Adamw(_) => UnitState::Adam {
+                        m: f32s(n)?,
+                        v: f32s(n)?,
+                    },
                     Optimizer::Adam8bit(a) => {
                         let blocks = k::adam8bit_blocks(n, a.block_size as usize);
                         UnitState::Adam8bit {
@@ -125,7 +142,11 @@ impl OptimizerState {
             }
             _ => None,
         };
-        Ok(OptimizerState { spec, units, adafactor })
+        Ok(OptimizerState {
+            spec,
+            units,
+            adafactor,
+        })
     }
 
     /// Applies one update to every unit's held range.
@@ -138,7 +159,12 @@ impl OptimizerState {
         let wd = self.spec.weight_decay() as f32;
         if wd > 0.0 {
             for sl in slices.iter_mut() {
-                for t in sl.unit.tensors.iter().filter(|t| matches!(t.dims, Dims::Matrix(..))) {
+                for t in sl
+                    .unit
+                    .tensors
+                    .iter()
+                    .filter(|t| matches!(t.dims, Dims::Matrix(..)))
+                {
                     let r = t.range();
                     let (start, end) = (r.start.max(sl.held.start), r.end.min(sl.held.end));
                     if start < end {
@@ -164,21 +190,49 @@ impl OptimizerState {
             match (state, self.spec) {
                 (UnitState::Stateless, _) => k::sgd_step(p, g, out, s.lr, s.grad_scale),
                 (UnitState::One(buf), Optimizer::Momentum(m)) => {
-                    let hp = k::Momentum { lr: s.lr, momentum: m.momentum as f32, nesterov: m.nesterov };
+                    let hp = k::Momentum {
+                        lr: s.lr,
+                        momentum: m.momentum as f32,
+                        nesterov: m.nesterov,
+                    };
                     k::momentum_step(p, g, buf, out, &hp, s.grad_scale)
                 }
                 (UnitState::One(m), Optimizer::Lion(l)) => {
-                    let hp = k::Lion { lr: s.lr, beta1: l.betas[0] as f32, beta2: l.betas[1] as f32 };
+                    let hp = k::Lion {
+                        lr: s.lr,
+                        beta1: l.betas[0] as f32,
+                        beta2: l.betas[1] as f32,
+                    };
                     k::lion_step(p, g, m, out, &hp, s.grad_scale)
                 }
                 (UnitState::Adam { m, v }, Optimizer::Adamw(a)) => {
                     let hp = adam_hp(s.lr, a.betas, a.eps);
                     k::adamw_step(p, g, m, v, out, &hp, s.t, s.grad_scale)
                 }
-                (UnitState::Adam8bit { m, v, absmax_m, absmax_v }, Optimizer::Adam8bit(a)) => {
+                (
+                    UnitState::Adam8bit {
+                        m,
+                        v,
+                        absmax_m,
+                        absmax_v,
+                    },
+                    Optimizer::Adam8bit(a),
+                ) => {
                     let hp = adam_hp(s.lr, a.betas, a.eps);
                     let block = a.block_size as usize;
-                    k::adam8bit_step(p, g, m, v, absmax_m, absmax_v, out, &hp, s.t, s.grad_scale, block)
+                    k::adam8bit_step(
+                        p,
+                        g,
+                        m,
+                        v,
+                        absmax_m,
+                        absmax_v,
+                        out,
+                        &hp,
+                        s.t,
+                        s.grad_scale,
+                        block,
+                    )
                 }
                 _ => unreachable!("optimizer state is built for its spec"),
             }
@@ -188,7 +242,12 @@ impl OptimizerState {
 }
 
 fn adam_hp(lr: f32, betas: [f64; 2], eps: f64) -> k::AdamW {
-    k::AdamW { lr, beta1: betas[0] as f32, beta2: betas[1] as f32, eps: eps as f32 }
+    k::AdamW {
+        lr,
+        beta1: betas[0] as f32,
+        beta2: betas[1] as f32,
+        eps: eps as f32,
+    }
 }
 
 /// Adafactor's phases across every held range: exact row/column sums of g², all-reduced; the
@@ -205,7 +264,14 @@ fn adafactor<X: Float>(
     f.sums.fill(0.0);
     f.rms.fill(0.0);
     walk(units, f, slices, |p| {
-        if let Piece::Matrix { grad, start, rows, sums, .. } = p {
+        if let Piece::Matrix {
+            grad,
+            start,
+            rows,
+            sums,
+            ..
+        } = p
+        {
             let (rs, cs) = sums.split_at_mut(rows * LIMBS);
             k::adafactor_sq_sums(grad, start, gs, hp, rs, cs);
         }
@@ -219,18 +285,41 @@ fn adafactor<X: Float>(
         sums = rest;
     }
     walk(units, f, slices, |p| match p {
-        Piece::Matrix { grad, row, col, start, rms, .. } => {
-            k::adafactor_rms_sum(grad, gs, Moment::Factored { row, col, start }, rms)
-        }
+        Piece::Matrix {
+            grad,
+            row,
+            col,
+            start,
+            rms,
+            ..
+        } => k::adafactor_rms_sum(grad, gs, Moment::Factored { row, col, start }, rms),
         Piece::Vector { grad, v, rms, .. } => k::adafactor_vector_ema(v, grad, gs, hp, s.t, rms),
     });
     comm.all_reduce(&mut f.rms)?;
     walk(units, f, slices, |p| match p {
-        Piece::Matrix { master, grad, out, exp_avg, row, col, start, rms, .. } => {
+        Piece::Matrix {
+            master,
+            grad,
+            out,
+            exp_avg,
+            row,
+            col,
+            start,
+            rms,
+            ..
+        } => {
             let moment = Moment::Factored { row, col, start };
             k::adafactor_apply(master, grad, exp_avg, out, moment, rms, hp, gs)
         }
-        Piece::Vector { master, grad, out, exp_avg, v, numel, rms } => {
+        Piece::Vector {
+            master,
+            grad,
+            out,
+            exp_avg,
+            v,
+            numel,
+            rms,
+        } => {
             let moment = Moment::Full { v, numel };
             k::adafactor_apply(master, grad, exp_avg, out, moment, rms, hp, gs)
         }
@@ -295,13 +384,22 @@ fn walk<X: Float>(
             match t.dims {
                 Dims::Matrix(rows, cols) => {
                     let (row, col) = stats.next().expect("statistics per matrix");
-                    let (mine, tail) = std::mem::take(&mut sums).split_at_mut((rows + cols) * LIMBS);
+                    let (mine, tail) =
+                        std::mem::take(&mut sums).split_at_mut((rows + cols) * LIMBS);
                     sums = tail;
                     if start < end {
                         let (master, grad, out, exp_avg) = rest.take(start, end);
                         visit(Piece::Matrix {
-                            master, grad, out, exp_avg, row, col, start: start - r.start, rows,
-                            sums: mine, rms,
+                            master,
+                            grad,
+                            out,
+                            exp_avg,
+                            row,
+                            col,
+                            start: start - r.start,
+                            rows,
+                            sums: mine,
+                            rms,
                         });
                     }
                 }
@@ -309,7 +407,15 @@ fn walk<X: Float>(
                     if start < end {
                         let v = vectors.next().expect("a moment per held vector");
                         let (master, grad, out, exp_avg) = rest.take(start, end);
-                        visit(Piece::Vector { master, grad, out, exp_avg, v, numel, rms });
+                        visit(Piece::Vector {
+                            master,
+                            grad,
+                            out,
+                            exp_avg,
+                            v,
+                            numel,
+                            rms,
+                        });
                     }
                 }
             }
@@ -326,7 +432,12 @@ struct Rest<'a, X> {
     exp_avg: Option<&'a mut [f32]>,
 }
 
-type Taken<'a, X> = (&'a mut [f32], &'a [X], Option<&'a mut [X]>, Option<&'a mut [f32]>);
+type Taken<'a, X> = (
+    &'a mut [f32],
+    &'a [X],
+    Option<&'a mut [X]>,
+    Option<&'a mut [f32]>,
+);
 
 impl<'a, X> Rest<'a, X> {
     /// Elements `[start, end)` of the unit (`start ≥ at`).

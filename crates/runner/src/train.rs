@@ -26,6 +26,8 @@ pub struct Options {
     pub device_memory: Option<u64>,
     /// Kernel threads (default: all cores).
     pub threads: Option<usize>,
+    /// Where checkpoints and the final Hugging Face export go (none: nothing is written).
+    pub out_dir: Option<std::path::PathBuf>,
 }
 
 /// One finished step, as progress displays show it.
@@ -61,22 +63,34 @@ pub struct Summary {
 }
 
 /// Trains `spec` to completion, calling `progress` after every step.
-pub fn run(spec: &JobSpec, opts: &Options, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<Summary, Error> {
+pub fn run(
+    spec: &JobSpec,
+    opts: &Options,
+    progress: &mut (dyn FnMut(Progress) + Send),
+) -> Result<Summary, Error> {
     let Architecture::Gpt(shape) = spec.architecture() else {
-        return Err(Error::Untrainable { reason: "a bare parameter count has no architecture to train".into() });
+        return Err(Error::Untrainable {
+            reason: "a bare parameter count has no architecture to train".into(),
+        });
     };
     let world = spec.world_size.get() as usize;
     if world > 1 {
         return Err(Error::Untrainable {
-            reason: format!("world_size {world}: multi-rank collectives are not built yet; use world_size 1"),
+            reason: format!(
+                "world_size {world}: multi-rank collectives are not built yet; use world_size 1"
+            ),
         });
     }
     let budget = opts.device_memory.unwrap_or(u64::MAX);
     let inventory = Inventory::uniform(world, budget, DeviceKind::Cpu);
     let plan = plan::plan(spec, &inventory)?;
     let setup = plan.chosen.setup;
-    let threads = opts.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let pool = kernels::cpu::thread_pool(threads).map_err(|e| Error::Untrainable { reason: format!("thread pool: {e}") })?;
+    let threads = opts
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let pool = kernels::cpu::thread_pool(threads).map_err(|e| Error::Untrainable {
+        reason: format!("thread pool: {e}"),
+    })?;
     pool.install(|| {
         kernels::cpu::flush_denormals();
         match spec.precision.dtype {
@@ -99,7 +113,12 @@ fn train<X: Float>(
     let rank = comm.rank();
     let acct = Accountant::new(opts.device_memory);
     let mut engine = Engine::<X>::new(setup, shape, t.seed, comm, acct.clone())?;
-    let layout = BatchLayout { batch: setup.micro_batch, seq_len: setup.seq_len, rank, world_size: setup.world_size };
+    let layout = BatchLayout {
+        batch: setup.micro_batch,
+        seq_len: setup.seq_len,
+        rank,
+        world_size: setup.world_size,
+    };
     let mut data = DataLoader::new(&spec.data, layout, t.seed, shape.vocab_size)?;
     let mut scaler = LossScaler::new(spec.precision.effective_loss_scale());
     let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;

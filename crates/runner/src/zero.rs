@@ -25,8 +25,8 @@ use scheduler::spec::ZeroStage;
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::comm::Communicator;
-use crate::gpt::{self, Acts, Block, Dims};
 use crate::data::DataLoader;
+use crate::gpt::{self, Acts, Block, Dims};
 use crate::loss_scale::LossScaler;
 use crate::optimizer::{OptimizerState, Slices, Step};
 
@@ -129,18 +129,31 @@ impl<X: Float> Engine<X> {
             Some(
                 units
                     .iter()
-                    .map(|u| acct.alloc::<f32>(Category::Optimizer, held_len(u, stage.shards_optimizer())))
+                    .map(|u| {
+                        acct.alloc::<f32>(
+                            Category::Optimizer,
+                            held_len(u, stage.shards_optimizer()),
+                        )
+                    })
                     .collect::<Result<Vec<_>, Error>>()?,
             )
         } else {
             None
         };
-        let held: Vec<(&Unit, Range<usize>)> =
-            units.iter().map(|u| (u, held_range(u, stage, rank))).collect();
+        let held: Vec<(&Unit, Range<usize>)> = units
+            .iter()
+            .map(|u| (u, held_range(u, stage, rank)))
+            .collect();
         let optimizer = OptimizerState::new(setup.optimizer, &held, &acct)?;
-        let (emb, other) = (units.embeddings().padded_len, units.largest_other_padded_len());
+        let (emb, other) = (
+            units.embeddings().padded_len,
+            units.largest_other_padded_len(),
+        );
         let unit_grads = if stage.shards_grads() {
-            Some([acct.alloc(Category::Buffers, emb)?, acct.alloc(Category::Buffers, other)?])
+            Some([
+                acct.alloc(Category::Buffers, emb)?,
+                acct.alloc(Category::Buffers, other)?,
+            ])
         } else {
             None
         };
@@ -163,7 +176,12 @@ impl<X: Float> Engine<X> {
             checkpointing: setup.checkpointing,
             grad_accum: setup.grad_accum,
             reduces_norm: setup.reduces_norm,
-            bufs: Buffers { params, grads, unit_grads, gathered },
+            bufs: Buffers {
+                params,
+                grads,
+                unit_grads,
+                gathered,
+            },
             master,
             optimizer,
             acts,
@@ -199,7 +217,9 @@ impl<X: Float> Engine<X> {
                 key[16..24].copy_from_slice(&(ti as u64).to_le_bytes());
                 let mut rng = ChaCha8Rng::from_seed(key);
                 let value: Box<dyn FnMut() -> f32> = match t.kind {
-                    TensorKind::Ln1Weight | TensorKind::Ln2Weight | TensorKind::LnfWeight => Box::new(|| 1.0),
+                    TensorKind::Ln1Weight | TensorKind::Ln2Weight | TensorKind::LnfWeight => {
+                        Box::new(|| 1.0)
+                    }
                     k if !k.decayed(&self.shape) => Box::new(|| 0.0),
                     k => {
                         let s = match k {
@@ -217,9 +237,19 @@ impl<X: Float> Engine<X> {
 
     /// Writes the values `next` yields for elements `range` of unit `ui` into this rank's
     /// parameters and master weights, wherever they hold them.
-    fn write_tensor(&mut self, ui: usize, range: Range<usize>, rank: usize, mut next: impl FnMut() -> f32) {
+    fn write_tensor(
+        &mut self,
+        ui: usize,
+        range: Range<usize>,
+        rank: usize,
+        mut next: impl FnMut() -> f32,
+    ) {
         let unit = self.units.iter().nth(ui).expect("unit index");
-        let params_at = if self.stage.shards_params() { unit.shard_range(rank) } else { 0..unit.padded_len };
+        let params_at = if self.stage.shards_params() {
+            unit.shard_range(rank)
+        } else {
+            0..unit.padded_len
+        };
         let master_at = held_range(unit, self.stage, rank);
         for i in range {
             let v = next();
@@ -254,7 +284,10 @@ impl<X: Float> Engine<X> {
         let unit = self.units.iter().nth(u).expect("unit index");
         let buf = &mut unit_grads[Buffers::<X>::grad_slot(u)][..unit.padded_len];
         self.comm.reduce_scatter(buf)?;
-        residual_accumulate(&mut self.bufs.grads[u], &buf[unit.shard_range(self.comm.rank())]);
+        residual_accumulate(
+            &mut self.bufs.grads[u],
+            &buf[unit.shard_range(self.comm.rank())],
+        );
         buf.fill(X::ZERO);
         Ok(())
     }
@@ -270,7 +303,12 @@ impl<X: Float> Engine<X> {
         let ckpt = self.checkpointing;
         let slot = move |l: usize| if ckpt { 0 } else { l };
         self.fetch(EMB)?;
-        gpt::embed_forward(self.bufs.param(EMB, self.unit_len(EMB)), &shape, &d, &mut self.acts);
+        gpt::embed_forward(
+            self.bufs.param(EMB, self.unit_len(EMB)),
+            &shape,
+            &d,
+            &mut self.acts,
+        );
         for l in 0..l_n {
             self.fetch(l + 1)?;
             let p = Block::new(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
@@ -280,19 +318,37 @@ impl<X: Float> Engine<X> {
         self.fetch(EMB)?;
         let loss = {
             let (norm_len, emb_len) = (self.unit_len(norm), self.unit_len(EMB));
-            let Buffers { params, grads, unit_grads, gathered } = &mut self.bufs;
+            let Buffers {
+                params,
+                grads,
+                unit_grads,
+                gathered,
+            } = &mut self.bufs;
             let (p_norm, p_emb) = match gathered {
-                Some(g) => (&g[Buffers::<X>::gathered_slot(norm)][..norm_len], &g[0][..emb_len]),
+                Some(g) => (
+                    &g[Buffers::<X>::gathered_slot(norm)][..norm_len],
+                    &g[0][..emb_len],
+                ),
                 None => (&params[norm][..], &params[EMB][..]),
             };
             let (g_norm, g_emb) = match unit_grads {
                 Some([emb, other]) => (&mut other[..], &mut emb[..]),
                 None => {
-                    let [g_emb, g_norm] = grads.get_disjoint_mut([EMB, norm]).expect("distinct units");
+                    let [g_emb, g_norm] =
+                        grads.get_disjoint_mut([EMB, norm]).expect("distinct units");
                     (&mut g_norm[..], &mut g_emb[..])
                 }
             };
-            gpt::head(p_norm, p_emb, g_norm, g_emb, &mut self.acts, &shape, &d, dloss)
+            gpt::head(
+                p_norm,
+                p_emb,
+                g_norm,
+                g_emb,
+                &mut self.acts,
+                &shape,
+                &d,
+                dloss,
+            )
         };
         self.grads_done(norm)?;
         for l in (0..l_n).rev() {
@@ -302,7 +358,12 @@ impl<X: Float> Engine<X> {
                 let p = Block::new(self.bufs.param(l + 1, len), &shape);
                 gpt::block_forward(&p, &mut self.acts, l, 0, &d);
             }
-            let Buffers { params, grads, unit_grads, gathered } = &mut self.bufs;
+            let Buffers {
+                params,
+                grads,
+                unit_grads,
+                gathered,
+            } = &mut self.bufs;
             let p = match gathered {
                 Some(g) => &g[Buffers::<X>::gathered_slot(l + 1)][..len],
                 None => &params[l + 1][..],
@@ -311,7 +372,14 @@ impl<X: Float> Engine<X> {
                 Some([_, other]) => &mut other[..len],
                 None => &mut grads[l + 1][..],
             };
-            gpt::block_backward(&Block::new(p, &shape), Block::new_mut(g, &shape), &mut self.acts, l, slot(l), &d);
+            gpt::block_backward(
+                &Block::new(p, &shape),
+                Block::new_mut(g, &shape),
+                &mut self.acts,
+                l,
+                slot(l),
+                &d,
+            );
             self.grads_done(l + 1)?;
         }
         gpt::embed_backward(self.bufs.grad(EMB), &shape, &d, &self.acts);
@@ -343,16 +411,31 @@ impl<X: Float> Engine<X> {
         }
         loss /= self.grad_accum as f64;
         match self.stage {
-            ZeroStage::Ddp => self.bufs.grads.iter_mut().try_for_each(|g| self.comm.all_reduce(g))?,
-            ZeroStage::Optimizer => {
-                self.bufs.grads.iter_mut().try_for_each(|g| self.comm.reduce_scatter(g))?
-            }
+            ZeroStage::Ddp => self
+                .bufs
+                .grads
+                .iter_mut()
+                .try_for_each(|g| self.comm.all_reduce(g))?,
+            ZeroStage::Optimizer => self
+                .bufs
+                .grads
+                .iter_mut()
+                .try_for_each(|g| self.comm.reduce_scatter(g))?,
             ZeroStage::Gradients | ZeroStage::Parameters => {}
         }
-        let grad_norm = if self.reduces_norm { Some(self.grad_norm(scale)?) } else { None };
+        let grad_norm = if self.reduces_norm {
+            Some(self.grad_norm(scale)?)
+        } else {
+            None
+        };
         let found_inf = grad_norm.is_some_and(|n| !n.is_finite());
         let step = self.applied + 1;
-        let report = |skipped| StepReport { loss, loss_scale: scale, skipped, grad_norm };
+        let report = |skipped| StepReport {
+            loss,
+            loss_scale: scale,
+            skipped,
+            grad_norm,
+        };
         if scaler.update(found_inf)?.is_skipped() {
             return Ok(report(true));
         }
@@ -363,7 +446,11 @@ impl<X: Float> Engine<X> {
             Some(norm) if clip > 0.0 => (clip / (norm + 1e-6)).min(1.0),
             _ => 1.0,
         };
-        let s = Step { lr, t: step, grad_scale: (clip_coef / f64::from(scale)) as f32 };
+        let s = Step {
+            lr,
+            t: step,
+            grad_scale: (clip_coef / f64::from(scale)) as f32,
+        };
         self.update(s)?;
         self.applied = step;
         Ok(report(false))
@@ -374,7 +461,11 @@ impl<X: Float> Engine<X> {
         let rank = self.comm.rank();
         let mut sq = 0f64;
         for (unit, g) in self.units.iter().zip(&self.bufs.grads) {
-            let held = if self.stage.shards_grads() { 0..g.len() } else { held_range(unit, self.stage, rank) };
+            let held = if self.stage.shards_grads() {
+                0..g.len()
+            } else {
+                held_range(unit, self.stage, rank)
+            };
             sq += sum_squares(&g[held]);
         }
         if self.stage.shards_optimizer() {
@@ -394,20 +485,44 @@ impl<X: Float> Engine<X> {
             None => self.bufs.params.iter().map(|_| None).collect(),
         };
         let mut slices = Vec::with_capacity(masters.len());
-        let units = self.units.iter().zip(self.bufs.params.iter_mut()).zip(&self.bufs.grads);
+        let units = self
+            .units
+            .iter()
+            .zip(self.bufs.params.iter_mut())
+            .zip(&self.bufs.grads);
         for (((unit, p), g), m) in units.zip(masters.iter_mut().map(Option::take)) {
             let held = held_range(unit, stage, rank);
-            let grads = if stage.shards_grads() { &g[..] } else { &g[held.clone()] };
-            let params = if stage.shards_params() { &mut p[..] } else { &mut p[held.clone()] };
+            let grads = if stage.shards_grads() {
+                &g[..]
+            } else {
+                &g[held.clone()]
+            };
+            let params = if stage.shards_params() {
+                &mut p[..]
+            } else {
+                &mut p[held.clone()]
+            };
             let (master, param_out) = match m {
                 Some(m) => (m, Some(params)),
-                None => (X::as_f32_mut(params).expect("fp32 parameters are their own master"), None),
+                None => (
+                    X::as_f32_mut(params).expect("fp32 parameters are their own master"),
+                    None,
+                ),
             };
-            slices.push(Slices { unit, held, master, grads, param_out });
+            slices.push(Slices {
+                unit,
+                held,
+                master,
+                grads,
+                param_out,
+            });
         }
         self.optimizer.step(&mut slices, s, &mut self.comm)?;
         if matches!(stage, ZeroStage::Optimizer | ZeroStage::Gradients) {
-            self.bufs.params.iter_mut().try_for_each(|p| self.comm.all_gather(p))?;
+            self.bufs
+                .params
+                .iter_mut()
+                .try_for_each(|p| self.comm.all_gather(p))?;
         }
         Ok(())
     }
@@ -415,5 +530,9 @@ impl<X: Float> Engine<X> {
 
 /// The range of a unit whose optimizer state this rank keeps and updates.
 fn held_range(unit: &Unit, stage: ZeroStage, rank: usize) -> Range<usize> {
-    if stage.shards_optimizer() { unit.shard_range(rank) } else { 0..unit.padded_len }
+    if stage.shards_optimizer() {
+        unit.shard_range(rank)
+    } else {
+        0..unit.padded_len
+    }
 }

@@ -11,14 +11,21 @@ fn zerotrain(args: &[&str]) -> Output {
 }
 
 fn stdout(out: &Output) -> String {
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout.clone()).unwrap()
 }
 
 #[test]
 fn estimate_prints_the_stage_table_and_plan_for_gpt2_124m_bf16_adamw() {
     let out = stdout(&zerotrain(&["estimate", "gpt2-124m-bf16-adamw.json"]));
-    assert!(out.starts_with("124,439,808 parameters on 4 CUDA device(s)"), "{out}");
+    assert!(
+        out.starts_with("124,439,808 parameters on 4 CUDA device(s)"),
+        "{out}"
+    );
     insta::assert_snapshot!(out);
 }
 
@@ -48,7 +55,10 @@ fn estimate_refuses_a_bad_spec_naming_the_field() {
     assert!(!out.status.success());
     assert!(out.stdout.is_empty());
     let err = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(err.trim(), "error: training.seq_len: 2048 exceeds model.context_length 1024");
+    assert_eq!(
+        err.trim(),
+        "error: training.seq_len: 2048 exceeds model.context_length 1024"
+    );
 }
 
 #[test]

@@ -57,9 +57,17 @@ struct Alloc<'a> {
 
 impl Alloc<'_> {
     fn take<T: Copy + Default>(&self, tensor: A, compute_bytes: usize) -> Result<Buffer<T>, Error> {
-        debug_assert_eq!(size_of::<T>() as u64, tensor.element().bytes(compute_bytes as u64));
-        let category = if tensor.is_buffer() { Category::Buffers } else { Category::Activations };
-        self.acct.alloc(category, tensor.len(self.shape, self.b, self.t))
+        debug_assert_eq!(
+            size_of::<T>() as u64,
+            tensor.element().bytes(compute_bytes as u64)
+        );
+        let category = if tensor.is_buffer() {
+            Category::Buffers
+        } else {
+            Category::Activations
+        };
+        self.acct
+            .alloc(category, tensor.len(self.shape, self.b, self.t))
     }
 }
 
@@ -92,7 +100,11 @@ impl<X: Float> Acts<X> {
                 })
             })
             .collect::<Result<_, Error>>()?;
-        let scratch = if X::as_f32(&[]).is_some() { 0 } else { MATMUL_SCRATCH_F32 };
+        let scratch = if X::as_f32(&[]).is_some() {
+            0
+        } else {
+            MATMUL_SCRATCH_F32
+        };
         Ok(Acts {
             encoded: a.take(A::Encoded, x)?,
             blocks,

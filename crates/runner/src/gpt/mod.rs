@@ -69,8 +69,36 @@ pub struct Block<S> {
 }
 
 impl<S> Block<S> {
-    fn from_parts([ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fcproj_w, fcproj_b]: [S; 12]) -> Self {
-        Block { ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fcproj_w, fcproj_b }
+    fn from_parts(
+        [
+            ln1_w,
+            ln1_b,
+            attn_w,
+            attn_b,
+            proj_w,
+            proj_b,
+            ln2_w,
+            ln2_b,
+            fc_w,
+            fc_b,
+            fcproj_w,
+            fcproj_b,
+        ]: [S; 12],
+    ) -> Self {
+        Block {
+            ln1_w,
+            ln1_b,
+            attn_w,
+            attn_b,
+            proj_w,
+            proj_b,
+            ln2_w,
+            ln2_b,
+            fc_w,
+            fc_b,
+            fcproj_w,
+            fcproj_b,
+        }
     }
 }
 

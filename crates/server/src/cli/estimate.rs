@@ -72,7 +72,11 @@ fn table(r: &Report, device_memory: u64) -> String {
         human(device_memory),
         r.micro_batch_size,
         r.grad_accum_steps,
-        if r.activation_checkpointing { "on" } else { "off" },
+        if r.activation_checkpointing {
+            "on"
+        } else {
+            "off"
+        },
     );
     let _ = writeln!(out, "\nper rank:");
     let mut header = format!("{:<6}", "stage");
@@ -86,7 +90,12 @@ fn table(r: &Report, device_memory: u64) -> String {
         for c in Category::ALL {
             let _ = write!(line, "{:>12}", human(b.get(c)));
         }
-        let _ = writeln!(line, "{:>12}{:>14}", human(b.total()), human(row.comm_bytes_per_step));
+        let _ = writeln!(
+            line,
+            "{:>12}{:>14}",
+            human(b.total()),
+            human(row.comm_bytes_per_step)
+        );
         out.push_str(&line);
     }
     out.push('\n');
@@ -97,7 +106,11 @@ fn table(r: &Report, device_memory: u64) -> String {
                 out,
                 "plan: stage {}, activation checkpointing {}, micro-batch {} × {} accumulation steps: {} per rank, {} sent per rank per step",
                 c.zero_stage.index(),
-                if c.activation_checkpointing { "on" } else { "off" },
+                if c.activation_checkpointing {
+                    "on"
+                } else {
+                    "off"
+                },
                 c.micro_batch_size,
                 c.grad_accum_steps,
                 human(plan.per_rank_bytes.total()),
@@ -109,7 +122,11 @@ fn table(r: &Report, device_memory: u64) -> String {
         }
     }
     if !r.unsupported_keys.is_empty() {
-        let _ = writeln!(out, "ignored DeepSpeed keys: {}", r.unsupported_keys.join(", "));
+        let _ = writeln!(
+            out,
+            "ignored DeepSpeed keys: {}",
+            r.unsupported_keys.join(", ")
+        );
     }
     out
 }

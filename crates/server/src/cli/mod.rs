@@ -1,13 +1,18 @@
 //! The `zerotrain` command line: one subcommand per module.
 
 mod estimate;
+mod train;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "zerotrain", version, about = "ZeRO-sharded mixed-precision training as a service")]
+#[command(
+    name = "zerotrain",
+    version,
+    about = "ZeRO-sharded mixed-precision training as a service"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -17,12 +22,15 @@ struct Cli {
 enum Command {
     /// Per-rank memory for ZeRO stages 0-3, communication per step, and the plan for a job spec.
     Estimate(estimate::Args),
+    /// Train a job in this process, without the service.
+    Train(train::Args),
 }
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Estimate(args) => estimate::run(args),
+        Command::Train(args) => train::run_cli(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,80 @@
+//! `zerotrain train SPEC.json [--out DIR] [--json]`: runs a job in this process, without the
+//! service, with a progress bar (step, loss, loss scale, tokens/s) on stderr.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use runner::train::{Options, run};
+use scheduler::bytes::{human, parse_size};
+use scheduler::memory::Category;
+use scheduler::spec::{JobSpec, Purpose};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A job spec (native or DeepSpeed form), JSON.
+    spec: PathBuf,
+    /// Where checkpoints and the final Hugging Face export go.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Each rank's memory budget, e.g. 2GiB: the plan must fit it and the trainer enforces it.
+    #[arg(long, value_parser = parse_size)]
+    device_memory: Option<u64>,
+    /// Kernel threads [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print one JSON summary at the end instead of a human one.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_cli(args: Args) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.spec)
+        .with_context(|| format!("reading {}", args.spec.display()))?;
+    let parsed = JobSpec::parse(&text, Purpose::Train)?;
+    for key in &parsed.unsupported_keys {
+        eprintln!("warning: ignoring unsupported DeepSpeed key {key}");
+    }
+    let spec = parsed.spec;
+    let bar = ProgressBar::new(u64::from(spec.training.steps.get())).with_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed}<{eta}]")
+            .expect("a valid template"),
+    );
+    let opts = Options {
+        device_memory: args.device_memory,
+        threads: args.threads,
+        out_dir: args.out,
+    };
+    let summary = run(&spec, &opts, &mut |p| {
+        bar.set_position(u64::from(p.step));
+        bar.set_message(format!(
+            "loss {:.4}  scale {}  {:.0} tok/s{}",
+            p.loss,
+            p.loss_scale,
+            p.tokens_per_second,
+            if p.skipped { "  (skipped)" } else { "" }
+        ));
+    })?;
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        return Ok(());
+    }
+    println!(
+        "{} steps: final loss {:.4}, {:.0} tokens/s (median step {:.3} s), {} skipped, loss scale {}",
+        summary.steps,
+        summary.final_loss,
+        summary.tokens_per_second,
+        summary.step_seconds_median,
+        summary.skipped_steps,
+        summary.loss_scale
+    );
+    for r in &summary.ranks {
+        println!("rank {} peak memory (measured / predicted):", r.rank);
+        for c in Category::ALL {
+            let (m, p) = (r.measured_peak_bytes.get(c), r.predicted_bytes.get(c));
+            println!("  {:<12}{:>12} / {}", c.name(), human(m), human(p));
+        }
+    }
+    Ok(())
+}
