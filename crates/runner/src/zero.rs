@@ -536,3 +536,44 @@ fn held_range(unit: &Unit, stage: ZeroStage, rank: usize) -> Range<usize> {
         0..unit.padded_len
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::BatchLayout;
+    use half::f16;
+    use scheduler::spec::{JobSpec, Purpose};
+
+    fn engine<X: Float>(json: &str) -> (Engine<X>, DataLoader) {
+        let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
+        let setup = Setup::new(&spec, ZeroStage::Ddp, false, 8, 1);
+        let shape = spec.architecture().gpt().copied().unwrap();
+        let e = Engine::<X>::new(&setup, shape, 1, Communicator::solo(), Accountant::new(None)).unwrap();
+        let layout = BatchLayout { batch: 8, seq_len: 64, rank: 0, world_size: 1 };
+        let data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size).unwrap();
+        (e, data)
+    }
+
+    /// Gradient elements that are zero in fp16 but not in fp32, after one micro-batch whose
+    /// per-token loss gradient is multiplied by `scale`.
+    fn underflowed(scale: f32) -> usize {
+        let json = r#"{"model": {"preset": "gpt2-tiny"}, "precision": {"dtype": "fp16"}}"#;
+        let (mut half, mut d16) = engine::<f16>(json);
+        let (mut full, mut d32) = engine::<f32>(json);
+        let tokens = (half.dims.tokens()) as f32;
+        d16.next_batch(&mut half.acts.inputs, &mut half.acts.targets).unwrap();
+        d32.next_batch(&mut full.acts.inputs, &mut full.acts.targets).unwrap();
+        half.micro_step(scale / tokens).unwrap();
+        full.micro_step(1.0 / tokens).unwrap();
+        let pairs = half.bufs.grads.iter().zip(&full.bufs.grads);
+        pairs.map(|(h, f)| h.iter().zip(f.iter()).filter(|(h, f)| h.to_f32() == 0.0 && **f != 0.0).count()).sum()
+    }
+
+    #[test]
+    fn fp16_gradients_underflow_without_loss_scaling_and_survive_with_it() {
+        let (unscaled, scaled) = (underflowed(1.0), underflowed(65536.0));
+        // At scale 1 the smallest gradients of gpt2-tiny (below fp16's 6e-8) become 0.
+        assert!(unscaled >= 20, "only {unscaled} gradients flushed to zero at scale 1");
+        assert_eq!(scaled, 0, "gradients still flushed to zero at scale 65536");
+    }
+}

@@ -109,3 +109,33 @@ fn a_budget_too_small_for_the_plan_is_refused_with_numbers() {
     let err = run(&s, &opts, &mut |_| {}).unwrap_err().to_string();
     assert!(err.starts_with("needs ") && err.contains("largest device has 1.0 MB"), "{err}");
 }
+
+#[test]
+fn an_fp16_overflow_skips_the_step_and_halves_the_scale() {
+    // 2^30 times any sizeable gradient is past fp16's 65504: steps overflow until the scale
+    // has backed off enough.
+    let s = spec(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 30, "lr": 1e-3},
+            "precision": {"dtype": "fp16", "loss_scale": {"init": 1073741824}}}"#,
+    );
+    let mut seen = Vec::new();
+    let summary = run(&s, &Options::default(), &mut |p| seen.push((p.skipped, p.loss_scale))).unwrap();
+    let skipped = seen.iter().take_while(|(skipped, _)| *skipped).count();
+    assert!(skipped >= 5, "expected several overflowing steps, saw {skipped}");
+    assert_eq!(summary.skipped_steps, seen.iter().filter(|(s, _)| *s).count() as u64);
+    for w in seen[..=skipped].windows(2) {
+        assert_eq!(w[1].1, w[0].1 / 2.0, "each overflow halves the scale");
+    }
+    assert!(summary.final_loss < summary.losses[skipped], "training goes on after the overflows");
+}
+
+#[test]
+fn overflowing_at_the_minimum_scale_fails_the_job() {
+    let s = spec(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 5},
+            "precision": {"dtype": "fp16", "loss_scale": {"init": 1073741824, "min": 1073741824}}}"#,
+    );
+    let err = run(&s, &Options::default(), &mut |_| {}).unwrap_err();
+    assert!(matches!(err, runner::Error::LossScaleAtMinimum { .. }), "{err}");
+    assert!(err.to_string().contains("already at its minimum"), "{err}");
+}
