@@ -37,7 +37,7 @@ impl Dims {
         self.b * self.t
     }
 
-    fn attention(&self) -> kernels::attention::Dims {
+    pub(crate) fn attention(&self) -> kernels::attention::Dims {
         kernels::attention::Dims {
             b: self.b,
             t: self.t,
