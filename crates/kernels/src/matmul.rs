@@ -8,6 +8,7 @@
 //! depends on the shapes alone), so results do not depend on the pool size.
 
 use crate::Float;
+use crate::math::BLOCK;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -136,7 +137,7 @@ pub fn matmul_backward<X: Float, G: Float>(
 
 /// `db[j] += Σ_i dout[i, j]`, each column summed in row order on one thread.
 fn column_sums<X: Float, G: Float>(db: &mut [X], dout: &[G], n: usize) {
-    const W: usize = crate::math::BLOCK;
+    const W: usize = BLOCK;
     db.par_chunks_mut(W).enumerate().for_each(|(c, db)| {
         let (j0, w) = (c * W, db.len());
         let (mut acc, mut row) = ([0f32; W], [0f32; W]);
@@ -267,18 +268,22 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
                 // SAFETY: (i0, j0) is inside the m×n output.
                 Some(p) => (unsafe { p.add(i0 * n + j0) }, n as isize),
                 None => {
+                    // Only a bias is loaded; prior values (Init::Read) are added on store.
                     let t = &mut sc[..r * w];
-                    t.par_chunks_mut(w)
-                        .enumerate()
-                        .for_each(|(i, row)| match &init {
-                            Init::Zero => row.fill(0.0),
-                            Init::Bias(bias) => I::cast_to_f32(&bias[j0..j0 + w], row),
-                            Init::Read => C::cast_to_f32(&c[(i0 + i) * n + j0..][..w], row),
-                        });
+                    match &init {
+                        Init::Bias(bias) => t
+                            .par_chunks_mut(w)
+                            .for_each(|row| I::cast_to_f32(&bias[j0..j0 + w], row)),
+                        _ if k == 0 => t.fill(0.0),
+                        _ => {}
+                    }
                     (t.as_mut_ptr(), w as isize)
                 }
             };
-            let mut read = !matches!(init, Init::Zero);
+            let mut read = match direct {
+                Some(_) => !matches!(init, Init::Zero),
+                None => matches!(init, Init::Bias(_)),
+            };
             for k0 in (0..k).step_by(kb) {
                 let d = kb.min(k - k0);
                 let (a_ptr, (a_rs, a_cs)) = match &af {
@@ -332,9 +337,23 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
                 sc[..r * w]
                     .par_chunks(w)
                     .zip(c[i0 * n..(i0 + r) * n].par_chunks_mut(n))
-                    .for_each(|(t, row)| C::cast_from_f32(t, &mut row[j0..j0 + w]));
+                    .for_each(|(t, row)| match init {
+                        Init::Read => add_store(t, &mut row[j0..j0 + w]),
+                        _ => C::cast_from_f32(t, &mut row[j0..j0 + w]),
+                    });
             }
         }
+    }
+}
+
+/// `dst = round(dst + t)`, through a stack block.
+fn add_store<C: Float>(t: &[f32], dst: &mut [C]) {
+    let mut buf = [0f32; BLOCK];
+    for (t, d) in t.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
+        let b = &mut buf[..t.len()];
+        C::cast_to_f32(d, b);
+        b.iter_mut().zip(t).for_each(|(b, t)| *b += t);
+        C::cast_from_f32(b, d);
     }
 }
 
