@@ -55,4 +55,7 @@ pub enum Error {
     /// The job cannot be trained as given.
     #[error("cannot train this job: {reason}")]
     Untrainable { reason: String },
+    /// A checkpoint or model file that cannot be written or read.
+    #[error("checkpoint {}: {reason}", path.display())]
+    Checkpoint { path: PathBuf, reason: String },
 }

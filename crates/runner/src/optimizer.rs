@@ -12,6 +12,8 @@ use scheduler::spec::Optimizer;
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
+use crate::checkpoint::StateTensor;
+use safetensors::Dtype;
 use crate::comm::Communicator;
 
 /// What the optimizer updates in one unit: this rank's `held` range of it.
@@ -82,6 +84,10 @@ fn pieces<'u>(
     })
 }
 
+fn f32s(name: String, b: &mut Buffer<f32>) -> StateTensor<'_> {
+    StateTensor { name, dtype: Dtype::F32, bytes: bytemuck::cast_slice_mut(&mut b[..]) }
+}
+
 impl OptimizerState {
     pub fn new(
         spec: Optimizer,
@@ -147,6 +153,42 @@ impl OptimizerState {
             units,
             adafactor,
         })
+    }
+
+    /// Every state buffer, named for checkpoints (Adafactor's reduction buffers are scratch).
+    pub fn state(&mut self) -> Vec<StateTensor<'_>> {
+        let mut out = Vec::new();
+        for (u, state) in self.units.iter_mut().enumerate() {
+            match state {
+                UnitState::Stateless => {}
+                UnitState::One(b) => out.push(f32s(format!("u{u}.momentum"), b)),
+                UnitState::Adam { m, v } => {
+                    out.push(f32s(format!("u{u}.m"), m));
+                    out.push(f32s(format!("u{u}.v"), v));
+                }
+                UnitState::Adam8bit { m, v, absmax_m, absmax_v } => {
+                    out.push(StateTensor { name: format!("u{u}.m8"), dtype: Dtype::U8, bytes: &mut m[..] });
+                    out.push(StateTensor { name: format!("u{u}.v8"), dtype: Dtype::U8, bytes: &mut v[..] });
+                    out.push(f32s(format!("u{u}.absmax_m"), absmax_m));
+                    out.push(f32s(format!("u{u}.absmax_v"), absmax_v));
+                }
+                UnitState::Adafactor { vectors, exp_avg } => {
+                    for (i, v) in vectors.iter_mut().enumerate() {
+                        out.push(f32s(format!("u{u}.vector{i}"), v));
+                    }
+                    if let Some(e) = exp_avg {
+                        out.push(f32s(format!("u{u}.exp_avg"), e));
+                    }
+                }
+            }
+        }
+        if let Some(f) = &mut self.adafactor {
+            for (i, (row, col)) in f.stats.iter_mut().enumerate() {
+                out.push(f32s(format!("adafactor.row{i}"), row));
+                out.push(f32s(format!("adafactor.col{i}"), col));
+            }
+        }
+        out
     }
 
     /// Applies one update to every unit's held range.

@@ -1,6 +1,7 @@
 //! A training run in this process: plan the spec, build the engine in its dtype, run the
 //! steps, report progress, and summarise the run with measured and predicted memory.
 
+use std::path::Path;
 use std::time::Instant;
 
 use half::{bf16, f16};
@@ -13,6 +14,7 @@ use serde::Serialize;
 
 use crate::Error;
 use crate::accounting::Accountant;
+use crate::checkpoint::{self, Manifest};
 use crate::comm::Communicator;
 use crate::data::{BatchLayout, DataLoader};
 use crate::loss_scale::LossScaler;
@@ -59,6 +61,9 @@ pub struct Summary {
     pub step_seconds_median: f64,
     pub skipped_steps: u64,
     pub loss_scale: f32,
+    /// The checkpoint step this run resumed from, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<u32>,
     pub ranks: Vec<RankMemory>,
 }
 
@@ -101,7 +106,7 @@ pub fn run(
     })
 }
 
-fn train<X: Float>(
+fn train<X: Float + bytemuck::Pod>(
     spec: &JobSpec,
     setup: &Setup,
     shape: scheduler::model::GptShape,
@@ -123,9 +128,42 @@ fn train<X: Float>(
     let mut scaler = LossScaler::new(spec.precision.effective_loss_scale());
     let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
     let mut losses = Vec::with_capacity(t.steps.get() as usize);
-    let mut seconds = Vec::with_capacity(losses.capacity());
+    let out = opts.out_dir.as_deref();
+    let resume = match out {
+        Some(out) => checkpoint::latest(out)?,
+        None => None,
+    };
+    let resumed_from = match resume {
+        Some(dir) => {
+            let m = checkpoint::load_manifest(&dir)?;
+            let this = (setup.world_size, setup.stage.index(), spec.precision.dtype, spec.optimizer.name());
+            if (m.world_size, m.zero_stage, m.dtype, m.optimizer.as_str()) != this {
+                return Err(Error::Checkpoint {
+                    path: dir,
+                    reason: format!(
+                        "written by world_size {}, stage {}, {:?}, {}; this run is world_size {}, stage {}, {:?}, {}",
+                        m.world_size, m.zero_stage, m.dtype, m.optimizer, this.0, this.1, this.2, this.3
+                    ),
+                });
+            }
+            checkpoint::load_rank(&dir, rank, &mut engine.state())?;
+            engine.set_applied_steps(m.applied_steps);
+            scaler.restore(m.loss_scaler);
+            data.seek(m.data)?;
+            losses = m.losses;
+            Some(m.step)
+        }
+        None => {
+            if let Some(path) = &spec.model.init_from {
+                engine.load_weights(&checkpoint::load_hf(Path::new(path), &shape)?);
+            }
+            None
+        }
+    };
+    let mut seconds = Vec::with_capacity(t.steps.get() as usize);
     let mut last_scale = scaler.scale();
-    for step in 0..t.steps.get() {
+    let every = spec.checkpoint.every_steps;
+    for step in resumed_from.unwrap_or(0)..t.steps.get() {
         let lr = schedule::lr(t, step) as f32;
         let start = Instant::now();
         let r = engine.step(&mut data, &mut scaler, lr, t.grad_clip)?;
@@ -133,14 +171,32 @@ fn train<X: Float>(
         seconds.push(elapsed);
         losses.push(r.loss);
         last_scale = r.loss_scale;
+        let done = step + 1;
+        if let Some(out) = out.filter(|_| every > 0 && done % every == 0 && done < t.steps.get()) {
+            let manifest = Manifest {
+                step: done,
+                applied_steps: engine.applied_steps(),
+                world_size: setup.world_size,
+                zero_stage: setup.stage.index(),
+                dtype: spec.precision.dtype,
+                optimizer: spec.optimizer.name().to_string(),
+                loss_scaler: scaler.state(),
+                data: data.position(),
+                losses: losses.clone(),
+            };
+            checkpoint::save(out, &manifest, rank, &engine.state())?;
+        }
         progress(Progress {
-            step: step + 1,
+            step: done,
             steps: t.steps.get(),
             loss: r.loss,
             loss_scale: r.loss_scale,
             tokens_per_second: tokens_per_step / elapsed,
             skipped: r.skipped,
         });
+    }
+    if let Some(out) = out {
+        checkpoint::export(out, &shape, &engine.unit_values())?;
     }
     let step_seconds_median = median(&seconds);
     Ok(Summary {
@@ -151,6 +207,7 @@ fn train<X: Float>(
         step_seconds_median,
         skipped_steps: scaler.skipped_steps(),
         loss_scale: last_scale,
+        resumed_from,
         ranks: vec![RankMemory {
             rank,
             measured_peak_bytes: acct.peak(),
@@ -162,5 +219,5 @@ fn train<X: Float>(
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

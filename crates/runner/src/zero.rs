@@ -24,6 +24,7 @@ use scheduler::spec::ZeroStage;
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
+use crate::checkpoint::StateTensor;
 use crate::comm::Communicator;
 use crate::data::DataLoader;
 use crate::gpt::{self, Acts, Block, Dims};
@@ -199,6 +200,38 @@ impl<X: Float> Engine<X> {
 
     pub fn dims(&self) -> Dims {
         self.dims
+    }
+
+    /// Optimizer updates applied so far.
+    pub fn applied_steps(&self) -> u64 {
+        self.applied
+    }
+
+    pub fn set_applied_steps(&mut self, applied: u64) {
+        self.applied = applied;
+    }
+
+    /// Sets every parameter from one fp32 vector per unit of the single-rank layout (e.g.
+    /// Hugging Face weights), keeping this rank's part.
+    pub fn load_weights(&mut self, units: &[Vec<f32>]) {
+        let rank = self.comm.rank();
+        for (ui, values) in units.iter().enumerate() {
+            let len = values.len().min(self.unit_len(ui));
+            let mut it = values[..len].iter().copied();
+            self.write_tensor(ui, 0..len, rank, || it.next().unwrap_or(0.0));
+        }
+    }
+
+    /// Each unit's fp32 weights (the master copy in mixed precision), for the final export.
+    pub fn unit_values(&self) -> Vec<Vec<f32>> {
+        self.units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| match &self.master {
+                Some(m) => m[u][..unit.len].to_vec(),
+                None => self.bufs.params[u][..unit.len].iter().map(|x| x.to_f32()).collect(),
+            })
+            .collect()
     }
 
     /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
@@ -525,6 +558,34 @@ impl<X: Float> Engine<X> {
                 .try_for_each(|p| self.comm.all_gather(p))?;
         }
         Ok(())
+    }
+}
+
+impl<X: Float + bytemuck::Pod> Engine<X> {
+    /// This rank's persistent buffers, named for checkpoints: parameters, master weights and
+    /// optimizer states (gradients and activations are rebuilt every step).
+    pub fn state(&mut self) -> Vec<StateTensor<'_>> {
+        let dtype = match X::NAME {
+            "f16" => safetensors::Dtype::F16,
+            "bf16" => safetensors::Dtype::BF16,
+            _ => safetensors::Dtype::F32,
+        };
+        let mut out: Vec<StateTensor<'_>> = self
+            .bufs
+            .params
+            .iter_mut()
+            .enumerate()
+            .map(|(u, p)| StateTensor { name: format!("u{u}.params"), dtype, bytes: bytemuck::cast_slice_mut(&mut p[..]) })
+            .collect();
+        if let Some(master) = &mut self.master {
+            out.extend(master.iter_mut().enumerate().map(|(u, m)| StateTensor {
+                name: format!("u{u}.master"),
+                dtype: safetensors::Dtype::F32,
+                bytes: bytemuck::cast_slice_mut(&mut m[..]),
+            }));
+        }
+        out.extend(self.optimizer.state());
+        out
     }
 }
 

@@ -1,0 +1,163 @@
+//! Training throughput of the in-process trainer: median step time, tokens/s, achieved
+//! GFLOP/s and model-FLOPs utilisation (MFU) for gpt2-tiny and gpt2-124M at micro-batch 4,
+//! seq 64, fp32 and bf16, AdamW, on all cores.
+//!
+//! Run: `cargo bench -p runner --bench train [-- FILTER…]` (a filter such as `124M` or
+//! `tiny/bf16` selects rows). FLOPs per step use llm.c's count, `6·N + 6·L·C·T` per token;
+//! the MFU denominator is the machine's 2048³ sgemm rate measured at start-up
+//! (`kernels::matmul::measure_peak_gflops`). With `LLMC_STEP_SECONDS` set to a step time of
+//! llm.c's `train_gpt2.c` measured on the same machine (gpt2-124M fp32, B=4, T=64), the
+//! gpt2-124M rows also print the speed-up over it.
+
+use std::time::Instant;
+
+use runner::train::{Options, Progress, run};
+use scheduler::spec::{Architecture, JobSpec, Purpose};
+
+const B: usize = 4;
+const T: usize = 64;
+
+/// A configuration to time: preset, dtype, warm-up steps, measured steps.
+struct Case {
+    model: &'static str,
+    dtype: &'static str,
+    warmup: usize,
+    measured: usize,
+}
+
+const CASES: [Case; 4] = [
+    Case {
+        model: "gpt2-tiny",
+        dtype: "fp32",
+        warmup: 5,
+        measured: 50,
+    },
+    Case {
+        model: "gpt2-tiny",
+        dtype: "bf16",
+        warmup: 5,
+        measured: 50,
+    },
+    Case {
+        model: "gpt2-124M",
+        dtype: "fp32",
+        warmup: 2,
+        measured: 10,
+    },
+    Case {
+        model: "gpt2-124M",
+        dtype: "bf16",
+        warmup: 2,
+        measured: 10,
+    },
+];
+
+/// Step times of one case, warm-up steps dropped.
+struct Timing {
+    seconds: Vec<f64>,
+    flops_per_step: f64,
+    tokens_per_step: f64,
+}
+
+fn time_case(case: &Case, threads: usize) -> Timing {
+    let steps = case.warmup + case.measured;
+    let json = format!(
+        r#"{{"model": {{"preset": "{}"}}, "precision": {{"dtype": "{}"}},
+            "training": {{"micro_batch_size": {B}, "seq_len": {T}, "steps": {steps}}},
+            "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#,
+        case.model, case.dtype
+    );
+    let spec = JobSpec::parse(&json, Purpose::Train)
+        .expect("the benchmark spec is valid")
+        .spec;
+    let Architecture::Gpt(shape) = spec.architecture() else {
+        unreachable!("a preset has a GPT architecture")
+    };
+    let tokens_per_step = (B * T) as f64;
+    // llm.c: 6 FLOPs per parameter per token (forward + backward) plus the attention scores
+    // and their weighted sum, 6·L·C·T per token.
+    let per_token = 6.0 * shape.parameter_count() as f64
+        + 6.0 * (shape.n_layer * shape.n_embd * T) as f64;
+    let opts = Options {
+        threads: Some(threads),
+        ..Options::default()
+    };
+    let mut seconds = Vec::with_capacity(steps);
+    let mut progress = |p: Progress| seconds.push(tokens_per_step / p.tokens_per_second);
+    let summary = run(&spec, &opts, &mut progress).expect("training runs");
+    assert!(
+        summary.final_loss.is_finite(),
+        "{}/{}: loss {}",
+        case.model,
+        case.dtype,
+        summary.final_loss
+    );
+    seconds.drain(..case.warmup);
+    Timing {
+        seconds,
+        flops_per_step: per_token * tokens_per_step,
+        tokens_per_step,
+    }
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let llmc: Option<f64> = std::env::var("LLMC_STEP_SECONDS")
+        .ok()
+        .map(|s| s.parse().expect("LLMC_STEP_SECONDS is a number of seconds"));
+    let peak = kernels::cpu::thread_pool(threads)
+        .expect("a thread pool")
+        .install(kernels::matmul::measure_peak_gflops);
+    println!("threads: {threads}; peak (2048³ sgemm, median of 5): {peak:.0} GFLOP/s");
+    if let Some(s) = llmc {
+        println!(
+            "llm.c train_gpt2.c gpt2-124M fp32 B={B} T={T}: {s:.3} s/step ({:.1} tokens/s)",
+            (B * T) as f64 / s
+        );
+    }
+    println!();
+    println!(
+        "| model | dtype | steps | median step s | min–max s | tokens/s | GFLOP/s | MFU | × llm.c |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for case in &CASES {
+        let name = format!("{}/{}", case.model, case.dtype);
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        let t = time_case(case, threads);
+        let step = median(&t.seconds);
+        let (lo, hi) = t
+            .seconds
+            .iter()
+            .fold((f64::INFINITY, 0f64), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let gflops = t.flops_per_step / step / 1e9;
+        let versus = match llmc {
+            Some(s) if case.model == "gpt2-124M" => format!("{:.2}×", s / step),
+            _ => "—".into(),
+        };
+        println!(
+            "| {} | {} | {} | {step:.4} | {lo:.4}–{hi:.4} | {:.0} | {gflops:.1} | {:.1}% | {versus} |",
+            case.model,
+            case.dtype,
+            t.seconds.len(),
+            t.tokens_per_step / step,
+            100.0 * gflops / peak,
+        );
+    }
+}

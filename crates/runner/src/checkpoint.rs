@@ -1,0 +1,286 @@
+//! Checkpoints and the final export.
+//!
+//! A checkpoint is a directory `checkpoints/step-NNNNNNNN/` holding `manifest.json` and one
+//! safetensors file per rank with that rank's buffers verbatim (parameters, master weights,
+//! optimizer states). It is written under a temporary name, every file fsynced, then renamed
+//! into place, and only then does the `checkpoints/latest` pointer (itself replaced by an
+//! fsynced rename) move to it: a crash at any point leaves the previous checkpoint loadable.
+//!
+//! On completion the model is exported as Hugging Face GPT-2: `model.safetensors` (fp32,
+//! `transformer.`-prefixed names, LM head tied) and `config.json`.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use scheduler::model::{GptShape, Units};
+use scheduler::spec::Dtype as Precision;
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::data::Position;
+use crate::loss_scale;
+
+/// Checkpoints kept on disk; older ones are removed once a newer one is in place.
+const KEEP: usize = 2;
+
+/// Everything besides the ranks' buffers that a resumed run needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Optimizer steps taken (including skipped ones): the next step is `step + 1`.
+    pub step: u32,
+    /// Optimizer updates applied (skipped fp16 steps excluded): Adam's bias-correction count.
+    pub applied_steps: u64,
+    pub world_size: usize,
+    pub zero_stage: u8,
+    pub dtype: Precision,
+    pub optimizer: String,
+    pub loss_scaler: loss_scale::State,
+    pub data: Position,
+    /// Losses of the steps so far, so a resumed run reports the whole history.
+    pub losses: Vec<f64>,
+}
+
+/// One named buffer of a rank's state, as bytes.
+pub struct StateTensor<'a> {
+    pub name: String,
+    pub dtype: Dtype,
+    pub bytes: &'a mut [u8],
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Checkpoint { path: path.to_path_buf(), reason: e.to_string() }
+}
+
+fn rank_file(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+fn sync_dir(dir: &Path) -> Result<(), Error> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
+}
+
+/// Writes `tensors` as a safetensors file and fsyncs it.
+fn write_tensors(path: &Path, tensors: &[StateTensor<'_>]) -> Result<(), Error> {
+    let views = tensors
+        .iter()
+        .map(|t| {
+            let elems = t.bytes.len() / t.dtype.bitsize().div_ceil(8).max(1);
+            TensorView::new(t.dtype, vec![elems], t.bytes).map(|v| (t.name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| io(path, e))?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| io(path, e))?;
+    File::open(path).and_then(|f| f.sync_all()).map_err(|e| io(path, e))
+}
+
+/// Saves a single-rank checkpoint of `step` under `out/checkpoints`.
+pub fn save(out: &Path, manifest: &Manifest, rank: usize, tensors: &[StateTensor<'_>]) -> Result<(), Error> {
+    let root = out.join("checkpoints");
+    fs::create_dir_all(&root).map_err(|e| io(&root, e))?;
+    let name = format!("step-{:08}", manifest.step);
+    let tmp = root.join(format!(".{name}.tmp"));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
+    write_tensors(&tmp.join(rank_file(rank)), tensors)?;
+    let manifest_path = tmp.join("manifest.json");
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| io(&manifest_path, e))?;
+    write_synced(&manifest_path, &json)?;
+    sync_dir(&tmp)?;
+    let dir = root.join(&name);
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    }
+    fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))?;
+    sync_dir(&root)?;
+    let pointer = root.join("latest");
+    let pointer_tmp = root.join(".latest.tmp");
+    write_synced(&pointer_tmp, name.as_bytes())?;
+    fs::rename(&pointer_tmp, &pointer).map_err(|e| io(&pointer, e))?;
+    sync_dir(&root)?;
+    prune(&root, &name)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+    let mut f = File::create(path).map_err(|e| io(path, e))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| io(path, e))
+}
+
+/// Removes all but the newest `KEEP` checkpoints, and leftovers of interrupted writes.
+fn prune(root: &Path, latest: &str) -> Result<(), Error> {
+    let mut steps: Vec<String> = fs::read_dir(root)
+        .map_err(|e| io(root, e))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-") || (n.starts_with(".step-") && n.ends_with(".tmp")))
+        .collect();
+    steps.sort();
+    let keep: Vec<&String> = steps.iter().filter(|n| n.starts_with("step-")).rev().take(KEEP).collect();
+    for n in &steps {
+        if !keep.contains(&n) && n != latest {
+            fs::remove_dir_all(root.join(n)).map_err(|e| io(&root.join(n), e))?;
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint `checkpoints/latest` points to, if any.
+pub fn latest(out: &Path) -> Result<Option<PathBuf>, Error> {
+    let pointer = out.join("checkpoints").join("latest");
+    match fs::read_to_string(&pointer) {
+        Ok(name) => Ok(Some(out.join("checkpoints").join(name.trim()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(&pointer, e)),
+    }
+}
+
+pub fn load_manifest(dir: &Path) -> Result<Manifest, Error> {
+    let path = dir.join("manifest.json");
+    let text = fs::read(&path).map_err(|e| io(&path, e))?;
+    serde_json::from_slice(&text).map_err(|e| io(&path, e))
+}
+
+/// Fills `tensors` from `rank`'s file of the checkpoint in `dir`: every name must be there
+/// with the same dtype and size.
+pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Result<(), Error> {
+    let path = dir.join(rank_file(rank));
+    let bytes = fs::read(&path).map_err(|e| io(&path, e))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
+    for t in tensors.iter_mut() {
+        let view = file.tensor(&t.name).map_err(|e| io(&path, format!("{}: {e}", t.name)))?;
+        if view.dtype() != t.dtype || view.data().len() != t.bytes.len() {
+            return Err(io(
+                &path,
+                format!(
+                    "{} is {:?} of {} bytes; this run needs {:?} of {} bytes",
+                    t.name,
+                    view.dtype(),
+                    view.data().len(),
+                    t.dtype,
+                    t.bytes.len()
+                ),
+            ));
+        }
+        t.bytes.copy_from_slice(view.data());
+    }
+    Ok(())
+}
+
+/// Writes `model.safetensors` and `config.json` in Hugging Face GPT-2 form from each unit's
+/// fp32 values.
+pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Error> {
+    fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    let layout = Units::new(shape, 1);
+    let mut tensors: Vec<(String, TensorView<'_>)> = Vec::new();
+    for (unit, values) in layout.iter().zip(units) {
+        for t in &unit.tensors {
+            let data: &[u8] = bytemuck::cast_slice(&values[t.range()]);
+            let name = format!("transformer.{}", t.kind.hf_name(unit.layer()));
+            let view = TensorView::new(Dtype::F32, t.dims.to_vec(), data).map_err(|e| io(out, e))?;
+            tensors.push((name, view));
+        }
+    }
+    let model = out.join("model.safetensors");
+    let tmp = out.join(".model.safetensors.tmp");
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(tensors, Some(metadata), &tmp).map_err(|e| io(&tmp, e))?;
+    File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| io(&tmp, e))?;
+    fs::rename(&tmp, &model).map_err(|e| io(&model, e))?;
+    let config = serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": shape.vocab_size,
+        "n_positions": shape.context_length,
+        "n_ctx": shape.context_length,
+        "n_embd": shape.n_embd,
+        "n_layer": shape.n_layer,
+        "n_head": shape.n_head,
+        "n_inner": null,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": true,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "torch_dtype": "float32"
+    });
+    let path = out.join("config.json");
+    let text = serde_json::to_vec_pretty(&config).map_err(|e| io(&path, e))?;
+    write_synced(&path, &text)?;
+    sync_dir(out)
+}
+
+/// Reads Hugging Face GPT-2 weights (names with or without the `transformer.` prefix; the
+/// causal-mask buffers `attn.bias`/`attn.masked_bias` and a tied `lm_head.weight` ignored)
+/// into one fp32 vector per unit of `shape`'s single-rank layout.
+pub fn load_hf(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
+    let bytes = fs::read(path).map_err(|e| io(path, e))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| io(path, e))?;
+    let layout = Units::new(shape, 1);
+    let known: Vec<String> = layout
+        .iter()
+        .flat_map(|u| u.tensors.iter().map(move |t| t.kind.hf_name(u.layer())))
+        .collect();
+    let unexpected: Vec<&str> = file
+        .names()
+        .into_iter()
+        .filter(|n| {
+            let local = n.strip_prefix("transformer.").unwrap_or(n);
+            let ignored = local.ends_with("attn.bias") || local.ends_with("attn.masked_bias") || *n == "lm_head.weight";
+            !ignored && !known.iter().any(|k| k == local)
+        })
+        .collect();
+    if !unexpected.is_empty() {
+        return Err(io(path, format!("tensors this model does not have: {unexpected:?}")));
+    }
+    layout
+        .iter()
+        .map(|unit| {
+            let mut values = vec![0f32; unit.padded_len];
+            for t in &unit.tensors {
+                let name = t.kind.hf_name(unit.layer());
+                let view = file
+                    .tensor(&format!("transformer.{name}"))
+                    .or_else(|_| file.tensor(&name))
+                    .map_err(|_| io(path, format!("missing tensor {name}")))?;
+                let want = t.dims.to_vec();
+                if view.shape() != want.as_slice() {
+                    let got = view.shape();
+                    return Err(io(path, format!("{name} has shape {got:?}; the model needs {want:?}")));
+                }
+                widen(view.dtype(), view.data(), &mut values[t.range()])
+                    .map_err(|dtype| io(path, format!("{name} is {dtype:?}; expected F32, F16 or BF16")))?;
+            }
+            Ok(values)
+        })
+        .collect()
+}
+
+/// Little-endian F32/F16/BF16 bytes (at any alignment) to f32; other dtypes are refused.
+fn widen(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), Dtype> {
+    match dtype {
+        Dtype::F32 => {
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        Dtype::BF16 => {
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        other => return Err(other),
+    }
+    Ok(())
+}
