@@ -76,8 +76,8 @@ fn time_case(case: &Case, threads: usize) -> Timing {
     let tokens_per_step = (B * T) as f64;
     // llm.c: 6 FLOPs per parameter per token (forward + backward) plus the attention scores
     // and their weighted sum, 6·L·C·T per token.
-    let per_token = 6.0 * shape.parameter_count() as f64
-        + 6.0 * (shape.n_layer * shape.n_embd * T) as f64;
+    let per_token =
+        6.0 * shape.parameter_count() as f64 + 6.0 * (shape.n_layer * shape.n_embd * T) as f64;
     let opts = Options {
         threads: Some(threads),
         ..Options::default()

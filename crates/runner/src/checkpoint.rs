@@ -51,7 +51,10 @@ pub struct StateTensor<'a> {
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Checkpoint { path: path.to_path_buf(), reason: e.to_string() }
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
 }
 
 fn rank_file(rank: usize) -> String {
@@ -59,7 +62,9 @@ fn rank_file(rank: usize) -> String {
 }
 
 fn sync_dir(dir: &Path) -> Result<(), Error> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, e))
 }
 
 /// Writes `tensors` as a safetensors file and fsyncs it.
@@ -73,11 +78,18 @@ fn write_tensors(path: &Path, tensors: &[StateTensor<'_>]) -> Result<(), Error> 
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| io(path, e))?;
     safetensors::serialize_to_file(views, None, path).map_err(|e| io(path, e))?;
-    File::open(path).and_then(|f| f.sync_all()).map_err(|e| io(path, e))
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(path, e))
 }
 
 /// Saves a single-rank checkpoint of `step` under `out/checkpoints`.
-pub fn save(out: &Path, manifest: &Manifest, rank: usize, tensors: &[StateTensor<'_>]) -> Result<(), Error> {
+pub fn save(
+    out: &Path,
+    manifest: &Manifest,
+    rank: usize,
+    tensors: &[StateTensor<'_>],
+) -> Result<(), Error> {
     let root = out.join("checkpoints");
     fs::create_dir_all(&root).map_err(|e| io(&root, e))?;
     let name = format!("step-{:08}", manifest.step);
@@ -107,7 +119,9 @@ pub fn save(out: &Path, manifest: &Manifest, rank: usize, tensors: &[StateTensor
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), Error> {
     let mut f = File::create(path).map_err(|e| io(path, e))?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| io(path, e))
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| io(path, e))
 }
 
 /// Removes all but the newest `KEEP` checkpoints, and leftovers of interrupted writes.
@@ -118,7 +132,12 @@ fn prune(root: &Path, latest: &str) -> Result<(), Error> {
         .filter(|n| n.starts_with("step-") || (n.starts_with(".step-") && n.ends_with(".tmp")))
         .collect();
     steps.sort();
-    let keep: Vec<&String> = steps.iter().filter(|n| n.starts_with("step-")).rev().take(KEEP).collect();
+    let keep: Vec<&String> = steps
+        .iter()
+        .filter(|n| n.starts_with("step-"))
+        .rev()
+        .take(KEEP)
+        .collect();
     for n in &steps {
         if !keep.contains(&n) && n != latest {
             fs::remove_dir_all(root.join(n)).map_err(|e| io(&root.join(n), e))?;
@@ -150,7 +169,9 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
     let bytes = fs::read(&path).map_err(|e| io(&path, e))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
     for t in tensors.iter_mut() {
-        let view = file.tensor(&t.name).map_err(|e| io(&path, format!("{}: {e}", t.name)))?;
+        let view = file
+            .tensor(&t.name)
+            .map_err(|e| io(&path, format!("{}: {e}", t.name)))?;
         if view.dtype() != t.dtype || view.data().len() != t.bytes.len() {
             return Err(io(
                 &path,
@@ -179,7 +200,8 @@ pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Er
         for t in &unit.tensors {
             let data: &[u8] = bytemuck::cast_slice(&values[t.range()]);
             let name = format!("transformer.{}", t.kind.hf_name(unit.layer()));
-            let view = TensorView::new(Dtype::F32, t.dims.to_vec(), data).map_err(|e| io(out, e))?;
+            let view =
+                TensorView::new(Dtype::F32, t.dims.to_vec(), data).map_err(|e| io(out, e))?;
             tensors.push((name, view));
         }
     }
@@ -187,7 +209,9 @@ pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Er
     let tmp = out.join(".model.safetensors.tmp");
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(tensors, Some(metadata), &tmp).map_err(|e| io(&tmp, e))?;
-    File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| io(&tmp, e))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(&tmp, e))?;
     fs::rename(&tmp, &model).map_err(|e| io(&model, e))?;
     let config = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
@@ -232,12 +256,17 @@ pub fn load_hf(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
         .into_iter()
         .filter(|n| {
             let local = n.strip_prefix("transformer.").unwrap_or(n);
-            let ignored = local.ends_with("attn.bias") || local.ends_with("attn.masked_bias") || *n == "lm_head.weight";
+            let ignored = local.ends_with("attn.bias")
+                || local.ends_with("attn.masked_bias")
+                || *n == "lm_head.weight";
             !ignored && !known.iter().any(|k| k == local)
         })
         .collect();
     if !unexpected.is_empty() {
-        return Err(io(path, format!("tensors this model does not have: {unexpected:?}")));
+        return Err(io(
+            path,
+            format!("tensors this model does not have: {unexpected:?}"),
+        ));
     }
     layout
         .iter()
@@ -252,10 +281,17 @@ pub fn load_hf(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
                 let want = t.dims.to_vec();
                 if view.shape() != want.as_slice() {
                     let got = view.shape();
-                    return Err(io(path, format!("{name} has shape {got:?}; the model needs {want:?}")));
+                    return Err(io(
+                        path,
+                        format!("{name} has shape {got:?}; the model needs {want:?}"),
+                    ));
                 }
-                widen(view.dtype(), view.data(), &mut values[t.range()])
-                    .map_err(|dtype| io(path, format!("{name} is {dtype:?}; expected F32, F16 or BF16")))?;
+                widen(view.dtype(), view.data(), &mut values[t.range()]).map_err(|dtype| {
+                    io(
+                        path,
+                        format!("{name} is {dtype:?}; expected F32, F16 or BF16"),
+                    )
+                })?;
             }
             Ok(values)
         })

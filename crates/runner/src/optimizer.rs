@@ -13,8 +13,8 @@ use scheduler::spec::Optimizer;
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::checkpoint::StateTensor;
-use safetensors::Dtype;
 use crate::comm::Communicator;
+use safetensors::Dtype;
 
 /// What the optimizer updates in one unit: this rank's `held` range of it.
 pub struct Slices<'a, X> {
@@ -85,7 +85,11 @@ fn pieces<'u>(
 }
 
 fn f32s(name: String, b: &mut Buffer<f32>) -> StateTensor<'_> {
-    StateTensor { name, dtype: Dtype::F32, bytes: bytemuck::cast_slice_mut(&mut b[..]) }
+    StateTensor {
+        name,
+        dtype: Dtype::F32,
+        bytes: bytemuck::cast_slice_mut(&mut b[..]),
+    }
 }
 
 impl OptimizerState {
@@ -166,9 +170,22 @@ impl OptimizerState {
                     out.push(f32s(format!("u{u}.m"), m));
                     out.push(f32s(format!("u{u}.v"), v));
                 }
-                UnitState::Adam8bit { m, v, absmax_m, absmax_v } => {
-                    out.push(StateTensor { name: format!("u{u}.m8"), dtype: Dtype::U8, bytes: &mut m[..] });
-                    out.push(StateTensor { name: format!("u{u}.v8"), dtype: Dtype::U8, bytes: &mut v[..] });
+                UnitState::Adam8bit {
+                    m,
+                    v,
+                    absmax_m,
+                    absmax_v,
+                } => {
+                    out.push(StateTensor {
+                        name: format!("u{u}.m8"),
+                        dtype: Dtype::U8,
+                        bytes: &mut m[..],
+                    });
+                    out.push(StateTensor {
+                        name: format!("u{u}.v8"),
+                        dtype: Dtype::U8,
+                        bytes: &mut v[..],
+                    });
                     out.push(f32s(format!("u{u}.absmax_m"), absmax_m));
                     out.push(f32s(format!("u{u}.absmax_v"), absmax_v));
                 }

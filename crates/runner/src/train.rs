@@ -136,13 +136,25 @@ fn train<X: Float + bytemuck::Pod>(
     let resumed_from = match resume {
         Some(dir) => {
             let m = checkpoint::load_manifest(&dir)?;
-            let this = (setup.world_size, setup.stage.index(), spec.precision.dtype, spec.optimizer.name());
+            let this = (
+                setup.world_size,
+                setup.stage.index(),
+                spec.precision.dtype,
+                spec.optimizer.name(),
+            );
             if (m.world_size, m.zero_stage, m.dtype, m.optimizer.as_str()) != this {
                 return Err(Error::Checkpoint {
                     path: dir,
                     reason: format!(
                         "written by world_size {}, stage {}, {:?}, {}; this run is world_size {}, stage {}, {:?}, {}",
-                        m.world_size, m.zero_stage, m.dtype, m.optimizer, this.0, this.1, this.2, this.3
+                        m.world_size,
+                        m.zero_stage,
+                        m.dtype,
+                        m.optimizer,
+                        this.0,
+                        this.1,
+                        this.2,
+                        this.3
                     ),
                 });
             }

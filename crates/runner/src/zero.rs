@@ -229,7 +229,10 @@ impl<X: Float> Engine<X> {
             .enumerate()
             .map(|(u, unit)| match &self.master {
                 Some(m) => m[u][..unit.len].to_vec(),
-                None => self.bufs.params[u][..unit.len].iter().map(|x| x.to_f32()).collect(),
+                None => self.bufs.params[u][..unit.len]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect(),
             })
             .collect()
     }
@@ -575,7 +578,11 @@ impl<X: Float + bytemuck::Pod> Engine<X> {
             .params
             .iter_mut()
             .enumerate()
-            .map(|(u, p)| StateTensor { name: format!("u{u}.params"), dtype, bytes: bytemuck::cast_slice_mut(&mut p[..]) })
+            .map(|(u, p)| StateTensor {
+                name: format!("u{u}.params"),
+                dtype,
+                bytes: bytemuck::cast_slice_mut(&mut p[..]),
+            })
             .collect();
         if let Some(master) = &mut self.master {
             out.extend(master.iter_mut().enumerate().map(|(u, m)| StateTensor {
@@ -609,8 +616,20 @@ mod tests {
         let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
         let setup = Setup::new(&spec, ZeroStage::Ddp, false, 8, 1);
         let shape = spec.architecture().gpt().copied().unwrap();
-        let e = Engine::<X>::new(&setup, shape, 1, Communicator::solo(), Accountant::new(None)).unwrap();
-        let layout = BatchLayout { batch: 8, seq_len: 64, rank: 0, world_size: 1 };
+        let e = Engine::<X>::new(
+            &setup,
+            shape,
+            1,
+            Communicator::solo(),
+            Accountant::new(None),
+        )
+        .unwrap();
+        let layout = BatchLayout {
+            batch: 8,
+            seq_len: 64,
+            rank: 0,
+            world_size: 1,
+        };
         let data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size).unwrap();
         (e, data)
     }
@@ -622,24 +641,42 @@ mod tests {
         let (mut half, mut d16) = engine::<f16>(json);
         let (mut full, mut d32) = engine::<f32>(json);
         let tokens = (half.dims.tokens()) as f32;
-        d16.next_batch(&mut half.acts.inputs, &mut half.acts.targets).unwrap();
-        d32.next_batch(&mut full.acts.inputs, &mut full.acts.targets).unwrap();
+        d16.next_batch(&mut half.acts.inputs, &mut half.acts.targets)
+            .unwrap();
+        d32.next_batch(&mut full.acts.inputs, &mut full.acts.targets)
+            .unwrap();
         half.micro_step(scale / tokens).unwrap();
         full.micro_step(1.0 / tokens).unwrap();
         let pairs = half.bufs.grads.iter().zip(&full.bufs.grads);
-        pairs.map(|(h, f)| h.iter().zip(f.iter()).filter(|(h, f)| h.to_f32() == 0.0 && **f != 0.0).count()).sum()
+        pairs
+            .map(|(h, f)| {
+                h.iter()
+                    .zip(f.iter())
+                    .filter(|(h, f)| h.to_f32() == 0.0 && **f != 0.0)
+                    .count()
+            })
+            .sum()
     }
 
     #[test]
     fn fp16_gradients_underflow_without_loss_scaling_and_survive_with_it() {
         let (unscaled, scaled) = (underflowed(1.0), underflowed(65536.0));
         // At scale 1 the smallest gradients of gpt2-tiny (below fp16's 6e-8) become 0.
-        assert!(unscaled >= 20, "only {unscaled} gradients flushed to zero at scale 1");
+        assert!(
+            unscaled >= 20,
+            "only {unscaled} gradients flushed to zero at scale 1"
+        );
         assert_eq!(scaled, 0, "gradients still flushed to zero at scale 65536");
     }
 
     /// The loss of the same GPT in f64, from the kernels' plain reference implementations.
-    fn reference_loss(units: &[Vec<f64>], shape: &GptShape, inputs: &[u32], targets: &[u32], d: Dims) -> f64 {
+    fn reference_loss(
+        units: &[Vec<f64>],
+        shape: &GptShape,
+        inputs: &[u32],
+        targets: &[u32],
+        d: Dims,
+    ) -> f64 {
         use kernels::matmul::Layout::{KN, NK};
         use kernels::reference as r;
         let (n, c) = (d.tokens(), d.c);
@@ -654,13 +691,22 @@ mod tests {
             let res2 = r::residual_forward(&x, &proj);
             let (ln2, _, _) = r::layernorm_forward(&res2, p.ln2_w, p.ln2_b);
             let fch = r::matmul_forward(&ln2, p.fc_w, Some(p.fc_b), KN, (n, c, 4 * c));
-            let mlp = r::matmul_forward(&r::gelu_forward(&fch), p.fcproj_w, Some(p.fcproj_b), KN, (n, 4 * c, c));
+            let mlp = r::matmul_forward(
+                &r::gelu_forward(&fch),
+                p.fcproj_w,
+                Some(p.fcproj_b),
+                KN,
+                (n, 4 * c, c),
+            );
             x = r::residual_forward(&res2, &mlp);
         }
         let [w, b] = gpt::final_norm(&units[d.l + 1], shape);
         let (lnf, _, _) = r::layernorm_forward(&x, w, b);
         let logits = r::matmul_forward(&lnf, wte, None, NK, (n, c, d.v));
-        r::crossentropy_forward(&logits, targets, d.v).iter().sum::<f64>() / n as f64
+        r::crossentropy_forward(&logits, targets, d.v)
+            .iter()
+            .sum::<f64>()
+            / n as f64
     }
 
     #[test]
@@ -670,16 +716,36 @@ mod tests {
         let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
         let setup = Setup::new(&spec, ZeroStage::Ddp, false, 2, 1);
         let shape = spec.architecture().gpt().copied().unwrap();
-        let mut e = Engine::<f32>::new(&setup, shape, 3, Communicator::solo(), Accountant::new(None)).unwrap();
-        let layout = BatchLayout { batch: 2, seq_len: 8, rank: 0, world_size: 1 };
+        let mut e = Engine::<f32>::new(
+            &setup,
+            shape,
+            3,
+            Communicator::solo(),
+            Accountant::new(None),
+        )
+        .unwrap();
+        let layout = BatchLayout {
+            batch: 2,
+            seq_len: 8,
+            rank: 0,
+            world_size: 1,
+        };
         let mut data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size).unwrap();
-        data.next_batch(&mut e.acts.inputs, &mut e.acts.targets).unwrap();
+        data.next_batch(&mut e.acts.inputs, &mut e.acts.targets)
+            .unwrap();
         let loss = e.micro_step(1.0 / e.dims.tokens() as f32).unwrap();
-        let mut params: Vec<Vec<f64>> =
-            e.bufs.params.iter().map(|p| p.iter().map(|&x| f64::from(x)).collect()).collect();
+        let mut params: Vec<Vec<f64>> = e
+            .bufs
+            .params
+            .iter()
+            .map(|p| p.iter().map(|&x| f64::from(x)).collect())
+            .collect();
         let (inputs, targets) = (e.acts.inputs.to_vec(), e.acts.targets.to_vec());
         let reference = reference_loss(&params, &shape, &inputs, &targets, e.dims);
-        assert!((loss - reference).abs() < 1e-5, "f32 loss {loss} vs f64 reference {reference}");
+        assert!(
+            (loss - reference).abs() < 1e-5,
+            "f32 loss {loss} vs f64 reference {reference}"
+        );
         let (mut checked, mut worst) = (0, 0f64);
         for (u, unit) in e.units.iter().enumerate() {
             for t in &unit.tensors {
@@ -696,7 +762,12 @@ mod tests {
                     let analytic = f64::from(e.bufs.grads[u][i]);
                     let err = (analytic - fd).abs() / (analytic.abs().max(fd.abs()) + 1e-6);
                     worst = worst.max(err);
-                    assert!(err < 2e-4, "{:?}[{}]: analytic {analytic:e} vs finite difference {fd:e}", t.kind, i - r.start);
+                    assert!(
+                        err < 2e-4,
+                        "{:?}[{}]: analytic {analytic:e} vs finite difference {fd:e}",
+                        t.kind,
+                        i - r.start
+                    );
                     checked += 1;
                 }
             }

@@ -11,7 +11,10 @@ use scheduler::spec::{JobSpec, Purpose};
 
 fn train_in(json: &str, out: &Path) -> Summary {
     let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
-    let opts = Options { out_dir: Some(out.to_path_buf()), ..Options::default() };
+    let opts = Options {
+        out_dir: Some(out.to_path_buf()),
+        ..Options::default()
+    };
     run(&spec, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
 }
 
@@ -25,7 +28,12 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn resuming_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
-    for (dtype, optimizer) in [("fp32", "adamw"), ("bf16", "adam8bit"), ("fp16", "adafactor"), ("bf16", "lion")] {
+    for (dtype, optimizer) in [
+        ("fp32", "adamw"),
+        ("bf16", "adam8bit"),
+        ("fp16", "adafactor"),
+        ("bf16", "lion"),
+    ] {
         let json = format!(
             r#"{{"model": {{"preset": "gpt2-tiny"}}, "optimizer": {{"type": "{optimizer}"}},
                 "precision": {{"dtype": "{dtype}"}}, "training": {{"steps": 10, "lr": 1e-3}},
@@ -41,7 +49,10 @@ fn resuming_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
         assert_eq!(resumed.resumed_from, Some(4), "{dtype} {optimizer}");
         assert_eq!(resumed.losses, whole.losses, "{dtype} {optimizer}");
         let model = |dir: &Path| fs::read(dir.join("model.safetensors")).unwrap();
-        assert!(model(a.path()) == model(b.path()), "{dtype} {optimizer}: exported weights differ");
+        assert!(
+            model(a.path()) == model(b.path()),
+            "{dtype} {optimizer}: exported weights differ"
+        );
     }
 }
 
@@ -67,39 +78,86 @@ fn a_checkpoint_from_another_configuration_is_refused() {
     let out = tempfile::tempdir().unwrap();
     let json = r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 4}, "checkpoint": {"every_steps": 2}}"#;
     train_in(json, out.path());
-    let spec = JobSpec::parse(&json.replace("}, \"training\"", "}, \"precision\": {\"dtype\": \"bf16\"}, \"training\""), Purpose::Train)
-        .unwrap()
-        .spec;
-    let opts = Options { out_dir: Some(out.path().to_path_buf()), ..Options::default() };
+    let spec = JobSpec::parse(
+        &json.replace(
+            "}, \"training\"",
+            "}, \"precision\": {\"dtype\": \"bf16\"}, \"training\"",
+        ),
+        Purpose::Train,
+    )
+    .unwrap()
+    .spec;
+    let opts = Options {
+        out_dir: Some(out.path().to_path_buf()),
+        ..Options::default()
+    };
     let err = run(&spec, &opts, &mut |_| {}).unwrap_err().to_string();
-    assert!(err.contains("written by world_size 1, stage 0, Fp32, adamw"), "{err}");
+    assert!(
+        err.contains("written by world_size 1, stage 0, Fp32, adamw"),
+        "{err}"
+    );
 }
 
 #[test]
 fn the_export_is_hugging_face_gpt2_and_loads_back() {
     let out = tempfile::tempdir().unwrap();
-    train_in(r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 3}, "precision": {"dtype": "bf16"}}"#, out.path());
+    train_in(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 3}, "precision": {"dtype": "bf16"}}"#,
+        out.path(),
+    );
     let bytes = fs::read(out.path().join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let shape = Preset::Tiny.shape();
-    assert_eq!(file.names().len(), 2 + 12 * shape.n_layer + 2, "no lm_head: it is tied to wte");
+    assert_eq!(
+        file.names().len(),
+        2 + 12 * shape.n_layer + 2,
+        "no lm_head: it is tied to wte"
+    );
     let wte = file.tensor("transformer.wte.weight").unwrap();
-    assert_eq!((wte.shape(), wte.dtype()), (&[512, 64][..], safetensors::Dtype::F32));
-    assert_eq!(file.tensor("transformer.h.1.attn.c_attn.weight").unwrap().shape(), &[64, 192]);
-    assert_eq!(file.tensor("transformer.h.0.mlp.c_proj.weight").unwrap().shape(), &[256, 64]);
-    let config: serde_json::Value = serde_json::from_slice(&fs::read(out.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (wte.shape(), wte.dtype()),
+        (&[512, 64][..], safetensors::Dtype::F32)
+    );
+    assert_eq!(
+        file.tensor("transformer.h.1.attn.c_attn.weight")
+            .unwrap()
+            .shape(),
+        &[64, 192]
+    );
+    assert_eq!(
+        file.tensor("transformer.h.0.mlp.c_proj.weight")
+            .unwrap()
+            .shape(),
+        &[256, 64]
+    );
+    let config: serde_json::Value =
+        serde_json::from_slice(&fs::read(out.path().join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "gpt2");
-    assert_eq!((config["n_embd"].as_u64(), config["n_layer"].as_u64(), config["n_head"].as_u64()), (Some(64), Some(2), Some(4)));
+    assert_eq!(
+        (
+            config["n_embd"].as_u64(),
+            config["n_layer"].as_u64(),
+            config["n_head"].as_u64()
+        ),
+        (Some(64), Some(2), Some(4))
+    );
     assert_eq!(config["activation_function"], "gelu_new");
     let units = checkpoint::load_hf(&out.path().join("model.safetensors"), &shape).unwrap();
-    let wte_values: Vec<f32> = wte.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let wte_values: Vec<f32> = wte
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     assert_eq!(&units[0][..512 * 64], &wte_values[..]);
 }
 
 #[test]
 fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_shapes() {
     let out = tempfile::tempdir().unwrap();
-    train_in(r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2}}"#, out.path());
+    train_in(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2}}"#,
+        out.path(),
+    );
     let bytes = fs::read(out.path().join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     // Re-save as the original `gpt2` checkpoint is laid out: no prefix, with mask buffers.
@@ -110,22 +168,42 @@ fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_sha
         .map(|(n, v)| (n.trim_start_matches("transformer.").to_string(), v))
         .collect();
     for l in 0..2 {
-        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 1, 128, 128], &mask).unwrap();
+        let view = safetensors::tensor::TensorView::new(
+            safetensors::Dtype::F32,
+            vec![1, 1, 128, 128],
+            &mask,
+        )
+        .unwrap();
         tensors.push((format!("h.{l}.attn.bias"), view));
     }
     let hf = out.path().join("gpt2-like.safetensors");
     safetensors::serialize_to_file(tensors, None, &hf).unwrap();
     let from = checkpoint::load_hf(&hf, &Preset::Tiny.shape()).unwrap();
-    let original = checkpoint::load_hf(&out.path().join("model.safetensors"), &Preset::Tiny.shape()).unwrap();
+    let original =
+        checkpoint::load_hf(&out.path().join("model.safetensors"), &Preset::Tiny.shape()).unwrap();
     assert_eq!(from, original);
     let json = format!(
         r#"{{"model": {{"preset": "gpt2-tiny", "init_from": {:?}}}, "training": {{"steps": 1}}}}"#,
         hf.display().to_string()
     );
-    let fresh = train_in(r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 1}}"#, tempfile::tempdir().unwrap().path());
+    let fresh = train_in(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 1}}"#,
+        tempfile::tempdir().unwrap().path(),
+    );
     let warm = train_in(&json, tempfile::tempdir().unwrap().path());
-    assert!(warm.losses[0] < fresh.losses[0], "trained weights start lower: {} vs {}", warm.losses[0], fresh.losses[0]);
-    let wrong = scheduler::model::GptShape { n_embd: 32, ..Preset::Tiny.shape() };
+    assert!(
+        warm.losses[0] < fresh.losses[0],
+        "trained weights start lower: {} vs {}",
+        warm.losses[0],
+        fresh.losses[0]
+    );
+    let wrong = scheduler::model::GptShape {
+        n_embd: 32,
+        ..Preset::Tiny.shape()
+    };
     let err = checkpoint::load_hf(&hf, &wrong).unwrap_err().to_string();
-    assert!(err.contains("wte.weight has shape [512, 64]; the model needs [512, 32]"), "{err}");
+    assert!(
+        err.contains("wte.weight has shape [512, 64]; the model needs [512, 32]"),
+        "{err}"
+    );
 }

@@ -6,7 +6,9 @@ use scheduler::memory::Category;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn spec(json: &str) -> JobSpec {
-    JobSpec::parse(json, Purpose::Train).unwrap_or_else(|e| panic!("{e}: {json}")).spec
+    JobSpec::parse(json, Purpose::Train)
+        .unwrap_or_else(|e| panic!("{e}: {json}"))
+        .spec
 }
 
 fn train(json: &str) -> Summary {
@@ -38,21 +40,31 @@ fn every_optimizer_and_precision_trains_gpt2_tiny_below_the_threshold() {
                     "precision": {{"dtype": "{dtype}"}}}}"#
             );
             let s = train(&json);
-            assert!((s.losses[0] - 512f64.ln()).abs() < 0.1, "starts near ln V: {}", s.losses[0]);
+            assert!(
+                (s.losses[0] - 512f64.ln()).abs() < 0.1,
+                "starts near ln V: {}",
+                s.losses[0]
+            );
             let tail = s.losses[145..].iter().sum::<f64>() / 5.0;
             if !(tail < LOSS_THRESHOLD) {
                 failures.push(format!("{opt} {dtype}: mean of last 5 losses {tail:.3}"));
             }
         }
     }
-    assert!(failures.is_empty(), "did not train below {LOSS_THRESHOLD}: {failures:#?}");
+    assert!(
+        failures.is_empty(),
+        "did not train below {LOSS_THRESHOLD}: {failures:#?}"
+    );
 }
 
 #[test]
 fn measured_peak_memory_equals_the_model_over_72_configurations() {
     let shapes = [
         (r#"{"preset": "gpt2-tiny"}"#, 64),
-        (r#"{"vocab_size": 96, "context_length": 32, "n_layer": 3, "n_head": 2, "n_embd": 48}"#, 32),
+        (
+            r#"{"vocab_size": 96, "context_length": 32, "n_layer": 3, "n_head": 2, "n_embd": 48}"#,
+            32,
+        ),
     ];
     let mut checked = 0;
     for (model, seq_len) in shapes {
@@ -90,8 +102,14 @@ fn activation_checkpointing_trains_to_the_same_loss() {
         )
     };
     let (plain, ckpt) = (train(&json(false)), train(&json(true)));
-    assert_eq!(plain.losses, ckpt.losses, "recomputing a block gives the same bits");
-    assert!(ckpt.ranks[0].measured_peak_bytes.activations < plain.ranks[0].measured_peak_bytes.activations);
+    assert_eq!(
+        plain.losses, ckpt.losses,
+        "recomputing a block gives the same bits"
+    );
+    assert!(
+        ckpt.ranks[0].measured_peak_bytes.activations
+            < plain.ranks[0].measured_peak_bytes.activations
+    );
 }
 
 #[test]
@@ -105,9 +123,15 @@ fn the_same_seed_trains_to_the_same_bits() {
 #[test]
 fn a_budget_too_small_for_the_plan_is_refused_with_numbers() {
     let s = spec(r#"{"model": {"preset": "gpt2-tiny"}}"#);
-    let opts = Options { device_memory: Some(1_000_000), ..Options::default() };
+    let opts = Options {
+        device_memory: Some(1_000_000),
+        ..Options::default()
+    };
     let err = run(&s, &opts, &mut |_| {}).unwrap_err().to_string();
-    assert!(err.starts_with("needs ") && err.contains("largest device has 1.0 MB"), "{err}");
+    assert!(
+        err.starts_with("needs ") && err.contains("largest device has 1.0 MB"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -119,14 +143,26 @@ fn an_fp16_overflow_skips_the_step_and_halves_the_scale() {
             "precision": {"dtype": "fp16", "loss_scale": {"init": 1073741824}}}"#,
     );
     let mut seen = Vec::new();
-    let summary = run(&s, &Options::default(), &mut |p| seen.push((p.skipped, p.loss_scale))).unwrap();
+    let summary = run(&s, &Options::default(), &mut |p| {
+        seen.push((p.skipped, p.loss_scale))
+    })
+    .unwrap();
     let skipped = seen.iter().take_while(|(skipped, _)| *skipped).count();
-    assert!(skipped >= 5, "expected several overflowing steps, saw {skipped}");
-    assert_eq!(summary.skipped_steps, seen.iter().filter(|(s, _)| *s).count() as u64);
+    assert!(
+        skipped >= 5,
+        "expected several overflowing steps, saw {skipped}"
+    );
+    assert_eq!(
+        summary.skipped_steps,
+        seen.iter().filter(|(s, _)| *s).count() as u64
+    );
     for w in seen[..=skipped].windows(2) {
         assert_eq!(w[1].1, w[0].1 / 2.0, "each overflow halves the scale");
     }
-    assert!(summary.final_loss < summary.losses[skipped], "training goes on after the overflows");
+    assert!(
+        summary.final_loss < summary.losses[skipped],
+        "training goes on after the overflows"
+    );
 }
 
 #[test]
@@ -136,6 +172,9 @@ fn overflowing_at_the_minimum_scale_fails_the_job() {
             "precision": {"dtype": "fp16", "loss_scale": {"init": 1073741824, "min": 1073741824}}}"#,
     );
     let err = run(&s, &Options::default(), &mut |_| {}).unwrap_err();
-    assert!(matches!(err, runner::Error::LossScaleAtMinimum { .. }), "{err}");
+    assert!(
+        matches!(err, runner::Error::LossScaleAtMinimum { .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("already at its minimum"), "{err}");
 }
