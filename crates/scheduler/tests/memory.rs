@@ -269,7 +269,10 @@ fn adafactor_on_gpt_keeps_factored_statistics_and_vector_moments() {
     let factored = (v + c) + (t + c) + l * ((c + 3 * c) + (c + c) + (c + 4 * c) + (4 * c + c));
     let vectors = l * (c + c + 3 * c + c + c + c + 4 * c + c) + 2 * c;
     let tensors = 2 + 12 * l + 2;
-    assert_eq!(b.optimizer, (4 * (factored + vectors) + 8 * 12 * (factored + tensors)) as u64);
+    assert_eq!(
+        b.optimizer,
+        (4 * (factored + vectors) + 8 * 12 * (factored + tensors)) as u64
+    );
 }
 
 fn presets() -> impl Strategy<Value = GptShape> {
