@@ -37,12 +37,46 @@ fn mxcsr() -> u32 {
     csr
 }
 
+/// Which build of the kernels' inner loops a pool's threads run (see [`thread_pool_with`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Simd {
+    /// The AVX-512 build where the CPU has it, else the baseline one.
+    #[default]
+    Detect,
+    /// Always the baseline build (it gives the same bits; for tests and comparisons).
+    Portable,
+}
+
 /// A rayon pool of `threads` threads, each with denormals flushed; run kernels inside
 /// `pool.install(..)`.
 pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
+    thread_pool_with(threads, Simd::Detect)
+}
+
+/// [`thread_pool`] whose threads run the given build of the kernels (gemm chooses its own).
+pub fn thread_pool_with(
+    threads: usize,
+    simd: Simd,
+) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("kernels-{i}"))
+        .start_handler(move |_| {
+            flush_denormals();
+            crate::simd::set_portable(simd == Simd::Portable);
+        })
+        .build()
+}
+
+/// Makes rayon's global pool `threads` threads with denormals flushed, so kernels called from
+/// any thread (such as one per data-parallel rank, which may block on its neighbours without
+/// holding a pool thread) run there. Only the first call in a process takes effect; returns
+/// whether this one did.
+pub fn init_global_pool(threads: usize) -> bool {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("kernels-{i}"))
         .start_handler(|_| flush_denormals())
-        .build()
+        .build_global()
+        .is_ok()
 }

@@ -1,6 +1,7 @@
 //! Fused softmax + cross-entropy over f32 logits.
 
 use crate::math::{exp, sum};
+use crate::simd;
 use rayon::prelude::*;
 
 /// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`.
@@ -26,25 +27,49 @@ pub fn crossentropy_forward(
         .for_each(|((row, loss), &target)| {
             let target = target as usize;
             assert!(target < v, "target {target} outside the vocabulary of {v}");
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let picked = row[target];
-            let total = match dloss {
-                Some(_) => {
-                    row.iter_mut().for_each(|x| *x = exp(*x - max));
-                    sum(row)
-                }
-                None => sum_exp(row, max),
-            };
-            *loss = max + total.ln() - picked;
-            if let Some(s) = dloss {
-                let scale = s / total;
-                row.iter_mut().for_each(|x| *x *= scale);
-                row[target] -= s;
-            }
+            simd::dispatch(
+                #[inline(always)]
+                || {
+                    let max = max(row);
+                    let picked = row[target];
+                    let total = match dloss {
+                        Some(_) => {
+                            row.iter_mut().for_each(|x| *x = exp(*x - max));
+                            sum(row)
+                        }
+                        None => sum_exp(row, max),
+                    };
+                    *loss = max + total.ln() - picked;
+                    if let Some(s) = dloss {
+                        let scale = s / total;
+                        row.iter_mut().for_each(|x| *x *= scale);
+                        row[target] -= s;
+                    }
+                },
+            )
         });
 }
 
+/// The largest element (NaNs ignored, -inf for an empty row), in 16 lanes: the maximum does
+/// not depend on the order it is taken in.
+#[inline(always)]
+fn max(row: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; L];
+    let chunks = row.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] = acc[l].max(c[l]);
+        }
+    }
+    tail.iter()
+        .chain(&acc)
+        .fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
 /// `Σ exp(x - max)` in 16 lanes (the order of [`crate::math::sum`]) without storing the terms.
+#[inline(always)]
 fn sum_exp(row: &[f32], max: f32) -> f32 {
     const L: usize = 16;
     let mut acc = [0f32; L];

@@ -60,9 +60,11 @@ impl Float for f32 {
     fn is_finite(self) -> bool {
         f32::is_finite(self)
     }
+    #[inline(always)]
     fn as_f32(s: &[Self]) -> Option<&[f32]> {
         Some(s)
     }
+    #[inline(always)]
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
         Some(s)
     }
@@ -90,9 +92,11 @@ impl Float for bf16 {
     fn is_finite(self) -> bool {
         self.to_bits() & 0x7f80 != 0x7f80
     }
+    #[inline(always)]
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
     }
+    #[inline(always)]
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
@@ -132,9 +136,11 @@ impl Float for f16 {
     fn is_finite(self) -> bool {
         self.to_bits() & 0x7c00 != 0x7c00
     }
+    #[inline(always)]
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
     }
+    #[inline(always)]
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }

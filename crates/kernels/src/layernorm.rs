@@ -1,7 +1,8 @@
 //! LayerNorm over the last dimension (eps 1e-5), statistics in f32.
 
 use crate::Float;
-use crate::math::{BLOCK, for_blocks, sum};
+use crate::math::{BLOCK, for_blocks, sum, view};
+use crate::simd;
 use rayon::prelude::*;
 
 /// GPT-2's LayerNorm epsilon.
@@ -28,30 +29,35 @@ pub fn layernorm_forward<X: Float>(
         .zip(inp.par_chunks(c))
         .zip(stats)
         .for_each(|((o, x), (mu, rs))| {
-            let mut s = 0.0;
-            for_blocks(x, |_, b| s += sum(b));
-            let m = s / c as f32;
-            let mut v = 0.0;
-            let mut d = [0f32; BLOCK];
-            for_blocks(x, |_, b| {
-                d[..b.len()]
-                    .iter_mut()
-                    .zip(b)
-                    .for_each(|(d, x)| *d = (x - m) * (x - m));
-                v += sum(&d[..b.len()]);
-            });
-            let r = 1.0 / (v / c as f32 + EPS).sqrt();
-            let (mut w, mut bb) = ([0f32; BLOCK], [0f32; BLOCK]);
-            for_blocks(x, |j, b| {
-                let n = b.len();
-                X::cast_to_f32(&weight[j..j + n], &mut w[..n]);
-                X::cast_to_f32(&bias[j..j + n], &mut bb[..n]);
-                for i in 0..n {
-                    d[i] = (b[i] - m) * r * w[i] + bb[i];
-                }
-                X::cast_from_f32(&d[..n], &mut o[j..j + n]);
-            });
-            (*mu, *rs) = (m, r);
+            simd::dispatch(
+                #[inline(always)]
+                || {
+                    let mut s = 0.0;
+                    for_blocks(x, |_, b| s += sum(b));
+                    let m = s / c as f32;
+                    let mut v = 0.0;
+                    let mut d = [0f32; BLOCK];
+                    for_blocks(x, |_, b| {
+                        d[..b.len()]
+                            .iter_mut()
+                            .zip(b)
+                            .for_each(|(d, x)| *d = (x - m) * (x - m));
+                        v += sum(&d[..b.len()]);
+                    });
+                    let r = 1.0 / (v / c as f32 + EPS).sqrt();
+                    let (mut wb, mut bb) = ([0f32; BLOCK], [0f32; BLOCK]);
+                    for_blocks(x, |j, b| {
+                        let n = b.len();
+                        let w = view(&weight[j..j + n], &mut wb);
+                        let bias = view(&bias[j..j + n], &mut bb);
+                        for i in 0..n {
+                            d[i] = (b[i] - m) * r * w[i] + bias[i];
+                        }
+                        X::cast_from_f32(&d[..n], &mut o[j..j + n]);
+                    });
+                    (*mu, *rs) = (m, r);
+                },
+            )
         });
 }
 
@@ -85,31 +91,36 @@ pub fn layernorm_backward<X: Float>(
         .zip(inp.par_chunks(c));
     rows.zip(mean.par_iter().zip(rstd))
         .for_each(|(((di, dy), x), (&m, &r))| {
-            let (mut g, mut xs, mut wd, mut t) =
-                ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
-            let (mut s1, mut s2) = (0.0, 0.0);
-            for_blocks(dy, |j, dy| {
-                let n = dy.len();
-                X::cast_to_f32(&weight[j..j + n], &mut g[..n]);
-                X::cast_to_f32(&x[j..j + n], &mut xs[..n]);
-                for i in 0..n {
-                    wd[i] = g[i] * dy[i];
-                    t[i] = wd[i] * (xs[i] - m) * r;
-                }
-                s1 += sum(&wd[..n]);
-                s2 += sum(&t[..n]);
-            });
-            let (s1, s2) = (s1 / c as f32, s2 / c as f32);
-            for_blocks(dy, |j, dy| {
-                let n = dy.len();
-                X::cast_to_f32(&weight[j..j + n], &mut g[..n]);
-                X::cast_to_f32(&x[j..j + n], &mut xs[..n]);
-                X::cast_to_f32(&di[j..j + n], &mut t[..n]);
-                for i in 0..n {
-                    t[i] += (g[i] * dy[i] - s1 - (xs[i] - m) * r * s2) * r;
-                }
-                X::cast_from_f32(&t[..n], &mut di[j..j + n]);
-            });
+            simd::dispatch(
+                #[inline(always)]
+                || {
+                    let (mut gb, mut xb, mut wd, mut t) =
+                        ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
+                    let (mut s1, mut s2) = (0.0, 0.0);
+                    for_blocks(dy, |j, dy| {
+                        let n = dy.len();
+                        let g = view(&weight[j..j + n], &mut gb);
+                        let xs = view(&x[j..j + n], &mut xb);
+                        for i in 0..n {
+                            wd[i] = g[i] * dy[i];
+                            t[i] = wd[i] * (xs[i] - m) * r;
+                        }
+                        s1 += sum(&wd[..n]);
+                        s2 += sum(&t[..n]);
+                    });
+                    let (s1, s2) = (s1 / c as f32, s2 / c as f32);
+                    for_blocks(dy, |j, dy| {
+                        let n = dy.len();
+                        let g = view(&weight[j..j + n], &mut gb);
+                        let xs = view(&x[j..j + n], &mut xb);
+                        X::cast_to_f32(&di[j..j + n], &mut t[..n]);
+                        for i in 0..n {
+                            t[i] += (g[i] * dy[i] - s1 - (xs[i] - m) * r * s2) * r;
+                        }
+                        X::cast_from_f32(&t[..n], &mut di[j..j + n]);
+                    });
+                },
+            )
         });
     // Columns: each block of C sums over all rows in row order, then adds once.
     dweight
@@ -117,19 +128,24 @@ pub fn layernorm_backward<X: Float>(
         .zip(dbias.par_chunks_mut(BLOCK))
         .enumerate()
         .for_each(|(blk, (dw, db))| {
-            let (j0, n) = (blk * BLOCK, dw.len());
-            let (mut aw, mut ab, mut dy, mut xs) =
-                ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
-            for (row, (&m, &r)) in mean.iter().zip(rstd).enumerate() {
-                X::cast_to_f32(&dout[row * c + j0..][..n], &mut dy[..n]);
-                X::cast_to_f32(&inp[row * c + j0..][..n], &mut xs[..n]);
-                for i in 0..n {
-                    aw[i] += dy[i] * ((xs[i] - m) * r);
-                    ab[i] += dy[i];
-                }
-            }
-            add(dw, &aw[..n]);
-            add(db, &ab[..n]);
+            simd::dispatch(
+                #[inline(always)]
+                || {
+                    let (j0, n) = (blk * BLOCK, dw.len());
+                    let (mut aw, mut ab, mut yb, mut xb) =
+                        ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
+                    for (row, (&m, &r)) in mean.iter().zip(rstd).enumerate() {
+                        let dy = view(&dout[row * c + j0..][..n], &mut yb);
+                        let xs = view(&inp[row * c + j0..][..n], &mut xb);
+                        for i in 0..n {
+                            aw[i] += dy[i] * ((xs[i] - m) * r);
+                            ab[i] += dy[i];
+                        }
+                    }
+                    add(dw, &aw[..n]);
+                    add(db, &ab[..n]);
+                },
+            )
         });
 }
 

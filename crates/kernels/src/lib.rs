@@ -28,5 +28,6 @@ pub mod optim;
 mod par;
 pub mod reference;
 pub mod residual;
+mod simd;
 
 pub use float::Float;

@@ -31,6 +31,7 @@ pub(crate) fn tanh(x: f32) -> f32 {
 }
 
 /// Sum in 16 lanes, then the lanes pairwise: a fixed order the compiler can vectorise.
+#[inline(always)]
 pub(crate) fn sum(a: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let chunks = a.chunks_exact(LANES);
@@ -47,6 +48,7 @@ pub(crate) fn sum(a: &[f32]) -> f32 {
 }
 
 /// Dot product with the same fixed order as [`sum`].
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; LANES];
@@ -63,6 +65,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     reduce(acc)
 }
 
+#[inline(always)]
 fn reduce(mut acc: [f32; LANES]) -> f32 {
     let mut w = LANES / 2;
     while w > 0 {
@@ -74,13 +77,25 @@ fn reduce(mut acc: [f32; LANES]) -> f32 {
     acc[0]
 }
 
-/// Call `f(offset, block)` for consecutive `f32` copies of `src` of at most [`BLOCK`] elements.
-#[inline]
+/// Call `f(offset, block)` for consecutive `f32` views of `src` of at most [`BLOCK`] elements
+/// (copies unless `X` is f32).
+#[inline(always)]
 pub(crate) fn for_blocks<X: Float>(src: &[X], mut f: impl FnMut(usize, &[f32])) {
     let mut buf = [0f32; BLOCK];
     for (i, c) in src.chunks(BLOCK).enumerate() {
-        let b = &mut buf[..c.len()];
-        X::cast_to_f32(c, b);
-        f(i * BLOCK, b);
+        f(i * BLOCK, view(c, &mut buf));
+    }
+}
+
+/// `src` as f32: itself when `X` is f32, else widened into the front of `buf`.
+#[inline(always)]
+pub(crate) fn view<'a, X: Float>(src: &'a [X], buf: &'a mut [f32]) -> &'a [f32] {
+    match X::as_f32(src) {
+        Some(s) => s,
+        None => {
+            let b = &mut buf[..src.len()];
+            X::cast_to_f32(src, b);
+            b
+        }
     }
 }

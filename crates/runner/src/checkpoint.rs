@@ -83,31 +83,43 @@ fn write_tensors(path: &Path, tensors: &[StateTensor<'_>]) -> Result<(), Error> 
         .map_err(|e| io(path, e))
 }
 
-/// Saves a single-rank checkpoint of `step` under `out/checkpoints`.
-pub fn save(
-    out: &Path,
-    manifest: &Manifest,
-    rank: usize,
-    tensors: &[StateTensor<'_>],
-) -> Result<(), Error> {
-    let root = out.join("checkpoints");
-    fs::create_dir_all(&root).map_err(|e| io(&root, e))?;
-    let name = format!("step-{:08}", manifest.step);
-    let tmp = root.join(format!(".{name}.tmp"));
+/// Where the checkpoint of `step` is assembled before it is published.
+pub fn staging_dir(out: &Path, step: u32) -> PathBuf {
+    out.join("checkpoints")
+        .join(format!(".{}.tmp", step_name(step)))
+}
+
+fn step_name(step: u32) -> String {
+    format!("step-{step:08}")
+}
+
+/// Starts assembling a checkpoint in `tmp` (rank 0, before the ranks write).
+pub fn begin(tmp: &Path) -> Result<(), Error> {
     if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        fs::remove_dir_all(tmp).map_err(|e| io(tmp, e))?;
     }
-    fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
-    write_tensors(&tmp.join(rank_file(rank)), tensors)?;
+    fs::create_dir_all(tmp).map_err(|e| io(tmp, e))
+}
+
+/// Writes one rank's buffers into the checkpoint being assembled in `tmp`.
+pub fn write_rank(tmp: &Path, rank: usize, tensors: &[StateTensor<'_>]) -> Result<(), Error> {
+    write_tensors(&tmp.join(rank_file(rank)), tensors)
+}
+
+/// Publishes the checkpoint assembled in `tmp` (rank 0, after every rank wrote): writes the
+/// manifest, renames the directory into place and moves `latest` to it.
+pub fn publish(out: &Path, tmp: &Path, manifest: &Manifest) -> Result<(), Error> {
+    let root = out.join("checkpoints");
     let manifest_path = tmp.join("manifest.json");
     let json = serde_json::to_vec_pretty(manifest).map_err(|e| io(&manifest_path, e))?;
     write_synced(&manifest_path, &json)?;
-    sync_dir(&tmp)?;
+    sync_dir(tmp)?;
+    let name = step_name(manifest.step);
     let dir = root.join(&name);
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(|e| io(&dir, e))?;
     }
-    fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))?;
+    fs::rename(tmp, &dir).map_err(|e| io(&dir, e))?;
     sync_dir(&root)?;
     let pointer = root.join("latest");
     let pointer_tmp = root.join(".latest.tmp");

@@ -58,4 +58,11 @@ pub enum Error {
     /// A checkpoint or model file that cannot be written or read.
     #[error("checkpoint {}: {reason}", path.display())]
     Checkpoint { path: PathBuf, reason: String },
+    /// A collective could not complete because a neighbouring rank failed, left or stalled.
+    #[error("rank {rank}: peer rank {peer} {reason}")]
+    Peer {
+        rank: usize,
+        peer: usize,
+        reason: String,
+    },
 }

@@ -1,13 +1,15 @@
 //! A training run in this process: plan the spec, build the engine in its dtype, run the
 //! steps, report progress, and summarise the run with measured and predicted memory.
 
+use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use kernels::Float;
 use scheduler::inventory::Inventory;
 use scheduler::memory::{self, Breakdown, DeviceKind, Setup};
+use scheduler::model::GptShape;
 use scheduler::plan;
 use scheduler::spec::{Architecture, Dtype, JobSpec};
 use serde::Serialize;
@@ -15,7 +17,7 @@ use serde::Serialize;
 use crate::Error;
 use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Op, Wire, local_ring};
 use crate::data::{BatchLayout, DataLoader};
 use crate::loss_scale::LossScaler;
 use crate::schedule;
@@ -26,10 +28,12 @@ use crate::zero::Engine;
 pub struct Options {
     /// Each rank's device budget; the plan must fit it and the accountant enforces it.
     pub device_memory: Option<u64>,
-    /// Kernel threads (default: all cores).
+    /// Kernel threads (default: all cores); only the first run in a process sets it.
     pub threads: Option<usize>,
     /// Where checkpoints and the final Hugging Face export go (none: nothing is written).
     pub out_dir: Option<std::path::PathBuf>,
+    /// How long a rank waits for a neighbour before failing (default 60 s).
+    pub comm_timeout: Option<Duration>,
 }
 
 /// One finished step, as progress displays show it.
@@ -43,12 +47,14 @@ pub struct Progress {
     pub skipped: bool,
 }
 
-/// Bytes one rank held at its peak, by category, next to the memory model's prediction.
+/// Bytes one rank held at its peak, by category, next to the memory model's prediction, and
+/// the bytes it sent, by collective.
 #[derive(Debug, Clone, Serialize)]
 pub struct RankMemory {
     pub rank: usize,
     pub measured_peak_bytes: Breakdown,
     pub predicted_bytes: Breakdown,
+    pub comm_bytes_sent: BTreeMap<Op, u64>,
 }
 
 /// What `zerotrain train --json` prints.
@@ -56,6 +62,7 @@ pub struct RankMemory {
 pub struct Summary {
     pub steps: u32,
     pub final_loss: f64,
+    /// Per step, the mean over ranks of each rank's mean token loss.
     pub losses: Vec<f64>,
     pub tokens_per_second: f64,
     pub step_seconds_median: f64,
@@ -67,7 +74,8 @@ pub struct Summary {
     pub ranks: Vec<RankMemory>,
 }
 
-/// Trains `spec` to completion, calling `progress` after every step.
+/// Trains `spec` to completion with `world_size` ranks as threads of this process, calling
+/// `progress` after every step of rank 0.
 pub fn run(
     spec: &JobSpec,
     opts: &Options,
@@ -79,42 +87,107 @@ pub fn run(
         });
     };
     let world = spec.world_size.get() as usize;
-    if world > 1 {
-        return Err(Error::Untrainable {
-            reason: format!(
-                "world_size {world}: multi-rank collectives are not built yet; use world_size 1"
-            ),
-        });
-    }
     let budget = opts.device_memory.unwrap_or(u64::MAX);
     let inventory = Inventory::uniform(world, budget, DeviceKind::Cpu);
-    let plan = plan::plan(spec, &inventory)?;
-    let setup = plan.chosen.setup;
+    let setup = plan::plan(spec, &inventory)?.chosen.setup;
     let threads = opts
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let pool = kernels::cpu::thread_pool(threads).map_err(|e| Error::Untrainable {
-        reason: format!("thread pool: {e}"),
-    })?;
-    pool.install(|| {
-        kernels::cpu::flush_denormals();
-        match spec.precision.dtype {
-            Dtype::Fp32 => train::<f32>(spec, &setup, shape, opts, progress),
-            Dtype::Fp16 => train::<f16>(spec, &setup, shape, opts, progress),
-            Dtype::Bf16 => train::<bf16>(spec, &setup, shape, opts, progress),
+    // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
+    kernels::cpu::init_global_pool(threads);
+    let timeout = opts.comm_timeout.unwrap_or(Duration::from_secs(60));
+    let comms = local_ring(world, timeout);
+    let mut progress = Some(progress);
+    let results: Vec<Result<RankRun, Error>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let report = if comm.rank() == 0 {
+                    progress.take()
+                } else {
+                    None
+                };
+                let setup = &setup;
+                scope.spawn(move || {
+                    kernels::cpu::flush_denormals();
+                    let args = (spec, setup, shape, comm, opts, report);
+                    match spec.precision.dtype {
+                        Dtype::Fp32 => train_rank::<f32>(args),
+                        Dtype::Fp16 => train_rank::<f16>(args),
+                        Dtype::Bf16 => train_rank::<bf16>(args),
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    summarise(results)
+}
+
+/// What one rank did.
+struct RankRun {
+    losses: Vec<f64>,
+    seconds: Vec<f64>,
+    tokens_per_step: f64,
+    skipped_steps: u64,
+    loss_scale: f32,
+    resumed_from: Option<u32>,
+    memory: RankMemory,
+}
+
+/// One summary from every rank's run; if any failed, the error that started it (a rank whose
+/// neighbour failed reports only that).
+fn summarise(results: Vec<Result<RankRun, Error>>) -> Result<Summary, Error> {
+    let mut runs = Vec::with_capacity(results.len());
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(run) => runs.push(run),
+            Err(e) => errors.push(e),
         }
+    }
+    if !errors.is_empty() {
+        let root = errors
+            .iter()
+            .position(|e| !matches!(e, Error::Peer { .. }))
+            .unwrap_or(0);
+        return Err(errors.swap_remove(root));
+    }
+    let first = &runs[0];
+    let steps = first.losses.len();
+    let losses: Vec<f64> = (0..steps)
+        .map(|i| runs.iter().map(|r| r.losses[i]).sum::<f64>() / runs.len() as f64)
+        .collect();
+    let step_seconds_median = median(&first.seconds);
+    Ok(Summary {
+        steps: steps as u32,
+        final_loss: *losses.last().expect("at least one step"),
+        tokens_per_second: first.tokens_per_step / step_seconds_median,
+        step_seconds_median,
+        skipped_steps: first.skipped_steps,
+        loss_scale: first.loss_scale,
+        resumed_from: first.resumed_from,
+        losses,
+        ranks: runs.into_iter().map(|r| r.memory).collect(),
     })
 }
 
-fn train<X: Float + bytemuck::Pod>(
-    spec: &JobSpec,
-    setup: &Setup,
-    shape: scheduler::model::GptShape,
-    opts: &Options,
-    progress: &mut (dyn FnMut(Progress) + Send),
-) -> Result<Summary, Error> {
+type RankArgs<'a, 'p> = (
+    &'a JobSpec,
+    &'a Setup,
+    GptShape,
+    Communicator,
+    &'a Options,
+    Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
+);
+
+fn train_rank<X: Float + Wire>(
+    (spec, setup, shape, comm, opts, mut progress): RankArgs<'_, '_>,
+) -> Result<RankRun, Error> {
     let t = &spec.training;
-    let comm = Communicator::solo();
     let rank = comm.rank();
     let acct = Accountant::new(opts.device_memory);
     let mut engine = Engine::<X>::new(setup, shape, t.seed, comm, acct.clone())?;
@@ -196,35 +269,39 @@ fn train<X: Float + bytemuck::Pod>(
                 data: data.position(),
                 losses: losses.clone(),
             };
-            checkpoint::save(out, &manifest, rank, &engine.state())?;
+            engine.save_checkpoint(out, &manifest)?;
         }
-        progress(Progress {
-            step: done,
-            steps: t.steps.get(),
-            loss: r.loss,
-            loss_scale: r.loss_scale,
-            tokens_per_second: tokens_per_step / elapsed,
-            skipped: r.skipped,
-        });
+        if let Some(report) = progress.as_mut() {
+            report(Progress {
+                step: done,
+                steps: t.steps.get(),
+                loss: r.loss,
+                loss_scale: r.loss_scale,
+                tokens_per_second: tokens_per_step / elapsed,
+                skipped: r.skipped,
+            });
+        }
     }
+    let comm_bytes_sent = engine.sent_bytes();
     if let Some(out) = out {
-        checkpoint::export(out, &shape, &engine.unit_values())?;
+        let units = engine.unit_values()?;
+        if rank == 0 {
+            checkpoint::export(out, &shape, &units)?;
+        }
     }
-    let step_seconds_median = median(&seconds);
-    Ok(Summary {
-        steps: t.steps.get(),
-        final_loss: *losses.last().expect("at least one step"),
+    Ok(RankRun {
         losses,
-        tokens_per_second: tokens_per_step / step_seconds_median,
-        step_seconds_median,
+        seconds,
+        tokens_per_step,
         skipped_steps: scaler.skipped_steps(),
         loss_scale: last_scale,
         resumed_from,
-        ranks: vec![RankMemory {
+        memory: RankMemory {
             rank,
             measured_peak_bytes: acct.peak(),
             predicted_bytes: memory::rank_breakdown(setup, rank),
-        }],
+            comm_bytes_sent,
+        },
     })
 }
 

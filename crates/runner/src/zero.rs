@@ -18,14 +18,14 @@ use kernels::residual::residual_accumulate;
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
-use scheduler::memory::{Category, Setup};
+use scheduler::memory::{self, Category, Setup};
 use scheduler::model::{GptShape, TensorKind, Unit, Units};
 use scheduler::spec::ZeroStage;
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
-use crate::checkpoint::StateTensor;
-use crate::comm::Communicator;
+use crate::checkpoint::{self, StateTensor};
+use crate::comm::{Communicator, Wire};
 use crate::data::DataLoader;
 use crate::gpt::{self, Acts, Block, Dims};
 use crate::loss_scale::LossScaler;
@@ -104,7 +104,7 @@ pub struct Engine<X: Float> {
     applied: u64,
 }
 
-impl<X: Float> Engine<X> {
+impl<X: Float + Wire> Engine<X> {
     /// Allocates every buffer through `acct` and initialises the weights, GPT-2 style, from
     /// `seed`: the same values whatever the stage or world size.
     pub fn new(
@@ -167,6 +167,12 @@ impl<X: Float> Engine<X> {
         } else {
             None
         };
+        let mut comm = comm;
+        let ring = memory::ring_scratch_bytes(setup);
+        if ring > 0 {
+            debug_assert_eq!(ring % 8, 0, "ring chunks are whole 8-byte words");
+            comm.set_scratch(acct.alloc(Category::Buffers, (ring / 8) as usize)?);
+        }
         let dims = Dims::new(&shape, setup.micro_batch, setup.seq_len);
         let acts = Acts::new(&acct, &shape, dims.b, dims.t, setup.checkpointing)?;
         let mut engine = Engine {
@@ -222,19 +228,61 @@ impl<X: Float> Engine<X> {
         }
     }
 
-    /// Each unit's fp32 weights (the master copy in mixed precision), for the final export.
-    pub fn unit_values(&self) -> Vec<Vec<f32>> {
-        self.units
-            .iter()
-            .enumerate()
-            .map(|(u, unit)| match &self.master {
-                Some(m) => m[u][..unit.len].to_vec(),
-                None => self.bufs.params[u][..unit.len]
-                    .iter()
-                    .map(|x| x.to_f32())
-                    .collect(),
-            })
-            .collect()
+    /// Each unit's fp32 weights (the master copy in mixed precision), gathered from every rank
+    /// where they are sharded, for the final export.
+    pub fn unit_values(&mut self) -> Result<Vec<Vec<f32>>, Error> {
+        let (stage, rank) = (self.stage, self.comm.rank());
+        let mut out = Vec::with_capacity(self.bufs.params.len());
+        for (u, unit) in self.units.iter().enumerate() {
+            let held = held_range(unit, stage, rank);
+            let mut full = vec![0f32; unit.padded_len];
+            match &self.master {
+                Some(m) => full[held.clone()].copy_from_slice(&m[u]),
+                None => {
+                    let p = &self.bufs.params[u];
+                    let mine = if stage.shards_params() {
+                        &p[..]
+                    } else {
+                        &p[held.clone()]
+                    };
+                    full[held.clone()]
+                        .iter_mut()
+                        .zip(mine)
+                        .for_each(|(f, x)| *f = x.to_f32());
+                }
+            }
+            if stage.shards_optimizer() {
+                self.comm.all_gather(&mut full)?;
+            }
+            full.truncate(unit.len);
+            out.push(full);
+        }
+        Ok(out)
+    }
+
+    /// Bytes this rank has sent, by collective.
+    pub fn sent_bytes(&self) -> std::collections::BTreeMap<crate::comm::Op, u64> {
+        self.comm.sent_bytes().clone()
+    }
+
+    /// Writes this rank's part of a checkpoint; rank 0 then publishes it (every rank waits).
+    pub fn save_checkpoint(
+        &mut self,
+        out: &std::path::Path,
+        manifest: &checkpoint::Manifest,
+    ) -> Result<(), Error> {
+        let rank = self.comm.rank();
+        let tmp = checkpoint::staging_dir(out, manifest.step);
+        if rank == 0 {
+            checkpoint::begin(&tmp)?;
+        }
+        self.comm.barrier()?;
+        checkpoint::write_rank(&tmp, rank, &self.state())?;
+        self.comm.barrier()?;
+        if rank == 0 {
+            checkpoint::publish(out, &tmp, manifest)?;
+        }
+        self.comm.barrier()
     }
 
     /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
@@ -564,7 +612,7 @@ impl<X: Float> Engine<X> {
     }
 }
 
-impl<X: Float + bytemuck::Pod> Engine<X> {
+impl<X: Float + Wire> Engine<X> {
     /// This rank's persistent buffers, named for checkpoints: parameters, master weights and
     /// optimizer states (gradients and activations are rebuilt every step).
     pub fn state(&mut self) -> Vec<StateTensor<'_>> {

@@ -16,6 +16,7 @@ pub use adam8bit::*;
 use crate::Float;
 use crate::math::BLOCK;
 use crate::par::{SharedMut, for_ranges};
+use crate::simd;
 
 /// Elements per task.
 const CHUNK: usize = 1 << 14;
@@ -26,7 +27,11 @@ pub fn decay(master: &mut [f32], factor: f32) {
     let m = SharedMut::new(master);
     for_ranges(n, CHUNK, |r| {
         // SAFETY: ranges are disjoint.
-        unsafe { m.slice(r) }.iter_mut().for_each(|p| *p *= factor);
+        let p = unsafe { m.slice(r) };
+        simd::dispatch(
+            #[inline(always)]
+            || p.iter_mut().for_each(|p| *p *= factor),
+        );
     });
 }
 
@@ -38,9 +43,17 @@ pub fn sgd_step<G: Float, X: Float>(
     lr: f32,
     grad_scale: f32,
 ) {
-    elementwise(master, grad, grad_scale, [], param_out, |_, p, g, _| {
-        p.iter_mut().zip(g).for_each(|(p, g)| *p -= lr * g);
-    });
+    elementwise(
+        master,
+        grad,
+        grad_scale,
+        [],
+        param_out,
+        #[inline(always)]
+        |_, p, g, _| {
+            p.iter_mut().zip(g).for_each(|(p, g)| *p -= lr * g);
+        },
+    );
 }
 
 /// SGD with momentum, PyTorch semantics with dampening 0.
@@ -72,6 +85,7 @@ pub fn momentum_step<G: Float, X: Float>(
         grad_scale,
         [buf],
         param_out,
+        #[inline(always)]
         |_, p, g, [b]| {
             for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
                 *b = mu * *b + g;
@@ -128,6 +142,7 @@ pub fn adamw_step<G: Float, X: Float>(
         grad_scale,
         [m, v],
         param_out,
+        #[inline(always)]
         |_, p, g, [m, v]| {
             for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                 *m = beta1 * *m + (1.0 - beta1) * g;
@@ -175,20 +190,28 @@ pub fn lion_step<G: Float, X: Float>(
     grad_scale: f32,
 ) {
     let Lion { lr, beta1, beta2 } = *hp;
-    elementwise(master, grad, grad_scale, [m], param_out, |_, p, g, [m]| {
-        for ((p, &g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
-            let c = beta1 * *m + (1.0 - beta1) * g;
-            let sign = if c > 0.0 {
-                1.0
-            } else if c < 0.0 {
-                -1.0
-            } else {
-                0.0
-            };
-            *p -= lr * sign;
-            *m = beta2 * *m + (1.0 - beta2) * g;
-        }
-    });
+    elementwise(
+        master,
+        grad,
+        grad_scale,
+        [m],
+        param_out,
+        #[inline(always)]
+        |_, p, g, [m]| {
+            for ((p, &g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
+                let c = beta1 * *m + (1.0 - beta1) * g;
+                let sign = if c > 0.0 {
+                    1.0
+                } else if c < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                };
+                *p -= lr * sign;
+                *m = beta2 * *m + (1.0 - beta2) * g;
+            }
+        },
+    );
 }
 
 /// Drive an elementwise update over fixed chunks: `f(offset, master, scaled grad, states)` per block
@@ -214,19 +237,24 @@ pub(crate) fn elementwise<G: Float, X: Float, const S: usize>(
         SharedMut::new(p)
     });
     for_ranges(n, CHUNK, |r| {
-        let mut g = [0f32; BLOCK];
-        for b in r.clone().step_by(BLOCK) {
-            let blk = b..(b + BLOCK).min(r.end);
-            let g = &mut g[..blk.len()];
-            G::cast_to_f32(&grad[blk.clone()], g);
-            g.iter_mut().for_each(|g| *g *= grad_scale);
-            // SAFETY: blocks of different tasks are disjoint; each state is its own slice.
-            let p = unsafe { master.slice(blk.clone()) };
-            f(b, p, g, states.map(|s| unsafe { s.slice(blk.clone()) }));
-            if let Some(out) = &out {
-                // SAFETY: as above.
-                X::cast_from_f32(p, unsafe { out.slice(blk.clone()) });
-            }
-        }
+        simd::dispatch(
+            #[inline(always)]
+            || {
+                let mut g = [0f32; BLOCK];
+                for b in r.clone().step_by(BLOCK) {
+                    let blk = b..(b + BLOCK).min(r.end);
+                    let g = &mut g[..blk.len()];
+                    G::cast_to_f32(&grad[blk.clone()], g);
+                    g.iter_mut().for_each(|g| *g *= grad_scale);
+                    // SAFETY: blocks of different tasks are disjoint; each state is its own slice.
+                    let p = unsafe { master.slice(blk.clone()) };
+                    f(b, p, g, states.map(|s| unsafe { s.slice(blk.clone()) }));
+                    if let Some(out) = &out {
+                        // SAFETY: as above.
+                        X::cast_from_f32(p, unsafe { out.slice(blk.clone()) });
+                    }
+                }
+            },
+        )
     });
 }

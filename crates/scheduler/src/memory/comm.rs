@@ -5,9 +5,10 @@
 //! Stage 0 all-reduces gradients once per step; stage 1 reduce-scatters them once and
 //! all-gathers the updated parameters; stage 2 reduce-scatters per micro-batch (only the own
 //! shard is kept across micro-batches); stage 3 all-gathers every unit before its forward and
-//! again before its backward, and reduce-scatters its gradient, per micro-batch. With one
-//! micro-batch that is the ZeRO paper's 2Ψ(N−1)/N elements for stages 0-2 and 3Ψ(N−1)/N for
-//! stage 3. Sharded stages also all-reduce one f32 (the squared gradient norm, non-finite on
+//! again before its backward (the final LayerNorm once: its backward follows its forward in
+//! the loss head), and reduce-scatters its gradient, per micro-batch. With one micro-batch that
+//! is the ZeRO paper's 2Ψ(N−1)/N elements for stages 0-2 and 3Ψ(N−1)/N for stage 3 (less the
+//! 2C-element final norm). Sharded stages also all-reduce one f32 (the squared gradient norm, non-finite on
 //! overflow) when fp16 or clipping needs it, and Adafactor's exact (f64-limb) sums of its
 //! factored statistics and per-tensor RMS.
 
@@ -48,13 +49,20 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         return Comm::default();
     }
     let x = setup.dtype.bytes();
-    let (model_elems, factored, tensors) = match setup.arch {
-        Architecture::Gpt(shape) => (
-            Units::new(&shape, setup.world_size).padded_len() as u64,
-            adafactor_factored_len(&shape) as u64,
-            tensor_count(&shape) as u64,
-        ),
-        Architecture::Params(psi) => (psi, 2 * psi.isqrt().max(1), 1),
+    // The final LayerNorm's backward follows its forward at once (in the loss head), so stage 3
+    // gathers it once per micro-batch rather than twice.
+    let (model_elems, once_gathered, factored, tensors) = match setup.arch {
+        Architecture::Gpt(shape) => {
+            let units = Units::new(&shape, setup.world_size);
+            let norm = units.iter().last().map_or(0, |u| u.padded_len);
+            (
+                units.padded_len() as u64,
+                norm as u64,
+                adafactor_factored_len(&shape) as u64,
+                tensor_count(&shape) as u64,
+            )
+        }
+        Architecture::Params(psi) => (psi, 0, 2 * psi.isqrt().max(1), 1),
     };
     let pass = ring(x * model_elems, n);
     let micro = setup.grad_accum as u64;
@@ -75,7 +83,7 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         },
         ZeroStage::Parameters => Comm {
             reduce_scatter: micro * pass,
-            all_gather: 2 * micro * pass,
+            all_gather: micro * (2 * pass - ring(x * once_gathered, n)),
             ..Comm::default()
         },
     };

@@ -208,6 +208,17 @@ fn rank_count(setup: &Setup) -> usize {
     }
 }
 
+/// Bytes of the receive buffer of the ring collectives (one chunk of the largest buffer any
+/// of them moves); 0 for a single rank.
+pub fn ring_scratch_bytes(setup: &Setup) -> u64 {
+    match setup.arch {
+        Architecture::Gpt(shape) => {
+            comm::scratch_bytes(setup, &Units::new(&shape, setup.world_size))
+        }
+        Architecture::Params(_) => 0,
+    }
+}
+
 /// Bytes rank `rank` holds, without device overhead.
 pub fn rank_breakdown(setup: &Setup, rank: usize) -> Breakdown {
     match setup.arch {

@@ -1,0 +1,227 @@
+//! Collectives between the data-parallel ranks of a job: ring algorithms over a transport that
+//! exchanges bytes with the ring's neighbours — threads of one process (`local`) or processes
+//! over TCP (`tcp`).
+//!
+//! A buffer of `len` elements travels as N chunks of ⌈len/N⌉ (units are padded so theirs are
+//! exact; a short chunk travels padded with zeros). Reduce-scatter and all-gather send N−1
+//! chunks per rank, all-reduce (reduce-scatter then all-gather) twice that: the memory model's
+//! numbers. Each chunk is summed in one fixed order around the ring, so every collective is
+//! deterministic and every stage reduces the same gradients to the same bits.
+
+mod local;
+mod tcp;
+
+pub use local::local_ring;
+pub use tcp::{TcpConfig, tcp_ring, tcp_ring_with_master};
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use half::{bf16, f16};
+use serde::Serialize;
+
+use crate::Error;
+use crate::accounting::Buffer;
+
+/// Moves bytes between a rank and its ring neighbours.
+pub trait Transport: Send {
+    /// Sends the concatenation of `out` to the next rank while receiving exactly `inp.len()`
+    /// bytes from the previous one.
+    fn exchange(&mut self, out: &[&[u8]], inp: &mut [u8]) -> Result<(), Error>;
+}
+
+/// An element type collectives can carry and sum.
+pub trait Wire: bytemuck::Pod + Send + Sync {
+    /// `acc += x` element-wise (16-bit floats are summed in f32 and rounded once).
+    fn add(acc: &mut [Self], x: &[Self]);
+}
+
+macro_rules! plain_add {
+    ($($t:ty),*) => {$(
+        impl Wire for $t {
+            fn add(acc: &mut [Self], x: &[Self]) {
+                acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+            }
+        }
+    )*};
+}
+plain_add!(f32, f64);
+
+macro_rules! widened_add {
+    ($($t:ty),*) => {$(
+        impl Wire for $t {
+            fn add(acc: &mut [Self], x: &[Self]) {
+                acc.iter_mut().zip(x).for_each(|(a, b)| *a = <$t>::from_f32(a.to_f32() + b.to_f32()));
+            }
+        }
+    )*};
+}
+widened_add!(f16, bf16);
+
+impl Wire for u8 {
+    fn add(acc: &mut [Self], x: &[Self]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = a.wrapping_add(*b));
+    }
+}
+
+/// The collectives, for counting what each one sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Barrier,
+}
+
+/// Zeros that pad a short chunk on the wire (a chunk is short by fewer than N elements).
+static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
+
+/// This rank's handle on its job's collectives.
+pub struct Communicator {
+    rank: usize,
+    world_size: usize,
+    transport: Option<Box<dyn Transport>>,
+    /// Where a chunk is received: sized by the memory model, charged to `buffers`.
+    scratch: Option<Buffer<u64>>,
+    sent: BTreeMap<Op, u64>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Communicator {{ rank: {}, world_size: {} }}",
+            self.rank, self.world_size
+        )
+    }
+}
+
+impl Communicator {
+    /// The communicator of a single-rank job: every collective leaves its buffer as it is.
+    pub fn solo() -> Communicator {
+        Communicator::new(0, 1, None)
+    }
+
+    fn new(rank: usize, world_size: usize, transport: Option<Box<dyn Transport>>) -> Communicator {
+        Communicator {
+            rank,
+            world_size,
+            transport,
+            scratch: None,
+            sent: BTreeMap::new(),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Gives the communicator its receive buffer (bytes, a multiple of 8).
+    pub fn set_scratch(&mut self, scratch: Buffer<u64>) {
+        self.scratch = Some(scratch);
+    }
+
+    /// Bytes this rank has sent, by collective.
+    pub fn sent_bytes(&self) -> &BTreeMap<Op, u64> {
+        &self.sent
+    }
+
+    /// Every rank's `buf` becomes the element-wise sum over ranks.
+    pub fn all_reduce<T: Wire>(&mut self, buf: &mut [T]) -> Result<(), Error> {
+        self.reduce_scatter_as(buf, Op::AllReduce)?;
+        self.all_gather_as(buf, Op::AllReduce)
+    }
+
+    /// Chunk `rank` of `buf` becomes the sum over ranks (other chunks hold partial sums).
+    pub fn reduce_scatter<T: Wire>(&mut self, buf: &mut [T]) -> Result<(), Error> {
+        self.reduce_scatter_as(buf, Op::ReduceScatter)
+    }
+
+    /// Every rank's `buf` becomes the concatenation of every rank's own chunk of it.
+    pub fn all_gather<T: Wire>(&mut self, buf: &mut [T]) -> Result<(), Error> {
+        self.all_gather_as(buf, Op::AllGather)
+    }
+
+    /// Every rank's `buf` becomes `root`'s: the others contribute zeros to an all-reduce.
+    pub fn broadcast<T: Wire>(&mut self, buf: &mut [T], root: usize) -> Result<(), Error> {
+        if self.rank != root {
+            buf.fill(T::zeroed());
+        }
+        self.reduce_scatter_as(buf, Op::Broadcast)?;
+        self.all_gather_as(buf, Op::Broadcast)
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&mut self) -> Result<(), Error> {
+        let mut token = vec![0u8; self.world_size];
+        self.all_gather_as(&mut token, Op::Barrier)
+    }
+
+    /// Element range of chunk `i` of a `len`-element buffer.
+    fn chunk(&self, len: usize, i: usize) -> Range<usize> {
+        let s = len.div_ceil(self.world_size);
+        (i * s).min(len)..((i + 1) * s).min(len)
+    }
+
+    /// Sends chunk `send` of `buf` and returns the received chunk's bytes (in the scratch).
+    fn step<T: Wire>(&mut self, buf: &[T], send: usize, op: Op) -> Result<&[u8], Error> {
+        let wire = buf.len().div_ceil(self.world_size) * size_of::<T>();
+        let out: &[u8] = bytemuck::cast_slice(&buf[self.chunk(buf.len(), send)]);
+        let pad = &ZEROS[..wire - out.len()];
+        let scratch = self
+            .scratch
+            .as_deref_mut()
+            .ok_or_else(|| Error::Untrainable {
+                reason: "a multi-rank collective ran before its scratch was set".into(),
+            })?;
+        let inp = bytemuck::cast_slice_mut::<u64, u8>(scratch);
+        if inp.len() < wire {
+            return Err(Error::Untrainable {
+                reason: format!(
+                    "a {wire}-byte chunk exceeds the {}-byte ring buffer",
+                    inp.len()
+                ),
+            });
+        }
+        let transport = self
+            .transport
+            .as_mut()
+            .expect("multi-rank communicators have a transport");
+        transport.exchange(&[out, pad], &mut inp[..wire])?;
+        *self.sent.entry(op).or_default() += wire as u64;
+        Ok(&inp[..wire])
+    }
+
+    fn reduce_scatter_as<T: Wire>(&mut self, buf: &mut [T], op: Op) -> Result<(), Error> {
+        let (n, r) = (self.world_size, self.rank);
+        for k in 0..n.saturating_sub(1) {
+            let (send, recv) = ((r + 2 * n - k - 1) % n, (r + 2 * n - k - 2) % n);
+            let dst = self.chunk(buf.len(), recv);
+            let got = self.step(buf, send, op)?;
+            // The scratch is u64-aligned, so the chunk can be read in place as `T`s.
+            let got: &[T] = bytemuck::cast_slice(&got[..dst.len() * size_of::<T>()]);
+            T::add(&mut buf[dst], got);
+        }
+        Ok(())
+    }
+
+    fn all_gather_as<T: Wire>(&mut self, buf: &mut [T], op: Op) -> Result<(), Error> {
+        let (n, r) = (self.world_size, self.rank);
+        for k in 0..n.saturating_sub(1) {
+            let (send, recv) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);
+            let dst = self.chunk(buf.len(), recv);
+            let got = self.step(buf, send, op)?;
+            let bytes = dst.len() * size_of::<T>();
+            bytemuck::cast_slice_mut::<T, u8>(&mut buf[dst]).copy_from_slice(&got[..bytes]);
+        }
+        Ok(())
+    }
+}

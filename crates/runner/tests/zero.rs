@@ -1,0 +1,186 @@
+//! ZeRO stages 0-3 over ranks as threads: same parameters at every stage, the same as one rank
+//! with the whole batch, and memory and communication exactly as the memory model states.
+
+use std::path::Path;
+
+use runner::comm::Op;
+use runner::train::{Options, Summary, run};
+use safetensors::SafeTensors;
+use scheduler::memory::{self, Category, DeviceKind, Setup};
+use scheduler::spec::{JobSpec, Purpose};
+
+fn spec(json: &str) -> JobSpec {
+    JobSpec::parse(json, Purpose::Train)
+        .unwrap_or_else(|e| panic!("{e}: {json}"))
+        .spec
+}
+
+fn train(json: &str, out: Option<&Path>) -> Summary {
+    let opts = Options {
+        out_dir: out.map(Path::to_path_buf),
+        ..Options::default()
+    };
+    run(&spec(json), &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
+}
+
+fn job(world: usize, stage: u8, micro: usize, extra: &str) -> String {
+    format!(
+        r#"{{"model": {{"preset": "gpt2-tiny"}}, "world_size": {world}, "zero": {{"stage": {stage}}},
+            "activation_checkpointing": false,
+            "training": {{"steps": 5, "micro_batch_size": {micro}, "lr": 1e-3}}{extra}}}"#
+    )
+}
+
+fn exported(json: &str) -> Vec<u8> {
+    let out = tempfile::tempdir().unwrap();
+    train(json, Some(out.path()));
+    std::fs::read(out.path().join("model.safetensors")).unwrap()
+}
+
+fn values(bytes: &[u8]) -> Vec<f32> {
+    let file = SafeTensors::deserialize(bytes).unwrap();
+    let mut names = file.names();
+    names.sort();
+    names
+        .iter()
+        .flat_map(|n| {
+            file.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whole_batch() {
+    let stage0 = exported(&job(4, 0, 2, ""));
+    for stage in 1..=3 {
+        assert!(
+            exported(&job(4, stage, 2, "")) == stage0,
+            "stage {stage} differs from stage 0"
+        );
+    }
+    let (sharded, single) = (values(&stage0), values(&exported(&job(1, 0, 8, ""))));
+    let diff: f64 = sharded
+        .iter()
+        .zip(&single)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let norm: f64 = single
+        .iter()
+        .map(|b| f64::from(*b).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        diff / norm < 1e-5,
+        "‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
+        diff / norm
+    );
+    assert!(
+        diff > 0.0,
+        "sums in another order should differ in the last bits"
+    );
+}
+
+fn setup(json: &str) -> Setup {
+    let s = spec(json);
+    let micro = s.training.micro_batch_size.fixed().unwrap().get();
+    Setup::new(&s, s.zero.stage.fixed().unwrap(), false, micro, 1)
+}
+
+#[test]
+fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
+    for world in [1, 2, 4, 8] {
+        for stage in 0..=3 {
+            for dtype in ["fp32", "bf16"] {
+                let json = job(
+                    world,
+                    stage,
+                    2,
+                    &format!(r#", "precision": {{"dtype": "{dtype}"}}"#),
+                )
+                .replace("\"steps\": 5", "\"steps\": 2");
+                let summary = train(&json, None);
+                assert_eq!(summary.ranks.len(), world);
+                for r in &summary.ranks {
+                    for c in Category::ALL {
+                        assert_eq!(
+                            r.measured_peak_bytes.get(c),
+                            r.predicted_bytes.get(c),
+                            "{} at N={world}, stage {stage}, {dtype}, rank {}",
+                            c.name(),
+                            r.rank
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn stage_3_at_8_ranks_keeps_an_eighth_of_the_model_states_plus_gathered_units() {
+    let at = |stage| {
+        train(
+            &job(8, stage, 2, "").replace("\"steps\": 5", "\"steps\": 1"),
+            None,
+        )
+        .ranks[0]
+            .measured_peak_bytes
+    };
+    let (s0, s3) = (at(0), at(3));
+    assert_eq!(s3.model_states() * 8, s0.model_states());
+    let units = scheduler::model::Units::new(&scheduler::model::Preset::Tiny.shape(), 8);
+    let (emb, block) = (
+        units.embeddings().padded_len as u64,
+        units.largest_other_padded_len() as u64,
+    );
+    // fp32: gathered embeddings and two block-sized units, plus the unit gradient buffers.
+    assert_eq!(
+        s3.buffers - s0.buffers,
+        4 * (emb + 2 * block) + 4 * (emb + block)
+    );
+}
+
+#[test]
+fn bytes_sent_per_step_equal_the_model_for_every_stage() {
+    let steps = 3;
+    for stage in 0..=3 {
+        let json = job(4, stage, 2, "").replace("\"steps\": 5", &format!("\"steps\": {steps}"));
+        let predicted = memory::estimate(&setup(&json), DeviceKind::Cpu).comm;
+        let summary = train(&json, None);
+        for r in &summary.ranks {
+            let sent = |op| r.comm_bytes_sent.get(&op).copied().unwrap_or(0);
+            assert_eq!(
+                sent(Op::AllReduce),
+                steps * predicted.all_reduce,
+                "stage {stage} rank {}",
+                r.rank
+            );
+            assert_eq!(
+                sent(Op::ReduceScatter),
+                steps * predicted.reduce_scatter,
+                "stage {stage}"
+            );
+            assert_eq!(
+                sent(Op::AllGather),
+                steps * predicted.all_gather,
+                "stage {stage}"
+            );
+        }
+        let units = scheduler::model::Units::new(&scheduler::model::Preset::Tiny.shape(), 4);
+        let pass = |elems: usize| elems as u64 * 3 / 4 * 4; // Ψ(N−1)/N fp32 elements
+        let passes = if stage == 3 {
+            3 * pass(units.padded_len()) - pass(units.iter().last().unwrap().padded_len)
+        } else {
+            2 * pass(units.padded_len())
+        };
+        // Sharded stages also all-reduce the squared norm: one f32 slot per rank, twice round.
+        let norm = if stage > 0 { 2 * 3 * 4 } else { 0 };
+        assert_eq!(predicted.total(), passes + norm, "stage {stage}");
+    }
+}
