@@ -44,6 +44,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
         device_memory: args.device_memory,
         threads: args.threads,
         out_dir: args.out,
+        comm_timeout: None,
     };
     let summary = run(&spec, &opts, &mut |p| {
         bar.set_position(u64::from(p.step));
