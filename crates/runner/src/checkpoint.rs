@@ -35,6 +35,9 @@ pub struct Manifest {
     pub applied_steps: u64,
     pub world_size: usize,
     pub zero_stage: u8,
+    /// Sequences in one batch across all ranks (micro-batch × world size): the data position
+    /// counts these.
+    pub sequences_per_batch: usize,
     pub dtype: Precision,
     pub optimizer: String,
     pub loss_scaler: loss_scale::State,
@@ -172,6 +175,18 @@ pub fn load_manifest(dir: &Path) -> Result<Manifest, Error> {
     let path = dir.join("manifest.json");
     let text = fs::read(&path).map_err(|e| io(&path, e))?;
     serde_json::from_slice(&text).map_err(|e| io(&path, e))
+}
+
+/// Opens `rank`'s file of the checkpoint in `dir` and hands it to `read`.
+pub fn read_rank(
+    dir: &Path,
+    rank: usize,
+    read: impl FnOnce(&SafeTensors<'_>) -> Result<(), String>,
+) -> Result<(), Error> {
+    let path = dir.join(rank_file(rank));
+    let bytes = fs::read(&path).map_err(|e| io(&path, e))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
+    read(&file).map_err(|e| io(&path, e))
 }
 
 /// Fills `tensors` from `rank`'s file of the checkpoint in `dir`: every name must be there

@@ -57,7 +57,8 @@ enum UnitState {
     },
     /// Full second moments of the vector tensors' held elements, and the first moment.
     Adafactor {
-        vectors: Vec<Buffer<f32>>,
+        /// Keyed by the tensor's index in its unit.
+        vectors: Vec<(usize, Buffer<f32>)>,
         exp_avg: Option<Buffer<f32>>,
     },
 }
@@ -122,7 +123,7 @@ impl OptimizerState {
                     Optimizer::Adafactor(a) => UnitState::Adafactor {
                         vectors: pieces(unit, range)
                             .filter(|(_, dims, _)| matches!(dims, Dims::Vector(_)))
-                            .map(|(_, _, r)| f32s(r.len()))
+                            .map(|(i, _, r)| Ok::<_, Error>((i, f32s(r.len())?)))
                             .collect::<Result<_, _>>()?,
                         exp_avg: a.beta1.map(|_| f32s(n)).transpose()?,
                     },
@@ -190,8 +191,8 @@ impl OptimizerState {
                     out.push(f32s(format!("u{u}.absmax_v"), absmax_v));
                 }
                 UnitState::Adafactor { vectors, exp_avg } => {
-                    for (i, v) in vectors.iter_mut().enumerate() {
-                        out.push(f32s(format!("u{u}.vector{i}"), v));
+                    for (i, v) in vectors.iter_mut() {
+                        out.push(f32s(format!("u{u}.t{i}.v"), v));
                     }
                     if let Some(e) = exp_avg {
                         out.push(f32s(format!("u{u}.exp_avg"), e));
@@ -464,7 +465,7 @@ fn walk<X: Float>(
                 }
                 Dims::Vector(numel) => {
                     if start < end {
-                        let v = vectors.next().expect("a moment per held vector");
+                        let (_, v) = vectors.next().expect("a moment per held vector");
                         let (master, grad, out, exp_avg) = rest.take(start, end);
                         visit(Piece::Vector {
                             master,

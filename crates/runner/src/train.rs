@@ -11,14 +11,14 @@ use scheduler::inventory::Inventory;
 use scheduler::memory::{self, Breakdown, DeviceKind, Setup};
 use scheduler::model::GptShape;
 use scheduler::plan;
-use scheduler::spec::{Architecture, Dtype, JobSpec};
+use scheduler::spec::{Architecture, Dtype, JobSpec, ZeroStage};
 use serde::Serialize;
 
 use crate::Error;
 use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
 use crate::comm::{Communicator, Op, Wire, local_ring};
-use crate::data::{BatchLayout, DataLoader};
+use crate::data::{BatchLayout, DataLoader, Position};
 use crate::loss_scale::LossScaler;
 use crate::schedule;
 use crate::zero::Engine;
@@ -62,7 +62,7 @@ pub struct RankMemory {
 pub struct Summary {
     pub steps: u32,
     pub final_loss: f64,
-    /// Per step, the mean over ranks of each rank's mean token loss.
+    /// Per step, the mean token loss over every rank's batch.
     pub losses: Vec<f64>,
     pub tokens_per_second: f64,
     pub step_seconds_median: f64,
@@ -157,13 +157,11 @@ fn summarise(results: Vec<Result<RankRun, Error>>) -> Result<Summary, Error> {
         return Err(errors.swap_remove(root));
     }
     let first = &runs[0];
-    let steps = first.losses.len();
-    let losses: Vec<f64> = (0..steps)
-        .map(|i| runs.iter().map(|r| r.losses[i]).sum::<f64>() / runs.len() as f64)
-        .collect();
+    // The ranks agree on each step's loss, so rank 0's history is everyone's.
+    let losses = first.losses.clone();
     let step_seconds_median = median(&first.seconds);
     Ok(Summary {
-        steps: steps as u32,
+        steps: losses.len() as u32,
         final_loss: *losses.last().expect("at least one step"),
         tokens_per_second: first.tokens_per_step / step_seconds_median,
         step_seconds_median,
@@ -206,35 +204,43 @@ fn train_rank<X: Float + Wire>(
         Some(out) => checkpoint::latest(out)?,
         None => None,
     };
+    let sequences_per_batch = setup.micro_batch * setup.world_size;
     let resumed_from = match resume {
         Some(dir) => {
             let m = checkpoint::load_manifest(&dir)?;
-            let this = (
-                setup.world_size,
-                setup.stage.index(),
-                spec.precision.dtype,
-                spec.optimizer.name(),
-            );
-            if (m.world_size, m.zero_stage, m.dtype, m.optimizer.as_str()) != this {
-                return Err(Error::Checkpoint {
-                    path: dir,
-                    reason: format!(
-                        "written by world_size {}, stage {}, {:?}, {}; this run is world_size {}, stage {}, {:?}, {}",
-                        m.world_size,
-                        m.zero_stage,
-                        m.dtype,
-                        m.optimizer,
-                        this.0,
-                        this.1,
-                        this.2,
-                        this.3
-                    ),
-                });
+            let fail = |reason: String| Error::Checkpoint {
+                path: dir.clone(),
+                reason,
+            };
+            if (m.dtype, m.optimizer.as_str()) != (spec.precision.dtype, spec.optimizer.name()) {
+                return Err(fail(format!(
+                    "written by a {:?} {} job; this one is {:?} {}",
+                    m.dtype,
+                    m.optimizer,
+                    spec.precision.dtype,
+                    spec.optimizer.name()
+                )));
             }
-            checkpoint::load_rank(&dir, rank, &mut engine.state())?;
+            let old_stage = ZeroStage::from_index(m.zero_stage.into())
+                .ok_or_else(|| fail(format!("unknown stage {}", m.zero_stage)))?;
+            if (m.world_size, old_stage) == (setup.world_size, setup.stage) {
+                checkpoint::load_rank(&dir, rank, &mut engine.state())?;
+            } else {
+                engine.load_resharded(&dir, m.world_size, old_stage)?;
+            }
+            // The position counts batches of `sequences_per_batch`; convert to ours.
+            let consumed = m.data.batch * m.sequences_per_batch as u64;
+            if consumed % sequences_per_batch as u64 != 0 {
+                return Err(fail(format!(
+                    "{consumed} sequences were read, not a whole number of this run's {sequences_per_batch}-sequence batches"
+                )));
+            }
             engine.set_applied_steps(m.applied_steps);
             scaler.restore(m.loss_scaler);
-            data.seek(m.data)?;
+            data.seek(Position {
+                batch: consumed / sequences_per_batch as u64,
+                ..m.data
+            })?;
             losses = m.losses;
             Some(m.step)
         }
@@ -263,6 +269,7 @@ fn train_rank<X: Float + Wire>(
                 applied_steps: engine.applied_steps(),
                 world_size: setup.world_size,
                 zero_stage: setup.stage.index(),
+                sequences_per_batch,
                 dtype: spec.precision.dtype,
                 optimizer: spec.optimizer.name().to_string(),
                 loss_scaler: scaler.state(),

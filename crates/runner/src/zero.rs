@@ -75,7 +75,7 @@ impl<X: Float> Buffers<X> {
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
-    /// Mean loss over the step's tokens on this rank.
+    /// Mean loss over the step's tokens on every rank.
     pub loss: f64,
     /// The loss scale the step's gradients carried.
     pub loss_scale: f32,
@@ -507,11 +507,7 @@ impl<X: Float + Wire> Engine<X> {
                 .try_for_each(|g| self.comm.reduce_scatter(g))?,
             ZeroStage::Gradients | ZeroStage::Parameters => {}
         }
-        let grad_norm = if self.reduces_norm {
-            Some(self.grad_norm(scale)?)
-        } else {
-            None
-        };
+        let (loss, grad_norm) = self.agree(loss, scale)?;
         let found_inf = grad_norm.is_some_and(|n| !n.is_finite());
         let step = self.applied + 1;
         let report = |skipped| StepReport {
@@ -540,24 +536,36 @@ impl<X: Float + Wire> Engine<X> {
         Ok(report(false))
     }
 
-    /// ‖g‖ of the unscaled gradients this rank holds, summed over ranks when sharded.
-    fn grad_norm(&mut self, scale: f32) -> Result<f64, Error> {
-        let rank = self.comm.rank();
+    /// Makes the ranks agree on the step's mean loss and, when fp16 or clipping needs it, on
+    /// ‖g‖ of the unscaled gradients (summed over shards when sharded): one all-reduce of two
+    /// f32s.
+    fn agree(&mut self, loss: f64, scale: f32) -> Result<(f64, Option<f64>), Error> {
+        let (rank, sharded) = (self.comm.rank(), self.stage.shards_optimizer());
         let mut sq = 0f64;
-        for (unit, g) in self.units.iter().zip(&self.bufs.grads) {
-            let held = if self.stage.shards_grads() {
-                0..g.len()
-            } else {
-                held_range(unit, self.stage, rank)
-            };
-            sq += sum_squares(&g[held]);
+        if self.reduces_norm {
+            for (unit, g) in self.units.iter().zip(&self.bufs.grads) {
+                let held = if self.stage.shards_grads() {
+                    0..g.len()
+                } else {
+                    held_range(unit, self.stage, rank)
+                };
+                sq += sum_squares(&g[held]);
+            }
         }
-        if self.stage.shards_optimizer() {
-            let mut total = [sq as f32];
-            self.comm.all_reduce(&mut total)?;
-            sq = f64::from(total[0]);
+        let n = self.comm.world_size();
+        let mut loss = loss;
+        if n > 1 {
+            let mut agreed = [if sharded { sq as f32 } else { 0.0 }, loss as f32];
+            self.comm.all_reduce(&mut agreed)?;
+            if sharded {
+                sq = f64::from(agreed[0]);
+            }
+            loss = f64::from(agreed[1]) / n as f64;
         }
-        Ok(sq.sqrt() / f64::from(scale))
+        Ok((
+            loss,
+            self.reduces_norm.then(|| sq.sqrt() / f64::from(scale)),
+        ))
     }
 
     /// Applies the optimizer to every unit's held range, then (stages 1-2) gathers the
@@ -642,6 +650,101 @@ impl<X: Float + Wire> Engine<X> {
         out.extend(self.optimizer.state());
         out
     }
+}
+
+impl<X: Float + Wire> Engine<X> {
+    /// Fills this rank's state from a checkpoint written by `old_world` ranks at `old_stage`:
+    /// every element of each buffer is taken from whichever old rank held it.
+    pub fn load_resharded(
+        &mut self,
+        dir: &std::path::Path,
+        old_world: usize,
+        old_stage: ZeroStage,
+    ) -> Result<(), Error> {
+        let (units, stage, rank) = (self.units.clone(), self.stage, self.comm.rank());
+        let old_units = Units::new(&self.shape, old_world);
+        let fail = |reason: String| Error::Checkpoint {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let mut tensors = self.state();
+        let targets = tensors
+            .iter()
+            .map(|t| placement(&t.name, &units, stage, rank).map_err(&fail))
+            .collect::<Result<Vec<_>, _>>()?;
+        for old_rank in 0..old_world {
+            checkpoint::read_rank(dir, old_rank, |file| {
+                for (t, target) in tensors.iter_mut().zip(&targets) {
+                    let view = file
+                        .tensor(&t.name)
+                        .map_err(|e| format!("{}: {e}", t.name))?;
+                    let elem = t.dtype.bitsize() / 8;
+                    match target {
+                        None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
+                        None => {}
+                        Some((_, new)) => {
+                            let (_, old) = placement(&t.name, &old_units, old_stage, old_rank)?
+                                .expect("placed in both layouts");
+                            let (start, end) = (new.start.max(old.start), new.end.min(old.end));
+                            if start < end {
+                                let src = &view.data()
+                                    [(start - old.start) * elem..(end - old.start) * elem];
+                                t.bytes[(start - new.start) * elem..(end - new.start) * elem]
+                                    .copy_from_slice(src);
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Where state tensor `name` lies for `rank` of a layout: its unit and element range there,
+/// or `None` for state every rank holds whole (Adafactor's factored statistics).
+fn placement(
+    name: &str,
+    units: &Units,
+    stage: ZeroStage,
+    rank: usize,
+) -> Result<Option<(usize, Range<usize>)>, String> {
+    if name.starts_with("adafactor.") {
+        return Ok(None);
+    }
+    let (u, kind) = name
+        .strip_prefix('u')
+        .and_then(|rest| rest.split_once('.'))
+        .and_then(|(u, kind)| Some((u.parse::<usize>().ok()?, kind)))
+        .ok_or_else(|| format!("unknown state tensor {name}"))?;
+    let unit = units
+        .iter()
+        .nth(u)
+        .ok_or_else(|| format!("{name}: no unit {u} in this model"))?;
+    let held = held_range(unit, stage, rank);
+    let range = match kind {
+        "params" if stage.shards_params() => unit.shard_range(rank),
+        "params" => 0..unit.padded_len,
+        "master" | "m" | "v" | "momentum" | "exp_avg" => held,
+        "m8" | "v8" | "absmax_m" | "absmax_v" => {
+            return Err(
+                "8-bit Adam states are quantised per block of a shard and cannot be resharded; \
+                        resume with the world size and stage that wrote the checkpoint"
+                    .into(),
+            );
+        }
+        vector => {
+            let t = vector
+                .strip_prefix('t')
+                .and_then(|v| v.strip_suffix(".v"))
+                .and_then(|i| unit.tensors.get(i.parse::<usize>().ok()?))
+                .ok_or_else(|| format!("unknown state tensor {name}"))?
+                .range();
+            t.start.max(held.start)..t.end.min(held.end)
+        }
+    };
+    Ok(Some((u, range)))
 }
 
 /// The range of a unit whose optimizer state this rank keeps and updates.

@@ -93,7 +93,7 @@ fn a_checkpoint_from_another_configuration_is_refused() {
     };
     let err = run(&spec, &opts, &mut |_| {}).unwrap_err().to_string();
     assert!(
-        err.contains("written by world_size 1, stage 0, Fp32, adamw"),
+        err.contains("written by a Fp32 adamw job; this one is Bf16 adamw"),
         "{err}"
     );
 }

@@ -181,33 +181,27 @@ fn communication_is_2_psi_for_stages_0_to_2_and_3_psi_for_stage_3() {
         ] {
             let s = setup(Architecture::Gpt(shape), Dtype::Bf16, adamw(), stage, n);
             let comm = memory::estimate(&s, DeviceKind::Cpu).comm;
-            assert_eq!(comm.total(), expected, "stage {stage:?} N={n}");
+            // Plus the loss and norm agreement: two f32s in N slots, 2·(N−1) slots sent.
+            let agreement = 2 * (n as u64 - 1) * 4;
+            assert_eq!(comm.total(), expected + agreement, "stage {stage:?} N={n}");
         }
     }
 }
 
 #[test]
-fn sharded_stages_also_reduce_one_f32_for_the_norm() {
+fn every_step_all_reduces_the_loss_and_the_norm_in_two_f32s() {
     let shape = Preset::Tiny.shape();
-    let mut s = setup(
-        Architecture::Gpt(shape),
-        Dtype::Fp16,
-        adamw(),
-        ZeroStage::Optimizer,
-        4,
-    );
-    let without = memory::estimate(&s, DeviceKind::Cpu).comm;
-    s.reduces_norm = true;
-    let with = memory::estimate(&s, DeviceKind::Cpu).comm;
-    // A ring all-reduce of 4 f32 slots (one per rank): 2·(N−1) of them sent.
-    assert_eq!(with.all_reduce - without.all_reduce, 2 * 3 * 4);
-    s.stage = ZeroStage::Ddp;
-    let ddp = memory::estimate(&s, DeviceKind::Cpu).comm;
-    assert_eq!(
-        ddp.reduce_scatter + ddp.all_gather,
-        0,
-        "stage 0 checks its all-reduced grads"
-    );
+    let pass = 2 * Units::new(&shape, 4).padded_len() as u64 * 3 / 4; // fp16 Ψ(N−1)/N
+    for stage in ZeroStage::ALL {
+        let comm = |n| {
+            let s = setup(Architecture::Gpt(shape), Dtype::Fp16, adamw(), stage, n);
+            memory::estimate(&s, DeviceKind::Cpu).comm
+        };
+        assert_eq!(comm(1).total(), 0, "one rank agrees with itself for free");
+        let gradients = if stage == ZeroStage::Ddp { 2 * pass } else { 0 };
+        // A ring all-reduce of 4 f32 slots (2 used): 2·(N−1) slots sent.
+        assert_eq!(comm(4).all_reduce - gradients, 2 * 3 * 4, "stage {stage:?}");
+    }
 }
 
 #[test]

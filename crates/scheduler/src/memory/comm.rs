@@ -8,9 +8,9 @@
 //! again before its backward (the final LayerNorm once: its backward follows its forward in
 //! the loss head), and reduce-scatters its gradient, per micro-batch. With one micro-batch that
 //! is the ZeRO paper's 2Ψ(N−1)/N elements for stages 0-2 and 3Ψ(N−1)/N for stage 3 (less the
-//! 2C-element final norm). Sharded stages also all-reduce one f32 (the squared gradient norm, non-finite on
-//! overflow) when fp16 or clipping needs it, and Adafactor's exact (f64-limb) sums of its
-//! factored statistics and per-tensor RMS.
+//! 2C-element final norm). Every step also all-reduces two f32s (the loss, and the squared
+//! gradient norm of sharded gradients, non-finite on overflow), and sharded Adafactor its exact
+//! (f64-limb) sums of its factored statistics and per-tensor RMS.
 
 use serde::Serialize;
 
@@ -87,11 +87,10 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
             ..Comm::default()
         },
     };
+    let all_reduce = |elem_bytes: u64, elems: u64| 2 * ring(elem_bytes * padded(elems, n), n);
+    // Every step the ranks agree on two f32s: the step's loss and the squared gradient norm.
+    c.all_reduce += all_reduce(4, 2);
     if setup.stage.shards_optimizer() {
-        let all_reduce = |elem_bytes: u64, elems: u64| 2 * ring(elem_bytes * padded(elems, n), n);
-        if setup.reduces_norm {
-            c.all_reduce += all_reduce(4, 1);
-        }
         if let Optimizer::Adafactor(_) = setup.optimizer {
             let limbs = ADAFACTOR_SUM_LIMBS as u64;
             c.all_reduce += all_reduce(8, factored * limbs) + all_reduce(8, tensors * limbs);
