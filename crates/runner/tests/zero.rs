@@ -75,6 +75,7 @@ fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whol
         .map(|b| f64::from(*b).powi(2))
         .sum::<f64>()
         .sqrt();
+    eprintln!("‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}", diff / norm);
     assert!(
         diff / norm < 1e-5,
         "‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
