@@ -6,6 +6,7 @@ mod error;
 pub mod inventory;
 pub mod memory;
 pub mod model;
+pub mod placement;
 pub mod plan;
 pub mod report;
 pub mod spec;
