@@ -4,7 +4,7 @@
 //! make the others fail promptly with an error naming a neighbour.
 
 use std::fmt::Debug;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -295,7 +295,7 @@ fn chunks_larger_than_socket_buffers_do_not_deadlock() {
     let over_tcp = run(&mut tcp, &inputs, Collective::AllReduce);
     eprintln!(
         "all-reduce of {} MiB over 3 tcp ranks: {:?}",
-        len * 4 >> 20,
+        (len * 4) >> 20,
         start.elapsed()
     );
     let over_local = run(&mut local, &inputs, Collective::AllReduce);
@@ -309,7 +309,7 @@ fn chunks_larger_than_socket_buffers_do_not_deadlock() {
 }
 
 #[test]
-fn rank_zero_may_start_after_the_others() {
+fn rank_zero_may_start_after_the_others_and_a_rank_may_bind_one_address() {
     // Rank 0 binds the master address itself here, so the port is found first and freed.
     let addr = TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -322,11 +322,15 @@ fn rank_zero_may_start_after_the_others() {
             if rank == 0 {
                 thread::sleep(Duration::from_millis(300));
             }
-            let cfg = TcpConfig::new(rank, n, addr, TIMEOUT);
+            let mut cfg = TcpConfig::new(rank, n, addr, TIMEOUT);
+            if rank == 2 {
+                // Advertised as bound, not as rank 0 sees it.
+                cfg.bind = Some(Ipv4Addr::LOCALHOST.into());
+            }
             thread::spawn(move || tcp_ring(&cfg))
         })
         .collect();
-    let mut comms: Vec<Communicator> = ranks
+    let comms: Vec<Communicator> = ranks
         .into_iter()
         .rev()
         .map(|r| r.join().unwrap().unwrap())
@@ -335,7 +339,7 @@ fn rank_zero_may_start_after_the_others() {
         comms.iter().map(|c| c.rank()).collect::<Vec<_>>(),
         [0, 1, 2]
     );
-    let mut comms = with_scratch(std::mem::take(&mut comms), 8);
+    let mut comms = with_scratch(comms, 8);
     let sums = on_every_rank(&mut comms, |comm| {
         let mut buf = [comm.rank() as f32 + 1.0];
         comm.all_reduce(&mut buf).map(|()| buf[0])
@@ -394,7 +398,7 @@ fn a_rank_that_exits_mid_all_reduce_fails_every_other_rank_at_once() {
 #[test]
 fn a_rank_that_stalls_past_the_timeout_fails_every_other_rank() {
     let (n, staller) = (3, 1);
-    let mut comms = with_scratch(tcp_ranks(n), 1024);
+    let mut comms = with_scratch(tcp_ranks(n), 4096);
     let results = on_every_rank(&mut comms, |comm| {
         let mut buf = vec![1.0f32; 1000];
         comm.all_reduce(&mut buf).unwrap();
@@ -489,6 +493,31 @@ fn a_duplicate_rank_is_refused_at_rendezvous() {
 }
 
 #[test]
+fn a_rank_that_never_joins_fails_the_rendezvous_within_the_timeout() {
+    let start = Instant::now();
+    let results = rendezvous(&[(0, 4), (1, 4), (3, 4)]);
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed >= TIMEOUT && elapsed < TIMEOUT + Duration::from_secs(1),
+        "{elapsed:?}"
+    );
+    for (result, rank) in results.into_iter().zip([0, 1, 3]) {
+        let err = result.expect_err("a job missing a rank must not start");
+        eprintln!("{err}");
+        let Error::Peer {
+            rank: r,
+            peer,
+            reason,
+        } = err
+        else {
+            panic!("{err:?}")
+        };
+        assert_eq!((r, peer), (rank, if rank == 0 { 2 } else { 0 }));
+        assert!(reason.contains("did not join the rendezvous"), "{reason}");
+    }
+}
+
+#[test]
 fn a_mismatched_world_size_is_refused_at_rendezvous() {
     let results = rendezvous(&[(0, 2), (1, 3)]);
     for result in results {
@@ -509,10 +538,17 @@ fn ranks_that_disagree_on_a_message_size_fail_naming_the_peer() {
         let mut buf = vec![1.0f32; 10 * (comm.rank() + 1)];
         comm.all_reduce(&mut buf)
     });
-    for (rank, result) in results.into_iter().enumerate() {
-        let (_, reason) = neighbour_named(result, rank, n);
-        assert!(reason.contains("bytes were expected"), "{reason}");
-    }
+    let reasons: Vec<String> = results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, result)| neighbour_named(result, rank, n).1)
+        .collect();
+    // The first rank to read the other's frame says why; the other may see its links shut
+    // down before that frame arrives.
+    assert!(
+        reasons.iter().any(|r| r.contains("bytes were expected")),
+        "{reasons:?}"
+    );
 }
 
 #[test]

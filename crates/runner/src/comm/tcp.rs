@@ -8,33 +8,26 @@
 //! rank connects to the next rank's listener and accepts the previous rank, and both ends of a
 //! link check each other's rank.
 //!
-//! A message is one frame: its length (u64, little-endian) then its bytes. The frame to the next
-//! rank is written on a second thread while the previous rank's frame is read, so a ring of
-//! chunks larger than the socket buffers cannot deadlock. Every wait is bounded by the timeout.
+//! A message is one frame: its length (u64, little-endian) then its bytes, written in place.
+//! The frame to the next rank goes out as far as the socket takes it at once — all of it,
+//! unless it is large — and the rest on a second thread while the previous rank's frame is
+//! read, so a ring of chunks larger than the socket buffers cannot deadlock. Every wait is
+//! bounded by the timeout (read and write timeouts on the sockets, deadlines at rendezvous).
 //! A failure — a neighbour that closed its connection, a frame of the wrong size, a neighbour
 //! silent past the timeout — shuts both of this rank's links down, so it travels around the
 //! ring at once instead of as a chain of timeouts, and every later collective repeats it.
 //! Dropping the communicator shuts the links down too.
 
-use std::collections::BTreeMap;
+mod rendezvous;
+
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::OnceLock;
 use std::thread;
-use std::time::{Duration, Instant};
-
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use std::time::Duration;
 
 use super::{Communicator, Transport};
 use crate::Error;
-
-/// Named in every handshake, so that a stray connection is told apart from a rank.
-const PROTOCOL: &str = "zerotrain-ring/1";
-/// The largest handshake frame read (a rank table takes a few dozen bytes per rank).
-const MAX_HANDSHAKE: u64 = 1 << 20;
-/// The pause between attempts to reach a listener that is not up yet, or to accept.
-const RETRY: Duration = Duration::from_millis(10);
 
 /// How one rank of a TCP job finds the others.
 #[derive(Debug, Clone)]
@@ -132,304 +125,50 @@ fn connect(cfg: &TcpConfig, master: Option<TcpListener>) -> Result<Communicator,
         .map_err(|e| untrainable(format!("rank {} cannot listen on {bind}: {e}", cfg.rank)));
     let (port, listener) = listener?;
     let table = match master {
-        Some(master) => serve_rendezvous(cfg, &master, port)?,
-        None => join_rendezvous(cfg, port)?,
+        Some(master) => rendezvous::serve(cfg, &master, port)?,
+        None => rendezvous::join(cfg, port)?,
     };
-    let link = open_links(cfg, &listener, &table)?;
-    Ok(Communicator::new(
-        cfg.rank,
-        cfg.world_size,
-        Some(Box::new(link)),
-    ))
-}
-
-/// A rank's request to join, sent to rank 0.
-#[derive(Serialize, Deserialize)]
-struct Join {
-    protocol: String,
-    rank: usize,
-    world_size: usize,
-    /// The ring listener's address if bound to a specific one.
-    ip: Option<IpAddr>,
-    port: u16,
-}
-
-/// Rank 0's answer: every rank's ring listener, or why the job cannot start.
-#[derive(Serialize, Deserialize)]
-enum Admission {
-    Ring(Vec<SocketAddr>),
-    Refused(String),
-}
-
-/// The first message each way on a ring link.
-#[derive(Serialize, Deserialize, PartialEq)]
-struct Hello {
-    protocol: String,
-    rank: usize,
-    world_size: usize,
-}
-
-/// The address to advertise for a listener bound to `bind`, if it is a specific one.
-fn specific(bind: Option<IpAddr>) -> Option<IpAddr> {
-    bind.filter(|ip| !ip.is_unspecified())
-}
-
-/// Rank 0: collects every other rank's listener address and answers each with the table.
-fn serve_rendezvous(
-    cfg: &TcpConfig,
-    master: &TcpListener,
-    port: u16,
-) -> Result<Vec<SocketAddr>, Error> {
-    let n = cfg.world_size;
-    let deadline = Instant::now() + cfg.timeout;
-    let mut joined: BTreeMap<usize, (TcpStream, SocketAddr)> = BTreeMap::new();
-    // Tells everyone who joined why the job cannot start, and returns rank 0's error.
-    let refuse =
-        |joined: &BTreeMap<_, (TcpStream, _)>, extra: Option<&TcpStream>, peer, reason: String| {
-            let answer = Admission::Refused(format!("rank {peer} {reason}"));
-            for stream in joined.values().map(|(s, _)| s).chain(extra) {
-                let _ = send(stream, &answer);
-            }
-            cfg.peer(peer, reason)
-        };
-    master
-        .set_nonblocking(true)
-        .map_err(|e| Error::Untrainable {
-            reason: format!("the rendezvous listener: {e}"),
-        })?;
-    while joined.len() + 1 < n {
-        let (stream, from) = match master.accept() {
-            Ok(connection) => connection,
-            Err(_) if Instant::now() < deadline => {
-                // Nobody yet (or an aborted connection): wait for the others.
-                thread::sleep(RETRY);
-                continue;
-            }
-            Err(_) => {
-                let missing = (1..n)
-                    .find(|r| !joined.contains_key(r))
-                    .expect("a missing rank");
-                let at = master.local_addr().map_or(cfg.master, |a| a);
-                let reason = format!(
-                    "did not join the rendezvous at {at} within {} s",
-                    cfg.secs()
-                );
-                return Err(refuse(&joined, None, missing, reason));
-            }
-        };
-        let join = stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.set_read_timeout(Some(cfg.timeout)))
-            .and_then(|()| stream.set_write_timeout(Some(cfg.timeout)))
-            .and_then(|()| receive::<Join>(&stream));
-        let join = match join {
-            Ok(join) if join.protocol == PROTOCOL => join,
-            _ => continue, // a stray connection, not a rank
-        };
-        let addr = SocketAddr::new(join.ip.unwrap_or(from.ip()), join.port);
-        let reason = if join.world_size != n {
-            Some(format!(
-                "joined with world size {} but rank 0 has {n}",
-                join.world_size
-            ))
-        } else if join.rank >= n {
-            Some(format!("(from {from}) is not a rank of a {n}-rank job"))
-        } else if join.rank == 0 {
-            Some(format!(
-                "was claimed by two processes (rank 0 itself and one at {from})"
-            ))
-        } else {
-            joined.get(&join.rank).map(|(_, first)| {
-                format!("was claimed by two processes (listening at {first} and {addr})")
-            })
-        };
-        if let Some(reason) = reason {
-            return Err(refuse(&joined, Some(&stream), join.rank, reason));
-        }
-        joined.insert(join.rank, (stream, addr));
-    }
-    let mut table: Vec<SocketAddr> = Some(SocketAddr::new(cfg.master.ip(), port))
-        .into_iter()
-        .chain(joined.values().map(|(_, addr)| *addr))
-        .collect();
-    for (&rank, (stream, _)) in &joined {
-        // Rank 0 is reachable where this rank reached it.
-        let seen = stream.local_addr().map(|a| a.ip());
-        table[0] = SocketAddr::new(
-            specific(cfg.bind).or(seen.ok()).unwrap_or(cfg.master.ip()),
-            port,
-        );
-        send(stream, &Admission::Ring(table.clone()))
-            .map_err(|e| cfg.peer(rank, format!("left the rendezvous before its answer: {e}")))?;
-    }
-    Ok(table)
-}
-
-/// Ranks other than 0: joins at the master and returns the table of ring listeners.
-fn join_rendezvous(cfg: &TcpConfig, port: u16) -> Result<Vec<SocketAddr>, Error> {
-    let stream = connect_retrying(cfg.master, Instant::now() + cfg.timeout).map_err(|e| {
-        let reason = format!(
-            "could not be reached at {} for {} s: {e}",
-            cfg.master,
-            cfg.secs()
-        );
-        cfg.peer(0, reason)
-    })?;
-    // Rank 0 answers once every rank has joined, which takes at most its own timeout.
-    stream
-        .set_read_timeout(Some(cfg.timeout * 2))
-        .and_then(|()| stream.set_write_timeout(Some(cfg.timeout)))
-        .map_err(|e| cfg.peer(0, format!("rendezvous connection failed: {e}")))?;
-    let join = Join {
-        protocol: PROTOCOL.into(),
-        rank: cfg.rank,
-        world_size: cfg.world_size,
-        ip: specific(cfg.bind),
-        port,
-    };
-    send(&stream, &join).map_err(|e| cfg.peer(0, describe(&e, cfg.timeout, true)))?;
-    match receive::<Admission>(&stream) {
-        Ok(Admission::Ring(table)) if table.len() == cfg.world_size => Ok(table),
-        Ok(Admission::Ring(table)) => Err(cfg.peer(
-            0,
-            format!(
-                "sent a table of {} ranks for a {}-rank job",
-                table.len(),
-                cfg.world_size
-            ),
-        )),
-        Ok(Admission::Refused(reason)) => {
-            Err(cfg.peer(0, format!("refused to start the job: {reason}")))
-        }
-        Err(e) => Err(cfg.peer(0, describe(&e, cfg.timeout * 2, false))),
-    }
-}
-
-/// Connects to the next rank's listener and accepts the previous rank, checking both.
-fn open_links(cfg: &TcpConfig, listener: &TcpListener, table: &[SocketAddr]) -> Result<Tcp, Error> {
-    let (n, rank) = (cfg.world_size, cfg.rank);
-    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let deadline = Instant::now() + cfg.timeout;
-    let hello = Hello {
-        protocol: PROTOCOL.into(),
+    let (next, prev) = rendezvous::link(cfg, &listener, &table)?;
+    let (rank, world_size, timeout) = (cfg.rank, cfg.world_size, cfg.timeout);
+    let tcp = Tcp {
         rank,
-        world_size: n,
-    };
-    // The next rank's listener is bound before it joined the rendezvous, so this connects even
-    // before that rank accepts; its answer is read once this rank has accepted its own link.
-    let to_next = connect_retrying(table[next], deadline)
-        .and_then(|s| configure(&s, cfg.timeout).map(|()| s))
-        .and_then(|s| send(&s, &hello).map(|()| s))
-        .map_err(|e| {
-            cfg.peer(
-                next,
-                format!("could not be reached at {}: {e}", table[next]),
-            )
-        })?;
-    let from_prev = accept(cfg, listener, prev, deadline)?;
-    send(&from_prev, &hello).map_err(|e| cfg.peer(prev, describe(&e, cfg.timeout, true)))?;
-    let answer =
-        receive::<Hello>(&to_next).map_err(|e| cfg.peer(next, describe(&e, cfg.timeout, false)))?;
-    let expected = Hello {
-        rank: next,
-        ..hello
-    };
-    if answer != expected {
-        let reason = format!(
-            "answered at {} as rank {} of {}",
-            table[next], answer.rank, answer.world_size
-        );
-        return Err(cfg.peer(next, reason));
-    }
-    Ok(Tcp {
-        rank,
-        world_size: n,
-        next: to_next,
-        prev: from_prev,
-        timeout: cfg.timeout,
+        world_size,
+        next,
+        prev,
+        timeout,
         failed: None,
-    })
+    };
+    Ok(Communicator::new(rank, world_size, Some(Box::new(tcp))))
 }
 
-/// Waits for the previous rank's connection, skipping strays.
-fn accept(
-    cfg: &TcpConfig,
-    listener: &TcpListener,
-    prev: usize,
-    deadline: Instant,
-) -> Result<TcpStream, Error> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::Untrainable {
-            reason: format!("the ring listener: {e}"),
-        })?;
-    loop {
-        let (stream, from) = match listener.accept() {
-            Ok(connection) => connection,
-            Err(_) if Instant::now() < deadline => {
-                thread::sleep(RETRY);
-                continue;
-            }
-            Err(_) => {
-                return Err(cfg.peer(prev, format!("did not connect within {} s", cfg.secs())));
-            }
-        };
-        let hello = stream
-            .set_nonblocking(false)
-            .and_then(|()| configure(&stream, cfg.timeout))
-            .and_then(|()| receive::<Hello>(&stream));
-        match hello {
-            Ok(h) if h.protocol == PROTOCOL && h.rank == prev && h.world_size == cfg.world_size => {
-                return Ok(stream);
-            }
-            Ok(h) if h.protocol == PROTOCOL => {
-                let reason = format!(
-                    "(of {}, from {from}) connected where rank {prev} of {} should have",
-                    h.world_size, cfg.world_size
-                );
-                return Err(cfg.peer(h.rank, reason));
-            }
-            _ => {} // a stray connection, not a rank
-        }
-    }
+/// A frame's length header, as written before its bytes.
+fn header(parts: &[&[u8]]) -> [u8; 8] {
+    (parts.iter().map(|p| p.len()).sum::<usize>() as u64).to_le_bytes()
 }
 
-fn connect_retrying(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&addr, left.max(RETRY)) {
-            Ok(stream) => return Ok(stream),
-            Err(e) if Instant::now() + RETRY >= deadline => return Err(e),
-            Err(_) => thread::sleep(RETRY),
-        }
-    }
+/// A frame as slices of its header and parts, written in place (no copy into one buffer).
+fn slices<'a>(header: &'a [u8; 8], parts: &[&'a [u8]]) -> Vec<IoSlice<'a>> {
+    let all = std::iter::once(&header[..]).chain(parts.iter().copied());
+    all.filter(|p| !p.is_empty()).map(IoSlice::new).collect()
 }
 
-fn configure(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))
-}
-
-/// Writes one frame, the parts in place (no copy into one buffer).
-fn write_frame(mut stream: &TcpStream, parts: &[&[u8]]) -> io::Result<()> {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    let header = (len as u64).to_le_bytes();
-    let mut slices: Vec<IoSlice> = std::iter::once(&header[..])
-        .chain(parts.iter().copied())
-        .filter(|p| !p.is_empty())
-        .map(IoSlice::new)
-        .collect();
-    let mut slices = &mut slices[..];
+/// Writes `slices`, advancing past what was written, until none are left or writing fails (on
+/// a non-blocking socket, with `WouldBlock` once its buffer is full).
+fn write_slices(mut stream: &TcpStream, slices: &mut &mut [IoSlice]) -> io::Result<()> {
     while !slices.is_empty() {
         match stream.write_vectored(slices) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Ok(n) => IoSlice::advance_slices(slices, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+fn write_frame(stream: &TcpStream, parts: &[&[u8]]) -> io::Result<()> {
+    let header = header(parts);
+    write_slices(stream, &mut &mut slices(&header, parts)[..])
 }
 
 /// Reads one frame's length.
@@ -450,24 +189,6 @@ fn read_frame(mut stream: &TcpStream, inp: &mut [u8]) -> io::Result<()> {
         return Err(io::Error::new(io::ErrorKind::InvalidData, reason));
     }
     stream.read_exact(inp)
-}
-
-fn send<M: Serialize>(stream: &TcpStream, message: &M) -> io::Result<()> {
-    write_frame(
-        stream,
-        &[&serde_json::to_vec(message).map_err(io::Error::other)?],
-    )
-}
-
-fn receive<M: DeserializeOwned>(mut stream: &TcpStream) -> io::Result<M> {
-    let len = read_len(stream)?;
-    if len > MAX_HANDSHAKE {
-        let reason = format!("a {len}-byte handshake");
-        return Err(io::Error::new(io::ErrorKind::InvalidData, reason));
-    }
-    let mut body = vec![0; len as usize];
-    stream.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// What a failed read from (or write to) a peer says about that peer.
@@ -501,42 +222,58 @@ impl Tcp {
         let _ = self.next.shutdown(Shutdown::Both);
         let _ = self.prev.shutdown(Shutdown::Both);
     }
+
+    /// Sends `out` as one frame and receives one into `inp`; the first failure, as (peer,
+    /// reason), shuts the links down, which also unblocks the other direction.
+    fn transfer(&self, out: &[&[u8]], inp: &mut [u8]) -> Result<(), (usize, String)> {
+        let n = self.world_size;
+        let first = OnceLock::new();
+        let fail = |peer: usize, reason: String| {
+            if first.set((peer, reason)).is_ok() {
+                self.shut_down();
+            }
+        };
+        let sending = |e: io::Error| fail((self.rank + 1) % n, describe(&e, self.timeout, true));
+        let mut receive = || {
+            if let Err(e) = read_frame(&self.prev, inp) {
+                fail((self.rank + n - 1) % n, describe(&e, self.timeout, false));
+            }
+        };
+        let header = header(out);
+        let mut slices = slices(&header, out);
+        let mut rest = &mut slices[..];
+        // What the socket takes at once (a whole frame, unless it is large) needs no second
+        // thread; the rest is written on one while the previous rank's frame is read, since
+        // it can only go out as the next rank reads.
+        let now = (self.next.set_nonblocking(true))
+            .and_then(|()| match write_slices(&self.next, &mut rest) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+                done => done,
+            })
+            .and_then(|()| self.next.set_nonblocking(false));
+        match now {
+            Err(e) => sending(e),
+            Ok(()) if rest.is_empty() => receive(),
+            Ok(()) => thread::scope(|s| {
+                s.spawn(|| write_slices(&self.next, &mut rest).map_err(sending));
+                receive();
+            }),
+        }
+        first.into_inner().map_or(Ok(()), Err)
+    }
 }
 
 impl Transport for Tcp {
     fn exchange(&mut self, out: &[&[u8]], inp: &mut [u8]) -> Result<(), Error> {
         if self.failed.is_none() {
-            let this = &*self;
-            let (next, prev) = (
-                (this.rank + 1) % this.world_size,
-                (this.rank + this.world_size - 1) % this.world_size,
-            );
-            let first = OnceLock::new();
-            // The first failure wins; shutting the links down unblocks the other direction.
-            let fail = |peer: usize, reason: String| {
-                if first.set((peer, reason)).is_ok() {
-                    this.shut_down();
-                }
-            };
-            thread::scope(|s| {
-                s.spawn(|| {
-                    if let Err(e) = write_frame(&this.next, out) {
-                        fail(next, describe(&e, this.timeout, true));
-                    }
-                });
-                if let Err(e) = read_frame(&this.prev, inp) {
-                    fail(prev, describe(&e, this.timeout, false));
-                }
-            });
-            self.failed = first.into_inner();
+            self.failed = self.transfer(out, inp).err();
         }
         match &self.failed {
             None => Ok(()),
-            Some((peer, reason)) => Err(Error::Peer {
-                rank: self.rank,
-                peer: *peer,
-                reason: reason.clone(),
-            }),
+            Some((peer, reason)) => {
+                let (rank, peer, reason) = (self.rank, *peer, reason.clone());
+                Err(Error::Peer { rank, peer, reason })
+            }
         }
     }
 }
