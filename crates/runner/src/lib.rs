@@ -2,6 +2,7 @@
 //! GPT trainer (model, ZeRO engine, precision and loss scaling, optimizers, data, checkpoints).
 
 pub mod accounting;
+pub mod agent;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;

@@ -2,6 +2,7 @@
 //! steps, report progress, and summarise the run with measured and predicted memory.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ use serde::Serialize;
 use crate::Error;
 use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
-use crate::comm::{Communicator, Op, Wire, local_ring};
+use crate::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring};
 use crate::data::{BatchLayout, DataLoader, Position};
 use crate::loss_scale::LossScaler;
 use crate::schedule;
@@ -34,6 +35,16 @@ pub struct Options {
     pub out_dir: Option<std::path::PathBuf>,
     /// How long a rank waits for a neighbour before failing (default 60 s).
     pub comm_timeout: Option<Duration>,
+    /// Run only this rank, joining the others over TCP; otherwise every rank runs here.
+    pub distributed: Option<Distributed>,
+}
+
+/// One rank of a job whose ranks are separate processes, possibly on several hosts.
+#[derive(Debug, Clone, Copy)]
+pub struct Distributed {
+    pub rank: usize,
+    /// Rank 0's rendezvous address (rank 0 listens on it).
+    pub master: SocketAddr,
 }
 
 /// One finished step, as progress displays show it.
@@ -74,8 +85,8 @@ pub struct Summary {
     pub ranks: Vec<RankMemory>,
 }
 
-/// Trains `spec` to completion with `world_size` ranks as threads of this process, calling
-/// `progress` after every step of rank 0.
+/// Trains `spec` to completion with its `world_size` ranks as threads of this process (or,
+/// `distributed`, just one of them), calling `progress` after every step of the first.
 pub fn run(
     spec: &JobSpec,
     opts: &Options,
@@ -96,17 +107,16 @@ pub fn run(
     // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
     kernels::cpu::init_global_pool(threads);
     let timeout = opts.comm_timeout.unwrap_or(Duration::from_secs(60));
-    let comms = local_ring(world, timeout);
+    let comms = match opts.distributed {
+        Some(d) => vec![tcp_ring(&TcpConfig::new(d.rank, world, d.master, timeout))?],
+        None => local_ring(world, timeout),
+    };
     let mut progress = Some(progress);
     let results: Vec<Result<RankRun, Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
-                let report = if comm.rank() == 0 {
-                    progress.take()
-                } else {
-                    None
-                };
+                let report = progress.take();
                 let setup = &setup;
                 scope.spawn(move || {
                     kernels::cpu::flush_denormals();

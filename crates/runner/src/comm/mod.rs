@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use half::{bf16, f16};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::Error;
 use crate::accounting::Buffer;
@@ -67,7 +67,7 @@ impl Wire for u8 {
 }
 
 /// The collectives, for counting what each one sends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Op {
     AllReduce,
@@ -88,6 +88,7 @@ pub struct Communicator {
     /// Where a chunk is received: sized by the memory model, charged to `buffers`.
     scratch: Option<Buffer<u64>>,
     sent: BTreeMap<Op, u64>,
+    received: BTreeMap<Op, u64>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -113,6 +114,7 @@ impl Communicator {
             transport,
             scratch: None,
             sent: BTreeMap::new(),
+            received: BTreeMap::new(),
         }
     }
 
@@ -132,6 +134,12 @@ impl Communicator {
     /// Bytes this rank has sent, by collective.
     pub fn sent_bytes(&self) -> &BTreeMap<Op, u64> {
         &self.sent
+    }
+
+    /// Bytes this rank has received, by collective (equal to those sent: every ring step
+    /// moves one chunk each way).
+    pub fn received_bytes(&self) -> &BTreeMap<Op, u64> {
+        &self.received
     }
 
     /// Every rank's `buf` becomes the element-wise sum over ranks.
@@ -197,6 +205,7 @@ impl Communicator {
             .expect("multi-rank communicators have a transport");
         transport.exchange(&[out, pad], &mut inp[..wire])?;
         *self.sent.entry(op).or_default() += wire as u64;
+        *self.received.entry(op).or_default() += wire as u64;
         Ok(&inp[..wire])
     }
 

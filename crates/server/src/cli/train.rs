@@ -1,11 +1,14 @@
 //! `zerotrain train SPEC.json [--out DIR] [--json]`: runs a job in this process, without the
 //! service, with a progress bar (step, loss, loss scale, tokens/s) on stderr.
 
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use runner::train::{Options, run};
+use runner::train::{Distributed, Options, run};
 use scheduler::bytes::{human, parse_size};
 use scheduler::memory::Category;
 use scheduler::spec::{JobSpec, Purpose};
@@ -26,6 +29,18 @@ pub struct Args {
     /// Print one JSON summary at the end instead of a human one.
     #[arg(long)]
     json: bool,
+    /// Run only this rank of the job, joining the others over TCP (needs --master).
+    #[arg(long, requires = "master")]
+    rank: Option<usize>,
+    /// The number of ranks [default: the spec's world_size].
+    #[arg(long)]
+    world_size: Option<NonZeroU32>,
+    /// Rank 0's rendezvous address, e.g. 10.0.0.1:29500 (rank 0 listens on it).
+    #[arg(long, requires = "rank")]
+    master: Option<SocketAddr>,
+    /// Seconds a rank waits for a neighbour before failing.
+    #[arg(long, default_value_t = 60)]
+    comm_timeout: u64,
 }
 
 pub fn run_cli(args: Args) -> anyhow::Result<()> {
@@ -35,7 +50,11 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
     for key in &parsed.unsupported_keys {
         eprintln!("warning: ignoring unsupported DeepSpeed key {key}");
     }
-    let spec = parsed.spec;
+    let mut spec = parsed.spec;
+    if let Some(n) = args.world_size {
+        spec.world_size = n;
+        spec.validate(Purpose::Train)?;
+    }
     let bar = ProgressBar::new(u64::from(spec.training.steps.get())).with_style(
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed}<{eta}]")
             .expect("a valid template"),
@@ -44,7 +63,11 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
         device_memory: args.device_memory,
         threads: args.threads,
         out_dir: args.out,
-        comm_timeout: None,
+        comm_timeout: Some(Duration::from_secs(args.comm_timeout)),
+        distributed: args
+            .rank
+            .zip(args.master)
+            .map(|(rank, master)| Distributed { rank, master }),
     };
     let summary = run(&spec, &opts, &mut |p| {
         bar.set_position(u64::from(p.step));
