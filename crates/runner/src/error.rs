@@ -65,4 +65,7 @@ pub enum Error {
         peer: usize,
         reason: String,
     },
+    /// The run was cancelled before step `step`.
+    #[error("cancelled before step {step}")]
+    Cancelled { step: u32 },
 }

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -37,6 +39,8 @@ pub struct Options {
     pub comm_timeout: Option<Duration>,
     /// Run only this rank, joining the others over TCP; otherwise every rank runs here.
     pub distributed: Option<Distributed>,
+    /// Set to stop the run after the current step (`Error::Cancelled`).
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 /// One rank of a job whose ranks are separate processes, possibly on several hosts.
@@ -55,6 +59,7 @@ pub struct Progress {
     pub loss: f64,
     pub loss_scale: f32,
     pub tokens_per_second: f64,
+    pub step_seconds: f64,
     pub skipped: bool,
 }
 
@@ -92,6 +97,22 @@ pub fn run(
     opts: &Options,
     progress: &mut (dyn FnMut(Progress) + Send),
 ) -> Result<Summary, Error> {
+    let world = spec.world_size.get() as usize;
+    let timeout = opts.comm_timeout.unwrap_or(Duration::from_secs(60));
+    let comms = match opts.distributed {
+        Some(d) => vec![tcp_ring(&TcpConfig::new(d.rank, world, d.master, timeout))?],
+        None => local_ring(world, timeout),
+    };
+    run_ranks(spec, comms, opts, progress)
+}
+
+/// Trains the ranks of `spec` that `comms` stand for, each on a thread of its own.
+pub fn run_ranks(
+    spec: &JobSpec,
+    comms: Vec<Communicator>,
+    opts: &Options,
+    progress: &mut (dyn FnMut(Progress) + Send),
+) -> Result<Summary, Error> {
     let Architecture::Gpt(shape) = spec.architecture() else {
         return Err(Error::Untrainable {
             reason: "a bare parameter count has no architecture to train".into(),
@@ -106,11 +127,6 @@ pub fn run(
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
     kernels::cpu::init_global_pool(threads);
-    let timeout = opts.comm_timeout.unwrap_or(Duration::from_secs(60));
-    let comms = match opts.distributed {
-        Some(d) => vec![tcp_ring(&TcpConfig::new(d.rank, world, d.master, timeout))?],
-        None => local_ring(world, timeout),
-    };
     let mut progress = Some(progress);
     let results: Vec<Result<RankRun, Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -265,6 +281,13 @@ fn train_rank<X: Float + Wire>(
     let mut last_scale = scaler.scale();
     let every = spec.checkpoint.every_steps;
     for step in resumed_from.unwrap_or(0)..t.steps.get() {
+        if opts
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Relaxed))
+        {
+            return Err(Error::Cancelled { step });
+        }
         let lr = schedule::lr(t, step) as f32;
         let start = Instant::now();
         let r = engine.step(&mut data, &mut scaler, lr, t.grad_clip)?;
@@ -295,6 +318,7 @@ fn train_rank<X: Float + Wire>(
                 loss: r.loss,
                 loss_scale: r.loss_scale,
                 tokens_per_second: tokens_per_step / elapsed,
+                step_seconds: elapsed,
                 skipped: r.skipped,
             });
         }

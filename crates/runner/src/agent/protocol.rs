@@ -43,11 +43,21 @@ pub struct Assignment {
     pub spec: serde_json::Value,
     /// The ranks this node runs, and the device index of each.
     pub ranks: Vec<RankSlot>,
-    /// Where rank 0 listens for the TCP rendezvous when the job spans nodes; `None` when all
-    /// its ranks are on this node (they use the in-process ring).
-    pub master: Option<String>,
+    pub transport: RankTransport,
     /// Where the job's checkpoints and export live (shared by every node that runs it).
     pub out_dir: String,
+}
+
+/// How the job's ranks reach each other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RankTransport {
+    /// Every rank is on this node: the in-process ring.
+    Local,
+    /// The job spans nodes: TCP. On rank 0's node `master` is `None`: the agent listens on a
+    /// port of its choosing and reports it (`Report::Rendezvous`); the other nodes receive
+    /// their assignments only then, with `master` set.
+    Tcp { master: Option<String> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,199 @@
+//! The service's records: jobs and their states, nodes, assignments, and what agents report.
+//! Timestamps are Unix milliseconds.
+
+use std::collections::BTreeMap;
+
+use runner::comm::Op;
+use scheduler::inventory::Device;
+use scheduler::memory::Breakdown;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// queued → scheduled → running → succeeded | failed | cancelled; a job whose node is lost goes
+/// back to queued with its attempt raised.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Queued,
+    Scheduled,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 6] = [
+        JobState::Queued,
+        JobState::Scheduled,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Scheduled => "scheduled",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|j| j.as_str() == s)
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// States whose assignments hold devices.
+    pub fn holds_devices(self) -> bool {
+        matches!(self, JobState::Scheduled | JobState::Running)
+    }
+}
+
+/// A job as stored and as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Job {
+    /// A UUIDv7: ids sort by submission time.
+    pub id: String,
+    pub name: Option<String>,
+    pub state: JobState,
+    /// Higher runs first; equal priorities run in submission order.
+    pub priority: i32,
+    /// 1 for the first run; raised each time a lost node sends the job back to the queue.
+    pub attempt: u32,
+    pub world_size: u32,
+    /// The normalised job spec (native form; DeepSpeed jobs as translated).
+    #[schema(value_type = Object)]
+    pub spec: serde_json::Value,
+    /// The planner's choices and per-rank prediction (`scheduler::plan::Plan` as JSON).
+    #[schema(value_type = Object)]
+    pub plan: serde_json::Value,
+    /// DeepSpeed keys zerotrain ignored.
+    pub unsupported_keys: Vec<String>,
+    /// Name of the token that submitted it.
+    pub owner: String,
+    /// Why the job is in its state (the last transition's reason).
+    pub reason: String,
+    /// Where rank 0 of the current attempt listens, once its node reported it (jobs spanning
+    /// nodes only).
+    pub master: Option<String>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// One state change, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Transition {
+    pub at: i64,
+    pub from: Option<JobState>,
+    pub to: JobState,
+    pub reason: String,
+}
+
+/// A registered runner agent and its devices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct NodeRecord {
+    pub id: String,
+    pub name: String,
+    /// Where the node's ranks accept TCP connections.
+    pub host: String,
+    #[schema(value_type = Vec<Object>)]
+    pub devices: Vec<Device>,
+    pub registered_at: i64,
+    pub last_heartbeat: i64,
+    /// Silent past the heartbeat timeout; its jobs were requeued.
+    pub lost: bool,
+}
+
+/// Rank `rank` of attempt `attempt` of a job runs on device `device` of node `node_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct AssignmentRecord {
+    pub job_id: String,
+    pub attempt: u32,
+    pub rank: u32,
+    pub node_id: String,
+    pub device: u32,
+}
+
+/// One optimizer step of a job, as rank 0's node reported it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StepRecord {
+    pub attempt: u32,
+    pub step: u32,
+    pub loss: f64,
+    pub loss_scale: f32,
+    pub tokens_per_second: f64,
+    pub skipped: bool,
+    pub step_seconds: f64,
+    pub at: i64,
+}
+
+/// A rank's measured peak bytes by category next to the memory model's prediction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RankMemoryRecord {
+    pub rank: u32,
+    #[schema(value_type = Object)]
+    pub measured: Breakdown,
+    #[schema(value_type = Object)]
+    pub predicted: Breakdown,
+    #[schema(value_type = Object)]
+    pub comm_bytes_sent: BTreeMap<Op, u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LogLine {
+    /// Increases by one per line of a job.
+    pub seq: i64,
+    pub at: i64,
+    pub line: String,
+}
+
+/// What a bearer token may do: viewers read, submitters also submit and cancel, admins also
+/// manage; agents only speak the agent protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Viewer,
+    Submitter,
+    Admin,
+    /// The join token agents register with.
+    AgentJoin,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Submitter => "submitter",
+            Role::Admin => "admin",
+            Role::AgentJoin => "agent_join",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        [Role::Viewer, Role::Submitter, Role::Admin, Role::AgentJoin]
+            .into_iter()
+            .find(|r| r.as_str() == s)
+    }
+
+    /// Whether this role may do what `needed` may (agent join tokens only join).
+    pub fn allows(self, needed: Role) -> bool {
+        match (self, needed) {
+            (Role::AgentJoin, n) => n == Role::AgentJoin,
+            (_, Role::AgentJoin) => false,
+            (have, n) => have >= n,
+        }
+    }
+}
