@@ -68,6 +68,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             .rank
             .zip(args.master)
             .map(|(rank, master)| Distributed { rank, master }),
+        cancel: None,
     };
     let summary = run(&spec, &opts, &mut |p| {
         bar.set_position(u64::from(p.step));
