@@ -9,8 +9,6 @@
 //! llm.c's `train_gpt2.c` measured on the same machine (gpt2-124M fp32, B=4, T=64), the
 //! gpt2-124M rows also print the speed-up over it.
 
-use std::time::Instant;
-
 use runner::train::{Options, Progress, run};
 use scheduler::spec::{Architecture, JobSpec, Purpose};
 

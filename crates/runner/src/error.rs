@@ -68,4 +68,7 @@ pub enum Error {
     /// The run was cancelled before step `step`.
     #[error("cancelled before step {step}")]
     Cancelled { step: u32 },
+    /// The server could not be reached or refused a request.
+    #[error("server {url}: {reason}")]
+    Server { url: String, reason: String },
 }

@@ -61,6 +61,8 @@ pub struct Progress {
     pub tokens_per_second: f64,
     pub step_seconds: f64,
     pub skipped: bool,
+    /// A checkpoint of this step was written.
+    pub checkpointed: bool,
 }
 
 /// Bytes one rank held at its peak, by category, next to the memory model's prediction, and
@@ -296,7 +298,8 @@ fn train_rank<X: Float + Wire>(
         losses.push(r.loss);
         last_scale = r.loss_scale;
         let done = step + 1;
-        if let Some(out) = out.filter(|_| every > 0 && done % every == 0 && done < t.steps.get()) {
+        let checkpoint_due = every > 0 && done % every == 0 && done < t.steps.get();
+        if let Some(out) = out.filter(|_| checkpoint_due) {
             let manifest = Manifest {
                 step: done,
                 applied_steps: engine.applied_steps(),
@@ -320,6 +323,7 @@ fn train_rank<X: Float + Wire>(
                 tokens_per_second: tokens_per_step / elapsed,
                 step_seconds: elapsed,
                 skipped: r.skipped,
+                checkpointed: checkpoint_due && out.is_some(),
             });
         }
     }

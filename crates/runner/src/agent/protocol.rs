@@ -70,6 +70,12 @@ pub struct RankSlot {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Report {
+    /// Rank 0 of a job spanning nodes listens for its peers at `master` (`host:port`).
+    Rendezvous {
+        job_id: String,
+        attempt: u32,
+        master: String,
+    },
     /// The job's ranks started (sent once per attempt, by the node running rank 0).
     Started {
         job_id: String,

@@ -1,0 +1,221 @@
+//! One assignment on this node: build the communicators of its ranks here (the in-process ring,
+//! or TCP with rank 0 listening on a port this node picks and reports), train, and report
+//! steps, logs, checkpoints, memory and the outcome.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use scheduler::spec::{JobSpec, Purpose};
+
+use super::protocol::{Assignment, RankTransport, Report};
+use super::{AgentConfig, Outbox};
+use crate::Error;
+use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
+use crate::train::{Options, Progress, Summary, run_ranks};
+
+/// How long ranks wait for each other (the rendezvous included).
+const COMM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Starts `a` on a thread of its own; it reports through `outbox` until it ends.
+pub(super) fn start(
+    a: Assignment,
+    cfg: &AgentConfig,
+    cancel: Arc<AtomicBool>,
+    outbox: Outbox,
+) -> JoinHandle<()> {
+    let cfg = cfg.clone();
+    std::thread::spawn(move || {
+        let (job_id, attempt) = (a.job_id.clone(), a.attempt);
+        let send = |r: Report| outbox.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+        let log = |line: String| {
+            send(Report::Log {
+                job_id: job_id.clone(),
+                attempt,
+                line,
+            })
+        };
+        let ranks: Vec<usize> = a.ranks.iter().map(|r| r.rank).collect();
+        log(format!(
+            "{}: starting ranks {ranks:?} of attempt {attempt}",
+            cfg.name
+        ));
+        match train(&a, &cfg, cancel, &send, &log) {
+            Ok(summary) => {
+                for r in &summary.ranks {
+                    send(Report::Memory {
+                        job_id: job_id.clone(),
+                        attempt,
+                        rank: r.rank,
+                        measured: r.measured_peak_bytes,
+                        predicted: r.predicted_bytes,
+                        comm_bytes_sent: r.comm_bytes_sent.clone(),
+                    });
+                }
+                log(format!(
+                    "{}: finished, final loss {:.4}",
+                    cfg.name, summary.final_loss
+                ));
+                send(Report::Finished {
+                    job_id: job_id.clone(),
+                    attempt,
+                    final_loss: summary.final_loss,
+                });
+            }
+            Err(Error::Cancelled { step }) => {
+                log(format!("{}: cancelled before step {step}", cfg.name));
+                send(Report::Cancelled {
+                    job_id: job_id.clone(),
+                    attempt,
+                });
+            }
+            Err(e) => {
+                log(format!("{}: failed: {e}", cfg.name));
+                send(Report::Failed {
+                    job_id: job_id.clone(),
+                    attempt,
+                    error: e.to_string(),
+                });
+            }
+        }
+    })
+}
+
+fn train(
+    a: &Assignment,
+    cfg: &AgentConfig,
+    cancel: Arc<AtomicBool>,
+    send: &(dyn Fn(Report) + Sync),
+    log: &(dyn Fn(String) + Sync),
+) -> Result<Summary, Error> {
+    let text = a.spec.to_string();
+    let spec = JobSpec::parse(&text, Purpose::Train)?.spec;
+    let comms = communicators(a, &spec, cfg, send)?;
+    let leads = comms.first().is_some_and(|c| c.rank() == 0);
+    let budget = a
+        .ranks
+        .iter()
+        .filter_map(|r| cfg.devices.get(r.device))
+        .map(|d| d.memory_bytes)
+        .min();
+    let opts = Options {
+        device_memory: budget,
+        threads: cfg.threads,
+        out_dir: Some(a.out_dir.clone().into()),
+        comm_timeout: Some(COMM_TIMEOUT),
+        distributed: None,
+        cancel: Some(cancel),
+    };
+    let (job_id, attempt) = (a.job_id.clone(), a.attempt);
+    let mut started = false;
+    let mut progress = |p: Progress| {
+        if !leads {
+            return;
+        }
+        if !started {
+            started = true;
+            let resumed_from = (p.step > 1).then_some(p.step - 1);
+            send(Report::Started {
+                job_id: job_id.clone(),
+                attempt,
+                resumed_from,
+            });
+            if let Some(step) = resumed_from {
+                log(format!("resumed from the checkpoint of step {step}"));
+            }
+        }
+        send(Report::Step {
+            job_id: job_id.clone(),
+            attempt,
+            step: p.step,
+            loss: p.loss,
+            loss_scale: p.loss_scale,
+            tokens_per_second: p.tokens_per_second,
+            skipped: p.skipped,
+            step_seconds: p.step_seconds,
+        });
+        if p.checkpointed {
+            let path = format!("{}/checkpoints/step-{:08}", a.out_dir, p.step);
+            send(Report::Checkpoint {
+                job_id: job_id.clone(),
+                attempt,
+                step: p.step,
+                path,
+            });
+        }
+        if p.step == 1 || p.step % 10 == 0 || p.step == p.steps {
+            log(format!(
+                "step {}/{}: loss {:.4}, {:.0} tokens/s",
+                p.step, p.steps, p.loss, p.tokens_per_second
+            ));
+        }
+    };
+    run_ranks(&spec, comms, &opts, &mut progress)
+}
+
+/// The communicators of this node's ranks. Over TCP every rank joins the rendezvous at once
+/// (each blocks until all have), so they are built on threads of their own.
+fn communicators(
+    a: &Assignment,
+    spec: &JobSpec,
+    cfg: &AgentConfig,
+    send: &(dyn Fn(Report) + Sync),
+) -> Result<Vec<Communicator>, Error> {
+    let world = spec.world_size.get() as usize;
+    let master = match &a.transport {
+        RankTransport::Local => return Ok(local_ring(world, COMM_TIMEOUT)),
+        RankTransport::Tcp { master: Some(m) } => {
+            let addr: SocketAddr = m.parse().map_err(|e| Error::Untrainable {
+                reason: format!("rendezvous address {m:?}: {e}"),
+            })?;
+            (addr, None)
+        }
+        RankTransport::Tcp { master: None } => {
+            let listener = TcpListener::bind(("0.0.0.0", 0)).map_err(|e| Error::Untrainable {
+                reason: format!("cannot listen for the rendezvous: {e}"),
+            })?;
+            let port = listener
+                .local_addr()
+                .map_err(|e| Error::Untrainable {
+                    reason: e.to_string(),
+                })?
+                .port();
+            let master = format!("{}:{port}", cfg.host);
+            send(Report::Rendezvous {
+                job_id: a.job_id.clone(),
+                attempt: a.attempt,
+                master: master.clone(),
+            });
+            let addr = master.parse().map_err(|e| Error::Untrainable {
+                reason: format!("rendezvous address {master:?}: {e}"),
+            })?;
+            (addr, Some(listener))
+        }
+    };
+    let (addr, mut listener) = master;
+    let built: Vec<Result<Communicator, Error>> = std::thread::scope(|s| {
+        let handles: Vec<_> = a
+            .ranks
+            .iter()
+            .map(|slot| {
+                let cfg = TcpConfig::new(slot.rank, world, addr, COMM_TIMEOUT);
+                let own = if slot.rank == 0 {
+                    listener.take()
+                } else {
+                    None
+                };
+                s.spawn(move || match own {
+                    Some(l) => tcp_ring_with_master(&cfg, l),
+                    None => tcp_ring(&cfg),
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    built.into_iter().collect()
+}
