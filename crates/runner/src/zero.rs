@@ -763,21 +763,24 @@ mod tests {
     use half::f16;
     use scheduler::spec::{JobSpec, Purpose};
 
-    fn engine<X: Float>(json: &str) -> (Engine<X>, DataLoader) {
+    /// A single-rank stage-0 engine for `json` (seeded by `seed`) with micro-batch `b` of the
+    /// spec's sequence length, and its data.
+    fn engine<X: Float + Wire>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataLoader) {
         let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
-        let setup = Setup::new(&spec, ZeroStage::Ddp, false, 8, 1);
+        let t = spec.training.seq_len.get() as usize;
+        let setup = Setup::new(&spec, ZeroStage::Ddp, false, b as u32, 1);
         let shape = spec.architecture().gpt().copied().unwrap();
         let e = Engine::<X>::new(
             &setup,
             shape,
-            1,
+            seed,
             Communicator::solo(),
             Accountant::new(None),
         )
         .unwrap();
         let layout = BatchLayout {
-            batch: 8,
-            seq_len: 64,
+            batch: b,
+            seq_len: t,
             rank: 0,
             world_size: 1,
         };
@@ -789,8 +792,8 @@ mod tests {
     /// per-token loss gradient is multiplied by `scale`.
     fn underflowed(scale: f32) -> usize {
         let json = r#"{"model": {"preset": "gpt2-tiny"}, "precision": {"dtype": "fp16"}}"#;
-        let (mut half, mut d16) = engine::<f16>(json);
-        let (mut full, mut d32) = engine::<f32>(json);
+        let (mut half, mut d16) = engine::<f16>(json, 8, 1);
+        let (mut full, mut d32) = engine::<f32>(json, 8, 1);
         let tokens = (half.dims.tokens()) as f32;
         d16.next_batch(&mut half.acts.inputs, &mut half.acts.targets)
             .unwrap();
@@ -864,24 +867,8 @@ mod tests {
     fn whole_model_gradients_agree_with_finite_differences_of_an_f64_reference() {
         let json = r#"{"model": {"vocab_size": 32, "context_length": 16, "n_layer": 2, "n_head": 2, "n_embd": 16},
                        "training": {"seq_len": 8}}"#;
-        let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
-        let setup = Setup::new(&spec, ZeroStage::Ddp, false, 2, 1);
-        let shape = spec.architecture().gpt().copied().unwrap();
-        let mut e = Engine::<f32>::new(
-            &setup,
-            shape,
-            3,
-            Communicator::solo(),
-            Accountant::new(None),
-        )
-        .unwrap();
-        let layout = BatchLayout {
-            batch: 2,
-            seq_len: 8,
-            rank: 0,
-            world_size: 1,
-        };
-        let mut data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size).unwrap();
+        let (mut e, mut data) = engine::<f32>(json, 2, 3);
+        let shape = e.shape;
         data.next_batch(&mut e.acts.inputs, &mut e.acts.targets)
             .unwrap();
         let loss = e.micro_step(1.0 / e.dims.tokens() as f32).unwrap();
