@@ -1,5 +1,6 @@
 //! The `zerotrain` command line: one subcommand per module.
 
+mod agent;
 mod estimate;
 mod train;
 
@@ -24,6 +25,8 @@ enum Command {
     Estimate(estimate::Args),
     /// Train a job in this process, without the service.
     Train(train::Args),
+    /// Offer this machine's devices to a server and run the ranks it assigns.
+    Agent(agent::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -31,6 +34,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Estimate(args) => estimate::run(args),
         Command::Train(args) => train::run_cli(args),
+        Command::Agent(args) => agent::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
