@@ -46,6 +46,11 @@ fn fill<X: Float>(n: usize, scale: f32) -> Vec<X> {
         .collect()
 }
 
+/// A heap vector of `n` copies (model-sized: never an array on the stack).
+fn zeros<T: Clone>(value: T, n: usize) -> Vec<T> {
+    vec![value; n]
+}
+
 struct Row {
     name: &'static str,
     calls: usize,
@@ -195,7 +200,7 @@ fn layers<X: Float>() -> Vec<Row> {
         row(name, calls, s);
     }
     // Whole-model passes of the optimizer step.
-    let mut grads = vec![X::ZERO; PARAMS];
+    let mut grads = zeros(X::ZERO, PARAMS);
     row("zero grads", 1, median(|| grads.fill(X::ZERO)));
     let g = fill::<X>(PARAMS, 1e-3);
     row(
@@ -208,7 +213,7 @@ fn layers<X: Float>() -> Vec<Row> {
     let mut master = fill::<f32>(PARAMS, 0.02);
     row("decay", 1, median(|| decay(&mut master, 0.999_99)));
     let (mut m, mut v) = (vec![0f32; PARAMS], vec![0f32; PARAMS]);
-    let mut p = vec![X::ZERO; PARAMS];
+    let mut p = zeros(X::ZERO, PARAMS);
     let out = X::as_f32(&[]).is_none().then_some(&mut p[..]);
     let hp = AdamW {
         lr: 1e-4,

@@ -1,10 +1,11 @@
 //! Every kernel gives bit-identical results on a 1-thread and a 2-thread pool (and twice in a
-//! row), at sizes large enough for gemm and rayon to actually split the work.
+//! row), at sizes large enough for gemm and rayon to actually split the work, and the same
+//! bits from its baseline build as from its AVX-512 build.
 
 mod common;
 
 use common::{Rng, to_x};
-use half::bf16;
+use half::{bf16, f16};
 use kernels::attention::{Dims, attention_backward, attention_forward};
 use kernels::matmul::{Layout, matmul_backward, matmul_forward, scratch_len};
 use kernels::optim::*;
@@ -23,6 +24,12 @@ fn same_on_1_and_2_threads(run: impl Fn() -> Bits + Send + Sync) {
     let two = pool.install(&run);
     assert!(one == two, "1 and 2 threads differ");
     assert!(pool.install(&run) == two, "two runs on 2 threads differ");
+    // The AVX-512 build of the inner loops (where the CPU has it) and the baseline build.
+    let portable = cpu::thread_pool_with(2, cpu::Simd::Portable).unwrap();
+    assert!(
+        portable.install(&run) == two,
+        "the portable and the detected builds differ"
+    );
 }
 
 fn matmul_bits<X: Float>(layout: Layout) -> Bits {
@@ -74,142 +81,139 @@ fn matmul_is_deterministic() {
     }
 }
 
+fn layer_bits<X: Float>() -> Bits {
+    let mut rng = Rng::new(42);
+    let (b, t, c, v) = (4, 32, 96, 50);
+    let d = Dims { b, t, c, nh: 4 };
+    let tokens = rng.tokens(b * t, v);
+    let (wte, wpe) = (
+        to_x::<X>(&rng.vec(v * c, 1.0)),
+        to_x::<X>(&rng.vec(t * c, 1.0)),
+    );
+    let mut x = vec![X::ZERO; b * t * c];
+    encoder::encoder_forward(&mut x, &tokens, &wte, &wpe, t, c);
+    let (mut dwte, mut dwpe) = (vec![X::ZERO; v * c], vec![X::ZERO; t * c]);
+    encoder::encoder_backward(&mut dwte, &mut dwpe, &x, &tokens, t, c);
+
+    let (w, bias) = (to_x::<X>(&rng.vec(c, 1.0)), to_x::<X>(&rng.vec(c, 1.0)));
+    let (mut ln, mut mean, mut rstd) =
+        (vec![X::ZERO; x.len()], vec![0f32; b * t], vec![0f32; b * t]);
+    layernorm::layernorm_forward(&mut ln, &mut mean, &mut rstd, &x, &w, &bias);
+    let (mut dx, mut dw, mut db) = (vec![X::ZERO; x.len()], vec![X::ZERO; c], vec![X::ZERO; c]);
+    layernorm::layernorm_backward(&mut dx, &mut dw, &mut db, &x, &ln, &w, &mean, &rstd);
+
+    let qkv = to_x::<X>(&rng.vec(b * t * 3 * c, 1.0));
+    let (mut out, mut att) = (vec![X::ZERO; b * t * c], vec![X::ZERO; b * 4 * t * t]);
+    attention_forward(&mut out, &mut att, &qkv, d);
+    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; att.len()]);
+    attention_backward(&mut dqkv, &mut datt, &out, &qkv, &att, d);
+
+    let mut logits: Vec<f32> = rng
+        .vec(b * t * 1000, 5.0)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    let mut losses = vec![0f32; b * t];
+    crossentropy::crossentropy_forward(
+        &mut losses,
+        &mut logits,
+        &rng.tokens(b * t, 1000),
+        1000,
+        Some(0.01),
+    );
+    let ss = norm::sum_squares(&logits).to_bits();
+    let ss = vec![ss as u32, (ss >> 32) as u32];
+    vec![
+        bits(&dwte),
+        bits(&dwpe),
+        bits(&dx),
+        bits(&dw),
+        bits(&db),
+        bits(&out),
+        bits(&att),
+        bits(&dqkv),
+    ]
+    .into_iter()
+    .chain([bits(&losses), bits(&logits), ss])
+    .collect()
+}
+
 #[test]
 fn layer_kernels_are_deterministic() {
-    same_on_1_and_2_threads(|| {
-        let mut rng = Rng::new(42);
-        let (b, t, c, v) = (4, 32, 96, 50);
-        let d = Dims { b, t, c, nh: 4 };
-        let tokens = rng.tokens(b * t, v);
-        let (wte, wpe) = (
-            to_x::<bf16>(&rng.vec(v * c, 1.0)),
-            to_x::<bf16>(&rng.vec(t * c, 1.0)),
-        );
-        let mut x = vec![bf16::ZERO; b * t * c];
-        encoder::encoder_forward(&mut x, &tokens, &wte, &wpe, t, c);
-        let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder::encoder_backward(&mut dwte, &mut dwpe, &x, &tokens, t, c);
+    same_on_1_and_2_threads(layer_bits::<f32>);
+    same_on_1_and_2_threads(layer_bits::<bf16>);
+    same_on_1_and_2_threads(layer_bits::<f16>);
+}
 
-        let (w, bias) = (
-            to_x::<bf16>(&rng.vec(c, 1.0)),
-            to_x::<bf16>(&rng.vec(c, 1.0)),
-        );
-        let (mut ln, mut mean, mut rstd) = (
-            vec![bf16::ZERO; x.len()],
-            vec![0f32; b * t],
-            vec![0f32; b * t],
-        );
-        layernorm::layernorm_forward(&mut ln, &mut mean, &mut rstd, &x, &w, &bias);
-        let (mut dx, mut dw, mut db) = (
-            vec![bf16::ZERO; x.len()],
-            vec![bf16::ZERO; c],
-            vec![bf16::ZERO; c],
-        );
-        layernorm::layernorm_backward(&mut dx, &mut dw, &mut db, &x, &ln, &w, &mean, &rstd);
-
-        let qkv = to_x::<bf16>(&rng.vec(b * t * 3 * c, 1.0));
-        let (mut out, mut att) = (vec![bf16::ZERO; b * t * c], vec![bf16::ZERO; b * 4 * t * t]);
-        attention_forward(&mut out, &mut att, &qkv, d);
-        let (mut dqkv, mut datt) = (vec![bf16::ZERO; qkv.len()], vec![0f32; att.len()]);
-        attention_backward(&mut dqkv, &mut datt, &out, &qkv, &att, d);
-
-        let mut logits: Vec<f32> = rng
-            .vec(b * t * 1000, 5.0)
-            .iter()
-            .map(|&x| x as f32)
-            .collect();
-        let mut losses = vec![0f32; b * t];
-        crossentropy::crossentropy_forward(
-            &mut losses,
-            &mut logits,
-            &rng.tokens(b * t, 1000),
-            1000,
-            Some(0.01),
-        );
-        let ss = norm::sum_squares(&logits).to_bits();
-        let ss = vec![ss as u32, (ss >> 32) as u32];
-        vec![
-            bits(&dwte),
-            bits(&dwpe),
-            bits(&dx),
-            bits(&dw),
-            bits(&db),
-            bits(&out),
-            bits(&att),
-            bits(&dqkv),
-        ]
-        .into_iter()
-        .chain([bits(&losses), bits(&logits), ss])
-        .collect()
-    });
+fn optimizer_bits<G: Float>() -> Bits {
+    let mut rng = Rng::new(43);
+    let (rows, cols) = (300, 257);
+    let n = rows * cols;
+    let g = to_x::<G>(&rng.vec(n, 1.0));
+    let mut out = vec![bf16::ZERO; n];
+    let (mut p, mut m, mut v) = (vec![1f32; n], vec![0f32; n], vec![0f32; n]);
+    adamw_step(
+        &mut p,
+        &g,
+        &mut m,
+        &mut v,
+        Some(&mut out),
+        &AdamW::default(),
+        3,
+        0.5,
+    );
+    let (mut qm, mut qv, mut am, mut av) = (
+        vec![0u8; n],
+        vec![0u8; n],
+        vec![0f32; n.div_ceil(2048)],
+        vec![0f32; n.div_ceil(2048)],
+    );
+    let mut p8 = vec![1f32; n];
+    adam8bit_step(
+        &mut p8,
+        &g,
+        &mut qm,
+        &mut qv,
+        &mut am,
+        &mut av,
+        None::<&mut [f32]>,
+        &AdamW::default(),
+        1,
+        0.5,
+        DEFAULT_BLOCK,
+    );
+    let (mut pa, mut row, mut col) = (vec![1f32; n], vec![0f32; rows], vec![0f32; cols]);
+    let hp = Adafactor {
+        beta1: Some(0.9),
+        ..Adafactor::default()
+    };
+    let mut ma = vec![0f32; n];
+    adafactor_step_matrix(
+        &mut pa,
+        &g,
+        &mut row,
+        &mut col,
+        Some(&mut ma),
+        None::<&mut [f32]>,
+        &hp,
+        1,
+        0.5,
+    );
+    vec![
+        bits(&p),
+        bits(&out),
+        bits(&m),
+        bits(&v),
+        bits(&p8),
+        qm.iter().map(|&q| q as u32).collect(),
+        bits(&pa),
+        bits(&row),
+        bits(&col),
+    ]
 }
 
 #[test]
 fn optimizers_are_deterministic() {
-    same_on_1_and_2_threads(|| {
-        let mut rng = Rng::new(43);
-        let (rows, cols) = (300, 257);
-        let n = rows * cols;
-        let g = to_x::<bf16>(&rng.vec(n, 1.0));
-        let mut out = vec![bf16::ZERO; n];
-        let (mut p, mut m, mut v) = (vec![1f32; n], vec![0f32; n], vec![0f32; n]);
-        adamw_step(
-            &mut p,
-            &g,
-            &mut m,
-            &mut v,
-            Some(&mut out),
-            &AdamW::default(),
-            3,
-            0.5,
-        );
-        let (mut qm, mut qv, mut am, mut av) = (
-            vec![0u8; n],
-            vec![0u8; n],
-            vec![0f32; n.div_ceil(2048)],
-            vec![0f32; n.div_ceil(2048)],
-        );
-        let mut p8 = vec![1f32; n];
-        adam8bit_step(
-            &mut p8,
-            &g,
-            &mut qm,
-            &mut qv,
-            &mut am,
-            &mut av,
-            None::<&mut [f32]>,
-            &AdamW::default(),
-            1,
-            0.5,
-            DEFAULT_BLOCK,
-        );
-        let (mut pa, mut row, mut col) = (vec![1f32; n], vec![0f32; rows], vec![0f32; cols]);
-        let hp = Adafactor {
-            beta1: Some(0.9),
-            ..Adafactor::default()
-        };
-        let mut ma = vec![0f32; n];
-        adafactor_step_matrix(
-            &mut pa,
-            &g,
-            &mut row,
-            &mut col,
-            Some(&mut ma),
-            None::<&mut [f32]>,
-            &hp,
-            1,
-            0.5,
-        );
-        vec![
-            bits(&p),
-            bits(&out),
-            bits(&m),
-            bits(&v),
-            bits(&p8),
-            qm.iter().map(|&q| q as u32).collect(),
-            bits(&pa),
-            bits(&row),
-            bits(&col),
-        ]
-    });
+    same_on_1_and_2_threads(optimizer_bits::<f32>);
+    same_on_1_and_2_threads(optimizer_bits::<bf16>);
 }
