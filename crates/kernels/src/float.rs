@@ -26,6 +26,11 @@ pub trait Float: Copy + Send + Sync + Default + PartialEq + Debug + 'static {
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
     /// Mutable counterpart of [`Float::as_f32`].
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+    /// `Some` when `Self` is `bf16` (for kernels with bf16 instructions).
+    #[inline(always)]
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
     /// `dst[i] = src[i] as f32`; lengths must match.
     fn cast_to_f32(src: &[Self], dst: &mut [f32]);
     /// `dst[i] = round(src[i])`; lengths must match.
@@ -99,6 +104,10 @@ impl Float for bf16 {
     #[inline(always)]
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
+    }
+    #[inline(always)]
+    fn as_bf16(s: &[Self]) -> Option<&[bf16]> {
+        Some(s)
     }
     fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]

@@ -15,9 +15,12 @@ const LAYOUTS: [Layout; 2] = [Layout::KN, Layout::NK];
 
 fn matmul_forward_matches<X: Float>() {
     let mut rng = Rng::new(1);
-    // Odd sizes; the short scratch forces 16-wide tiles in every dimension.
-    let (m, k, n) = (37, 70, 45);
-    for layout in LAYOUTS {
+    // Odd sizes; the short scratch forces 16-wide tiles in every dimension. The second shape
+    // spans several column panels and row blocks of the bf16 dot-product kernel.
+    for ((m, k, n), layout) in [(37, 70, 45), (70, 33, 150)]
+        .into_iter()
+        .flat_map(|s| LAYOUTS.map(|l| (s, l)))
+    {
         for short in [false, true] {
             let inp = rounded::<X>(&rng.vec(m * k, 1.0));
             let w = rounded::<X>(&rng.vec(k * n, 0.2));
@@ -54,8 +57,10 @@ fn matmul_forward_matches<X: Float>() {
 
 fn matmul_backward_matches<X: Float>() {
     let mut rng = Rng::new(2);
-    let (m, k, n) = (33, 40, 51);
-    for layout in LAYOUTS {
+    for ((m, k, n), layout) in [(33, 40, 51), (61, 100, 130)]
+        .into_iter()
+        .flat_map(|s| LAYOUTS.map(|l| (s, l)))
+    {
         for short in [false, true] {
             let inp = rounded::<X>(&rng.vec(m * k, 1.0));
             let w = rounded::<X>(&rng.vec(k * n, 0.2));

@@ -5,7 +5,13 @@
 //! tile into the caller's `scratch` and multiplied by the same `sgemm`; results that are not
 //! f32 accumulate in an f32 tile and are rounded once. Each output element is produced by one
 //! thread with a fixed k order (gemm splits only rows/columns across threads, its k blocking
-//! depends on the shapes alone), so results do not depend on the pool size.
+//! depends on the shapes alone), so results do not depend on the pool size. On CPUs with
+//! AVX512-BF16, products of two bf16 operands run on `vdpbf16ps` instead (`dpbf16`): the
+//! same f32 multiply-add chain in k order at twice the rate (bit-identical to the sgemm path
+//! when the depth fits one of gemm's depth blocks, ≤ 512).
+
+#[cfg(target_arch = "x86_64")]
+mod dpbf16;
 
 use crate::Float;
 use crate::math::BLOCK;
@@ -237,6 +243,22 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
 ) {
     if m == 0 || n == 0 {
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(ab), Some(bb)) = (A::as_bf16(a.data), B::as_bf16(b.data))
+        && dpbf16::available()
+    {
+        // Same contract as the widening path, whichever kernel the CPU gets.
+        assert!(
+            scratch.len() >= MIN_SCRATCH,
+            "matmul scratch of {} f32 is too short for ({m}, {k}) · ({k}, {n}); at least {MIN_SCRATCH} needed",
+            scratch.len()
+        );
+        let (a, b) = (
+            Operand::new(ab, a.ld, a.trans),
+            Operand::new(bb, b.ld, b.trans),
+        );
+        return dpbf16::product(c, a, b, (m, k, n), init);
     }
     let af = A::as_f32(a.data).map(|d| Operand::new(d, a.ld, a.trans));
     let bf = B::as_f32(b.data).map(|d| Operand::new(d, b.ld, b.trans));
