@@ -1,8 +1,27 @@
 //! The store: SQLite (a file, WAL; the embedded default) or PostgreSQL, behind one API. Every
 //! method is one transaction; state changes are compare-and-set on the job's current state and
 //! record a `Transition`. Migrations (`migrations/sqlite`, `migrations/postgres`) run at connect.
+//!
+//! Exclusivity of placement: every scheduling pass, node registration and lost-node reaping
+//! holds the scheduling lock for its whole transaction (PostgreSQL: a transaction-scoped
+//! advisory lock; SQLite: `BEGIN IMMEDIATE`, one writer at a time). The database backs it up:
+//! an attempt's ranks are a primary key, and a partial unique index allows one unreleased
+//! assignment per device.
+
+mod backend;
+mod jobs;
+mod nodes;
+mod reports;
+mod rows;
+mod schedule;
 
 use scheduler::inventory::Device;
+use sqlx::postgres::PgConnectOptions;
+
+use backend::Pool;
+pub use jobs::DEFAULT_PAGE;
+pub use reports::token_hash;
+use rows::now_ms;
 
 use crate::domain::{
     AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, Role, StepRecord,
@@ -19,6 +38,14 @@ pub enum StoreError {
     Url(String),
     #[error("stored {what} is corrupt: {reason}")]
     Corrupt { what: String, reason: String },
+    #[error("cannot create {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    /// A report (steps, memory, logs, checkpoint) for a job that does not exist.
+    #[error("no job {0}")]
+    UnknownJob(String),
 }
 
 /// Which database the store runs on.
@@ -29,7 +56,7 @@ pub enum Backend {
 }
 
 /// A filter and a page of `GET /v1/jobs`: newest first; `before` is the id of the last job of
-/// the previous page.
+/// the previous page. A `limit` of 0 means [`DEFAULT_PAGE`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct JobFilter {
     pub state: Option<JobState>,
@@ -54,20 +81,44 @@ pub struct Decision {
     pub slots: Vec<(String, u32)>,
 }
 
-#[derive(Clone)]
-pub struct Store {
-    // The helper implementing the store chooses the representation (e.g. an enum of pools).
+/// A checkpoint the ranks of `attempt` completed at `step`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointRecord {
+    pub attempt: u32,
+    pub step: u32,
+    pub path: String,
+    pub at: i64,
 }
 
-#[allow(unused_variables)]
+/// The store: cheap to clone (a pool of connections).
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: Pool,
+}
+
 impl Store {
     /// Connects to `url` (`sqlite://PATH` creates the file; `postgres://…`) and migrates.
     pub async fn connect(url: &str) -> Result<Store, StoreError> {
-        todo!()
+        Ok(Store {
+            pool: Pool::connect(url).await?,
+        })
+    }
+
+    /// Connects to PostgreSQL with `options` (for instance with a `search_path` choosing the
+    /// schema) and migrates.
+    pub async fn connect_postgres(options: PgConnectOptions) -> Result<Store, StoreError> {
+        Ok(Store {
+            pool: Pool::connect_postgres(options).await?,
+        })
+    }
+
+    /// Closes the pool: waits for connections in use to come back, then closes them all.
+    pub async fn close(&self) {
+        self.pool.close().await
     }
 
     pub fn backend(&self) -> Backend {
-        todo!()
+        self.pool.backend()
     }
 
     /// Inserts a queued job (and its first transition). With an idempotency key already used
@@ -77,15 +128,18 @@ impl Store {
         job: &Job,
         idempotency_key: Option<&str>,
     ) -> Result<Job, StoreError> {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        let job = jobs::insert(&mut tx.conn(), job, idempotency_key, now_ms()).await?;
+        tx.commit().await?;
+        Ok(job)
     }
 
     pub async fn get_job(&self, id: &str) -> Result<Option<Job>, StoreError> {
-        todo!()
+        jobs::get(&mut self.pool.acquire().await?.conn(), id).await
     }
 
     pub async fn list_jobs(&self, filter: &JobFilter) -> Result<Vec<Job>, StoreError> {
-        todo!()
+        jobs::list(&mut self.pool.acquire().await?.conn(), filter).await
     }
 
     /// Moves job `id` to `to` if it is in one of `from`, recording `reason`; `Ok(None)` when it
@@ -98,18 +152,51 @@ impl Store {
         to: JobState,
         reason: &str,
     ) -> Result<Option<Job>, StoreError> {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        let job = jobs::transition(&mut tx.conn(), id, None, from, to, reason, now_ms()).await?;
+        tx.commit().await?;
+        Ok(job)
     }
 
+    /// [`Store::transition`], only if the job is still at `attempt`: what a report from the
+    /// agent running one attempt must use, so that a late report of an attempt the job has
+    /// left (its node was declared lost) cannot move the next attempt.
+    pub async fn transition_attempt(
+        &self,
+        id: &str,
+        attempt: u32,
+        from: &[JobState],
+        to: JobState,
+        reason: &str,
+    ) -> Result<Option<Job>, StoreError> {
+        let mut tx = self.pool.write().await?;
+        let job = jobs::transition(
+            &mut tx.conn(),
+            id,
+            Some(attempt),
+            from,
+            to,
+            reason,
+            now_ms(),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(job)
+    }
+
+    /// The job's state changes, oldest first.
     pub async fn transitions(&self, id: &str) -> Result<Vec<Transition>, StoreError> {
-        todo!()
+        jobs::transitions(&mut self.pool.acquire().await?.conn(), id).await
     }
 
+    /// The number of jobs in each state, every state listed.
     pub async fn count_by_state(&self) -> Result<Vec<(JobState, i64)>, StoreError> {
-        todo!()
+        jobs::count_by_state(&mut self.pool.acquire().await?.conn()).await
     }
 
-    /// Registers a node; `token_hash` authenticates its heartbeats.
+    /// Registers a node; `token_hash` authenticates its heartbeats. Registering again with the
+    /// `token_hash` of a known node is the same agent restarted: the node keeps its id, comes
+    /// back live with the new name, host and devices, and the jobs it held go back to the queue.
     pub async fn register_node(
         &self,
         name: &str,
@@ -117,46 +204,63 @@ impl Store {
         devices: &[Device],
         token_hash: &str,
     ) -> Result<NodeRecord, StoreError> {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        let node =
+            nodes::register(&mut tx.conn(), name, host, devices, token_hash, now_ms()).await?;
+        tx.commit().await?;
+        Ok(node)
     }
 
     pub async fn node_by_token(&self, token_hash: &str) -> Result<Option<NodeRecord>, StoreError> {
-        todo!()
+        let mut c = self.pool.acquire().await?;
+        let nodes = nodes::select(&mut c.conn(), "n.token_hash = $1", Some(token_hash)).await?;
+        Ok(nodes.into_iter().next())
     }
 
     /// Records a heartbeat at `at`; false when the node is unknown or was declared lost.
     pub async fn heartbeat(&self, node_id: &str, at: i64) -> Result<bool, StoreError> {
-        todo!()
+        nodes::heartbeat(&mut self.pool.acquire().await?.conn(), node_id, at).await
     }
 
+    /// Every node, lost ones included, in registration order.
     pub async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-        todo!()
+        nodes::select(&mut self.pool.acquire().await?.conn(), "TRUE", None).await
     }
 
     /// Declares nodes silent since before `before` lost and sends their scheduled or running
-    /// jobs back to the queue (attempt raised); returns the requeued job ids.
+    /// jobs back to the queue (attempt raised); returns the requeued job ids. Jobs still holding
+    /// devices of nodes declared lost earlier are requeued too.
     pub async fn reap_lost_nodes(&self, before: i64) -> Result<Vec<String>, StoreError> {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        let requeued = nodes::reap(&mut tx.conn(), before, now_ms()).await?;
+        tx.commit().await?;
+        Ok(requeued)
     }
 
     /// One scheduling pass, atomic and exclusive across server replicas: `decide` sees the
     /// queued jobs (priority descending, then oldest first) and the free devices of live nodes,
     /// and returns placements; those jobs move to `scheduled` with their assignments recorded.
-    /// Returns the decisions applied (a job another replica moved meanwhile is skipped).
+    /// Returns the decisions applied (a job another replica moved meanwhile is skipped). A
+    /// decision for a job `decide` was not shown, with a slot count other than the job's world
+    /// size, or with a device not shown free or used twice in the pass is dropped with a warning.
     pub async fn schedule<F>(&self, decide: F) -> Result<Vec<Decision>, StoreError>
     where
         F: FnOnce(&[Job], &[FreeDevice]) -> Vec<Decision> + Send,
     {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        let applied = schedule::pass(&mut tx.conn(), decide, now_ms()).await?;
+        tx.commit().await?;
+        Ok(applied)
     }
 
     /// The assignments of jobs holding devices (scheduled or running) on `node_id`, with their
-    /// jobs, at each job's current attempt.
+    /// jobs, at each job's current attempt: per job (in queue order) its ranks on this node, by
+    /// rank.
     pub async fn assignments_for_node(
         &self,
         node_id: &str,
     ) -> Result<Vec<(Job, Vec<AssignmentRecord>)>, StoreError> {
-        todo!()
+        nodes::assignments_for_node(&mut self.pool.acquire().await?.conn(), node_id).await
     }
 
     /// Records where rank 0 of `attempt` listens (ignored if the job moved to another attempt).
@@ -166,43 +270,65 @@ impl Store {
         attempt: u32,
         master: &str,
     ) -> Result<(), StoreError> {
-        todo!()
+        nodes::set_master(
+            &mut self.pool.acquire().await?.conn(),
+            job_id,
+            attempt,
+            master,
+        )
+        .await
     }
 
+    /// All ranks of the job's current attempt, by rank (also after the attempt ended).
     pub async fn assignments_for_job(
         &self,
         job_id: &str,
     ) -> Result<Vec<AssignmentRecord>, StoreError> {
-        todo!()
+        nodes::assignments_for_job(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
+    /// Records steps; a step already recorded for its attempt is kept as it was.
     pub async fn add_steps(&self, job_id: &str, steps: &[StepRecord]) -> Result<(), StoreError> {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        reports::add_steps(&mut tx.conn(), job_id, steps).await?;
+        tx.commit().await
     }
 
+    /// Steps by attempt, then step. A NaN stored reads back as NaN.
     pub async fn steps(&self, job_id: &str) -> Result<Vec<StepRecord>, StoreError> {
-        todo!()
+        reports::steps(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
+    /// Replaces the rank's memory record.
     pub async fn set_rank_memory(
         &self,
         job_id: &str,
         memory: &RankMemoryRecord,
     ) -> Result<(), StoreError> {
-        todo!()
+        reports::set_rank_memory(
+            &mut self.pool.acquire().await?.conn(),
+            job_id,
+            memory,
+            now_ms(),
+        )
+        .await
     }
 
     pub async fn rank_memory(&self, job_id: &str) -> Result<Vec<RankMemoryRecord>, StoreError> {
-        todo!()
+        reports::rank_memory(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
-    /// Appends lines (with their timestamps) and returns their sequence numbers' last.
+    /// Appends lines (with their timestamps) and returns their sequence numbers' last. A job's
+    /// lines are numbered 1, 2, 3, … in the order appended.
     pub async fn append_logs(
         &self,
         job_id: &str,
         lines: &[(i64, String)],
     ) -> Result<i64, StoreError> {
-        todo!()
+        let mut tx = self.pool.write().await?;
+        let last = reports::append_logs(&mut tx.conn(), job_id, lines).await?;
+        tx.commit().await?;
+        Ok(last)
     }
 
     /// Lines after sequence number `after`, at most `limit`.
@@ -212,9 +338,10 @@ impl Store {
         after: i64,
         limit: u32,
     ) -> Result<Vec<LogLine>, StoreError> {
-        todo!()
+        reports::logs(&mut self.pool.acquire().await?.conn(), job_id, after, limit).await
     }
 
+    /// Records a checkpoint (the same attempt and step again replaces the path).
     pub async fn add_checkpoint(
         &self,
         job_id: &str,
@@ -222,31 +349,56 @@ impl Store {
         step: u32,
         path: &str,
     ) -> Result<(), StoreError> {
-        todo!()
+        reports::add_checkpoint(
+            &mut self.pool.acquire().await?.conn(),
+            job_id,
+            attempt,
+            step,
+            path,
+            now_ms(),
+        )
+        .await
     }
 
-    /// Stores a bearer token (only its SHA-256 is kept) under `name` with `role`.
+    /// The job's checkpoints, by step (then attempt); the last is where a requeued job resumes.
+    pub async fn checkpoints(&self, job_id: &str) -> Result<Vec<CheckpointRecord>, StoreError> {
+        reports::checkpoints(&mut self.pool.acquire().await?.conn(), job_id).await
+    }
+
+    /// Stores a bearer token (only its SHA-256 is kept) under `name` with `role`. Storing a
+    /// known token again replaces its name and role.
     pub async fn insert_token(
         &self,
         name: &str,
         role: Role,
         token: &str,
     ) -> Result<(), StoreError> {
-        todo!()
+        reports::insert_token(
+            &mut self.pool.acquire().await?.conn(),
+            name,
+            role,
+            token,
+            now_ms(),
+        )
+        .await
     }
 
     /// The name and role of a bearer token, if it is known.
     pub async fn token(&self, token: &str) -> Result<Option<(String, Role)>, StoreError> {
-        todo!()
+        reports::token(&mut self.pool.acquire().await?.conn(), token).await
     }
 
     /// Whether any admin token exists (`zerotrain up` creates one on first start).
     pub async fn has_admin(&self) -> Result<bool, StoreError> {
-        todo!()
+        reports::has_admin(&mut self.pool.acquire().await?.conn()).await
     }
 
     /// Whether the database answers (for `/readyz`).
     pub async fn ping(&self) -> Result<(), StoreError> {
-        todo!()
+        let mut c = self.pool.acquire().await?;
+        backend::on!(&mut c.conn(), c => {
+            sqlx::query("SELECT 1").execute(&mut **c).await?;
+        });
+        Ok(())
     }
 }

@@ -1,0 +1,276 @@
+//! The two databases behind one API: a pool of either kind, a connection or write transaction
+//! on either, and `on!`, which type-checks a body once per database so the SQL text is shared.
+//! Both dialects take `$1`-style parameters and agree on RETURNING, ON CONFLICT, UPDATE … FROM
+//! and partial indexes; what differs (column types, the scheduling lock, BEGIN IMMEDIATE) lives
+//! in the migrations and in this file.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::Migrator;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction};
+
+use super::{Backend, StoreError};
+
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../../migrations/sqlite");
+static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../../migrations/postgres");
+
+// `migrate!` embeds the migrations when this crate compiles; naming the files here makes cargo
+// recompile (and re-embed) when one of them is edited. A new migration file needs a line here.
+const _: [&str; 2] = [
+    include_str!("../../../../migrations/sqlite/0001_init.sql"),
+    include_str!("../../../../migrations/postgres/0001_init.sql"),
+];
+
+/// How long a SQLite writer waits for another writer before failing with "database is locked".
+const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub(super) enum Pool {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+/// A connection of either kind, borrowed from a pooled connection or a transaction.
+pub(super) enum Conn<'a> {
+    Sqlite(&'a mut SqliteConnection),
+    Postgres(&'a mut PgConnection),
+}
+
+/// `on!(conn, c => body)`: runs `body` with `c` bound to the `&mut &mut SqliteConnection` or
+/// `&mut &mut PgConnection` inside `conn: &mut Conn` (execute on `&mut **c`). The body is
+/// compiled once per database.
+macro_rules! on {
+    ($conn:expr, $c:ident => $body:expr) => {
+        match $conn {
+            $crate::store::backend::Conn::Sqlite($c) => $body,
+            $crate::store::backend::Conn::Postgres($c) => $body,
+        }
+    };
+}
+pub(super) use on;
+
+/// A value bound to a statement whose parameter list is built at run time.
+#[derive(Debug, Clone)]
+pub(super) enum Arg {
+    Int(i64),
+    Real(Option<f64>),
+    Text(String),
+    Bool(bool),
+}
+
+/// Binds `args` (an iterator of `Arg`) to the query `q` in order.
+macro_rules! bind_args {
+    ($q:expr, $args:expr) => {{
+        let mut q = $q;
+        for arg in $args {
+            q = match arg {
+                $crate::store::backend::Arg::Int(v) => q.bind(v),
+                $crate::store::backend::Arg::Real(v) => q.bind(v),
+                $crate::store::backend::Arg::Text(v) => q.bind(v),
+                $crate::store::backend::Arg::Bool(v) => q.bind(v),
+            };
+        }
+        q
+    }};
+}
+pub(super) use bind_args;
+
+/// `($first, $first+1, …), (…)`: `rows` tuples of `cols` parameters.
+pub(super) fn placeholders(rows: usize, cols: usize, first: usize) -> String {
+    let mut s = String::with_capacity(rows * cols * 5);
+    for r in 0..rows {
+        if r > 0 {
+            s.push_str(", ");
+        }
+        s.push('(');
+        for c in 0..cols {
+            if c > 0 {
+                s.push_str(", ");
+            }
+            s.push('$');
+            s.push_str(&(first + r * cols + c).to_string());
+        }
+        s.push(')');
+    }
+    s
+}
+
+/// Rows per multi-row INSERT: keeps the parameter count far below SQLite's 32,766 and
+/// PostgreSQL's 65,535 for the widest table.
+pub(super) const ROWS_PER_INSERT: usize = 1000;
+
+/// Inserts `rows` (each `cols` values) with `INSERT INTO {into} VALUES … {suffix}`, in batches.
+pub(super) async fn insert_rows(
+    c: &mut Conn<'_>,
+    into: &str,
+    cols: usize,
+    rows: Vec<Vec<Arg>>,
+    suffix: &str,
+) -> Result<(), StoreError> {
+    let mut rows = rows.into_iter().peekable();
+    while rows.peek().is_some() {
+        let batch: Vec<Vec<Arg>> = rows.by_ref().take(ROWS_PER_INSERT).collect();
+        let sql = format!(
+            "INSERT INTO {into} VALUES {} {suffix}",
+            placeholders(batch.len(), cols, 1)
+        );
+        let args = batch.into_iter().flatten();
+        on!(c, c => {
+            bind_args!(sqlx::query(&sql), args).execute(&mut **c).await?;
+        });
+    }
+    Ok(())
+}
+
+/// A pooled connection, or a write transaction (`BEGIN IMMEDIATE` on SQLite, so a transaction
+/// that reads before it writes never fails to upgrade its lock).
+pub(super) enum Held {
+    Sqlite(PoolConnection<Sqlite>),
+    Postgres(PoolConnection<Postgres>),
+    SqliteTx(Transaction<'static, Sqlite>),
+    PostgresTx(Transaction<'static, Postgres>),
+}
+
+impl Held {
+    pub(super) fn conn(&mut self) -> Conn<'_> {
+        match self {
+            Held::Sqlite(c) => Conn::Sqlite(c),
+            Held::Postgres(c) => Conn::Postgres(c),
+            Held::SqliteTx(t) => Conn::Sqlite(t),
+            Held::PostgresTx(t) => Conn::Postgres(t),
+        }
+    }
+
+    /// Commits a transaction; a plain connection goes back to the pool.
+    pub(super) async fn commit(self) -> Result<(), StoreError> {
+        match self {
+            Held::SqliteTx(t) => t.commit().await?,
+            Held::PostgresTx(t) => t.commit().await?,
+            Held::Sqlite(_) | Held::Postgres(_) => {}
+        }
+        Ok(())
+    }
+}
+
+impl Pool {
+    pub(super) async fn connect(url: &str) -> Result<Pool, StoreError> {
+        if url.starts_with("sqlite:") {
+            let options = SqliteConnectOptions::from_str(url)?;
+            Pool::connect_sqlite(options).await
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Pool::connect_postgres(PgConnectOptions::from_str(url)?).await
+        } else {
+            Err(StoreError::Url(url.to_string()))
+        }
+    }
+
+    pub(super) async fn connect_sqlite(options: SqliteConnectOptions) -> Result<Pool, StoreError> {
+        let path = options.get_filename();
+        let in_memory = path.as_os_str().is_empty() || path.to_string_lossy().contains(":memory:");
+        if !in_memory
+            && let Some(dir) = path.parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir).map_err(|e| StoreError::Io {
+                path: dir.display().to_string(),
+                source: e,
+            })?;
+        }
+        let options = options
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .foreign_keys(true)
+            .busy_timeout(SQLITE_BUSY_TIMEOUT);
+        // An in-memory database exists once per connection: keep exactly one.
+        let pool = SqlitePoolOptions::new()
+            .max_connections(if in_memory { 1 } else { 8 })
+            .min_connections(if in_memory { 1 } else { 0 })
+            .idle_timeout(if in_memory {
+                None
+            } else {
+                Some(Duration::from_secs(600))
+            })
+            .max_lifetime(if in_memory {
+                None
+            } else {
+                Some(Duration::from_secs(1800))
+            })
+            .connect_with(options)
+            .await?;
+        SQLITE_MIGRATIONS.run(&pool).await?;
+        Ok(Pool::Sqlite(pool))
+    }
+
+    /// PostgreSQL; the schema is the connection's `search_path` (e.g. `?options=-c
+    /// search_path=NAME` in the URL, or [`PgConnectOptions::options`]).
+    pub(super) async fn connect_postgres(options: PgConnectOptions) -> Result<Pool, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await?;
+        POSTGRES_MIGRATIONS.run(&pool).await?;
+        Ok(Pool::Postgres(pool))
+    }
+
+    pub(super) fn backend(&self) -> Backend {
+        match self {
+            Pool::Sqlite(_) => Backend::Sqlite,
+            Pool::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    pub(super) async fn acquire(&self) -> Result<Held, StoreError> {
+        Ok(match self {
+            Pool::Sqlite(p) => Held::Sqlite(p.acquire().await?),
+            Pool::Postgres(p) => Held::Postgres(p.acquire().await?),
+        })
+    }
+
+    pub(super) async fn write(&self) -> Result<Held, StoreError> {
+        Ok(match self {
+            Pool::Sqlite(p) => Held::SqliteTx(p.begin_with("BEGIN IMMEDIATE").await?),
+            Pool::Postgres(p) => Held::PostgresTx(p.begin().await?),
+        })
+    }
+
+    pub(super) async fn close(&self) {
+        match self {
+            Pool::Sqlite(p) => p.close().await,
+            Pool::Postgres(p) => p.close().await,
+        }
+    }
+}
+
+/// Makes the calling transaction the only one, among all server replicas, that places jobs or
+/// changes which nodes are live, until it ends. PostgreSQL: a transaction-scoped advisory lock,
+/// keyed by the schema so separate deployments (and tests) in one database do not contend.
+/// SQLite: nothing to do, a write transaction (`BEGIN IMMEDIATE`) already excludes every other
+/// writer.
+pub(super) async fn lock_scheduling(c: &mut Conn<'_>) -> Result<(), StoreError> {
+    if let Conn::Postgres(c) = c {
+        sqlx::query(
+            "SELECT pg_advisory_xact_lock(hashtext('zerotrain.schedule.' || current_schema()))",
+        )
+        .execute(&mut **c)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Maps a violated foreign key (a report for a job that does not exist) to `UnknownJob`.
+pub(super) fn unknown_job_on_fk(job_id: &str) -> impl FnOnce(StoreError) -> StoreError + '_ {
+    move |e| match e {
+        StoreError::Database(sqlx::Error::Database(d))
+            if d.kind() == sqlx::error::ErrorKind::ForeignKeyViolation =>
+        {
+            StoreError::UnknownJob(job_id.to_string())
+        }
+        e => e,
+    }
+}

@@ -1,0 +1,263 @@
+//! Jobs: insertion with idempotency keys, lookups and pages, and compare-and-set transitions
+//! that record their reason and release devices.
+
+use super::backend::{Arg, Conn, bind_args, on};
+use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, new_id, state, to_json};
+use super::{JobFilter, StoreError};
+use crate::domain::{Job, JobState, Transition};
+
+/// The page size when a filter asks for 0 jobs.
+pub const DEFAULT_PAGE: u32 = 100;
+
+pub(super) async fn insert(
+    c: &mut Conn<'_>,
+    job: &Job,
+    idempotency_key: Option<&str>,
+    now: i64,
+) -> Result<Job, StoreError> {
+    let id = if job.id.is_empty() {
+        new_id()
+    } else {
+        job.id.clone()
+    };
+    let created_at = if job.created_at > 0 {
+        job.created_at
+    } else {
+        now
+    };
+    let reason = if job.reason.is_empty() {
+        "submitted".to_string()
+    } else {
+        job.reason.clone()
+    };
+    let attempt = job.attempt.max(1);
+    let inserted = on!(c, c => {
+        sqlx::query(
+            "INSERT INTO jobs (id, name, state, priority, attempt, world_size, spec, plan, \
+             unsupported_keys, owner, idempotency_key, reason, master, created_at, updated_at) \
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL, $12, $12) \
+             ON CONFLICT (owner, idempotency_key) DO NOTHING",
+        )
+        .bind(&id)
+        .bind(&job.name)
+        .bind(i64::from(job.priority))
+        .bind(i64::from(attempt))
+        .bind(i64::from(job.world_size))
+        .bind(to_json(&job.spec))
+        .bind(to_json(&job.plan))
+        .bind(to_json(&job.unsupported_keys))
+        .bind(&job.owner)
+        .bind(idempotency_key)
+        .bind(&reason)
+        .bind(created_at)
+        .execute(&mut **c)
+        .await?
+        .rows_affected()
+    });
+    if inserted == 0 {
+        // Only the (owner, idempotency_key) constraint is skipped, so the key exists.
+        let sql =
+            format!("SELECT {JOB_COLUMNS} FROM jobs WHERE owner = $1 AND idempotency_key = $2");
+        let row = on!(c, c => {
+            sqlx::query_as::<_, JobRow>(&sql)
+                .bind(&job.owner)
+                .bind(idempotency_key)
+                .fetch_one(&mut **c)
+                .await?
+        });
+        return Job::try_from(row);
+    }
+    record(c, &id, attempt, None, JobState::Queued, &reason, now).await?;
+    Ok(Job {
+        id,
+        state: JobState::Queued,
+        attempt,
+        reason,
+        master: None,
+        created_at,
+        updated_at: created_at,
+        ..job.clone()
+    })
+}
+
+pub(super) async fn get(c: &mut Conn<'_>, id: &str) -> Result<Option<Job>, StoreError> {
+    let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
+    let row = on!(c, c => {
+        sqlx::query_as::<_, JobRow>(&sql).bind(id).fetch_optional(&mut **c).await?
+    });
+    row.map(Job::try_from).transpose()
+}
+
+pub(super) async fn list(c: &mut Conn<'_>, filter: &JobFilter) -> Result<Vec<Job>, StoreError> {
+    let mut conditions = Vec::new();
+    let mut args = Vec::new();
+    let mut condition = |column_op: &str, arg: Arg| {
+        args.push(arg);
+        conditions.push(format!("{column_op} ${}", args.len()));
+    };
+    if let Some(s) = filter.state {
+        condition("state =", Arg::Text(s.as_str().to_string()));
+    }
+    if let Some(name) = &filter.name {
+        condition("name =", Arg::Text(name.clone()));
+    }
+    if let Some(before) = &filter.before {
+        condition("id <", Arg::Text(before.clone()));
+    }
+    let limit = if filter.limit == 0 {
+        DEFAULT_PAGE
+    } else {
+        filter.limit
+    };
+    args.push(Arg::Int(i64::from(limit)));
+    let filter_sql = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", conditions.join(" AND "))
+    };
+    let sql = format!(
+        "SELECT {JOB_COLUMNS} FROM jobs {filter_sql} ORDER BY id DESC LIMIT ${}",
+        args.len()
+    );
+    let rows = on!(c, c => {
+        bind_args!(sqlx::query_as::<_, JobRow>(&sql), args).fetch_all(&mut **c).await?
+    });
+    rows.into_iter().map(Job::try_from).collect()
+}
+
+/// Moves job `id` to `to` if it is in one of `from` (and at `attempt`, when given): the shared
+/// body of every state change. See [`super::Store::transition`].
+pub(super) async fn transition(
+    c: &mut Conn<'_>,
+    id: &str,
+    attempt: Option<u32>,
+    from: &[JobState],
+    to: JobState,
+    reason: &str,
+    now: i64,
+) -> Result<Option<Job>, StoreError> {
+    let current = on!(c, c => {
+        sqlx::query_as::<_, (String, i64)>("SELECT state, attempt FROM jobs WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut **c)
+            .await?
+    });
+    let Some((current_state, current_attempt)) = current else {
+        return Ok(None);
+    };
+    let current_state = state(&current_state)?;
+    if !from.contains(&current_state) || attempt.is_some_and(|a| i64::from(a) != current_attempt) {
+        return Ok(None);
+    }
+    let requeue = to == JobState::Queued;
+    let new_attempt = current_attempt + i64::from(requeue);
+    // Compare-and-set on what was read: under PostgreSQL's READ COMMITTED another transaction
+    // may have moved the job since, and then this updates nothing.
+    let sql = format!(
+        "UPDATE jobs SET state = $1, reason = $2, updated_at = $3, attempt = $4{} \
+         WHERE id = $5 AND state = $6 AND attempt = $7 RETURNING {JOB_COLUMNS}",
+        if requeue { ", master = NULL" } else { "" }
+    );
+    let row = on!(c, c => {
+        sqlx::query_as::<_, JobRow>(&sql)
+            .bind(to.as_str())
+            .bind(reason)
+            .bind(now)
+            .bind(new_attempt)
+            .bind(id)
+            .bind(current_state.as_str())
+            .bind(current_attempt)
+            .fetch_optional(&mut **c)
+            .await?
+    });
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let job = Job::try_from(row)?;
+    if requeue || to.is_terminal() {
+        release(c, id, now).await?;
+    }
+    record(c, id, job.attempt, Some(current_state), to, reason, now).await?;
+    Ok(Some(job))
+}
+
+/// Ends every device hold of job `id`.
+async fn release(c: &mut Conn<'_>, id: &str, now: i64) -> Result<(), StoreError> {
+    on!(c, c => {
+        sqlx::query(
+            "UPDATE assignments SET released_at = $1 WHERE job_id = $2 AND released_at IS NULL",
+        )
+        .bind(now)
+        .bind(id)
+        .execute(&mut **c)
+        .await?;
+    });
+    Ok(())
+}
+
+/// Records a state change of job `id`, now at `attempt`.
+pub(super) async fn record(
+    c: &mut Conn<'_>,
+    id: &str,
+    attempt: u32,
+    from: Option<JobState>,
+    to: JobState,
+    reason: &str,
+    now: i64,
+) -> Result<(), StoreError> {
+    on!(c, c => {
+        sqlx::query(
+            "INSERT INTO transitions (job_id, attempt, from_state, to_state, reason, at) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(id)
+        .bind(i64::from(attempt))
+        .bind(from.map(JobState::as_str))
+        .bind(to.as_str())
+        .bind(reason)
+        .bind(now)
+        .execute(&mut **c)
+        .await?;
+    });
+    Ok(())
+}
+
+pub(super) async fn transitions(c: &mut Conn<'_>, id: &str) -> Result<Vec<Transition>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, TransitionRow>(
+            "SELECT at, from_state, to_state, reason FROM transitions WHERE job_id = $1 ORDER BY id",
+        )
+        .bind(id)
+        .fetch_all(&mut **c)
+        .await?
+    });
+    rows.into_iter().map(Transition::try_from).collect()
+}
+
+pub(super) async fn count_by_state(c: &mut Conn<'_>) -> Result<Vec<(JobState, i64)>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (String, i64)>("SELECT state, COUNT(*) FROM jobs GROUP BY state")
+            .fetch_all(&mut **c)
+            .await?
+    });
+    let mut counts: Vec<(JobState, i64)> = JobState::ALL.iter().map(|&s| (s, 0)).collect();
+    for (s, n) in rows {
+        let s = state(&s)?;
+        if let Some(entry) = counts.iter_mut().find(|(k, _)| *k == s) {
+            entry.1 = n;
+        }
+    }
+    Ok(counts)
+}
+
+/// The queued jobs in scheduling order: priority descending, then oldest first.
+pub(super) async fn queue(c: &mut Conn<'_>) -> Result<Vec<Job>, StoreError> {
+    let sql = format!(
+        "SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'queued' \
+         ORDER BY priority DESC, created_at, id"
+    );
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, JobRow>(&sql).fetch_all(&mut **c).await?
+    });
+    rows.into_iter().map(Job::try_from).collect()
+}

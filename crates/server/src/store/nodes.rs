@@ -1,0 +1,258 @@
+//! Nodes (runner agents) and their devices, heartbeats, lost nodes, and the assignments agents
+//! read.
+
+use scheduler::inventory::Device;
+
+use super::StoreError;
+use super::backend::{Arg, Conn, insert_rows, lock_scheduling, on};
+use super::jobs;
+use super::rows::{
+    A_ASSIGNMENT_COLUMNS, AssignmentRow, J_JOB_COLUMNS, JobRow, NODE_DEVICE_COLUMNS, NodeDeviceRow,
+    kind_name, new_id, nodes_from_rows,
+};
+use crate::domain::{AssignmentRecord, Job, JobState, NodeRecord};
+
+pub(super) async fn register(
+    c: &mut Conn<'_>,
+    name: &str,
+    host: &str,
+    devices: &[Device],
+    token_hash: &str,
+    now: i64,
+) -> Result<NodeRecord, StoreError> {
+    // Devices change: no scheduling pass may be placing on them meanwhile.
+    lock_scheduling(c).await?;
+    let existing = on!(c, c => {
+        sqlx::query_scalar::<_, String>("SELECT id FROM nodes WHERE token_hash = $1")
+            .bind(token_hash)
+            .fetch_optional(&mut **c)
+            .await?
+    });
+    let id = match existing {
+        Some(id) => {
+            // The same agent again (restarted): the ranks it ran are gone.
+            let reason = format!("node {name} registered again");
+            requeue_jobs_on(c, "n.id = $1", Some(&id), &reason, now).await?;
+            on!(c, c => {
+                sqlx::query(
+                    "UPDATE nodes SET name = $1, host = $2, registered_at = $3, \
+                     last_heartbeat = $3, lost = FALSE WHERE id = $4",
+                )
+                .bind(name)
+                .bind(host)
+                .bind(now)
+                .bind(&id)
+                .execute(&mut **c)
+                .await?;
+                sqlx::query("DELETE FROM devices WHERE node_id = $1")
+                    .bind(&id)
+                    .execute(&mut **c)
+                    .await?;
+            });
+            id
+        }
+        None => {
+            let id = new_id();
+            on!(c, c => {
+                sqlx::query(
+                    "INSERT INTO nodes (id, name, host, token_hash, registered_at, \
+                     last_heartbeat, lost) VALUES ($1, $2, $3, $4, $5, $5, FALSE)",
+                )
+                .bind(&id)
+                .bind(name)
+                .bind(host)
+                .bind(token_hash)
+                .bind(now)
+                .execute(&mut **c)
+                .await?;
+            });
+            id
+        }
+    };
+    let rows = devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            vec![
+                Arg::Text(id.clone()),
+                Arg::Int(i as i64),
+                Arg::Text(kind_name(d.kind)),
+                Arg::Int(d.memory_bytes as i64),
+            ]
+        })
+        .collect();
+    insert_rows(c, "devices (node_id, idx, kind, memory_bytes)", 4, rows, "").await?;
+    Ok(NodeRecord {
+        id,
+        name: name.to_string(),
+        host: host.to_string(),
+        devices: devices.to_vec(),
+        registered_at: now,
+        last_heartbeat: now,
+        lost: false,
+    })
+}
+
+/// Nodes matching `condition` on `nodes n` (with `$1` = `arg`), devices in order.
+pub(super) async fn select(
+    c: &mut Conn<'_>,
+    condition: &str,
+    arg: Option<&str>,
+) -> Result<Vec<NodeRecord>, StoreError> {
+    let sql = format!(
+        "SELECT {NODE_DEVICE_COLUMNS} FROM nodes n LEFT JOIN devices d ON d.node_id = n.id \
+         WHERE {condition} ORDER BY n.registered_at, n.id, d.idx"
+    );
+    let rows = on!(c, c => {
+        let mut q = sqlx::query_as::<_, NodeDeviceRow>(&sql);
+        if let Some(arg) = arg {
+            q = q.bind(arg);
+        }
+        q.fetch_all(&mut **c).await?
+    });
+    nodes_from_rows(rows)
+}
+
+pub(super) async fn heartbeat(
+    c: &mut Conn<'_>,
+    node_id: &str,
+    at: i64,
+) -> Result<bool, StoreError> {
+    let updated = on!(c, c => {
+        sqlx::query("UPDATE nodes SET last_heartbeat = $1 WHERE id = $2 AND NOT lost")
+            .bind(at)
+            .bind(node_id)
+            .execute(&mut **c)
+            .await?
+            .rows_affected()
+    });
+    Ok(updated > 0)
+}
+
+pub(super) async fn reap(
+    c: &mut Conn<'_>,
+    before: i64,
+    now: i64,
+) -> Result<Vec<String>, StoreError> {
+    lock_scheduling(c).await?;
+    on!(c, c => {
+        sqlx::query("UPDATE nodes SET lost = TRUE WHERE NOT lost AND last_heartbeat < $1")
+            .bind(before)
+            .execute(&mut **c)
+            .await?;
+    });
+    // Every job still holding a device of any lost node, not only of those lost just now.
+    requeue_jobs_on(c, "n.lost", None, "lost", now).await
+}
+
+/// Sends the jobs holding devices on nodes matching `condition` back to the queue, the reason
+/// naming the node (`what` = "lost", or a full reason when `arg` is given).
+async fn requeue_jobs_on(
+    c: &mut Conn<'_>,
+    condition: &str,
+    arg: Option<&str>,
+    what: &str,
+    now: i64,
+) -> Result<Vec<String>, StoreError> {
+    let sql = format!(
+        "SELECT DISTINCT a.job_id, n.name FROM assignments a \
+         JOIN nodes n ON n.id = a.node_id JOIN jobs j ON j.id = a.job_id \
+         WHERE a.released_at IS NULL AND j.state IN ('scheduled', 'running') AND {condition} \
+         ORDER BY a.job_id, n.name"
+    );
+    let held = on!(c, c => {
+        let mut q = sqlx::query_as::<_, (String, String)>(&sql);
+        if let Some(arg) = arg {
+            q = q.bind(arg);
+        }
+        q.fetch_all(&mut **c).await?
+    });
+    let mut requeued: Vec<String> = Vec::new();
+    for (job_id, node) in held {
+        if requeued.last() == Some(&job_id) {
+            continue;
+        }
+        let reason = match arg {
+            None => format!("node {node} {what}"),
+            Some(_) => what.to_string(),
+        };
+        let from = [JobState::Scheduled, JobState::Running];
+        if jobs::transition(c, &job_id, None, &from, JobState::Queued, &reason, now)
+            .await?
+            .is_some()
+        {
+            requeued.push(job_id);
+        }
+    }
+    Ok(requeued)
+}
+
+pub(super) async fn assignments_for_node(
+    c: &mut Conn<'_>,
+    node_id: &str,
+) -> Result<Vec<(Job, Vec<AssignmentRecord>)>, StoreError> {
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        #[sqlx(flatten)]
+        job: JobRow,
+        a_rank: i64,
+        a_device: i64,
+    }
+    let sql = format!(
+        "SELECT {J_JOB_COLUMNS}, a.rank AS a_rank, a.device AS a_device \
+         FROM assignments a JOIN jobs j ON j.id = a.job_id AND j.attempt = a.attempt \
+         WHERE a.node_id = $1 AND a.released_at IS NULL AND j.state IN ('scheduled', 'running') \
+         ORDER BY j.priority DESC, j.created_at, j.id, a.rank"
+    );
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, Row>(&sql).bind(node_id).fetch_all(&mut **c).await?
+    });
+    let mut out: Vec<(Job, Vec<AssignmentRecord>)> = Vec::new();
+    for r in rows {
+        let job = Job::try_from(r.job)?;
+        let record = AssignmentRecord::try_from(AssignmentRow {
+            job_id: job.id.clone(),
+            attempt: i64::from(job.attempt),
+            rank: r.a_rank,
+            node_id: node_id.to_string(),
+            device: r.a_device,
+        })?;
+        match out.last_mut() {
+            Some((last, records)) if last.id == job.id => records.push(record),
+            _ => out.push((job, vec![record])),
+        }
+    }
+    Ok(out)
+}
+
+pub(super) async fn assignments_for_job(
+    c: &mut Conn<'_>,
+    job_id: &str,
+) -> Result<Vec<AssignmentRecord>, StoreError> {
+    let sql = format!(
+        "SELECT {A_ASSIGNMENT_COLUMNS} FROM assignments a \
+         JOIN jobs j ON j.id = a.job_id AND j.attempt = a.attempt \
+         WHERE a.job_id = $1 ORDER BY a.rank"
+    );
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, AssignmentRow>(&sql).bind(job_id).fetch_all(&mut **c).await?
+    });
+    rows.into_iter().map(AssignmentRecord::try_from).collect()
+}
+
+pub(super) async fn set_master(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    attempt: u32,
+    master: &str,
+) -> Result<(), StoreError> {
+    on!(c, c => {
+        sqlx::query("UPDATE jobs SET master = $1 WHERE id = $2 AND attempt = $3")
+            .bind(master)
+            .bind(job_id)
+            .bind(i64::from(attempt))
+            .execute(&mut **c)
+            .await?;
+    });
+    Ok(())
+}

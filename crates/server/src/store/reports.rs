@@ -1,0 +1,300 @@
+//! What agents report about a job (steps, rank memory, logs, checkpoints) and bearer tokens.
+
+use sha2::{Digest, Sha256};
+
+use super::backend::{Arg, Conn, insert_rows, on, unknown_job_on_fk};
+use super::rows::{json, real, to_json, to_u32};
+use super::{CheckpointRecord, StoreError};
+use crate::domain::{LogLine, RankMemoryRecord, Role, StepRecord};
+
+pub(super) async fn add_steps(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    steps: &[StepRecord],
+) -> Result<(), StoreError> {
+    // A batch the agent sends again after a lost reply changes nothing.
+    let rows: Vec<Vec<Arg>> = steps
+        .iter()
+        .map(|s| {
+            vec![
+                Arg::Text(job_id.to_string()),
+                Arg::Int(i64::from(s.attempt)),
+                Arg::Int(i64::from(s.step)),
+                Arg::Real(real(s.loss)),
+                Arg::Real(real(f64::from(s.loss_scale))),
+                Arg::Real(real(s.tokens_per_second)),
+                Arg::Bool(s.skipped),
+                Arg::Real(real(s.step_seconds)),
+                Arg::Int(s.at),
+            ]
+        })
+        .collect();
+    insert_rows(
+        c,
+        "steps (job_id, attempt, step, loss, loss_scale, tokens_per_second, skipped, \
+         step_seconds, at)",
+        9,
+        rows,
+        "ON CONFLICT (job_id, attempt, step) DO NOTHING",
+    )
+    .await
+    .map_err(unknown_job_on_fk(job_id))
+}
+
+pub(super) async fn steps(c: &mut Conn<'_>, job_id: &str) -> Result<Vec<StepRecord>, StoreError> {
+    type Row = (
+        i64,
+        i64,
+        Option<f64>,
+        Option<f64>,
+        Option<f64>,
+        bool,
+        Option<f64>,
+        i64,
+    );
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, Row>(
+            "SELECT attempt, step, loss, loss_scale, tokens_per_second, skipped, step_seconds, at \
+             FROM steps WHERE job_id = $1 ORDER BY attempt, step",
+        )
+        .bind(job_id)
+        .fetch_all(&mut **c)
+        .await?
+    });
+    let nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    rows.into_iter()
+        .map(|(attempt, step, loss, scale, tps, skipped, secs, at)| {
+            Ok(StepRecord {
+                attempt: to_u32(attempt, "step attempt")?,
+                step: to_u32(step, "step")?,
+                loss: nan(loss),
+                loss_scale: nan(scale) as f32,
+                tokens_per_second: nan(tps),
+                skipped,
+                step_seconds: nan(secs),
+                at,
+            })
+        })
+        .collect()
+}
+
+pub(super) async fn set_rank_memory(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    m: &RankMemoryRecord,
+    now: i64,
+) -> Result<(), StoreError> {
+    let result: Result<(), StoreError> = on!(c, c => {
+        sqlx::query(
+            "INSERT INTO rank_memory (job_id, rank, measured, predicted, comm_bytes_sent, \
+             updated_at) VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (job_id, rank) DO UPDATE SET measured = excluded.measured, \
+             predicted = excluded.predicted, comm_bytes_sent = excluded.comm_bytes_sent, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(job_id)
+        .bind(i64::from(m.rank))
+        .bind(to_json(&m.measured))
+        .bind(to_json(&m.predicted))
+        .bind(to_json(&m.comm_bytes_sent))
+        .bind(now)
+        .execute(&mut **c)
+        .await
+        .map(|_| ())
+        .map_err(StoreError::from)
+    });
+    result.map_err(unknown_job_on_fk(job_id))
+}
+
+pub(super) async fn rank_memory(
+    c: &mut Conn<'_>,
+    job_id: &str,
+) -> Result<Vec<RankMemoryRecord>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (i64, String, String, String)>(
+            "SELECT rank, measured, predicted, comm_bytes_sent FROM rank_memory \
+             WHERE job_id = $1 ORDER BY rank",
+        )
+        .bind(job_id)
+        .fetch_all(&mut **c)
+        .await?
+    });
+    rows.into_iter()
+        .map(|(rank, measured, predicted, comm)| {
+            Ok(RankMemoryRecord {
+                rank: to_u32(rank, "rank")?,
+                measured: json(&measured, "measured memory")?,
+                predicted: json(&predicted, "predicted memory")?,
+                comm_bytes_sent: json(&comm, "communication bytes")?,
+            })
+        })
+        .collect()
+}
+
+pub(super) async fn append_logs(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    lines: &[(i64, String)],
+) -> Result<i64, StoreError> {
+    // The job row holds the counter: raising it takes the row's lock, so concurrent appends to
+    // one job get consecutive, distinct numbers on PostgreSQL too.
+    let last = on!(c, c => {
+        sqlx::query_scalar::<_, i64>(
+            "UPDATE jobs SET log_seq = log_seq + $1 WHERE id = $2 RETURNING log_seq",
+        )
+        .bind(lines.len() as i64)
+        .bind(job_id)
+        .fetch_optional(&mut **c)
+        .await?
+    });
+    let last = last.ok_or_else(|| StoreError::UnknownJob(job_id.to_string()))?;
+    let first = last - lines.len() as i64 + 1;
+    let rows = lines
+        .iter()
+        .enumerate()
+        .map(|(i, (at, line))| {
+            vec![
+                Arg::Text(job_id.to_string()),
+                Arg::Int(first + i as i64),
+                Arg::Int(*at),
+                Arg::Text(line.clone()),
+            ]
+        })
+        .collect();
+    insert_rows(c, "logs (job_id, seq, at, line)", 4, rows, "").await?;
+    Ok(last)
+}
+
+pub(super) async fn logs(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    after: i64,
+    limit: u32,
+) -> Result<Vec<LogLine>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (i64, i64, String)>(
+            "SELECT seq, at, line FROM logs WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+        )
+        .bind(job_id)
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&mut **c)
+        .await?
+    });
+    Ok(rows
+        .into_iter()
+        .map(|(seq, at, line)| LogLine { seq, at, line })
+        .collect())
+}
+
+pub(super) async fn add_checkpoint(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    attempt: u32,
+    step: u32,
+    path: &str,
+    now: i64,
+) -> Result<(), StoreError> {
+    let result: Result<(), StoreError> = on!(c, c => {
+        sqlx::query(
+            "INSERT INTO checkpoints (job_id, attempt, step, path, at) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (job_id, attempt, step) DO UPDATE SET path = excluded.path, at = excluded.at",
+        )
+        .bind(job_id)
+        .bind(i64::from(attempt))
+        .bind(i64::from(step))
+        .bind(path)
+        .bind(now)
+        .execute(&mut **c)
+        .await
+        .map(|_| ())
+        .map_err(StoreError::from)
+    });
+    result.map_err(unknown_job_on_fk(job_id))
+}
+
+pub(super) async fn checkpoints(
+    c: &mut Conn<'_>,
+    job_id: &str,
+) -> Result<Vec<CheckpointRecord>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (i64, i64, String, i64)>(
+            "SELECT attempt, step, path, at FROM checkpoints WHERE job_id = $1 \
+             ORDER BY step, attempt",
+        )
+        .bind(job_id)
+        .fetch_all(&mut **c)
+        .await?
+    });
+    rows.into_iter()
+        .map(|(attempt, step, path, at)| {
+            Ok(CheckpointRecord {
+                attempt: to_u32(attempt, "checkpoint attempt")?,
+                step: to_u32(step, "checkpoint step")?,
+                path,
+                at,
+            })
+        })
+        .collect()
+}
+
+/// SHA-256 of a bearer token, lower-case hex: the only form in which tokens are stored.
+pub fn token_hash(token: &str) -> String {
+    let digest = Sha256::digest(token.as_bytes());
+    let mut hex = String::with_capacity(64);
+    for byte in digest.iter() {
+        hex.push_str(&format!("{byte:02x}"));
+    }
+    hex
+}
+
+pub(super) async fn insert_token(
+    c: &mut Conn<'_>,
+    name: &str,
+    role: Role,
+    token: &str,
+    now: i64,
+) -> Result<(), StoreError> {
+    on!(c, c => {
+        sqlx::query(
+            "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (hash) DO UPDATE SET name = excluded.name, role = excluded.role",
+        )
+        .bind(token_hash(token))
+        .bind(name)
+        .bind(role.as_str())
+        .bind(now)
+        .execute(&mut **c)
+        .await?;
+    });
+    Ok(())
+}
+
+pub(super) async fn token(
+    c: &mut Conn<'_>,
+    token: &str,
+) -> Result<Option<(String, Role)>, StoreError> {
+    let row = on!(c, c => {
+        sqlx::query_as::<_, (String, String)>("SELECT name, role FROM tokens WHERE hash = $1")
+            .bind(token_hash(token))
+            .fetch_optional(&mut **c)
+            .await?
+    });
+    row.map(|(name, role)| match Role::parse(&role) {
+        Some(role) => Ok((name, role)),
+        None => Err(StoreError::Corrupt {
+            what: "token role".into(),
+            reason: format!("unknown role {role:?}"),
+        }),
+    })
+    .transpose()
+}
+
+pub(super) async fn has_admin(c: &mut Conn<'_>) -> Result<bool, StoreError> {
+    let n = on!(c, c => {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM tokens WHERE role = 'admin'")
+            .fetch_one(&mut **c)
+            .await?
+    });
+    Ok(n > 0)
+}
