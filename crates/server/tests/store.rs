@@ -1460,7 +1460,7 @@ async fn the_database_refuses_a_second_holder_of_a_device(db: TestDb) {
 async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
     const NODES: usize = 3;
     const DEVICES: usize = 4;
-    const JOBS: usize = 60;
+    const JOBS: usize = 150;
     let a = db.store.clone();
     let b = db.replica().await;
     for n in 0..NODES {
@@ -1561,7 +1561,9 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     done.store(true, Ordering::Relaxed);
-    let placed = replica_a.await.unwrap() + replica_b.await.unwrap();
+    let (placed_a, placed_b) = (replica_a.await.unwrap(), replica_b.await.unwrap());
+    eprintln!("replica a placed {placed_a} job attempts, replica b {placed_b}");
+    let placed = placed_a + placed_b;
     assert!(lost_once);
 
     // Every attempt was placed at most once, and every placement is in the tables.
