@@ -12,9 +12,10 @@
 //! on the pool, the tiling or the task split.
 //!
 //! Layout: A is packed once per call, per 8-row block as `[pair][row]` u32 (two bf16 in one
-//! dword); each task packs one 48-column panel of B as `[pair][column]` u32 and runs 8 × 48
-//! micro-tiles (24 zmm accumulators) over every row block of its row range. Both packs are
-//! heap scratch of `m·k` and `48·k` bf16 (rounded up to pairs).
+//! dword); each task packs one 48-column panel of B as `[pair][column]` u32 (a transposed B
+//! through 16 × 16 register transposes) and runs 8 × 48 micro-tiles (24 zmm accumulators)
+//! over every row block of its row range. The packs (`m·k` plus `48·k` per thread bf16) use
+//! the caller's matmul scratch when it is long enough, else the heap.
 
 use half::bf16;
 use std::arch::x86_64::*;
@@ -40,6 +41,8 @@ pub(super) fn available() -> bool {
 }
 
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major; see the module notes.
+/// The packs live in `scratch` when it holds them (`m·k/2 + threads·24·k` dwords, rounded up),
+/// else on the heap.
 /// Callers check [`available`].
 pub(super) fn product<C: Float, I: Float>(
     c: &mut [C],
@@ -47,12 +50,23 @@ pub(super) fn product<C: Float, I: Float>(
     b: Operand<'_, bf16>,
     (m, k, n): (usize, usize, usize),
     init: Init<'_, I>,
+    scratch: &mut [f32],
 ) {
     let kp = k.div_ceil(2);
     let blocks = m.div_ceil(MR);
-    let mut pa = vec![0u32; blocks * kp * MR];
+    let slots = rayon::current_num_threads();
+    let (a_len, b_len) = (blocks * kp * MR, kp * NC);
+    let mut heap = Vec::new();
+    let packs: &mut [u32] = if scratch.len() >= a_len + slots * b_len {
+        // SAFETY: f32 and u32 have the same size and alignment; any bits are valid u32.
+        unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr().cast(), scratch.len()) }
+    } else {
+        heap.resize(a_len + slots * b_len, 0u32);
+        &mut heap
+    };
+    let (pa, pbs) = packs.split_at_mut(a_len);
     {
-        let dst = SharedMut::new(&mut pa);
+        let dst = SharedMut::new(pa);
         for_ranges(blocks, 1, |r| {
             for rb in r {
                 // SAFETY: each row block owns its part of the pack.
@@ -65,15 +79,18 @@ pub(super) fn product<C: Float, I: Float>(
     let panels = n.div_ceil(NC);
     let per_chunk = blocks.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, blocks));
     let chunks = blocks.div_ceil(per_chunk);
-    let (out, pa) = (SharedMut::new(c), &pa[..]);
+    let (out, pa, pbs) = (SharedMut::new(c), &*pa, SharedMut::new(pbs));
     for_ranges(panels * chunks, 1, |tasks| {
-        let mut pb = vec![0u32; kp * NC];
+        // A task runs start to end on one pool thread, so the thread's slot is its own.
+        let slot = rayon::current_thread_index().unwrap_or(0) % slots;
+        // SAFETY: slots are disjoint and one thread uses one slot at a time.
+        let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
         let mut tile = [0f32; MR * NC];
         for task in tasks {
             let (panel, chunk) = (task / chunks, task % chunks);
             let (j0, w) = (panel * NC, NC.min(n - panel * NC));
             // SAFETY: `available` was checked by the caller.
-            unsafe { pack_b(&b, j0, w, k, &mut pb) };
+            unsafe { pack_b(&b, j0, w, k, pb) };
             for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(blocks) {
                 // SAFETY: the packs hold kp pairs of MR rows and NC columns; features checked.
                 unsafe { micro(kp, pa[rb * kp * MR..].as_ptr(), pb.as_ptr(), &mut tile) };
@@ -114,28 +131,40 @@ fn pair(first: bf16, second: bf16) -> u32 {
     u32::from(first.to_bits()) << 16 | u32::from(second.to_bits())
 }
 
-/// Rows `i0..i0 + MR` of `op(a)` as `[pair][row]`; rows past `m` and the odd tail of k stay 0.
+/// Rows `i0..i0 + MR` of `op(a)` as `[pair][row]`; rows past `m` and the odd tail of k are 0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut [u32]) {
-    let zero = bf16::ZERO;
-    for r in 0..MR.min(m - i0) {
-        let i = i0 + r;
-        let at = |kk: usize| {
-            if kk < k {
-                a.data[a.offset(i, kk)]
-            } else {
-                zero
+    let (h, zero) = (MR.min(m - i0), bf16::ZERO);
+    if a.trans {
+        // Element (i, kk) is data[kk·ld + i]: each pair is two runs of h rows.
+        for (p, o) in out.chunks_exact_mut(MR).enumerate() {
+            let run = |kk: usize| (kk < k).then(|| &a.data[kk * a.ld + i0..][..h]);
+            match (run(2 * p), run(2 * p + 1)) {
+                (Some(x), Some(y)) => {
+                    for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                        *o = pair(x, y);
+                    }
+                }
+                (Some(x), None) => {
+                    for (o, &x) in o.iter_mut().zip(x) {
+                        *o = pair(x, zero);
+                    }
+                }
+                _ => unreachable!("pairs cover k"),
             }
-        };
-        if a.trans {
-            for (p, o) in out.iter_mut().skip(r).step_by(MR).enumerate() {
-                *o = pair(at(2 * p), at(2 * p + 1));
+            o[h..].fill(0);
+        }
+    } else {
+        // Row i is data[i·ld..][..k]: its pairs are adjacent.
+        for r in 0..MR {
+            let slots = out.iter_mut().skip(r).step_by(MR);
+            if r >= h {
+                slots.for_each(|o| *o = 0);
+                continue;
             }
-        } else {
-            let row = &a.data[i * a.ld..][..k];
-            let (pairs, tail) = row.as_chunks::<2>();
-            for (o, &[lo, hi]) in out.iter_mut().skip(r).step_by(MR).zip(pairs) {
-                *o = pair(lo, hi);
+            let (pairs, tail) = a.data[(i0 + r) * a.ld..][..k].as_chunks::<2>();
+            for (o, &[x, y]) in slots.zip(pairs) {
+                *o = pair(x, y);
             }
             if let [last] = tail {
                 out[(k / 2) * MR + r] = pair(*last, zero);
@@ -150,16 +179,38 @@ unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut
 unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut [u32]) {
     let zero = bf16::ZERO;
     if b.trans {
-        // Column j of op(b) is row j of the data: its pairs are adjacent.
-        out.fill(0);
-        for c in 0..w {
-            let col = &b.data[(j0 + c) * b.ld..][..k];
-            let (pairs, tail) = col.as_chunks::<2>();
-            for (o, &[lo, hi]) in out[c..].iter_mut().step_by(NC).zip(pairs) {
-                *o = pair(lo, hi);
+        // Column j of op(b) is row j of the data: its pairs are adjacent dwords (first element
+        // in the low half, so rotated by 16). Blocks of 16 columns × 16 pairs are transposed
+        // in registers; the rest goes one dword at a time.
+        let full = k / 2;
+        let (c16, p16) = (w / 16 * 16, full / 16 * 16);
+        let col = |c: usize| &b.data[(j0 + c) * b.ld..][..k];
+        for c0 in (0..c16).step_by(16) {
+            for p0 in (0..p16).step_by(16) {
+                // SAFETY: columns c0..c0 + 16 hold pairs p0..p0 + 16; out holds NC per pair.
+                unsafe {
+                    let rows: [__m512i; 16] = std::array::from_fn(|j| {
+                        let src = col(c0 + j)[2 * p0..].as_ptr();
+                        _mm512_rol_epi32::<16>(_mm512_loadu_si512(src.cast()))
+                    });
+                    for (p, v) in transpose16(rows).into_iter().enumerate() {
+                        _mm512_storeu_si512(out[(p0 + p) * NC + c0..].as_mut_ptr().cast(), v);
+                    }
+                }
             }
-            if let [last] = tail {
-                out[(k / 2) * NC + c] = pair(*last, zero);
+        }
+        for c in 0..NC {
+            let (from, src) = if c < c16 {
+                (p16, Some(col(c)))
+            } else {
+                (0, (c < w).then(|| col(c)))
+            };
+            for p in from..k.div_ceil(2) {
+                out[p * NC + c] = match src {
+                    Some(s) if 2 * p + 1 < k => pair(s[2 * p], s[2 * p + 1]),
+                    Some(s) => pair(s[2 * p], zero),
+                    None => 0,
+                };
             }
         }
     } else {
@@ -220,4 +271,68 @@ unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: &mut [f32; MR * N
 fn bh(v: __m512i) -> __m512bh {
     // SAFETY: both are 64-byte plain vectors; every bit pattern is a valid bf16 vector.
     unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// Transposes a 16 × 16 block of dwords (`rows[i]` lane `j` to `out[j]` lane `i`).
+#[inline(always)]
+unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // SAFETY: register-only shuffles; the caller's function enables AVX-512.
+    unsafe {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for h in 0..2 {
+            let o = 8 * h;
+            for i in 0..4 {
+                t[o + i] = _mm512_shuffle_i32x4::<0x88>(u[o + i], u[o + 4 + i]);
+                t[o + 4 + i] = _mm512_shuffle_i32x4::<0xdd>(u[o + i], u[o + 4 + i]);
+            }
+        }
+        for i in 0..8 {
+            u[i] = _mm512_shuffle_i32x4::<0x88>(t[i], t[8 + i]);
+            u[8 + i] = _mm512_shuffle_i32x4::<0xdd>(t[i], t[8 + i]);
+        }
+        u
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose16_transposes() {
+        if !available() {
+            return;
+        }
+        let m: Vec<u32> = (0..256).collect();
+        #[target_feature(enable = "avx512f")]
+        unsafe fn run(m: &[u32]) -> Vec<u32> {
+            // SAFETY: 16 rows of 16 dwords in and out.
+            unsafe {
+                let rows = std::array::from_fn(|i| _mm512_loadu_si512(m[16 * i..].as_ptr().cast()));
+                let mut out = vec![0u32; 256];
+                for (i, v) in transpose16(rows).into_iter().enumerate() {
+                    _mm512_storeu_si512(out[16 * i..].as_mut_ptr().cast(), v);
+                }
+                out
+            }
+        }
+        // SAFETY: available() checked the features.
+        let t = unsafe { run(&m) };
+        for i in 0..16 {
+            for j in 0..16 {
+                assert_eq!(t[16 * i + j], m[16 * j + i], "({i}, {j})");
+            }
+        }
+    }
 }

@@ -258,7 +258,7 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
             Operand::new(ab, a.ld, a.trans),
             Operand::new(bb, b.ld, b.trans),
         );
-        return dpbf16::product(c, a, b, (m, k, n), init);
+        return dpbf16::product(c, a, b, (m, k, n), init, scratch);
     }
     let af = A::as_f32(a.data).map(|d| Operand::new(d, a.ld, a.trans));
     let bf = B::as_f32(b.data).map(|d| Operand::new(d, b.ld, b.trans));
