@@ -33,10 +33,7 @@ pub fn crossentropy_forward(
                     let max = max(row);
                     let picked = row[target];
                     let total = match dloss {
-                        Some(_) => {
-                            row.iter_mut().for_each(|x| *x = exp(*x - max));
-                            sum(row)
-                        }
+                        Some(_) => exp_sum(row, max),
                         None => sum_exp(row, max),
                     };
                     *loss = max + total.ln() - picked;
@@ -66,6 +63,26 @@ fn max(row: &[f32]) -> f32 {
     tail.iter()
         .chain(&acc)
         .fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// `x = exp(x - max)` for the row, returning `Σ x` in 16 lanes (the order of
+/// [`crate::math::sum`]) in the same pass.
+#[inline(always)]
+fn exp_sum(row: &mut [f32], max: f32) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let mut chunks = row.chunks_exact_mut(L);
+    for c in &mut chunks {
+        for l in 0..L {
+            c[l] = exp(c[l] - max);
+            acc[l] += c[l];
+        }
+    }
+    for (l, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x = exp(*x - max);
+        acc[l] += *x;
+    }
+    sum(&acc)
 }
 
 /// `Σ exp(x - max)` in 16 lanes (the order of [`crate::math::sum`]) without storing the terms.
