@@ -1,5 +1,15 @@
 //! zerotrain's service: the HTTP API, the store, the scheduling loop and the command line.
 
+pub mod app;
+pub mod auth;
 pub mod cli;
 pub mod domain;
+pub mod error;
+pub mod metrics;
+pub mod routes;
+pub mod scheduling;
+pub mod settings;
 pub mod store;
+
+pub use app::{AppState, Server, build, router};
+pub use settings::Settings;

@@ -1,7 +1,13 @@
 //! The `zerotrain` command line: one subcommand per module.
 
 mod agent;
+mod cancel;
+mod client;
 mod estimate;
+mod jobs;
+mod logs;
+mod serve;
+mod submit;
 mod train;
 
 use std::process::ExitCode;
@@ -27,6 +33,16 @@ enum Command {
     Train(train::Args),
     /// Offer this machine's devices to a server and run the ranks it assigns.
     Agent(agent::Args),
+    /// Run the server (API, store, scheduler) without a local agent.
+    Serve(serve::Args),
+    /// Submit a job spec to the server; --wait follows it to the end.
+    Submit(submit::Args),
+    /// List jobs, newest first.
+    Jobs(jobs::Args),
+    /// Print a job's log; -f follows it.
+    Logs(logs::Args),
+    /// Cancel a job.
+    Cancel(cancel::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -35,6 +51,11 @@ pub fn main() -> ExitCode {
         Command::Estimate(args) => estimate::run(args),
         Command::Train(args) => train::run_cli(args),
         Command::Agent(args) => agent::run(args),
+        Command::Serve(args) => serve::run(args),
+        Command::Submit(args) => submit::run(args),
+        Command::Jobs(args) => jobs::run(args),
+        Command::Logs(args) => logs::run(args),
+        Command::Cancel(args) => cancel::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,330 @@
+//! The application: its shared state, the router with its middleware, and `build`, which
+//! connects the store, binds the listener and starts the scheduling loop.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, broadcast, watch};
+use tokio::task::JoinHandle;
+use tower_http::compression::CompressionLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::TimeoutLayer;
+use tower_http::trace::TraceLayer;
+use utoipa::ToSchema;
+
+use crate::domain::{Job, JobState, LogLine, StepRecord};
+use crate::error::{InternalDetail, problem_for_bare_errors};
+use crate::metrics::Metrics;
+use crate::routes;
+use crate::scheduling;
+use crate::settings::Settings;
+use crate::store::{Store, StoreError};
+
+/// What every handler and background task shares.
+pub struct App {
+    /// Jobs, nodes, assignments, reports and tokens.
+    pub store: Store,
+    pub settings: Settings,
+    /// Every Prometheus series this server exports.
+    pub metrics: Metrics,
+    /// Job state changes, steps and log lines as this server sees them, for SSE followers.
+    /// Followers also poll the store, so changes another replica makes still arrive.
+    pub events: broadcast::Sender<JobEvent>,
+    /// Starts a scheduling pass now (a job arrived or devices freed up).
+    pub wake_scheduler: Notify,
+    /// Becomes `true` when the server shuts down: streams end, the scheduling loop stops.
+    pub shutdown: watch::Sender<bool>,
+}
+
+#[derive(Clone)]
+pub struct AppState(pub Arc<App>);
+
+impl Deref for AppState {
+    type Target = App;
+
+    fn deref(&self) -> &App {
+        &self.0
+    }
+}
+
+/// Something that happened to a job, as `GET /v1/jobs/{id}/events` streams it.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum JobEvent {
+    State {
+        job_id: String,
+        state: JobState,
+        attempt: u32,
+        reason: String,
+        at: i64,
+    },
+    Step {
+        job_id: String,
+        #[serde(flatten)]
+        step: StepRecord,
+    },
+    Log {
+        job_id: String,
+        #[serde(flatten)]
+        line: LogLine,
+    },
+}
+
+impl JobEvent {
+    pub fn job_id(&self) -> &str {
+        match self {
+            JobEvent::State { job_id, .. }
+            | JobEvent::Step { job_id, .. }
+            | JobEvent::Log { job_id, .. } => job_id,
+        }
+    }
+
+    pub fn state(job: &Job) -> JobEvent {
+        JobEvent::State {
+            job_id: job.id.clone(),
+            state: job.state,
+            attempt: job.attempt,
+            reason: job.reason.clone(),
+            at: job.updated_at,
+        }
+    }
+}
+
+impl AppState {
+    pub fn new(store: Store, settings: Settings) -> AppState {
+        AppState(Arc::new(App {
+            store,
+            settings,
+            metrics: Metrics::default(),
+            events: broadcast::channel(1024).0,
+            wake_scheduler: Notify::new(),
+            shutdown: watch::channel(false).0,
+        }))
+    }
+}
+
+impl App {
+    /// Moves a job between states in the store and tells everyone who cares: SSE followers,
+    /// the scheduler (devices freed or a job requeued) and the metrics (an ended job's series
+    /// go after the grace period).
+    pub async fn transition(
+        &self,
+        id: &str,
+        from: &[JobState],
+        to: JobState,
+        reason: &str,
+    ) -> Result<Option<Job>, StoreError> {
+        let job = self.store.transition(id, from, to, reason).await?;
+        if let Some(job) = &job {
+            self.announce(job);
+        }
+        Ok(job)
+    }
+
+    /// `transition`, only if the job is still at `attempt` (for agents' reports).
+    pub async fn transition_attempt(
+        &self,
+        id: &str,
+        attempt: u32,
+        from: &[JobState],
+        to: JobState,
+        reason: &str,
+    ) -> Result<Option<Job>, StoreError> {
+        let job = self
+            .store
+            .transition_attempt(id, attempt, from, to, reason)
+            .await?;
+        if let Some(job) = &job {
+            self.announce(job);
+        }
+        Ok(job)
+    }
+
+    /// Publishes a job's (new) state.
+    pub fn announce(&self, job: &Job) {
+        // Nobody listening is not an error.
+        let _ = self.events.send(JobEvent::state(job));
+        if job.state.is_terminal() {
+            self.metrics.job_ended(&job.id);
+        }
+        if job.state.is_terminal() || job.state == JobState::Queued {
+            self.wake_scheduler.notify_one();
+        }
+    }
+
+    pub fn publish(&self, event: JobEvent) {
+        let _ = self.events.send(event);
+    }
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Every route with the service's middleware.
+pub fn router(state: AppState) -> Router {
+    let settings = &state.settings;
+    routes::routes()
+        .layer(middleware::map_response(problem_for_bare_errors))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            track_requests,
+        ))
+        .layer(CompressionLayer::new())
+        .layer(RequestBodyLimitLayer::new(settings.body_limit))
+        // The layer above is the one limit; axum's own 2 MB default would be a second.
+        .layer(DefaultBodyLimit::disable())
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            settings.request_timeout,
+        ))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// Counts and times each request by its matched route (never the raw URI, whose ids would
+/// make a series per job), and logs the detail of 5xx answers.
+async fn track_requests(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched".to_string(), |p| p.as_str().to_string());
+    let method = request.method().as_str().to_string();
+    let start = Instant::now();
+    let response = next.run(request).await;
+    let server = &state.metrics.server;
+    server
+        .http_request_duration_seconds
+        .with_label_values(&[&route, &method])
+        .observe(start.elapsed().as_secs_f64());
+    server
+        .http_requests_total
+        .with_label_values(&[&route, &method, response.status().as_str()])
+        .inc();
+    if let Some(InternalDetail(detail)) = response.extensions().get::<InternalDetail>() {
+        tracing::error!(%route, %method, status = %response.status(), "{detail}");
+    }
+    response
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("creating the data directory {path}: {source}")]
+    DataDir {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("listening on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+}
+
+/// A running server: its address, its state, and a way to stop it.
+pub struct Server {
+    addr: SocketAddr,
+    state: AppState,
+    http: JoinHandle<std::io::Result<()>>,
+    scheduler: JoinHandle<()>,
+}
+
+/// Connects the store (migrating it), binds the listener and spawns the HTTP server and the
+/// scheduling loop. `zerotrain up` starts its local agent against `Server::url` after this.
+pub async fn build(settings: Settings) -> Result<Server, BuildError> {
+    std::fs::create_dir_all(&settings.data_dir).map_err(|source| BuildError::DataDir {
+        path: settings.data_dir.display().to_string(),
+        source,
+    })?;
+    let store = Store::connect(&settings.database_url()).await?;
+    let addr = SocketAddr::new(settings.listen, settings.port);
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| BuildError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| BuildError::Bind {
+        addr: addr.to_string(),
+        source,
+    })?;
+    let state = AppState::new(store, settings);
+    let scheduler = tokio::spawn(scheduling::run(state.clone()));
+    let mut stop = state.shutdown.subscribe();
+    let app = router(state.clone());
+    let http = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop.wait_for(|stopped| *stopped).await;
+            })
+            .await
+    });
+    tracing::info!(%addr, "listening");
+    Ok(Server {
+        addr,
+        state,
+        http,
+        scheduler,
+    })
+}
+
+impl Server {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`, with a wildcard listen address replaced by loopback.
+    pub fn url(&self) -> String {
+        let mut addr = self.addr;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        format!("http://{addr}")
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serves until `signal` completes (or the server fails), then shuts down.
+    pub async fn run_until(mut self, signal: impl Future<Output = ()>) -> std::io::Result<()> {
+        tokio::select! {
+            () = signal => {}
+            result = &mut self.http => {
+                let _ = self.state.shutdown.send(true);
+                let _ = (&mut self.scheduler).await;
+                return result.unwrap_or_else(|e| Err(std::io::Error::other(e)));
+            }
+        }
+        self.shutdown().await
+    }
+
+    /// Stops accepting connections, ends open streams, lets in-flight requests finish (for at
+    /// most ten seconds) and stops the scheduling loop.
+    pub async fn shutdown(self) -> std::io::Result<()> {
+        let _ = self.state.shutdown.send(true);
+        let _ = self.scheduler.await;
+        match tokio::time::timeout(Duration::from_secs(10), self.http).await {
+            Ok(joined) => joined.unwrap_or_else(|e| Err(std::io::Error::other(e))),
+            Err(_) => {
+                tracing::warn!("requests still open after 10 s; stopping anyway");
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Bearer tokens. People's tokens carry a role (viewer < submitter < admin); one extractor per
+//! role rejects a request whose token is missing (401), unknown (401) or under-privileged (403).
+//! Agents register with the join token and heartbeat with the per-node token registration
+//! gave them. The store keeps only tokens' SHA-256.
+
+use std::path::Path;
+
+use axum::extract::{FromRequestParts, Path as UrlPath};
+use axum::http::header;
+use axum::http::request::Parts;
+
+use crate::app::AppState;
+use crate::domain::{NodeRecord, Role};
+use crate::error::ApiError;
+use crate::store::{Store, StoreError, token_hash};
+
+/// Who is calling: the token's name and role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub name: String,
+    pub role: Role,
+}
+
+/// The bearer token of a request.
+fn bearer(parts: &Parts) -> Result<&str, ApiError> {
+    parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(ApiError::MissingToken)
+}
+
+async fn authorize(parts: &Parts, state: &AppState, needed: Role) -> Result<Caller, ApiError> {
+    let token = bearer(parts)?;
+    let (name, role) = state
+        .store
+        .token(token)
+        .await
+        .map_err(unavailable)?
+        .ok_or(ApiError::UnknownToken)?;
+    if !role.allows(needed) {
+        return Err(ApiError::Forbidden {
+            needed: needed.as_str(),
+        });
+    }
+    Ok(Caller { name, role })
+}
+
+/// Without the store nobody can be authenticated: the service is unavailable, not broken.
+fn unavailable(e: StoreError) -> ApiError {
+    tracing::warn!("checking a token: {e}");
+    ApiError::Unavailable("the store does not answer".into())
+}
+
+/// Extractors that admit a token of at least one role.
+macro_rules! role_extractor {
+    ($($(#[$doc:meta])* $name:ident => $role:expr;)*) => {$(
+        $(#[$doc])*
+        pub struct $name(pub Caller);
+
+        impl FromRequestParts<AppState> for $name {
+            type Rejection = ApiError;
+
+            async fn from_request_parts(
+                parts: &mut Parts,
+                state: &AppState,
+            ) -> Result<Self, ApiError> {
+                authorize(parts, state, $role).await.map($name)
+            }
+        }
+    )*};
+}
+
+role_extractor! {
+    /// Reads jobs, nodes, metrics and the API document.
+    Viewer => Role::Viewer;
+    /// Also submits jobs and cancels its own.
+    Submitter => Role::Submitter;
+    /// Also cancels anyone's jobs.
+    Admin => Role::Admin;
+    /// Registers runner agents.
+    AgentJoin => Role::AgentJoin;
+}
+
+/// The node whose agent token authenticates the request; the `{node}` in the path must be it.
+pub struct AgentNode(pub NodeRecord);
+
+impl FromRequestParts<AppState> for AgentNode {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let token = bearer(parts)?;
+        let node = state
+            .store
+            .node_by_token(&token_hash(token))
+            .await
+            .map_err(unavailable)?;
+        let Some(node) = node else {
+            // A person's token is known but not allowed here; anything else is unknown.
+            return Err(match state.store.token(token).await.map_err(unavailable)? {
+                Some(_) => ApiError::Forbidden {
+                    needed: "agent node",
+                },
+                None => ApiError::UnknownToken,
+            });
+        };
+        let UrlPath(id) = UrlPath::<String>::from_request_parts(parts, state).await?;
+        if id != node.id {
+            return Err(ApiError::Forbidden {
+                needed: "this node's agent",
+            });
+        }
+        Ok(AgentNode(node))
+    }
+}
+
+/// 256 random bits, hex, with a `zt_` prefix so a leaked token is recognisable.
+pub fn new_token() -> String {
+    let bytes: [u8; 32] = rand::random();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("zt_{hex}")
+}
+
+/// The tokens a fresh server needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bootstrap {
+    /// The admin token, when this call created it (first start).
+    pub new_admin_token: Option<String>,
+    /// The token agents register with.
+    pub join_token: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{path}: {source}")]
+    File {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// On first start, creates an admin token (`admin`, e.g. `ZEROTRAIN_TOKEN`'s value, if given)
+/// and writes it to `<data dir>/admin-token`, where the CLI looks for it; a later `admin` the
+/// store does not know is added as another admin token. Creates the agent join token once and
+/// keeps it in `<data dir>/join-token`. Both files are readable by their owner only.
+pub async fn bootstrap(
+    store: &Store,
+    data_dir: &Path,
+    admin: Option<&str>,
+) -> Result<Bootstrap, BootstrapError> {
+    let mut new_admin_token = None;
+    if !store.has_admin().await? {
+        let token = admin.map_or_else(new_token, str::to_string);
+        store.insert_token("admin", Role::Admin, &token).await?;
+        write_secret(&data_dir.join("admin-token"), &token)?;
+        new_admin_token = Some(token);
+    } else if let Some(token) = admin
+        && store.token(token).await?.is_none()
+    {
+        let name = format!("admin-{}", &token_hash(token)[..8]);
+        store.insert_token(&name, Role::Admin, token).await?;
+    }
+    let join_path = data_dir.join("join-token");
+    let existing = std::fs::read_to_string(&join_path)
+        .ok()
+        .map(|t| t.trim().to_string());
+    let join_token = match existing {
+        Some(t) if matches!(store.token(&t).await?, Some((_, Role::AgentJoin))) => t,
+        _ => {
+            let token = new_token();
+            let name = format!("agent-join-{}", &token_hash(&token)[..8]);
+            store.insert_token(&name, Role::AgentJoin, &token).await?;
+            write_secret(&join_path, &token)?;
+            token
+        }
+    };
+    Ok(Bootstrap {
+        new_admin_token,
+        join_token,
+    })
+}
+
+fn write_secret(path: &Path, secret: &str) -> Result<(), BootstrapError> {
+    let err = |source| BootstrapError::File {
+        path: path.display().to_string(),
+        source,
+    };
+    #[cfg(unix)]
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(err)?;
+        writeln!(f, "{secret}").map_err(err)
+    }
+    #[cfg(not(unix))]
+    std::fs::write(path, format!("{secret}\n")).map_err(err)
+}

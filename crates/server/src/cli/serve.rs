@@ -1,0 +1,93 @@
+//! `zerotrain serve [--port] [--data-dir] [--database-url]`: the server alone (agents join it
+//! with `zerotrain agent`). On first start it creates an admin token and an agent join token.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+use crate::auth;
+use crate::settings::{Settings, parse_duration, parse_margin};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Port to listen on [env: ZEROTRAIN_PORT; default 8080].
+    #[arg(long)]
+    port: Option<u16>,
+    /// Address to listen on [env: ZEROTRAIN_LISTEN; default 127.0.0.1].
+    #[arg(long)]
+    listen: Option<IpAddr>,
+    /// Database, tokens and job outputs [env: ZEROTRAIN_DATA_DIR].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// sqlite://PATH or postgres://… [env: ZEROTRAIN_DATABASE_URL; default SQLite in the data
+    /// directory].
+    #[arg(long)]
+    database_url: Option<String>,
+    /// A node silent this long is lost, e.g. 30s [env: ZEROTRAIN_HEARTBEAT_TIMEOUT].
+    #[arg(long, value_parser = parse_duration)]
+    heartbeat_timeout: Option<std::time::Duration>,
+    /// Fraction of each device placement keeps free [env: ZEROTRAIN_SAFETY_MARGIN; 0.05].
+    #[arg(long, value_parser = parse_margin)]
+    safety_margin: Option<f64>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut settings = Settings::from_env()?;
+    if let Some(port) = args.port {
+        settings.port = port;
+    }
+    if let Some(listen) = args.listen {
+        settings.listen = listen;
+    }
+    if let Some(dir) = args.data_dir {
+        settings.data_dir = dir;
+    }
+    if let Some(url) = args.database_url {
+        settings.database_url = Some(url);
+    }
+    if let Some(timeout) = args.heartbeat_timeout {
+        settings.heartbeat_timeout = timeout;
+    }
+    if let Some(margin) = args.safety_margin {
+        settings.safety_margin = margin;
+    }
+    init_tracing();
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(serve(settings))
+}
+
+async fn serve(settings: Settings) -> anyhow::Result<()> {
+    let data_dir = settings.data_dir.clone();
+    let server = crate::build(settings).await?;
+    let admin = std::env::var("ZEROTRAIN_TOKEN").ok();
+    let tokens = auth::bootstrap(&server.state().store, &data_dir, admin.as_deref()).await?;
+    eprintln!("zerotrain serving at {}", server.url());
+    if let Some(token) = &tokens.new_admin_token {
+        eprintln!(
+            "admin token: {token} (saved to {})",
+            data_dir.join("admin-token").display()
+        );
+    }
+    eprintln!(
+        "agents join with: zerotrain agent --server {} --token $(cat {})",
+        server.url(),
+        data_dir.join("join-token").display()
+    );
+    server
+        .run_until(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// Logs to stderr, `RUST_LOG` filtering (default: info).
+pub(crate) fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,0 +1,314 @@
+//! Every error the API answers with, mapped in one place to an RFC 9457
+//! `application/problem+json` body. 5xx bodies are opaque: their detail travels to the request
+//! log in a response extension (`InternalDetail`), never to the client.
+
+use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use scheduler::plan::{Candidate, NoFit};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::domain::JobState;
+use crate::store::StoreError;
+
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("a bearer token is required")]
+    MissingToken,
+    #[error("the bearer token is not known")]
+    UnknownToken,
+    #[error("this needs a {needed} token")]
+    Forbidden { needed: &'static str },
+    #[error("only the job's owner or an admin may do this")]
+    NotOwner,
+    #[error("no {what} {id:?}")]
+    NotFound { what: &'static str, id: String },
+    /// A query parameter or body that is not what the endpoint takes; `field` names it.
+    #[error("{field}: {reason}")]
+    BadRequest { field: String, reason: String },
+    #[error("{field}: {reason}")]
+    InvalidSpec { field: String, reason: String },
+    #[error("{0}")]
+    DoesNotFit(Box<NoFit>),
+    #[error("the Idempotency-Key was used for job {job_id} with a different spec")]
+    IdempotencyConflict { job_id: String },
+    #[error("job {id} is already {}", state.as_str())]
+    JobFinished { id: String, state: JobState },
+    #[error("node {id} was declared lost; register again")]
+    NodeLost { id: String },
+    #[error("the request body is larger than the server accepts")]
+    BodyTooLarge,
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// An RFC 9457 problem. Extension members: `field` for a request that names one, the
+/// planner's numbers for a job that cannot fit.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Problem {
+    /// A URI naming the kind of problem (`about:blank` for plain HTTP statuses).
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    /// The request field at fault, as a path (`training.seq_len`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub does_not_fit: Option<DoesNotFit>,
+}
+
+/// Why no registered device could ever hold a rank of the job, in bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct DoesNotFit {
+    pub world_size: usize,
+    /// Per-rank bytes of the allowed configuration that needs the least.
+    pub need_bytes: u64,
+    pub closest: Configuration,
+    pub largest_device_bytes: u64,
+    /// Registered devices that could hold one rank of `closest`.
+    pub fitting_devices: usize,
+    /// A configuration beyond the spec's fixed choices: one that fits (`fits`), or else the
+    /// smallest of all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alternative: Option<Alternative>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Configuration {
+    pub zero_stage: u8,
+    pub activation_checkpointing: bool,
+    pub micro_batch_size: u32,
+    pub grad_accum_steps: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Alternative {
+    #[serde(flatten)]
+    pub configuration: Configuration,
+    pub need_bytes: u64,
+    pub fits: bool,
+}
+
+impl From<&Candidate> for Configuration {
+    fn from(c: &Candidate) -> Self {
+        Configuration {
+            zero_stage: c.zero_stage.index(),
+            activation_checkpointing: c.activation_checkpointing,
+            micro_batch_size: c.micro_batch_size,
+            grad_accum_steps: c.grad_accum_steps,
+        }
+    }
+}
+
+/// The detail of a 5xx, for the request log.
+#[derive(Debug, Clone)]
+pub struct InternalDetail(pub String);
+
+impl ApiError {
+    /// Status, problem type and title: the one table.
+    fn kind(&self) -> (StatusCode, &'static str, &'static str) {
+        use StatusCode as S;
+        match self {
+            ApiError::MissingToken | ApiError::UnknownToken => {
+                (S::UNAUTHORIZED, "unauthorized", "Unauthorized")
+            }
+            ApiError::Forbidden { .. } => (S::FORBIDDEN, "forbidden", "Forbidden"),
+            ApiError::NotOwner => (S::FORBIDDEN, "not-owner", "Not the job's owner"),
+            ApiError::NotFound { .. } => (S::NOT_FOUND, "not-found", "Not found"),
+            ApiError::BadRequest { .. } => (S::BAD_REQUEST, "bad-request", "Bad request"),
+            ApiError::InvalidSpec { .. } => {
+                (S::UNPROCESSABLE_ENTITY, "invalid-spec", "Invalid job spec")
+            }
+            ApiError::DoesNotFit(_) => (
+                S::UNPROCESSABLE_ENTITY,
+                "does-not-fit",
+                "No registered device can hold a rank",
+            ),
+            ApiError::IdempotencyConflict { .. } => (
+                S::CONFLICT,
+                "idempotency-conflict",
+                "Idempotency-Key reused",
+            ),
+            ApiError::JobFinished { .. } => (S::CONFLICT, "job-finished", "Job already finished"),
+            ApiError::NodeLost { .. } => (S::GONE, "node-lost", "Node lost"),
+            ApiError::BodyTooLarge => (
+                S::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "Request body too large",
+            ),
+            ApiError::Unavailable(_) => {
+                (S::SERVICE_UNAVAILABLE, "unavailable", "Service unavailable")
+            }
+            ApiError::Store(_) | ApiError::Internal(_) => (
+                S::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal server error",
+            ),
+        }
+    }
+
+    pub fn problem(&self) -> Problem {
+        let (status, kind, title) = self.kind();
+        let detail = if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
+            "the server failed to answer; the error is in its log".to_string()
+        } else {
+            self.to_string()
+        };
+        let field = match self {
+            ApiError::BadRequest { field, .. } | ApiError::InvalidSpec { field, .. } => {
+                Some(field.clone())
+            }
+            _ => None,
+        };
+        let does_not_fit = match self {
+            ApiError::DoesNotFit(no) => Some(DoesNotFit {
+                world_size: no.world_size,
+                need_bytes: no.closest_need_bytes,
+                closest: (&no.closest).into(),
+                largest_device_bytes: no.largest_device_bytes,
+                fitting_devices: no.fitting_devices,
+                alternative: no.alternative.as_ref().map(|(c, need, fits)| Alternative {
+                    configuration: c.into(),
+                    need_bytes: *need,
+                    fits: *fits,
+                }),
+            }),
+            _ => None,
+        };
+        Problem {
+            kind: format!("urn:zerotrain:problem:{kind}"),
+            title: title.to_string(),
+            status: status.as_u16(),
+            detail,
+            field,
+            does_not_fit,
+        }
+    }
+}
+
+impl From<scheduler::Error> for ApiError {
+    fn from(e: scheduler::Error) -> Self {
+        match e {
+            scheduler::Error::InvalidSpec { field, reason } => {
+                ApiError::InvalidSpec { field, reason }
+            }
+            scheduler::Error::DoesNotFit(no) => ApiError::DoesNotFit(no),
+            e @ scheduler::Error::InvalidSize { .. } => ApiError::InvalidSpec {
+                field: "spec".into(),
+                reason: e.to_string(),
+            },
+        }
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(e: BytesRejection) -> Self {
+        match e {
+            BytesRejection::FailedToBufferBody(_)
+                if e.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                ApiError::BodyTooLarge
+            }
+            e => ApiError::BadRequest {
+                field: "body".into(),
+                reason: e.body_text(),
+            },
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(e: JsonRejection) -> Self {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError::BodyTooLarge;
+        }
+        ApiError::BadRequest {
+            field: "body".into(),
+            reason: e.body_text(),
+        }
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(e: QueryRejection) -> Self {
+        ApiError::BadRequest {
+            field: "query".into(),
+            reason: e.body_text(),
+        }
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(e: PathRejection) -> Self {
+        ApiError::BadRequest {
+            field: "path".into(),
+            reason: e.body_text(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let problem = self.problem();
+        let mut response = problem_response(&problem);
+        if matches!(self, ApiError::MissingToken | ApiError::UnknownToken) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if problem.status >= 500 {
+            response
+                .extensions_mut()
+                .insert(InternalDetail(self.to_string()));
+        }
+        response
+    }
+}
+
+fn problem_response(problem: &Problem) -> Response {
+    let status = StatusCode::from_u16(problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = serde_json::to_vec(problem).expect("a problem serializes");
+    (
+        status,
+        [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))],
+        body,
+    )
+        .into_response()
+}
+
+/// Middleware: errors produced outside the handlers (no route, wrong method, a body over the
+/// limit, a timeout) become problems too, so every error a client sees has one shape.
+pub async fn problem_for_bare_errors(response: Response) -> Response {
+    let status = response.status();
+    let has_body_type = response.headers().contains_key(header::CONTENT_TYPE)
+        && response.headers()[header::CONTENT_TYPE] == PROBLEM_JSON;
+    if !(status.is_client_error() || status.is_server_error()) || has_body_type {
+        return response;
+    }
+    let (parts, _) = response.into_parts();
+    let problem = Problem {
+        kind: "about:blank".into(),
+        title: status.canonical_reason().unwrap_or("Error").into(),
+        status: status.as_u16(),
+        detail: status.canonical_reason().unwrap_or("Error").into(),
+        field: None,
+        does_not_fit: None,
+    };
+    let mut out = problem_response(&problem);
+    for (name, value) in parts.headers.iter() {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            out.headers_mut().insert(name, value.clone());
+        }
+    }
+    out.extensions_mut().extend(parts.extensions);
+    out
+}

@@ -1,0 +1,370 @@
+//! Prometheus series, one typed struct per scope. Each field's doc comment is its HELP text and
+//! its name, after the `zerotrain_` prefix, is the series name; units are base units. Training
+//! series carry a `job` label (and `rank` where a rank reports them) and are removed a while
+//! after the job ends.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec,
+    Opts, Registry, TextEncoder,
+};
+use runner::comm::Op;
+use scheduler::memory::{Breakdown, Category};
+
+use crate::domain::{JobState, StepRecord};
+
+/// A metric type the `metrics!` macro can build from its name, HELP, labels and buckets.
+trait Metric: Clone + prometheus::core::Collector + 'static {
+    fn build(name: &str, help: &str, labels: &[&str], buckets: Option<Vec<f64>>) -> Self;
+}
+
+impl Metric for IntGaugeVec {
+    fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
+        IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
+    }
+}
+
+impl Metric for GaugeVec {
+    fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
+        GaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
+    }
+}
+
+impl Metric for IntCounterVec {
+    fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
+        IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+    }
+}
+
+impl Metric for HistogramVec {
+    fn build(name: &str, help: &str, labels: &[&str], buckets: Option<Vec<f64>>) -> Self {
+        let mut opts = HistogramOpts::new(name, help);
+        if let Some(b) = buckets {
+            opts = opts.buckets(b);
+        }
+        HistogramVec::new(opts, labels).expect("valid metric")
+    }
+}
+
+impl Metric for Histogram {
+    fn build(name: &str, help: &str, _: &[&str], buckets: Option<Vec<f64>>) -> Self {
+        let mut opts = HistogramOpts::new(name, help);
+        if let Some(b) = buckets {
+            opts = opts.buckets(b);
+        }
+        Histogram::with_opts(opts).expect("valid metric")
+    }
+}
+
+impl Metric for Gauge {
+    fn build(name: &str, help: &str, _: &[&str], _: Option<Vec<f64>>) -> Self {
+        Gauge::with_opts(Opts::new(name, help)).expect("valid metric")
+    }
+}
+
+/// A struct of metrics registered under `zerotrain_<field>`, HELP from the field's doc comment.
+macro_rules! metrics {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $(
+                #[doc = $help:literal]
+                pub $field:ident: $ty:ty
+                    $(, labels = [$($label:literal),+])?
+                    $(, buckets = $buckets:expr)?
+            ;)*
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name {
+            $(#[doc = $help] pub $field: $ty,)*
+        }
+
+        impl $name {
+            fn new(registry: &Registry) -> Self {
+                $name {
+                    $($field: {
+                        let labels: &[&str] = &[$($($label),+)?];
+                        let buckets: Option<Vec<f64>> = None $(.or(Some($buckets)))?;
+                        let m = <$ty as Metric>::build(
+                            concat!("zerotrain_", stringify!($field)),
+                            $help.trim(),
+                            labels,
+                            buckets,
+                        );
+                        registry.register(Box::new(m.clone())).expect("unique metric names");
+                        m
+                    },)*
+                }
+            }
+        }
+    };
+}
+
+metrics! {
+    /// The server's own series.
+    pub struct ServerMetrics {
+        /// Jobs in each state.
+        pub jobs: IntGaugeVec, labels = ["state"];
+        /// Seconds a job waited in the queue before it was scheduled.
+        pub queue_wait_seconds: Histogram,
+            buckets = vec![0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0];
+        /// Seconds one scheduling pass took.
+        pub scheduling_pass_duration_seconds: Histogram,
+            buckets = prometheus::exponential_buckets(0.0005, 2.0, 16).expect("valid buckets");
+        /// HTTP requests answered, by matched route, method and status.
+        pub http_requests_total: IntCounterVec, labels = ["route", "method", "status"];
+        /// Seconds to answer an HTTP request (to its response headers), by matched route.
+        pub http_request_duration_seconds: HistogramVec, labels = ["route", "method"],
+            buckets = prometheus::exponential_buckets(0.0001, 2.0, 16).expect("valid buckets");
+    }
+}
+
+metrics! {
+    /// Series of running jobs, as their agents report them.
+    pub struct TrainingMetrics {
+        /// Peak bytes a rank holds, by category: measured by the trainer or predicted by the memory model.
+        pub training_memory_bytes: IntGaugeVec, labels = ["job", "rank", "category", "source"];
+        /// Training loss of the job's last step.
+        pub training_loss: GaugeVec, labels = ["job"];
+        /// Loss scale after the job's last step (1 without fp16 loss scaling).
+        pub training_loss_scale: GaugeVec, labels = ["job"];
+        /// Tokens the job has trained on.
+        pub training_tokens_total: IntCounterVec, labels = ["job"];
+        /// Steps skipped because the gradients overflowed.
+        pub training_skipped_steps_total: IntCounterVec, labels = ["job"];
+        /// Bytes a rank sent, by collective.
+        pub training_comm_bytes_total: IntCounterVec, labels = ["job", "rank", "op"];
+        /// Seconds one optimizer step took.
+        pub training_step_duration_seconds: HistogramVec, labels = ["job"],
+            buckets = prometheus::exponential_buckets(0.01, 2.0, 14).expect("valid buckets");
+    }
+}
+
+/// Every series this server exports.
+pub struct Metrics {
+    registry: Registry,
+    pub server: ServerMetrics,
+    pub training: TrainingMetrics,
+    /// Label sets each job's per-rank series were created with, to remove them all.
+    job_series: Mutex<HashMap<String, JobSeries>>,
+    /// Jobs that ended, and when, whose series go once the grace period has passed.
+    ended: Mutex<Vec<(Instant, String)>>,
+}
+
+#[derive(Default)]
+struct JobSeries {
+    memory: BTreeSet<(String, &'static str, &'static str)>,
+    comm: BTreeSet<(String, String)>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let registry = Registry::new();
+        Metrics {
+            server: ServerMetrics::new(&registry),
+            training: TrainingMetrics::new(&registry),
+            registry,
+            job_series: Mutex::default(),
+            ended: Mutex::default(),
+        }
+    }
+}
+
+impl Metrics {
+    /// The Prometheus text exposition of every series.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding cannot fail");
+        String::from_utf8(out).expect("the text format is UTF-8")
+    }
+
+    pub fn set_job_counts(&self, counts: &[(JobState, i64)]) {
+        for state in JobState::ALL {
+            let n = counts.iter().find(|(s, _)| *s == state).map_or(0, |c| c.1);
+            self.server.jobs.with_label_values(&[state.as_str()]).set(n);
+        }
+    }
+
+    pub fn observe_step(&self, job: &str, step: &StepRecord) {
+        let t = &self.training;
+        t.training_loss.with_label_values(&[job]).set(step.loss);
+        t.training_loss_scale
+            .with_label_values(&[job])
+            .set(f64::from(step.loss_scale));
+        let tokens = (step.tokens_per_second * step.step_seconds).round();
+        if tokens.is_finite() && tokens > 0.0 {
+            t.training_tokens_total
+                .with_label_values(&[job])
+                .inc_by(tokens as u64);
+        }
+        let skipped = t.training_skipped_steps_total.with_label_values(&[job]);
+        if step.skipped {
+            skipped.inc();
+        }
+        t.training_step_duration_seconds
+            .with_label_values(&[job])
+            .observe(step.step_seconds);
+    }
+
+    /// A rank's measured and predicted bytes; `comm_bytes_sent` are totals since the rank
+    /// started, so the counters advance by what is new.
+    pub fn observe_memory(
+        &self,
+        job: &str,
+        rank: u32,
+        measured: &Breakdown,
+        predicted: &Breakdown,
+        comm_bytes_sent: &std::collections::BTreeMap<Op, u64>,
+    ) {
+        let rank = rank.to_string();
+        let mut series = self.job_series.lock().expect("metrics lock");
+        let series = series.entry(job.to_string()).or_default();
+        for (source, bytes) in [("measured", measured), ("predicted", predicted)] {
+            for c in Category::ALL {
+                let value = i64::try_from(bytes.get(c)).unwrap_or(i64::MAX);
+                self.training
+                    .training_memory_bytes
+                    .with_label_values(&[job, &rank, c.name(), source])
+                    .set(value);
+                series.memory.insert((rank.clone(), c.name(), source));
+            }
+        }
+        for (op, &total) in comm_bytes_sent {
+            let op = op_name(*op);
+            let counter = self
+                .training
+                .training_comm_bytes_total
+                .with_label_values(&[job, &rank, &op]);
+            counter.inc_by(total.saturating_sub(counter.get()));
+            series.comm.insert((rank.clone(), op));
+        }
+    }
+
+    /// Marks `job` ended: its series go after `ttl` (see `expire`).
+    pub fn job_ended(&self, job: &str) {
+        self.ended
+            .lock()
+            .expect("metrics lock")
+            .push((Instant::now(), job.to_string()));
+    }
+
+    /// Removes the series of jobs that ended more than `ttl` ago.
+    pub fn expire(&self, ttl: Duration) {
+        let due: Vec<String> = {
+            let mut ended = self.ended.lock().expect("metrics lock");
+            let (due, keep) = ended.drain(..).partition(|(at, _)| at.elapsed() >= ttl);
+            *ended = keep;
+            due.into_iter().map(|(_, job)| job).collect()
+        };
+        for job in due {
+            self.remove_job(&job);
+        }
+    }
+
+    fn remove_job(&self, job: &str) {
+        let t = &self.training;
+        // Removing a series that was never created is not an error worth reporting.
+        let _ = t.training_loss.remove_label_values(&[job]);
+        let _ = t.training_loss_scale.remove_label_values(&[job]);
+        let _ = t.training_tokens_total.remove_label_values(&[job]);
+        let _ = t.training_skipped_steps_total.remove_label_values(&[job]);
+        let _ = t.training_step_duration_seconds.remove_label_values(&[job]);
+        let series = self
+            .job_series
+            .lock()
+            .expect("metrics lock")
+            .remove(job)
+            .unwrap_or_default();
+        for (rank, category, source) in &series.memory {
+            let _ = t
+                .training_memory_bytes
+                .remove_label_values(&[job, rank, category, source]);
+        }
+        for (rank, op) in &series.comm {
+            let _ = t
+                .training_comm_bytes_total
+                .remove_label_values(&[job, rank, op]);
+        }
+    }
+}
+
+/// The collective's name as the trainer spells it in JSON (`all_reduce`).
+fn op_name(op: Op) -> String {
+    match serde_json::to_value(op) {
+        Ok(serde_json::Value::String(s)) => s,
+        other => unreachable!("Op serializes as a string, not {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(skipped: bool) -> StepRecord {
+        StepRecord {
+            attempt: 1,
+            step: 1,
+            loss: 3.5,
+            loss_scale: 1024.0,
+            tokens_per_second: 1000.0,
+            skipped,
+            step_seconds: 0.5,
+            at: 0,
+        }
+    }
+
+    #[test]
+    fn series_are_named_with_the_prefix_and_help_from_the_doc_comment() {
+        let m = Metrics::default();
+        m.observe_step("j1", &step(true));
+        let text = m.render();
+        assert!(
+            text.contains("# HELP zerotrain_training_loss Training loss of the job's last step."),
+            "{text}"
+        );
+        assert!(text.contains("zerotrain_training_tokens_total{job=\"j1\"} 500"));
+        assert!(text.contains("zerotrain_training_skipped_steps_total{job=\"j1\"} 1"));
+    }
+
+    #[test]
+    fn a_jobs_series_go_once_it_has_ended_and_the_grace_period_passed() {
+        let m = Metrics::default();
+        m.observe_step("j1", &step(false));
+        m.observe_step("j2", &step(false));
+        let bytes = Breakdown {
+            params: 10,
+            ..Breakdown::default()
+        };
+        m.observe_memory("j1", 0, &bytes, &bytes, &Default::default());
+        m.job_ended("j1");
+        m.expire(Duration::from_secs(3600));
+        assert!(m.render().contains("job=\"j1\""));
+        m.expire(Duration::ZERO);
+        let text = m.render();
+        assert!(!text.contains("job=\"j1\""), "{text}");
+        assert!(text.contains("job=\"j2\""));
+    }
+
+    #[test]
+    fn comm_counters_advance_by_what_is_new() {
+        let m = Metrics::default();
+        let b = Breakdown::default();
+        let mut sent = std::collections::BTreeMap::new();
+        let op = Op::AllGather;
+        sent.insert(op, 100);
+        m.observe_memory("j", 1, &b, &b, &sent);
+        sent.insert(op, 250);
+        m.observe_memory("j", 1, &b, &b, &sent);
+        let c = m
+            .training
+            .training_comm_bytes_total
+            .with_label_values(&["j", "1", "all_gather"]);
+        assert_eq!(c.get(), 250);
+    }
+}

@@ -1,0 +1,62 @@
+//! `POST /v1/agents/register`: a node announces its devices; it gets an id and the token its
+//! heartbeats carry.
+
+use axum::Json;
+use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use axum::http::StatusCode;
+use runner::agent::protocol::{RegisterRequest, RegisterResponse};
+
+use crate::app::AppState;
+use crate::auth::{AgentJoin, new_token};
+use crate::error::{ApiError, Problem};
+use crate::store::token_hash;
+
+/// Register a runner agent (agent join token).
+#[utoipa::path(
+    post,
+    path = "/v1/agents/register", operation_id = "register_agent",
+    tag = "agents",
+    request_body(content = Object,
+        description = "`RegisterRequest`: the node's name, its devices ({kind, memory_bytes}) \
+            and the host its ranks accept TCP connections on"),
+    responses(
+        (status = 201, description = "`RegisterResponse`: node_id, agent_token, \
+            heartbeat_interval_ms", body = Object),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn register(
+    State(state): State<AppState>,
+    _: AgentJoin,
+    body: Result<Json<RegisterRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<RegisterResponse>), ApiError> {
+    let Json(req) = body?;
+    if req.devices.is_empty() {
+        return Err(ApiError::BadRequest {
+            field: "devices".into(),
+            reason: "a node offers at least one device".into(),
+        });
+    }
+    if req.name.trim().is_empty() {
+        return Err(ApiError::BadRequest {
+            field: "name".into(),
+            reason: "must not be empty".into(),
+        });
+    }
+    let token = new_token();
+    let node = state
+        .store
+        .register_node(&req.name, &req.host, &req.devices, &token_hash(&token))
+        .await?;
+    tracing::info!(node = %node.id, name = %node.name, devices = node.devices.len(), "registered");
+    let interval = state.settings.heartbeat_interval.as_millis();
+    Ok((
+        StatusCode::CREATED,
+        Json(RegisterResponse {
+            node_id: node.id,
+            agent_token: token,
+            heartbeat_interval_ms: u64::try_from(interval).unwrap_or(u64::MAX),
+        }),
+    ))
+}

@@ -1,0 +1,99 @@
+//! `POST /v1/estimate`: what `zerotrain estimate --json` prints for a spec, planned against the
+//! registered devices, and which registered nodes could hold its ranks.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use scheduler::memory::DeviceKind;
+use scheduler::plan;
+use scheduler::report::Report;
+use scheduler::spec::{JobSpec, Purpose};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::app::AppState;
+use crate::auth::Viewer;
+use crate::domain::NodeRecord;
+use crate::error::{ApiError, Problem};
+use crate::routes::planning_inventory;
+use crate::settings::Settings;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Estimate {
+    /// `scheduler::report::Report`: per-rank bytes for every ZeRO stage, communication, and
+    /// the plan on the registered devices (`plan.fits`).
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub report: serde_json::Value,
+    /// Every live node, and how much of the job it could hold.
+    pub nodes: Vec<NodeFit>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct NodeFit {
+    pub node_id: String,
+    pub name: String,
+    /// Devices of this node that could hold one rank (less the safety margin).
+    pub devices_that_fit: usize,
+    /// The node alone could hold every rank of the job.
+    pub holds_job: bool,
+}
+
+/// Estimate a job's memory and plan it on the registered devices.
+///
+/// Takes what `POST /v1/jobs` takes; a bare parameter count (`model.parameters`) is allowed.
+/// The stage table includes the overhead of the largest registered device's kind.
+#[utoipa::path(
+    post,
+    path = "/v1/estimate", operation_id = "estimate",
+    tag = "jobs",
+    request_body(content = Object, description = "A job spec (native or DeepSpeed form)"),
+    responses(
+        (status = 200, body = Estimate),
+        (status = 422, body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn estimate(
+    State(state): State<AppState>,
+    _: Viewer,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Estimate>, ApiError> {
+    let body = body?;
+    let text = std::str::from_utf8(&body).map_err(|e| ApiError::InvalidSpec {
+        field: "spec".into(),
+        reason: format!("not UTF-8: {e}"),
+    })?;
+    let parsed = JobSpec::parse(text, Purpose::Estimate)?;
+    let records = state.store.nodes().await?;
+    let inventory = planning_inventory(&records, &state.settings);
+    let kind = inventory
+        .devices()
+        .max_by_key(|d| d.memory_bytes)
+        .map_or(DeviceKind::Cpu, |d| d.kind);
+    let nodes = records
+        .iter()
+        .filter(|n| !n.lost)
+        .map(|n| node_fit(&parsed.spec, n, &state.settings))
+        .collect::<Result<Vec<_>, _>>()?;
+    let report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
+    let report = serde_json::to_value(&report).map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(Json(Estimate { report, nodes }))
+}
+
+/// Plans the job on `node` alone: how many of its devices hold a rank, and whether it holds
+/// them all.
+fn node_fit(spec: &JobSpec, node: &NodeRecord, settings: &Settings) -> Result<NodeFit, ApiError> {
+    let one = planning_inventory(std::slice::from_ref(node), settings);
+    let (devices_that_fit, holds_job) = match plan::plan(spec, &one) {
+        Ok(plan) => (plan.devices_that_fit, true),
+        Err(scheduler::Error::DoesNotFit(no)) => (no.fitting_devices, false),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(NodeFit {
+        node_id: node.id.clone(),
+        name: node.name.clone(),
+        devices_that_fit,
+        holds_job,
+    })
+}

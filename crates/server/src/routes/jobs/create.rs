@@ -1,0 +1,124 @@
+//! `POST /v1/jobs`: parse the spec, plan it against the registered devices, queue it.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use scheduler::plan;
+use scheduler::spec::{JobSpec, Purpose};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::app::{AppState, now_ms};
+use crate::auth::Submitter;
+use crate::domain::{Job, JobState};
+use crate::error::{ApiError, Problem};
+use crate::routes::planning_inventory;
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct CreateParams {
+    /// Higher runs first (default 0).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// The queued job and what one rank is predicted to hold.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobCreated {
+    #[serde(flatten)]
+    pub job: Job,
+    /// Bytes per rank by category (and `total`) under the plan.
+    #[schema(value_type = Object)]
+    pub predicted_per_rank_bytes: serde_json::Value,
+}
+
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Submit a training job.
+///
+/// The body is a job spec, native or DeepSpeed form (`{"deepspeed": {...}, ...}`). The job is
+/// planned against every registered device (busy or not): 422 when the spec is invalid (the
+/// problem names the field) or when no registered device could ever hold a rank (with the
+/// planner's numbers). A repeated `Idempotency-Key` returns the job it created, with 200.
+#[utoipa::path(
+    post,
+    path = "/v1/jobs", operation_id = "create_job",
+    tag = "jobs",
+    params(
+        CreateParams,
+        ("Idempotency-Key" = Option<String>, Header,
+            description = "Retries with the same key return the first job instead of a new one"),
+    ),
+    request_body(content = Object, description = "A job spec (native or DeepSpeed form)"),
+    responses(
+        (status = 201, description = "Queued", body = JobCreated),
+        (status = 200, description = "The job this Idempotency-Key created", body = JobCreated),
+        (status = 409, description = "Idempotency-Key reused with another spec",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid spec, or no registered device can hold a rank",
+            body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn create(
+    State(state): State<AppState>,
+    Submitter(caller): Submitter,
+    headers: HeaderMap,
+    params: Result<Query<CreateParams>, QueryRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let Query(params) = params?;
+    let body = body?;
+    let key = match headers.get(IDEMPOTENCY_KEY) {
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .filter(|k| (1..=255).contains(&k.len()))
+                .ok_or_else(|| ApiError::BadRequest {
+                    field: "Idempotency-Key".into(),
+                    reason: "must be 1-255 visible ASCII characters".into(),
+                })?,
+        ),
+        None => None,
+    };
+    let text = std::str::from_utf8(&body).map_err(|e| ApiError::InvalidSpec {
+        field: "spec".into(),
+        reason: format!("not UTF-8: {e}"),
+    })?;
+    let parsed = JobSpec::parse(text, Purpose::Train)?;
+    let nodes = state.store.nodes().await?;
+    let plan = plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings))?;
+    let now = now_ms();
+    let job = Job {
+        id: uuid::Uuid::now_v7().to_string(),
+        name: parsed.spec.name.clone(),
+        state: JobState::Queued,
+        priority: params.priority,
+        attempt: 1,
+        world_size: parsed.spec.world_size.get(),
+        spec: serde_json::to_value(&parsed.spec).map_err(|e| ApiError::Internal(e.to_string()))?,
+        plan: serde_json::to_value(plan).map_err(|e| ApiError::Internal(e.to_string()))?,
+        unsupported_keys: parsed.unsupported_keys,
+        owner: caller.name,
+        reason: "submitted".into(),
+        master: None,
+        created_at: now,
+        updated_at: now,
+    };
+    let stored = state.store.insert_job(&job, key).await?;
+    let status = if stored.id == job.id {
+        state.announce(&stored);
+        StatusCode::CREATED
+    } else if stored.spec != job.spec {
+        return Err(ApiError::IdempotencyConflict { job_id: stored.id });
+    } else {
+        StatusCode::OK
+    };
+    let location = format!("/v1/jobs/{}", stored.id);
+    let created = JobCreated {
+        predicted_per_rank_bytes: stored.plan["per_rank_bytes"].clone(),
+        job: stored,
+    };
+    Ok((status, [(header::LOCATION, location)], Json(created)).into_response())
+}

@@ -1,0 +1,40 @@
+//! `GET /v1/jobs/{id}`: a job and the history of its states.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::app::AppState;
+use crate::auth::Viewer;
+use crate::domain::{Job, Transition};
+use crate::error::{ApiError, Problem};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobDetail {
+    #[serde(flatten)]
+    pub job: Job,
+    /// Every state change, oldest first, with its time and reason.
+    pub transitions: Vec<Transition>,
+}
+
+/// A job with its state history.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}", operation_id = "get_job",
+    tag = "jobs",
+    params(("id" = String, Path, description = "Job id")),
+    responses(
+        (status = 200, body = JobDetail),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn get(
+    State(state): State<AppState>,
+    _: Viewer,
+    Path(id): Path<String>,
+) -> Result<Json<JobDetail>, ApiError> {
+    let job = super::find(&state, &id).await?;
+    let transitions = state.store.transitions(&id).await?;
+    Ok(Json(JobDetail { job, transitions }))
+}

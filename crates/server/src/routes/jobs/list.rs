@@ -1,0 +1,89 @@
+//! `GET /v1/jobs`: newest first, filtered by state and name, a page at a time.
+
+use axum::Json;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::app::AppState;
+use crate::auth::Viewer;
+use crate::domain::{Job, JobState};
+use crate::error::{ApiError, Problem};
+use crate::store::JobFilter;
+
+const DEFAULT_LIMIT: u32 = 50;
+const MAX_LIMIT: u32 = 500;
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct ListParams {
+    /// Only jobs in this state (queued, scheduled, running, succeeded, failed, cancelled).
+    pub state: Option<String>,
+    /// Only jobs with this name.
+    pub name: Option<String>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+    /// Jobs per page, 1-500 (default 50).
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobPage {
+    pub jobs: Vec<Job>,
+    /// Pass as `cursor` for the next page; absent on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// Jobs, newest first.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs", operation_id = "list_jobs",
+    tag = "jobs",
+    params(ListParams),
+    responses(
+        (status = 200, body = JobPage),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn list(
+    State(state): State<AppState>,
+    _: Viewer,
+    params: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Json<JobPage>, ApiError> {
+    let Query(params) = params?;
+    let job_state = match &params.state {
+        Some(s) => Some(JobState::parse(s).ok_or_else(|| ApiError::BadRequest {
+            field: "state".into(),
+            reason: format!(
+                "{s:?} is not a job state; use one of {}",
+                JobState::ALL.map(JobState::as_str).join(", ")
+            ),
+        })?),
+        None => None,
+    };
+    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(ApiError::BadRequest {
+            field: "limit".into(),
+            reason: format!("{limit} is not in 1-{MAX_LIMIT}"),
+        });
+    }
+    // One more than asked tells whether another page follows.
+    let mut jobs = state
+        .store
+        .list_jobs(&JobFilter {
+            state: job_state,
+            name: params.name,
+            before: params.cursor,
+            limit: limit + 1,
+        })
+        .await?;
+    let next_cursor = if jobs.len() > limit as usize {
+        jobs.truncate(limit as usize);
+        jobs.last().map(|j| j.id.clone())
+    } else {
+        None
+    };
+    Ok(Json(JobPage { jobs, next_cursor }))
+}

@@ -1,0 +1,53 @@
+//! `GET /v1/jobs/{id}/metrics`: the job's steps and each rank's memory, measured next to
+//! predicted, by category.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::app::AppState;
+use crate::auth::Viewer;
+use crate::domain::{JobState, RankMemoryRecord, StepRecord};
+use crate::error::{ApiError, Problem};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobMetrics {
+    pub job_id: String,
+    pub state: JobState,
+    /// The plan's bytes per rank, by category (before any rank reported).
+    #[schema(value_type = Object)]
+    pub predicted_per_rank_bytes: serde_json::Value,
+    /// Every step of every attempt, in order: loss, loss scale, tokens/s, skipped, duration.
+    pub steps: Vec<StepRecord>,
+    /// Per rank: peak bytes measured by the trainer and predicted by the memory model.
+    pub ranks: Vec<RankMemoryRecord>,
+}
+
+/// A job's step series and per-rank memory.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}/metrics", operation_id = "job_metrics",
+    tag = "jobs",
+    params(("id" = String, Path, description = "Job id")),
+    responses(
+        (status = 200, body = JobMetrics),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn metrics(
+    State(state): State<AppState>,
+    _: Viewer,
+    Path(id): Path<String>,
+) -> Result<Json<JobMetrics>, ApiError> {
+    let job = super::find(&state, &id).await?;
+    let steps = state.store.steps(&id).await?;
+    let ranks = state.store.rank_memory(&id).await?;
+    Ok(Json(JobMetrics {
+        job_id: job.id,
+        state: job.state,
+        predicted_per_rank_bytes: job.plan["per_rank_bytes"].clone(),
+        steps,
+        ranks,
+    }))
+}

@@ -1,0 +1,24 @@
+//! `/v1/jobs`: submit, list, read, cancel, and follow a job's metrics, logs and events.
+
+pub mod cancel;
+pub mod create;
+pub mod events;
+pub mod get;
+pub mod list;
+pub mod logs;
+pub mod metrics;
+
+use crate::app::App;
+use crate::domain::Job;
+use crate::error::ApiError;
+
+/// The job `id`, or a 404.
+pub(crate) async fn find(app: &App, id: &str) -> Result<Job, ApiError> {
+    app.store
+        .get_job(id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound {
+            what: "job",
+            id: id.to_string(),
+        })
+}

@@ -1,0 +1,339 @@
+//! The scheduling loop: every scheduling interval (or sooner, when a job arrives or devices free
+//! up), declare silent nodes lost, then place queued jobs on free devices. `decide` is the
+//! policy, a pure function: priority, then submission order; gang placement of all of a job's
+//! ranks (`scheduler::placement::place`, with the safety margin); and backfill: while the head
+//! of the queue waits for devices, jobs smaller than it that fit now start.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use scheduler::inventory::{Device, Inventory, Node};
+use scheduler::memory::{Breakdown, DeviceKind};
+use scheduler::placement::place;
+use serde::Deserialize;
+
+use crate::app::{AppState, now_ms};
+use crate::domain::Job;
+use crate::store::{Decision, FreeDevice, StoreError};
+
+/// The part of a stored plan (`scheduler::plan::Plan` as JSON) the service reads back.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+pub struct StoredPlan {
+    pub zero_stage: u8,
+    pub activation_checkpointing: bool,
+    pub micro_batch_size: u32,
+    pub grad_accum_steps: u32,
+    pub per_rank_bytes: Breakdown,
+}
+
+impl StoredPlan {
+    pub fn of(job: &Job) -> Option<StoredPlan> {
+        serde_json::from_value(job.plan.clone()).ok()
+    }
+
+    /// Bytes one rank needs on a device of `kind`: the plan's bytes with the overhead of the
+    /// device kind it was planned for replaced by `kind`'s.
+    pub fn need_on(&self, kind: DeviceKind) -> u64 {
+        self.per_rank_bytes.total() - self.per_rank_bytes.overhead + kind.overhead_bytes()
+    }
+}
+
+/// Placements for as many of `jobs` as fit on `free`, keeping `margin` of every device free.
+pub fn decide(jobs: &[Job], free: &[FreeDevice], margin: f64) -> Vec<Decision> {
+    let mut order: Vec<&Job> = jobs.iter().collect();
+    order.sort_by(|a, b| {
+        (b.priority.cmp(&a.priority))
+            .then(a.created_at.cmp(&b.created_at))
+            .then(a.id.cmp(&b.id))
+    });
+    let mut pool = Pool::new(free);
+    let mut decisions = Vec::new();
+    // Bytes the first job that had to wait needs in all; only smaller jobs may pass it.
+    let mut head_waits: Option<u128> = None;
+    // Free devices only shrink during a pass, so a shape that did not fit never will.
+    let mut failed: HashSet<(u32, u64)> = HashSet::new();
+    for job in order {
+        if pool.is_empty() {
+            break;
+        }
+        let Some(plan) = StoredPlan::of(job) else {
+            tracing::warn!(job = %job.id, "stored plan is unreadable; not scheduling it");
+            continue;
+        };
+        let base = plan.need_on(DeviceKind::Cpu);
+        let size = u128::from(base) * u128::from(job.world_size);
+        if head_waits.is_some_and(|head| size >= head) || failed.contains(&(job.world_size, base)) {
+            continue;
+        }
+        match pool.place(job.world_size as usize, margin, &plan) {
+            Some(slots) => decisions.push(Decision {
+                job_id: job.id.clone(),
+                slots,
+            }),
+            None => {
+                failed.insert((job.world_size, base));
+                head_waits.get_or_insert(size);
+            }
+        }
+    }
+    decisions
+}
+
+/// The free devices left in a pass, as an inventory (node names are node ids) with the device
+/// index each inventory slot stands for.
+struct Pool {
+    inventory: Inventory,
+    indices: Vec<Vec<u32>>,
+}
+
+impl Pool {
+    fn new(free: &[FreeDevice]) -> Pool {
+        let mut sorted: Vec<&FreeDevice> = free.iter().collect();
+        sorted.sort_by(|a, b| (&a.node_id, a.device).cmp(&(&b.node_id, b.device)));
+        let mut inventory = Inventory::default();
+        let mut indices: Vec<Vec<u32>> = Vec::new();
+        for d in sorted {
+            if inventory.nodes.last().is_none_or(|n| n.name != d.node_id) {
+                inventory.nodes.push(Node {
+                    name: d.node_id.clone(),
+                    devices: Vec::new(),
+                });
+                indices.push(Vec::new());
+            }
+            let device: Device = d.spec;
+            inventory
+                .nodes
+                .last_mut()
+                .expect("pushed")
+                .devices
+                .push(device);
+            indices.last_mut().expect("pushed").push(d.device);
+        }
+        Pool { inventory, indices }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.indices.iter().all(Vec::is_empty)
+    }
+
+    /// Places every rank or none, taking the devices used out of the pool.
+    fn place(
+        &mut self,
+        ranks: usize,
+        margin: f64,
+        plan: &StoredPlan,
+    ) -> Option<Vec<(String, u32)>> {
+        let slots = place(&self.inventory, ranks, margin, |kind| plan.need_on(kind))?;
+        let chosen: Vec<(String, u32)> = slots
+            .iter()
+            .map(|s| {
+                (
+                    self.inventory.nodes[s.node].name.clone(),
+                    self.indices[s.node][s.device],
+                )
+            })
+            .collect();
+        let mut taken: Vec<(usize, usize)> = slots.iter().map(|s| (s.node, s.device)).collect();
+        taken.sort_unstable_by(|a, b| b.cmp(a));
+        for (node, device) in taken {
+            self.inventory.nodes[node].devices.remove(device);
+            self.indices[node].remove(device);
+        }
+        Some(chosen)
+    }
+}
+
+/// Runs scheduling passes until the server shuts down.
+pub async fn run(state: AppState) {
+    let mut stop = state.shutdown.subscribe();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(state.settings.scheduling_interval) => {}
+            () = state.wake_scheduler.notified() => {}
+            _ = stop.wait_for(|stopped| *stopped) => return,
+        }
+        if let Err(e) = pass(&state).await {
+            tracing::warn!("scheduling pass failed: {e}");
+        }
+    }
+}
+
+/// One pass: requeue the jobs of lost nodes, place what fits, refresh the job gauges and drop
+/// the series of jobs that ended a while ago. Returns the placements made.
+pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
+    let start = Instant::now();
+    let timeout = i64::try_from(state.settings.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
+    for id in state.store.reap_lost_nodes(now_ms() - timeout).await? {
+        if let Some(job) = state.store.get_job(&id).await? {
+            tracing::info!(job = %id, attempt = job.attempt, "requeued: its node was lost");
+            state.announce(&job);
+        }
+    }
+    let margin = state.settings.safety_margin;
+    let mut queued_since = Vec::new();
+    let decisions = state
+        .store
+        .schedule(|jobs, free| {
+            let decisions = decide(jobs, free, margin);
+            queued_since = jobs.iter().map(|j| (j.id.clone(), j.updated_at)).collect();
+            decisions
+        })
+        .await?;
+    let now = now_ms();
+    for d in &decisions {
+        if let Some((_, since)) = queued_since.iter().find(|(id, _)| *id == d.job_id) {
+            let waited = (now - since).max(0) as f64 / 1000.0;
+            state.metrics.server.queue_wait_seconds.observe(waited);
+        }
+        if let Some(job) = state.store.get_job(&d.job_id).await? {
+            state.announce(&job);
+        }
+    }
+    state
+        .metrics
+        .set_job_counts(&state.store.count_by_state().await?);
+    state.metrics.expire(state.settings.finished_series_ttl);
+    state
+        .metrics
+        .server
+        .scheduling_pass_duration_seconds
+        .observe(start.elapsed().as_secs_f64());
+    Ok(decisions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::JobState;
+
+    const GB: u64 = 1_000_000_000;
+
+    fn job(id: &str, priority: i32, created_at: i64, world_size: u32, gb_per_rank: u64) -> Job {
+        Job {
+            id: id.into(),
+            name: None,
+            state: JobState::Queued,
+            priority,
+            attempt: 1,
+            world_size,
+            spec: serde_json::json!({}),
+            plan: serde_json::json!({
+                "zero_stage": 2,
+                "activation_checkpointing": false,
+                "micro_batch_size": 4,
+                "grad_accum_steps": 1,
+                "per_rank_bytes": {
+                    "params": gb_per_rank * GB, "grads": 0, "optimizer": 0,
+                    "activations": 0, "buffers": 0, "overhead": 0,
+                    "total": gb_per_rank * GB,
+                },
+            }),
+            unsupported_keys: vec![],
+            owner: "t".into(),
+            reason: String::new(),
+            master: None,
+            created_at,
+            updated_at: created_at,
+        }
+    }
+
+    fn devices(node: &str, gbs: &[u64]) -> Vec<FreeDevice> {
+        gbs.iter()
+            .enumerate()
+            .map(|(i, &gb)| FreeDevice {
+                node_id: node.into(),
+                device: i as u32,
+                spec: Device {
+                    kind: DeviceKind::Cpu,
+                    memory_bytes: gb * GB,
+                },
+            })
+            .collect()
+    }
+
+    fn placed(decisions: &[Decision]) -> Vec<&str> {
+        decisions.iter().map(|d| d.job_id.as_str()).collect()
+    }
+
+    #[test]
+    fn higher_priority_runs_first_then_submission_order() {
+        let jobs = [
+            job("old", 0, 1, 1, 10),
+            job("urgent", 5, 3, 1, 10),
+            job("new", 0, 2, 1, 10),
+        ];
+        let free = devices("n", &[16, 16]);
+        assert_eq!(placed(&decide(&jobs, &free, 0.0)), ["urgent", "old"]);
+    }
+
+    #[test]
+    fn all_ranks_of_a_job_are_placed_or_none() {
+        let jobs = [job("four", 0, 1, 4, 10)];
+        let free = devices("n", &[16, 16, 16]);
+        assert!(decide(&jobs, &free, 0.0).is_empty());
+        let free = [devices("a", &[16, 16]), devices("b", &[16, 16])].concat();
+        let d = decide(&jobs, &free, 0.0);
+        assert_eq!(
+            d[0].slots,
+            [("a", 0), ("a", 1), ("b", 0), ("b", 1)].map(|(n, i)| (n.to_string(), i))
+        );
+    }
+
+    #[test]
+    fn smaller_jobs_backfill_while_the_head_waits() {
+        let jobs = [
+            job("head", 0, 1, 4, 10),
+            job("small", 0, 2, 1, 10),
+            job("same-size", 0, 3, 4, 10),
+        ];
+        let free = devices("n", &[16, 16, 16]);
+        assert_eq!(placed(&decide(&jobs, &free, 0.0)), ["small"]);
+    }
+
+    #[test]
+    fn a_job_as_large_as_the_waiting_head_does_not_pass_it() {
+        let jobs = [job("head", 0, 1, 2, 20), job("wide", 0, 2, 4, 10)];
+        let free = devices("n", &[16, 16, 16, 16]);
+        assert!(decide(&jobs, &free, 0.0).is_empty());
+    }
+
+    #[test]
+    fn devices_taken_by_one_job_are_not_given_to_another() {
+        let jobs = [job("a", 0, 1, 2, 10), job("b", 0, 2, 2, 10)];
+        let free = devices("n", &[16, 16, 16]);
+        let d = decide(&jobs, &free, 0.0);
+        assert_eq!(placed(&d), ["a"]);
+        assert_eq!(d[0].slots.len(), 2);
+    }
+
+    #[test]
+    fn the_safety_margin_keeps_part_of_each_device_free() {
+        let jobs = [job("j", 0, 1, 1, 15)];
+        let free = devices("n", &[16]);
+        assert_eq!(decide(&jobs, &free, 0.0).len(), 1);
+        assert!(decide(&jobs, &free, 0.1).is_empty(), "15 GB > 90% of 16 GB");
+    }
+
+    #[test]
+    fn a_cuda_device_pays_its_runtime_overhead() {
+        let jobs = [job("j", 0, 1, 1, 15)];
+        let mut free = devices("gpu", &[16]);
+        free[0].spec.kind = DeviceKind::Cuda;
+        free[0].spec.memory_bytes = 15 * GB + DeviceKind::Cuda.overhead_bytes() - 1;
+        assert!(decide(&jobs, &free, 0.0).is_empty());
+        free[0].spec.memory_bytes += 1;
+        assert_eq!(decide(&jobs, &free, 0.0).len(), 1);
+    }
+
+    #[test]
+    fn the_need_replaces_the_planned_device_overhead() {
+        let mut j = job("j", 0, 1, 1, 10);
+        j.plan["per_rank_bytes"]["overhead"] = serde_json::json!(DeviceKind::Cuda.overhead_bytes());
+        let plan = StoredPlan::of(&j).unwrap();
+        assert_eq!(plan.need_on(DeviceKind::Cpu), 10 * GB);
+        assert_eq!(
+            plan.need_on(DeviceKind::Cuda),
+            10 * GB + DeviceKind::Cuda.overhead_bytes()
+        );
+    }
+}

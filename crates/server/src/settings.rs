@@ -1,0 +1,233 @@
+//! The server's settings, layered: defaults ← `ZEROTRAIN_*` environment variables ← command-line
+//! flags (the CLI assigns its flags over `Settings::from_env()`). The defaults work on a fresh
+//! machine: loopback on port 8080, SQLite under the user's data directory.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use scheduler::bytes::parse_size;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// Address to listen on (`ZEROTRAIN_LISTEN`, default 127.0.0.1).
+    pub listen: IpAddr,
+    /// Port to listen on; 0 picks a free one (`ZEROTRAIN_PORT`, default 8080).
+    pub port: u16,
+    /// Where the SQLite database, job outputs and token files live (`ZEROTRAIN_DATA_DIR`,
+    /// default `$XDG_DATA_HOME/zerotrain` or `~/.local/share/zerotrain`).
+    pub data_dir: PathBuf,
+    /// `sqlite://PATH` or `postgres://…` (`ZEROTRAIN_DATABASE_URL`); `None` means
+    /// `sqlite://<data_dir>/zerotrain.db`.
+    pub database_url: Option<String>,
+    /// A node silent this long is lost and its jobs go back to the queue
+    /// (`ZEROTRAIN_HEARTBEAT_TIMEOUT`, default 30s).
+    pub heartbeat_timeout: Duration,
+    /// How often agents are told to heartbeat (`ZEROTRAIN_HEARTBEAT_INTERVAL`, default 2s).
+    pub heartbeat_interval: Duration,
+    /// Time between scheduling passes; submissions and finished jobs also start one
+    /// (`ZEROTRAIN_SCHEDULING_INTERVAL`, default 1s).
+    pub scheduling_interval: Duration,
+    /// Fraction of each device's memory placement keeps free (`ZEROTRAIN_SAFETY_MARGIN`,
+    /// default 0.05).
+    pub safety_margin: f64,
+    /// Largest request body accepted (`ZEROTRAIN_BODY_LIMIT`, default 4MiB).
+    pub body_limit: usize,
+    /// Longest a request may take to produce its response headers
+    /// (`ZEROTRAIN_REQUEST_TIMEOUT`, default 30s); streams run on past it.
+    pub request_timeout: Duration,
+    /// How long a finished job's training series stay on `/metrics`, so the last scrape sees
+    /// its final values (`ZEROTRAIN_FINISHED_SERIES_TTL`, default 60s).
+    pub finished_series_ttl: Duration,
+    /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
+    pub expect_local_agent: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{var}={value:?}: {reason}")]
+pub struct SettingsError {
+    pub var: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: 8080,
+            data_dir: default_data_dir(),
+            database_url: None,
+            heartbeat_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(2),
+            scheduling_interval: Duration::from_secs(1),
+            safety_margin: 0.05,
+            body_limit: 4 << 20,
+            request_timeout: Duration::from_secs(30),
+            finished_series_ttl: Duration::from_secs(60),
+            expect_local_agent: false,
+        }
+    }
+}
+
+impl Settings {
+    /// The defaults with every `ZEROTRAIN_*` variable that is set applied over them.
+    pub fn from_env() -> Result<Settings, SettingsError> {
+        Settings::from_vars(|name| std::env::var(name).ok())
+    }
+
+    fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsError> {
+        // Parses variable `name` with `parse` when it is set.
+        let read = |name: &'static str| var(name).map(|value| (name, value));
+        let mut s = Settings::default();
+        if let Some(v) = read("ZEROTRAIN_LISTEN") {
+            s.listen = parse(v, |v| v.parse().map_err(|e| format!("{e}")))?;
+        }
+        if let Some(v) = read("ZEROTRAIN_PORT") {
+            s.port = parse(v, |v| v.parse().map_err(|e| format!("{e}")))?;
+        }
+        if let Some((_, v)) = read("ZEROTRAIN_DATA_DIR") {
+            s.data_dir = PathBuf::from(v);
+        }
+        if let Some((_, v)) = read("ZEROTRAIN_DATABASE_URL") {
+            s.database_url = Some(v);
+        }
+        if let Some(v) = read("ZEROTRAIN_HEARTBEAT_TIMEOUT") {
+            s.heartbeat_timeout = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_HEARTBEAT_INTERVAL") {
+            s.heartbeat_interval = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_SCHEDULING_INTERVAL") {
+            s.scheduling_interval = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_SAFETY_MARGIN") {
+            s.safety_margin = parse(v, parse_margin)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_BODY_LIMIT") {
+            s.body_limit = parse(v, |v| {
+                let bytes = parse_size(v).map_err(|e| e.to_string())?;
+                usize::try_from(bytes).map_err(|e| e.to_string())
+            })?;
+        }
+        if let Some(v) = read("ZEROTRAIN_REQUEST_TIMEOUT") {
+            s.request_timeout = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_FINISHED_SERIES_TTL") {
+            s.finished_series_ttl = parse(v, parse_duration)?;
+        }
+        Ok(s)
+    }
+
+    /// The database URL in effect.
+    pub fn database_url(&self) -> String {
+        self.database_url
+            .clone()
+            .unwrap_or_else(|| format!("sqlite://{}", self.data_dir.join("zerotrain.db").display()))
+    }
+
+    /// Where job `id` writes its checkpoints and export.
+    pub fn job_dir(&self, id: &str) -> PathBuf {
+        self.data_dir.join("jobs").join(id)
+    }
+}
+
+fn parse<T>(
+    (var, value): (&'static str, String),
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<T, SettingsError> {
+    parse(&value).map_err(|reason| SettingsError { var, value, reason })
+}
+
+/// `$XDG_DATA_HOME/zerotrain`, else `~/.local/share/zerotrain`, else `./zerotrain-data`.
+pub fn default_data_dir() -> PathBuf {
+    let xdg = std::env::var_os("XDG_DATA_HOME").filter(|v| !v.is_empty());
+    let home = std::env::var_os("HOME").filter(|v| !v.is_empty());
+    match (xdg, home) {
+        (Some(xdg), _) => Path::new(&xdg).join("zerotrain"),
+        (None, Some(home)) => Path::new(&home).join(".local/share/zerotrain"),
+        (None, None) => PathBuf::from("zerotrain-data"),
+    }
+}
+
+/// `500ms`, `2s`, `5m`, `1h`, or a plain number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| "expected a number with an optional unit: ms, s, m or h".to_string())?;
+    let seconds = match unit.trim() {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        other => return Err(format!("unknown unit {other:?}; use ms, s, m or h")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| e.to_string())
+}
+
+/// A fraction in [0, 1).
+pub fn parse_margin(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(m) if (0.0..1.0).contains(&m) => Ok(m),
+        _ => Err("expected a fraction in [0, 1), e.g. 0.05".to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_variables_override_the_defaults() {
+        let vars = [
+            ("ZEROTRAIN_PORT", "9000"),
+            ("ZEROTRAIN_HEARTBEAT_TIMEOUT", "1500ms"),
+            ("ZEROTRAIN_SAFETY_MARGIN", "0.1"),
+            ("ZEROTRAIN_BODY_LIMIT", "1MiB"),
+        ];
+        let s = Settings::from_vars(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        })
+        .unwrap();
+        assert_eq!(s.port, 9000);
+        assert_eq!(s.heartbeat_timeout, Duration::from_millis(1500));
+        assert_eq!(s.safety_margin, 0.1);
+        assert_eq!(s.body_limit, 1 << 20);
+        assert_eq!(
+            s.scheduling_interval,
+            Settings::default().scheduling_interval
+        );
+    }
+
+    #[test]
+    fn a_bad_variable_is_named() {
+        let err =
+            Settings::from_vars(|name| (name == "ZEROTRAIN_SAFETY_MARGIN").then(|| "2".into()))
+                .unwrap_err();
+        assert_eq!(err.var, "ZEROTRAIN_SAFETY_MARGIN");
+    }
+
+    #[test]
+    fn durations_take_units() {
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
+        assert!(parse_duration("2 fortnights").is_err());
+    }
+
+    #[test]
+    fn the_default_database_lives_in_the_data_dir() {
+        let s = Settings {
+            data_dir: PathBuf::from("/var/lib/zt"),
+            ..Settings::default()
+        };
+        assert_eq!(s.database_url(), "sqlite:///var/lib/zt/zerotrain.db");
+    }
+}

@@ -1,0 +1,459 @@
+//! The agent protocol with a fake agent: registration, assignments in heartbeat replies,
+//! reports moving jobs, cancellations, lost nodes, and what followers of a job see.
+
+mod api_helpers;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use api_helpers::*;
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode, header};
+use futures::StreamExt;
+use runner::agent::protocol::{RankSlot, RankTransport, Report};
+use runner::comm::Op;
+use scheduler::memory::Breakdown;
+use scheduler::spec::{Auto, JobSpec, Purpose, ZeroStage};
+use serde_json::json;
+use tower::ServiceExt;
+
+fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
+    Report::Step {
+        job_id: job.into(),
+        attempt,
+        step,
+        loss,
+        loss_scale: 65536.0,
+        tokens_per_second: 1000.0,
+        skipped: step == 1,
+        step_seconds: 0.25,
+    }
+}
+
+fn memory(job: &str, rank: usize) -> Report {
+    let b = Breakdown {
+        params: 1000,
+        grads: 500,
+        optimizer: 3000,
+        activations: 700,
+        buffers: 100,
+        overhead: 0,
+    };
+    Report::Memory {
+        job_id: job.into(),
+        attempt: 1,
+        rank,
+        measured: b,
+        predicted: b,
+        comm_bytes_sent: BTreeMap::from([(Op::ReduceScatter, 4096), (Op::AllGather, 2048)]),
+    }
+}
+
+#[tokio::test]
+async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 4, 2 * GIB).await;
+    let mut spec = tiny_spec(4);
+    spec["zero"]["stage"] = json!("auto");
+    spec["activation_checkpointing"] = json!("auto");
+    let id = app.submit_ok(&spec).await;
+
+    // Nothing is assigned before the scheduler places the job.
+    assert!(app.beat(&node, vec![], vec![]).await.assignments.is_empty());
+    assert_eq!(app.schedule().await, 1);
+    assert_eq!(app.job(&id).await["state"], "scheduled");
+
+    let reply = app.beat(&node, vec![], vec![]).await;
+    assert_eq!(reply.assignments.len(), 1);
+    let a = &reply.assignments[0];
+    assert_eq!(a.job_id, id);
+    assert_eq!(a.attempt, 1);
+    assert_eq!(a.transport, RankTransport::Local);
+    assert_eq!(
+        a.ranks,
+        (0..4)
+            .map(|r| RankSlot { rank: r, device: r })
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        a.out_dir,
+        app.dir.path().join("jobs").join(&id).display().to_string()
+    );
+    // The spec the agent trains has the plan's choices where the submission said "auto".
+    let assigned = JobSpec::parse(&a.spec.to_string(), Purpose::Train)
+        .unwrap()
+        .spec;
+    assert_eq!(assigned.zero.stage, Auto::Fixed(ZeroStage::Ddp));
+    assert_eq!(assigned.activation_checkpointing, Auto::Fixed(false));
+
+    // Once the agent lists it as running, it is not assigned again.
+    let running = vec![(id.clone(), 1)];
+    let reply = app.beat(&node, vec![], running.clone()).await;
+    assert!(reply.assignments.is_empty() && reply.cancel.is_empty());
+
+    let started = Report::Started {
+        job_id: id.clone(),
+        attempt: 1,
+        resumed_from: None,
+    };
+    let log = Report::Log {
+        job_id: id.clone(),
+        attempt: 1,
+        line: "step 1/5".into(),
+    };
+    let reports = vec![started, step(&id, 1, 1, 10.5), step(&id, 1, 2, 9.25), log];
+    app.beat(&node, reports, running.clone()).await;
+    assert_eq!(app.job(&id).await["state"], "running");
+
+    let reports = (0..4).map(|r| memory(&id, r)).collect();
+    app.beat(&node, reports, running.clone()).await;
+
+    let m = app.get(&format!("/v1/jobs/{id}/metrics")).await.json();
+    assert_eq!(m["state"], "running");
+    let losses: Vec<f64> = m["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(losses, [10.5, 9.25]);
+    assert_eq!(m["steps"][0]["skipped"], true);
+    assert_eq!(m["ranks"].as_array().unwrap().len(), 4);
+    assert_eq!(m["ranks"][3]["measured"]["optimizer"], 3000);
+    assert_eq!(m["ranks"][3]["predicted"]["total"], 5300);
+    assert_eq!(
+        m["predicted_per_rank_bytes"],
+        app.job(&id).await["plan"]["per_rank_bytes"]
+    );
+
+    let prom = app.get("/metrics").await.text;
+    for series in [
+        format!("zerotrain_training_loss{{job=\"{id}\"}} 9.25"),
+        format!("zerotrain_training_loss_scale{{job=\"{id}\"}} 65536"),
+        format!("zerotrain_training_tokens_total{{job=\"{id}\"}} 500"),
+        format!("zerotrain_training_skipped_steps_total{{job=\"{id}\"}} 1"),
+        format!("zerotrain_training_step_duration_seconds_count{{job=\"{id}\"}} 2"),
+        format!(
+            "zerotrain_training_memory_bytes{{category=\"optimizer\",job=\"{id}\",rank=\"2\",source=\"measured\"}} 3000"
+        ),
+        format!(
+            "zerotrain_training_memory_bytes{{category=\"optimizer\",job=\"{id}\",rank=\"2\",source=\"predicted\"}} 3000"
+        ),
+        format!(
+            "zerotrain_training_comm_bytes_total{{job=\"{id}\",op=\"reduce_scatter\",rank=\"0\"}} 4096"
+        ),
+        "zerotrain_jobs{state=\"running\"} 1".to_string(),
+        "zerotrain_queue_wait_seconds_count 1".to_string(),
+        "zerotrain_scheduling_pass_duration_seconds_count".to_string(),
+        "zerotrain_http_requests_total{method=\"POST\",route=\"/v1/agents/{node}/heartbeat\",status=\"200\"}".to_string(),
+    ] {
+        assert!(prom.contains(&series), "missing {series} in\n{prom}");
+    }
+
+    let finished = Report::Finished {
+        job_id: id.clone(),
+        attempt: 1,
+        final_loss: 9.25,
+    };
+    let reply = app.beat(&node, vec![finished], vec![]).await;
+    assert!(reply.assignments.is_empty());
+    let job = app.job(&id).await;
+    assert_eq!(job["state"], "succeeded");
+    assert_eq!(job["reason"], "finished: final loss 9.2500");
+    let path: Vec<&str> = job["transitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["to"].as_str().unwrap())
+        .collect();
+    assert_eq!(path, ["queued", "scheduled", "running", "succeeded"]);
+    let logs = app.get(&format!("/v1/jobs/{id}/logs")).await.json();
+    assert_eq!(logs["lines"][0]["line"], "step 1/5");
+
+    // An ended job's series leave /metrics (after the grace period, zero here).
+    app.schedule().await;
+    let prom = app.get("/metrics").await.text;
+    assert!(!prom.contains(&format!("job=\"{id}\"")), "{prom}");
+    assert!(prom.contains("zerotrain_jobs{state=\"succeeded\"} 1"));
+}
+
+#[tokio::test]
+async fn a_job_across_two_nodes_runs_over_tcp_with_the_master_rank_0_reported() {
+    let app = TestApp::new().await;
+    let a = app.register("a", 2, 2 * GIB).await;
+    let b = app.register("b", 2, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(4)).await;
+    assert_eq!(app.schedule().await, 1);
+
+    let (first, second) = {
+        let reply = app.beat(&a, vec![], vec![]).await;
+        if reply.assignments.is_empty() {
+            (b.clone(), a.clone())
+        } else {
+            (a.clone(), b.clone())
+        }
+    };
+    // Rank 0's node gets its ranks at once, to listen; the other waits for the address.
+    let reply = app.beat(&first, vec![], vec![]).await;
+    let lead = &reply.assignments[0];
+    assert_eq!(lead.transport, RankTransport::Tcp { master: None });
+    assert_eq!(
+        lead.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        [0, 1]
+    );
+    assert!(
+        app.beat(&second, vec![], vec![])
+            .await
+            .assignments
+            .is_empty()
+    );
+
+    let rendezvous = Report::Rendezvous {
+        job_id: id.clone(),
+        attempt: 1,
+        master: "127.0.0.1:29500".into(),
+    };
+    app.beat(&first, vec![rendezvous], vec![(id.clone(), 1)])
+        .await;
+    let reply = app.beat(&second, vec![], vec![]).await;
+    let follower = &reply.assignments[0];
+    assert_eq!(
+        follower.transport,
+        RankTransport::Tcp {
+            master: Some("127.0.0.1:29500".into())
+        }
+    );
+    assert_eq!(
+        follower.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        [2, 3]
+    );
+
+    // Only rank 0's node finishing ends the job.
+    let finished = |attempt| Report::Finished {
+        job_id: id.clone(),
+        attempt,
+        final_loss: 5.0,
+    };
+    app.beat(&second, vec![finished(1)], vec![]).await;
+    assert_eq!(app.job(&id).await["state"], "scheduled");
+    app.beat(&first, vec![finished(1)], vec![]).await;
+    assert_eq!(app.job(&id).await["state"], "succeeded");
+}
+
+#[tokio::test]
+async fn a_failed_report_fails_the_job_with_the_error_as_its_reason() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    app.beat(&node, vec![], vec![]).await;
+    let failed = Report::Failed {
+        job_id: id.clone(),
+        attempt: 1,
+        error: "rank 0 needs 3 GB, its device has 2 GB".into(),
+    };
+    app.beat(&node, vec![failed], vec![]).await;
+    let job = app.job(&id).await;
+    assert_eq!(job["state"], "failed");
+    assert_eq!(
+        job["reason"],
+        "failed on n1: rank 0 needs 3 GB, its device has 2 GB"
+    );
+}
+
+#[tokio::test]
+async fn a_cancelled_job_is_stopped_at_the_agents_next_heartbeat() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    app.beat(&node, vec![], vec![]).await;
+    let running = vec![(id.clone(), 1), ("gone".to_string(), 3)];
+    let reply = app.beat(&node, vec![], running.clone()).await;
+    assert_eq!(reply.cancel, [("gone".to_string(), 3)], "unknown jobs stop");
+    let a = app
+        .call(
+            Method::POST,
+            &format!("/v1/jobs/{id}/cancel"),
+            Some(SUBMITTER),
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    let reply = app.beat(&node, vec![], running).await;
+    assert!(reply.cancel.contains(&(id.clone(), 1)), "{reply:?}");
+}
+
+#[tokio::test]
+async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() {
+    let app = TestApp::with(|s| s.heartbeat_timeout = Duration::from_millis(200)).await;
+    let lost = app.register("lost", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    app.beat(&lost, vec![], vec![]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.schedule().await;
+    let job = app.job(&id).await;
+    assert_eq!(job["state"], "queued");
+    assert_eq!(job["attempt"], 2);
+
+    let a = app.beat_raw(&lost, vec![], vec![(id.clone(), 1)]).await;
+    assert_eq!(a.status, StatusCode::GONE, "{}", a.text);
+    assert_eq!(a.json()["type"], "urn:zerotrain:problem:node-lost");
+
+    // Another node takes attempt 2; the lost node's late reports of attempt 1 change nothing.
+    let other = app.register("other", 1, 2 * GIB).await;
+    app.schedule().await;
+    let reply = app.beat(&other, vec![], vec![]).await;
+    assert_eq!(reply.assignments[0].attempt, 2);
+    let late = Report::Failed {
+        job_id: id.clone(),
+        attempt: 1,
+        error: "late".into(),
+    };
+    let reply = app.beat(&other, vec![late], vec![(id.clone(), 1)]).await;
+    assert_eq!(app.job(&id).await["state"], "scheduled");
+    assert_eq!(reply.cancel, [(id.clone(), 1)], "attempt 1 must stop");
+}
+
+#[tokio::test]
+async fn a_node_token_only_beats_for_its_own_node() {
+    let app = TestApp::new().await;
+    let a = app.register("a", 1, 2 * GIB).await;
+    let b = app.register("b", 1, 2 * GIB).await;
+    let crossed = (b.0.clone(), a.1.clone());
+    assert_eq!(
+        app.beat_raw(&crossed, vec![], vec![]).await.status,
+        StatusCode::FORBIDDEN
+    );
+    let register = app
+        .call(
+            Method::POST,
+            "/v1/agents/register",
+            Some(JOIN),
+            Some(&json!({"name": "x", "devices": [], "host": "h"})),
+        )
+        .await;
+    assert_eq!(register.status, StatusCode::BAD_REQUEST);
+    assert_eq!(register.json()["field"], "devices");
+}
+
+/// The events of an SSE response as (event, data) pairs, read until the stream ends.
+async fn read_events(app: &TestApp, path: &str, until: usize) -> Vec<(String, serde_json::Value)> {
+    let req = Request::builder()
+        .uri(path)
+        .header(header::AUTHORIZATION, format!("Bearer {VIEWER}"))
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.router.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()[header::CONTENT_TYPE], "text/event-stream");
+    let mut body = resp.into_body().into_data_stream();
+    let mut text = String::new();
+    let mut events = Vec::new();
+    while events.len() < until {
+        let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), body.next())
+            .await
+            .expect("an event")
+        else {
+            break;
+        };
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        while let Some(end) = text.find("\n\n") {
+            let block: String = text.drain(..end + 2).collect();
+            let name = block.lines().find_map(|l| l.strip_prefix("event: "));
+            let data = block.lines().find_map(|l| l.strip_prefix("data: "));
+            if let (Some(name), Some(data)) = (name, data) {
+                let data = serde_json::from_str(data).unwrap_or(json!(data));
+                events.push((name.to_string(), data));
+            }
+        }
+    }
+    events
+}
+
+#[tokio::test]
+async fn events_stream_state_changes_and_steps_and_end_with_the_job() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    let follower = {
+        let path = format!("/v1/jobs/{id}/events");
+        let app = &app;
+        async move { read_events(app, &path, usize::MAX).await }
+    };
+    let agent = async {
+        // Let the follower subscribe and send the current state first.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        app.schedule().await;
+        app.beat(&node, vec![], vec![]).await;
+        let started = Report::Started {
+            job_id: id.clone(),
+            attempt: 1,
+            resumed_from: None,
+        };
+        let finished = Report::Finished {
+            job_id: id.clone(),
+            attempt: 1,
+            final_loss: 7.0,
+        };
+        app.beat(
+            &node,
+            vec![started, step(&id, 1, 1, 8.0)],
+            vec![(id.clone(), 1)],
+        )
+        .await;
+        app.beat(&node, vec![finished], vec![]).await;
+    };
+    let (events, ()) = tokio::join!(follower, agent);
+    let seen: Vec<String> = events
+        .iter()
+        .map(|(name, data)| match name.as_str() {
+            "state" => data["state"].as_str().unwrap().to_string(),
+            _ => format!("{name} {}", data["step"]),
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        ["queued", "scheduled", "running", "step 1", "succeeded"]
+    );
+}
+
+#[tokio::test]
+async fn following_logs_streams_every_line_then_ends_with_the_job() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    app.beat(&node, vec![], vec![]).await;
+    let log = |line: &str| Report::Log {
+        job_id: id.clone(),
+        attempt: 1,
+        line: line.into(),
+    };
+    app.beat(&node, vec![log("one"), log("two")], vec![(id.clone(), 1)])
+        .await;
+    let follower = {
+        let path = format!("/v1/jobs/{id}/logs?follow=true");
+        let app = &app;
+        async move { read_events(app, &path, usize::MAX).await }
+    };
+    let agent = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let failed = Report::Failed {
+            job_id: id.clone(),
+            attempt: 1,
+            error: "boom".into(),
+        };
+        app.beat(&node, vec![log("three"), failed], vec![]).await;
+    };
+    let (events, ()) = tokio::join!(follower, agent);
+    let lines: Vec<String> = events
+        .iter()
+        .map(|(name, data)| match name.as_str() {
+            "log" => data["line"].as_str().unwrap().to_string(),
+            other => format!("{other}: {}", data.as_str().unwrap_or_default()),
+        })
+        .collect();
+    assert_eq!(lines, ["one", "two", "three", "end: failed"]);
+}

@@ -1,0 +1,123 @@
+//! Every route rejects a missing or unknown token (401) and an under-privileged one (403); the
+//! table must list every operation of the OpenAPI document, so a new route cannot skip it.
+
+mod api_helpers;
+
+use api_helpers::*;
+use axum::http::{Method, StatusCode};
+use serde_json::json;
+use server::routes::openapi::ApiDoc;
+use utoipa::OpenApi;
+
+/// Who may call a route.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Needs {
+    Nobody,
+    Viewer,
+    Submitter,
+    Join,
+    NodeToken,
+}
+
+const ROUTES: &[(&str, &str, Needs)] = &[
+    ("GET", "/healthz", Needs::Nobody),
+    ("GET", "/readyz", Needs::Viewer),
+    ("GET", "/metrics", Needs::Viewer),
+    ("GET", "/openapi.json", Needs::Viewer),
+    ("POST", "/v1/jobs", Needs::Submitter),
+    ("GET", "/v1/jobs", Needs::Viewer),
+    ("GET", "/v1/jobs/{id}", Needs::Viewer),
+    ("POST", "/v1/jobs/{id}/cancel", Needs::Submitter),
+    ("GET", "/v1/jobs/{id}/metrics", Needs::Viewer),
+    ("GET", "/v1/jobs/{id}/logs", Needs::Viewer),
+    ("GET", "/v1/jobs/{id}/events", Needs::Viewer),
+    ("POST", "/v1/estimate", Needs::Viewer),
+    ("GET", "/v1/nodes", Needs::Viewer),
+    ("POST", "/v1/agents/register", Needs::Join),
+    ("POST", "/v1/agents/{node}/heartbeat", Needs::NodeToken),
+];
+
+#[test]
+fn the_table_lists_every_operation_of_the_api() {
+    let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+    let mut operations: Vec<(String, String)> = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            operations.push((method.to_uppercase(), path.clone()));
+        }
+    }
+    operations.sort();
+    let mut table: Vec<(String, String)> = ROUTES
+        .iter()
+        .map(|(m, p, _)| (m.to_string(), p.to_string()))
+        .collect();
+    table.sort();
+    assert_eq!(table, operations);
+}
+
+#[tokio::test]
+async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
+    let app = TestApp::new().await;
+    let (node, node_token) = app.register("n1", 1, 2 * GIB).await;
+    // An ended job, so that its event stream ends after the first event.
+    let job = app.submit_ok(&tiny_spec(1)).await;
+    let cancel = format!("/v1/jobs/{job}/cancel");
+    app.call(Method::POST, &cancel, Some(SUBMITTER), None).await;
+    let body = json!({});
+    for &(method, template, needs) in ROUTES {
+        let path = template.replace("{id}", &job).replace("{node}", &node);
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let call = |token: Option<&str>| {
+            let (app, method, path, body) = (&app, method.clone(), path.clone(), &body);
+            let token = token.map(str::to_string);
+            async move {
+                let body = (method == Method::POST).then_some(body);
+                app.call(method, &path, token.as_deref(), body).await
+            }
+        };
+        let status = |a: &Answer| a.status;
+        let missing = call(None).await;
+        if needs == Needs::Nobody {
+            assert_eq!(status(&missing), StatusCode::OK, "{template}");
+            continue;
+        }
+        assert_eq!(
+            status(&missing),
+            StatusCode::UNAUTHORIZED,
+            "{template} without a token"
+        );
+        assert_eq!(missing.content_type(), "application/problem+json");
+        assert_eq!(missing.headers["www-authenticate"], "Bearer");
+        assert_eq!(
+            status(&call(Some("not-a-token")).await),
+            StatusCode::UNAUTHORIZED,
+            "{template} with an unknown token"
+        );
+        let (denied, allowed): (Vec<&str>, Vec<&str>) = match needs {
+            Needs::Viewer => (vec![JOIN, &node_token], vec![VIEWER, SUBMITTER, ADMIN]),
+            Needs::Submitter => (vec![JOIN, &node_token, VIEWER], vec![SUBMITTER, ADMIN]),
+            Needs::Join => (vec![&node_token, VIEWER, SUBMITTER, ADMIN], vec![JOIN]),
+            Needs::NodeToken => (vec![JOIN, VIEWER, SUBMITTER, ADMIN], vec![&node_token]),
+            Needs::Nobody => unreachable!(),
+        };
+        for token in denied {
+            let a = call(Some(token)).await;
+            // A node token is not a person's token: unknown to the people's routes.
+            let want = if token == node_token {
+                StatusCode::UNAUTHORIZED
+            } else {
+                StatusCode::FORBIDDEN
+            };
+            assert_eq!(a.status, want, "{template} with {token}: {}", a.text);
+        }
+        for token in allowed {
+            let a = call(Some(token)).await;
+            assert!(
+                ![StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&a.status),
+                "{template} with {token}: {} {}",
+                a.status,
+                a.text
+            );
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! A server for one test: the real router over SQLite in a temporary directory, with a token
+//! of every role, driven with `tower::ServiceExt::oneshot` (no socket).
+
+#![allow(dead_code)] // each test binary uses its own part of the helpers
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{HeaderMap, Method, Request, StatusCode, header};
+use runner::agent::protocol::{Heartbeat, HeartbeatResponse, RegisterRequest, Report};
+use scheduler::inventory::Device;
+use scheduler::memory::DeviceKind;
+use serde_json::{Value, json};
+use server::domain::Role;
+use server::settings::Settings;
+use server::store::Store;
+use server::{AppState, router};
+use tempfile::TempDir;
+use tower::ServiceExt;
+
+pub const GIB: u64 = 1 << 30;
+pub const ADMIN: &str = "admin-token";
+pub const SUBMITTER: &str = "submitter-token";
+pub const OTHER_SUBMITTER: &str = "other-submitter-token";
+pub const VIEWER: &str = "viewer-token";
+pub const JOIN: &str = "join-token";
+
+pub struct TestApp {
+    pub state: AppState,
+    pub router: Router,
+    pub dir: TempDir,
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub text: String,
+}
+
+impl Answer {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.text)
+            .unwrap_or_else(|e| panic!("{e}: not JSON ({}): {}", self.status, self.text))
+    }
+
+    pub fn content_type(&self) -> &str {
+        self.headers
+            .get(header::CONTENT_TYPE)
+            .map_or("", |v| v.to_str().unwrap())
+    }
+}
+
+/// A gpt2-tiny job of `world_size` ranks that trains for `steps` steps.
+pub fn tiny_spec(world_size: u32) -> Value {
+    json!({
+        "name": "tiny",
+        "model": {"preset": "gpt2-tiny"},
+        "training": {"micro_batch_size": 2, "seq_len": 32, "steps": 5},
+        "precision": {"dtype": "fp16"},
+        "zero": {"stage": 2},
+        "world_size": world_size,
+    })
+}
+
+impl TestApp {
+    pub async fn new() -> TestApp {
+        TestApp::with(|_| {}).await
+    }
+
+    pub async fn with(configure: impl FnOnce(&mut Settings)) -> TestApp {
+        let dir = tempfile::tempdir().unwrap();
+        let mut settings = Settings {
+            data_dir: dir.path().to_path_buf(),
+            port: 0,
+            safety_margin: 0.0,
+            finished_series_ttl: std::time::Duration::ZERO,
+            ..Settings::default()
+        };
+        configure(&mut settings);
+        let store = Store::connect(&settings.database_url()).await.unwrap();
+        for (name, role, token) in [
+            ("admin", Role::Admin, ADMIN),
+            ("alice", Role::Submitter, SUBMITTER),
+            ("bob", Role::Submitter, OTHER_SUBMITTER),
+            ("watcher", Role::Viewer, VIEWER),
+            ("join", Role::AgentJoin, JOIN),
+        ] {
+            store.insert_token(name, role, token).await.unwrap();
+        }
+        let state = AppState::new(store, settings);
+        TestApp {
+            router: router(state.clone()),
+            state,
+            dir,
+        }
+    }
+
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+    ) -> Answer {
+        self.call_with(method, path, token, body, &[]).await
+    }
+
+    pub async fn call_with(
+        &self,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Answer {
+        let mut req = Request::builder().method(method).uri(path);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let body = match body {
+            Some(v) => {
+                req = req.header(header::CONTENT_TYPE, "application/json");
+                Body::from(serde_json::to_vec(v).unwrap())
+            }
+            None => Body::empty(),
+        };
+        let resp = self
+            .router
+            .clone()
+            .oneshot(req.body(body).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        Answer {
+            status,
+            headers,
+            text: String::from_utf8(bytes.to_vec()).unwrap(),
+        }
+    }
+
+    pub async fn get(&self, path: &str) -> Answer {
+        self.call(Method::GET, path, Some(VIEWER), None).await
+    }
+
+    pub async fn submit(&self, spec: &Value) -> Answer {
+        self.call(Method::POST, "/v1/jobs", Some(SUBMITTER), Some(spec))
+            .await
+    }
+
+    /// Submits and expects 201; the job's id.
+    pub async fn submit_ok(&self, spec: &Value) -> String {
+        let a = self.submit(spec).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+        a.json()["id"].as_str().unwrap().to_string()
+    }
+
+    /// Registers a node of `count` CPU devices of `memory` bytes: (node id, agent token).
+    pub async fn register(&self, name: &str, count: usize, memory: u64) -> (String, String) {
+        let req = RegisterRequest {
+            name: name.into(),
+            devices: vec![
+                Device {
+                    kind: DeviceKind::Cpu,
+                    memory_bytes: memory,
+                };
+                count
+            ],
+            host: "127.0.0.1".into(),
+        };
+        let a = self
+            .call(
+                Method::POST,
+                "/v1/agents/register",
+                Some(JOIN),
+                Some(&serde_json::to_value(req).unwrap()),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+        let v = a.json();
+        (
+            v["node_id"].as_str().unwrap().into(),
+            v["agent_token"].as_str().unwrap().into(),
+        )
+    }
+
+    pub async fn beat(
+        &self,
+        node: &(String, String),
+        reports: Vec<Report>,
+        running: Vec<(String, u32)>,
+    ) -> HeartbeatResponse {
+        let a = self.beat_raw(node, reports, running).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+        serde_json::from_str(&a.text).unwrap()
+    }
+
+    pub async fn beat_raw(
+        &self,
+        (id, token): &(String, String),
+        reports: Vec<Report>,
+        running: Vec<(String, u32)>,
+    ) -> Answer {
+        let beat = serde_json::to_value(Heartbeat { reports, running }).unwrap();
+        self.call(
+            Method::POST,
+            &format!("/v1/agents/{id}/heartbeat"),
+            Some(token),
+            Some(&beat),
+        )
+        .await
+    }
+
+    /// Runs one scheduling pass now.
+    pub async fn schedule(&self) -> usize {
+        server::scheduling::pass(&self.state).await.unwrap().len()
+    }
+
+    pub async fn job(&self, id: &str) -> Value {
+        let a = self.get(&format!("/v1/jobs/{id}")).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+        a.json()
+    }
+}
