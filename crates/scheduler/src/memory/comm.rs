@@ -105,7 +105,14 @@ pub(super) fn scratch_bytes(setup: &Setup, units: &Units) -> u64 {
     if n == 1 {
         return 0;
     }
-    let mut chunk = setup.dtype.bytes() * units.largest_shard_len() as u64;
+    // Gradients and parameters travel in the compute dtype; when the fp32 master weights are
+    // sharded, the final export gathers them in fp32.
+    let element = if setup.stage.shards_optimizer() {
+        4
+    } else {
+        setup.dtype.bytes()
+    };
+    let mut chunk = element * units.largest_shard_len() as u64;
     if let (Optimizer::Adafactor(_), Architecture::Gpt(shape)) = (setup.optimizer, setup.arch) {
         if setup.stage.shards_optimizer() {
             let sums = (ADAFACTOR_SUM_LIMBS * adafactor_factored_len(&shape)) as u64;

@@ -9,6 +9,7 @@ mod logs;
 mod serve;
 mod submit;
 mod train;
+mod up;
 
 use std::process::ExitCode;
 
@@ -27,6 +28,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the whole service here: the server with SQLite under the data directory and one
+    /// local agent with virtual CPU devices.
+    Up(up::Args),
     /// Per-rank memory for ZeRO stages 0-3, communication per step, and the plan for a job spec.
     Estimate(estimate::Args),
     /// Train a job in this process, without the service.
@@ -48,6 +52,7 @@ enum Command {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Up(args) => up::run(args),
         Command::Estimate(args) => estimate::run(args),
         Command::Train(args) => train::run_cli(args),
         Command::Agent(args) => agent::run(args),

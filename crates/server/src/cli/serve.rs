@@ -6,9 +6,11 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
+use crate::app::Server;
 use crate::auth;
 use crate::settings::{Settings, parse_duration, parse_margin};
 
+/// The server's flags, shared by `serve` and `up`.
 #[derive(clap::Args)]
 pub struct Args {
     /// Port to listen on [env: ZEROTRAIN_PORT; default 8080].
@@ -32,54 +34,68 @@ pub struct Args {
     safety_margin: Option<f64>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
-    let mut settings = Settings::from_env()?;
-    if let Some(port) = args.port {
-        settings.port = port;
+impl Args {
+    /// The settings: defaults ← `ZEROTRAIN_*` ← these flags.
+    pub(super) fn settings(self) -> anyhow::Result<Settings> {
+        let mut settings = Settings::from_env()?;
+        if let Some(port) = self.port {
+            settings.port = port;
+        }
+        if let Some(listen) = self.listen {
+            settings.listen = listen;
+        }
+        if let Some(dir) = self.data_dir {
+            settings.data_dir = dir;
+        }
+        if let Some(url) = self.database_url {
+            settings.database_url = Some(url);
+        }
+        if let Some(timeout) = self.heartbeat_timeout {
+            settings.heartbeat_timeout = timeout;
+        }
+        if let Some(margin) = self.safety_margin {
+            settings.safety_margin = margin;
+        }
+        Ok(settings)
     }
-    if let Some(listen) = args.listen {
-        settings.listen = listen;
-    }
-    if let Some(dir) = args.data_dir {
-        settings.data_dir = dir;
-    }
-    if let Some(url) = args.database_url {
-        settings.database_url = Some(url);
-    }
-    if let Some(timeout) = args.heartbeat_timeout {
-        settings.heartbeat_timeout = timeout;
-    }
-    if let Some(margin) = args.safety_margin {
-        settings.safety_margin = margin;
-    }
-    init_tracing();
-    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    runtime.block_on(serve(settings))
 }
 
-async fn serve(settings: Settings) -> anyhow::Result<()> {
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let settings = args.settings()?;
+    init_tracing();
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async {
+        let (server, _) = start(settings).await?;
+        server
+            .run_until(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok(())
+    })
+}
+
+/// Builds the server, creates its tokens on first start and says where to find them.
+pub(super) async fn start(settings: Settings) -> anyhow::Result<(Server, auth::Bootstrap)> {
     let data_dir = settings.data_dir.clone();
     let server = crate::build(settings).await?;
     let admin = std::env::var("ZEROTRAIN_TOKEN").ok();
     let tokens = auth::bootstrap(&server.state().store, &data_dir, admin.as_deref()).await?;
     eprintln!("zerotrain serving at {}", server.url());
-    if let Some(token) = &tokens.new_admin_token {
-        eprintln!(
-            "admin token: {token} (saved to {})",
-            data_dir.join("admin-token").display()
-        );
+    let admin_file = data_dir.join("admin-token");
+    match &tokens.new_admin_token {
+        Some(token) => eprintln!("admin token: {token} (saved to {})", admin_file.display()),
+        None => eprintln!(
+            "admin token: in {} (or ZEROTRAIN_TOKEN)",
+            admin_file.display()
+        ),
     }
     eprintln!(
         "agents join with: zerotrain agent --server {} --token $(cat {})",
         server.url(),
         data_dir.join("join-token").display()
     );
-    server
-        .run_until(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
-    Ok(())
+    Ok((server, tokens))
 }
 
 /// Logs to stderr, `RUST_LOG` filtering (default: info).

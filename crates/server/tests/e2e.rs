@@ -1,0 +1,376 @@
+//! The whole service: a server and runner agents (threads of this test, or `zerotrain agent`
+//! processes) training real jobs end to end.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use runner::train::{Options, run};
+use scheduler::inventory::Device;
+use scheduler::memory::{Category, DeviceKind};
+use scheduler::spec::{JobSpec, Purpose};
+use serde_json::{Value, json};
+use server::app::{self, Server};
+use server::auth;
+use server::settings::Settings;
+
+const ADMIN: &str = "zt_e2e_admin";
+
+struct Service {
+    server: Server,
+    join: String,
+    http: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+async fn service() -> Service {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = Settings {
+        port: 0,
+        data_dir: dir.path().to_path_buf(),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_timeout: Duration::from_secs(2),
+        scheduling_interval: Duration::from_millis(100),
+        ..Settings::default()
+    };
+    let server = app::build(settings).await.unwrap();
+    let tokens = auth::bootstrap(&server.state().store, dir.path(), Some(ADMIN))
+        .await
+        .unwrap();
+    Service {
+        server,
+        join: tokens.join_token,
+        http: reqwest::Client::new(),
+        _dir: dir,
+    }
+}
+
+/// An agent on a thread of this process, until the returned flag is set.
+fn agent(
+    s: &Service,
+    name: &str,
+    devices: usize,
+    memory: u64,
+) -> (Arc<AtomicBool>, JoinHandle<()>) {
+    let cfg = runner::agent::AgentConfig {
+        server: s.server.url(),
+        join_token: s.join.clone(),
+        name: name.into(),
+        host: "127.0.0.1".into(),
+        devices: vec![
+            Device {
+                kind: DeviceKind::Cpu,
+                memory_bytes: memory
+            };
+            devices
+        ],
+        threads: None,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    (
+        stop,
+        std::thread::spawn(move || runner::agent::run(&cfg, &flag).unwrap()),
+    )
+}
+
+/// A `zerotrain agent` process.
+fn agent_process(s: &Service, name: &str, devices: usize) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args([
+            "agent",
+            "--server",
+            &s.server.url(),
+            "--token",
+            &s.join,
+            "--name",
+            name,
+        ])
+        .args([
+            "--cpu-devices",
+            &devices.to_string(),
+            "--device-memory",
+            "1GiB",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+impl Service {
+    async fn get(&self, path: &str) -> Value {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.server.url()))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "GET {path}: {}", r.status());
+        r.json().await.unwrap()
+    }
+
+    async fn submit(&self, spec: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}/v1/jobs", self.server.url()))
+            .bearer_auth(ADMIN)
+            .json(&spec)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    /// Polls job `id` until it reaches a terminal state (or `limit` passes).
+    async fn finished(&self, id: &str, limit: Duration) -> Value {
+        let start = Instant::now();
+        loop {
+            let job = self.get(&format!("/v1/jobs/{id}")).await;
+            if ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()) {
+                return job;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "job {id} still {} after {limit:?}",
+                job["state"]
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until `n` nodes have registered: admission plans against registered devices.
+    async fn wait_nodes(&self, n: usize) {
+        let start = Instant::now();
+        while self.get("/v1/nodes").await["nodes"]
+            .as_array()
+            .map_or(0, Vec::len)
+            < n
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "{n} node(s) never registered"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn wait_state(&self, id: &str, state: &str, limit: Duration) {
+        let start = Instant::now();
+        while self.get(&format!("/v1/jobs/{id}")).await["state"] != state {
+            assert!(start.elapsed() < limit, "job {id} never {state}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn job_id(created: &Value) -> String {
+    created["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no job id in {created}"))
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fp16_zero2_job_on_four_devices_trains_and_reports_its_memory() {
+    let s = service().await;
+    let (stop, agent) = agent(&s, "local", 4, 1 << 30);
+    s.wait_nodes(1).await;
+    let spec = json!({"name": "tiny-z2", "model": {"preset": "gpt2-tiny"}, "world_size": 4,
+        "precision": {"dtype": "fp16"}, "zero": {"stage": 2},
+        "training": {"steps": 30, "lr": 1e-3, "micro_batch_size": 2}});
+    let (status, created) = s.submit(spec).await;
+    assert_eq!(status, 201, "{created}");
+    let id = job_id(&created);
+    let job = s.finished(&id, Duration::from_secs(180)).await;
+    assert_eq!(job["state"], "succeeded", "{job}");
+    let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+    let steps = m["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 30);
+    let loss = |i: usize| steps[i]["loss"].as_f64().unwrap();
+    assert!(
+        loss(29) < loss(0) - 1.0,
+        "loss falls: {} → {}",
+        loss(0),
+        loss(29)
+    );
+    assert_eq!(steps[0]["loss_scale"], 65536.0);
+    let ranks = m["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    for r in ranks {
+        for c in Category::ALL {
+            let (measured, predicted) = (
+                r["measured"][c.name()].as_u64().unwrap(),
+                r["predicted"][c.name()].as_u64().unwrap(),
+            );
+            assert!(
+                measured.abs_diff(predicted) * 100 <= predicted,
+                "rank {} {}: {measured} vs {predicted}",
+                r["rank"],
+                c.name()
+            );
+        }
+    }
+    let metrics = s
+        .http
+        .get(format!("{}/metrics", s.server.url()))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        "zerotrain_training_loss",
+        "zerotrain_training_loss_scale",
+        "zerotrain_training_memory_bytes",
+    ] {
+        assert!(
+            metrics.contains(&format!("{series}{{")) && metrics.contains(&id),
+            "/metrics lacks {series} of {id}"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    agent.join().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_no_device_could_hold_is_refused_and_one_waiting_for_devices_queues() {
+    let s = service().await;
+    let (stop, agent) = agent(&s, "local", 4, 256 << 20);
+    s.wait_nodes(1).await;
+    let (status, problem) = s
+        .submit(json!({"model": {"preset": "gpt2-350M"}, "zero": {"stage": 0}}))
+        .await;
+    assert_eq!(status, 422, "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    // 256 MiB devices less the 5% safety margin placement keeps free.
+    assert!(
+        detail.contains("per rank at stage 0") && detail.contains("largest device has 255.0 MB"),
+        "{problem}"
+    );
+
+    let long =
+        json!({"model": {"preset": "gpt2-tiny"}, "world_size": 4, "training": {"steps": 60}});
+    let (_, first) = s.submit(long).await;
+    let first = job_id(&first);
+    s.wait_state(&first, "running", Duration::from_secs(30))
+        .await;
+    let (status, second) = s
+        .submit(
+            json!({"model": {"preset": "gpt2-tiny"}, "world_size": 2, "training": {"steps": 5}}),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let second = job_id(&second);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        s.get(&format!("/v1/jobs/{second}")).await["state"],
+        "queued",
+        "no device is free yet"
+    );
+    assert_eq!(
+        s.finished(&first, Duration::from_secs(120)).await["state"],
+        "succeeded"
+    );
+    assert_eq!(
+        s.finished(&second, Duration::from_secs(120)).await["state"],
+        "succeeded"
+    );
+    stop.store(true, Ordering::Relaxed);
+    agent.join().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_of_two_devices_run_a_four_rank_job_over_tcp() {
+    let s = service().await;
+    let agents = [agent(&s, "a", 2, 1 << 30), agent(&s, "b", 2, 1 << 30)];
+    s.wait_nodes(2).await;
+    let (status, created) = s
+        .submit(
+            json!({"model": {"preset": "gpt2-tiny"}, "world_size": 4, "zero": {"stage": 1},
+                       "training": {"steps": 10, "micro_batch_size": 2}}),
+        )
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = job_id(&created);
+    let job = s.finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(job["state"], "succeeded", "{job}");
+    let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+    assert_eq!(
+        m["ranks"].as_array().unwrap().len(),
+        4,
+        "both nodes reported their ranks"
+    );
+    let logs = s.get(&format!("/v1/jobs/{id}/logs")).await.to_string();
+    assert!(
+        logs.contains("a: starting ranks") && logs.contains("b: starting ranks"),
+        "{logs}"
+    );
+    for (stop, thread) in agents {
+        stop.store(true, Ordering::Relaxed);
+        thread.join().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_loss() {
+    let spec = json!({"model": {"preset": "gpt2-tiny"}, "world_size": 2, "zero": {"stage": 1},
+        "training": {"steps": 80, "micro_batch_size": 2}, "checkpoint": {"every_steps": 10}});
+    // The uninterrupted run, in this process.
+    let reference = {
+        let spec = JobSpec::parse(&spec.to_string(), Purpose::Train)
+            .unwrap()
+            .spec;
+        tokio::task::spawn_blocking(move || run(&spec, &Options::default(), &mut |_| {}).unwrap())
+            .await
+            .unwrap()
+    };
+    let s = service().await;
+    let mut first = agent_process(&s, "doomed", 2);
+    s.wait_nodes(1).await;
+    let (status, created) = s.submit(spec).await;
+    assert_eq!(status, 201, "{created}");
+    let id = job_id(&created);
+    // Kill the agent once a checkpoint exists and training has gone past it.
+    let start = Instant::now();
+    loop {
+        let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+        if m["steps"].as_array().map_or(0, Vec::len) >= 25 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no progress: {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let mut second = agent_process(&s, "rescuer", 2);
+    let job = s.finished(&id, Duration::from_secs(180)).await;
+    second.kill().unwrap();
+    second.wait().unwrap();
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["attempt"], 2, "requeued once");
+    let logs = s.get(&format!("/v1/jobs/{id}/logs")).await.to_string();
+    assert!(
+        logs.contains("resumed from the checkpoint of step"),
+        "{logs}"
+    );
+    let steps = s.get(&format!("/v1/jobs/{id}/metrics")).await["steps"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let last = steps.last().unwrap();
+    assert_eq!(last["step"], 80);
+    assert_eq!(
+        last["loss"].as_f64().unwrap(),
+        reference.final_loss,
+        "resumed run ends where an uninterrupted one does"
+    );
+}
