@@ -5,6 +5,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -42,6 +43,10 @@ pub struct App {
     pub events: broadcast::Sender<JobEvent>,
     /// Starts a scheduling pass now (a job arrived or devices freed up).
     pub wake_scheduler: Notify,
+    /// Whether the last scheduling pass left devices free. While none are, a new job cannot
+    /// start, and waking the scheduler for it would only make passes (which hold the store's
+    /// scheduling lock) run back to back while jobs pour in.
+    pub devices_free: AtomicBool,
     /// Becomes `true` when the server shuts down: streams end, the scheduling loop stops.
     pub shutdown: watch::Sender<bool>,
 }
@@ -108,6 +113,7 @@ impl AppState {
             metrics: Metrics::default(),
             events: broadcast::channel(1024).0,
             wake_scheduler: Notify::new(),
+            devices_free: AtomicBool::new(true),
             shutdown: watch::channel(false).0,
         }))
     }
@@ -156,8 +162,11 @@ impl App {
         let _ = self.events.send(JobEvent::state(job));
         if job.state.is_terminal() {
             self.metrics.job_ended(&job.id);
+            self.devices_free.store(true, Ordering::Relaxed);
         }
-        if job.state.is_terminal() || job.state == JobState::Queued {
+        let queued_and_may_fit =
+            job.state == JobState::Queued && self.devices_free.load(Ordering::Relaxed);
+        if job.state.is_terminal() || queued_and_may_fit {
             self.wake_scheduler.notify_one();
         }
     }

@@ -5,7 +5,8 @@
 //! of the queue waits for devices, jobs smaller than it that fit now start.
 
 use std::collections::HashSet;
-use std::time::Instant;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use scheduler::inventory::{Device, Inventory, Node};
 use scheduler::memory::{Breakdown, DeviceKind};
@@ -143,16 +144,36 @@ impl Pool {
     }
 }
 
+/// While no device is free, placing passes run only when something may have freed one (a job
+/// ended, a node registered: both wake the loop) and at least this often, in case another
+/// replica saw that event alone.
+const PLACE_AT_LEAST_EVERY: Duration = Duration::from_secs(30);
+
 /// Runs scheduling passes until the server shuts down.
 pub async fn run(state: AppState) {
     let mut stop = state.shutdown.subscribe();
+    let mut last_placing = Instant::now();
     loop {
-        tokio::select! {
-            () = tokio::time::sleep(state.settings.scheduling_interval) => {}
-            () = state.wake_scheduler.notified() => {}
+        let woken = tokio::select! {
+            () = tokio::time::sleep(state.settings.scheduling_interval) => false,
+            () = state.wake_scheduler.notified() => true,
             _ = stop.wait_for(|stopped| *stopped) => return,
-        }
-        if let Err(e) = pass(&state).await {
+        };
+        let place = woken
+            || state.devices_free.load(Ordering::Relaxed)
+            || last_placing.elapsed() >= PLACE_AT_LEAST_EVERY;
+        let done = if place {
+            last_placing = Instant::now();
+            pass(&state).await.map(drop)
+        } else {
+            // Placing would find nothing free, and would hold the store's scheduling lock
+            // over the whole queue for nothing.
+            match reap(&state).await {
+                Ok(()) => housekeeping(&state).await,
+                Err(e) => Err(e),
+            }
+        };
+        if let Err(e) = done {
             tracing::warn!("scheduling pass failed: {e}");
         }
     }
@@ -162,23 +183,21 @@ pub async fn run(state: AppState) {
 /// the series of jobs that ended a while ago. Returns the placements made.
 pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
     let start = Instant::now();
-    let timeout = i64::try_from(state.settings.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
-    for id in state.store.reap_lost_nodes(now_ms() - timeout).await? {
-        if let Some(job) = state.store.get_job(&id).await? {
-            tracing::info!(job = %id, attempt = job.attempt, "requeued: its node was lost");
-            state.announce(&job);
-        }
-    }
+    reap(state).await?;
     let margin = state.settings.safety_margin;
     let mut queued_since = Vec::new();
+    let mut left_free = true;
     let decisions = state
         .store
         .schedule(|jobs, free| {
             let decisions = decide(jobs, free, margin);
             queued_since = jobs.iter().map(|j| (j.id.clone(), j.updated_at)).collect();
+            let taken: usize = decisions.iter().map(|d| d.slots.len()).sum();
+            left_free = free.len() > taken;
             decisions
         })
         .await?;
+    state.devices_free.store(left_free, Ordering::Relaxed);
     let now = now_ms();
     for d in &decisions {
         if let Some((_, since)) = queued_since.iter().find(|(id, _)| *id == d.job_id) {
@@ -189,16 +208,34 @@ pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
             state.announce(&job);
         }
     }
-    state
-        .metrics
-        .set_job_counts(&state.store.count_by_state().await?);
-    state.metrics.expire(state.settings.finished_series_ttl);
+    housekeeping(state).await?;
     state
         .metrics
         .server
         .scheduling_pass_duration_seconds
         .observe(start.elapsed().as_secs_f64());
     Ok(decisions)
+}
+
+/// Declares nodes silent past the heartbeat timeout lost; their jobs go back to the queue.
+async fn reap(state: &AppState) -> Result<(), StoreError> {
+    let timeout = i64::try_from(state.settings.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
+    for id in state.store.reap_lost_nodes(now_ms() - timeout).await? {
+        if let Some(job) = state.store.get_job(&id).await? {
+            tracing::info!(job = %id, attempt = job.attempt, "requeued: its node was lost");
+            state.announce(&job);
+        }
+    }
+    Ok(())
+}
+
+/// Refreshes the job gauges and drops the series of jobs that ended a while ago.
+async fn housekeeping(state: &AppState) -> Result<(), StoreError> {
+    state
+        .metrics
+        .set_job_counts(&state.store.count_by_state().await?);
+    state.metrics.expire(state.settings.finished_series_ttl);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! `POST /v1/agents/register`: a node announces its devices; it gets an id and the token its
 //! heartbeats carry.
 
+use std::sync::atomic::Ordering;
+
 use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
@@ -50,6 +52,9 @@ pub async fn register(
         .register_node(&req.name, &req.host, &req.devices, &token_hash(&token))
         .await?;
     tracing::info!(node = %node.id, name = %node.name, devices = node.devices.len(), "registered");
+    // New devices: queued jobs may fit now.
+    state.devices_free.store(true, Ordering::Relaxed);
+    state.wake_scheduler.notify_one();
     let interval = state.settings.heartbeat_interval.as_millis();
     Ok((
         StatusCode::CREATED,

@@ -1,0 +1,245 @@
+//! The server on a bound port: `build` with port 0, the scheduling loop on its own, graceful
+//! shutdown with streams open, and the client commands of the `zerotrain` binary against it.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use server::auth;
+use server::settings::Settings;
+
+struct Running {
+    server: server::Server,
+    admin: String,
+    join: String,
+    http: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+async fn start() -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = Settings {
+        port: 0,
+        data_dir: dir.path().to_path_buf(),
+        // Only wake-ups place jobs in these tests.
+        scheduling_interval: Duration::from_secs(3600),
+        safety_margin: 0.0,
+        ..Settings::default()
+    };
+    let server = server::build(settings).await.unwrap();
+    let tokens = auth::bootstrap(&server.state().store, dir.path(), None)
+        .await
+        .unwrap();
+    let admin = tokens
+        .new_admin_token
+        .expect("a first start creates the admin token");
+    let on_disk = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
+    assert_eq!(on_disk.trim(), admin);
+    Running {
+        server,
+        admin,
+        join: tokens.join_token,
+        http: reqwest::Client::new(),
+        dir,
+    }
+}
+
+impl Running {
+    async fn post(&self, path: &str, token: &str, body: &Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}{path}", self.server.url()))
+            .bearer_auth(token)
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        self.http
+            .get(format!("{}{path}", self.server.url()))
+            .bearer_auth(&self.admin)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Registers a one-device node: its heartbeat URL path and token.
+    async fn register(&self) -> (String, String) {
+        let node = json!({
+            "name": "n1",
+            "devices": [{"kind": "cpu", "memory_bytes": 2u64 << 30}],
+            "host": "127.0.0.1",
+        });
+        let resp = self.post("/v1/agents/register", &self.join, &node).await;
+        assert_eq!(resp.status(), 201);
+        let r: Value = resp.json().await.unwrap();
+        (
+            format!("/v1/agents/{}/heartbeat", r["node_id"].as_str().unwrap()),
+            r["agent_token"].as_str().unwrap().to_string(),
+        )
+    }
+
+    /// Runs `zerotrain ARGS` against this server as the admin.
+    async fn zerotrain(&self, args: &[&str]) -> (bool, String) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerotrain"));
+        cmd.args(args)
+            .env("ZEROTRAIN_URL", self.server.url())
+            .env("ZEROTRAIN_TOKEN", &self.admin);
+        let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    }
+}
+
+fn spec() -> Value {
+    json!({
+        "name": "tiny",
+        "model": {"preset": "gpt2-tiny"},
+        "training": {"micro_batch_size": 2, "seq_len": 32, "steps": 5},
+    })
+}
+
+#[tokio::test]
+async fn the_scheduling_loop_places_a_submitted_job_at_once() {
+    let s = start().await;
+    s.register().await;
+    let resp = s.post("/v1/jobs", &s.admin, &spec()).await;
+    assert_eq!(resp.status(), 201);
+    let id = resp.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.get(&format!("/v1/jobs/{id}")).await["state"] != "scheduled" {
+        assert!(Instant::now() < deadline, "not scheduled by the loop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    s.server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_ends_open_event_streams() {
+    let s = start().await;
+    s.register().await;
+    let id = s
+        .post("/v1/jobs", &s.admin, &spec())
+        .await
+        .json::<Value>()
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let stream = s
+        .http
+        .get(format!("{}/v1/jobs/{id}/events", s.server.url()))
+        .bearer_auth(&s.admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let reading = tokio::spawn(async move { stream.text().await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::timeout(Duration::from_secs(5), s.server.shutdown())
+        .await
+        .expect("shutdown waits for no stream")
+        .unwrap();
+    let text = reading.await.unwrap().unwrap();
+    assert!(text.contains("event: state"), "{text}");
+}
+
+#[tokio::test]
+async fn the_client_commands_submit_list_show_logs_and_cancel() {
+    let s = start().await;
+    s.register().await;
+    let path = s.dir.path().join("job.json");
+    std::fs::write(&path, spec().to_string()).unwrap();
+
+    let (ok, out) = s.zerotrain(&["submit", path.to_str().unwrap()]).await;
+    assert!(ok, "{out}");
+    let id = out.split_whitespace().nth(1).unwrap().to_string();
+    assert!(out.contains("ZeRO stage"), "{out}");
+
+    let (ok, out) = s.zerotrain(&["jobs", "--name", "tiny"]).await;
+    assert!(ok, "{out}");
+    assert!(out.lines().any(|l| l.starts_with(&id)), "{out}");
+
+    let (ok, out) = s.zerotrain(&["cancel", &id]).await;
+    assert!(ok, "{out}");
+    assert_eq!(out.trim(), format!("job {id} cancelled"));
+    let (ok, out) = s.zerotrain(&["cancel", &id]).await;
+    assert!(!ok && out.contains("already cancelled"), "{out}");
+
+    // The cancelled job's log stream ends at once; `logs -f` returns.
+    let (ok, out) = s.zerotrain(&["logs", "-f", &id]).await;
+    assert!(ok, "{out}");
+
+    s.server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn submit_wait_follows_the_job_to_its_end() {
+    let s = start().await;
+    let (beat, token) = s.register().await;
+    let path = s.dir.path().join("job.json");
+    std::fs::write(&path, spec().to_string()).unwrap();
+    let args = ["submit", path.to_str().unwrap(), "--wait"];
+    let waiting = s.zerotrain(&args);
+    let agent = async {
+        // A fake agent: take the assignment, then report a step and the end.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let job = loop {
+            let reply: Value = s
+                .post(&beat, &token, &json!({"reports": [], "running": []}))
+                .await
+                .json()
+                .await
+                .unwrap();
+            if let Some(a) = reply["assignments"].get(0) {
+                break a["job_id"].as_str().unwrap().to_string();
+            }
+            assert!(Instant::now() < deadline, "no assignment");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let report = |kind: &str, extra: Value| {
+            let mut r = json!({"kind": kind, "job_id": job, "attempt": 1});
+            r.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            r
+        };
+        let reports = json!([
+            report("started", json!({"resumed_from": null})),
+            report(
+                "step",
+                json!({"step": 1, "loss": 5.5, "loss_scale": 1.0,
+                "tokens_per_second": 900.0, "skipped": false, "step_seconds": 0.1})
+            ),
+        ]);
+        s.post(
+            &beat,
+            &token,
+            &json!({"reports": reports, "running": [[job, 1]]}),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let reports = json!([report("finished", json!({"final_loss": 5.5}))]);
+        s.post(&beat, &token, &json!({"reports": reports, "running": []}))
+            .await;
+        job
+    };
+    let ((ok, out), job) = tokio::join!(waiting, agent);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!("job {job} succeeded: finished: final loss 5.5000")),
+        "{out}"
+    );
+    s.server.shutdown().await.unwrap();
+}
