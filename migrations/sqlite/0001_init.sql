@@ -24,8 +24,9 @@ CREATE TABLE jobs (
     updated_at       INTEGER NOT NULL,
     UNIQUE (owner, idempotency_key)
 );
--- The queue in scheduling order.
-CREATE INDEX jobs_queue ON jobs (priority DESC, created_at, id) WHERE state = 'queued';
+-- The queue in scheduling order, read without sorting. (Not a partial index: without
+-- statistics SQLite prefers jobs_by_state and sorts 10,000 whole rows in a temporary B-tree.)
+CREATE INDEX jobs_queue ON jobs (state, priority DESC, created_at, id);
 CREATE INDEX jobs_by_state ON jobs (state, id);
 CREATE INDEX jobs_by_name ON jobs (name, id);
 

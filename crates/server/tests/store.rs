@@ -1659,3 +1659,22 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
     assert_eq!(open_holds, 0);
     b.close().await;
 }
+
+#[tokio::test]
+async fn an_in_memory_sqlite_database_keeps_its_data_across_calls() {
+    let store = Store::connect("sqlite::memory:").await.unwrap();
+    let j = submit(&store, "a", 0, 1).await;
+    node(&store, "n", 1).await;
+    let (_, applied) = schedule_first_fit(&store).await;
+    assert_eq!(applied.len(), 1);
+    assert_eq!(
+        store.get_job(&j.id).await.unwrap().unwrap().state,
+        JobState::Scheduled
+    );
+}
+
+#[tokio::test]
+async fn an_unsupported_database_url_is_refused() {
+    let err = Store::connect("mysql://localhost/x").await.unwrap_err();
+    assert!(matches!(err, StoreError::Url(_)), "{err}");
+}

@@ -79,24 +79,38 @@ macro_rules! bind_args {
 }
 pub(super) use bind_args;
 
-/// `($first, $first+1, …), (…)`: `rows` tuples of `cols` parameters.
-pub(super) fn placeholders(rows: usize, cols: usize, first: usize) -> String {
-    let mut s = String::with_capacity(rows * cols * 5);
-    for r in 0..rows {
-        if r > 0 {
-            s.push_str(", ");
+impl Conn<'_> {
+    /// Parameter `n` for statements with many parameters: `$n` on PostgreSQL, a plain `?` on
+    /// SQLite, where parameters are then numbered in the order they appear in the text (so `n`
+    /// must follow that order). SQLite accepts `$n` too, but as a name: preparing and binding
+    /// (sqlx looks up every parameter's name) search the names linearly, which makes a
+    /// statement with thousands of them take quadratic time; measured 1 s for one scheduling
+    /// pass's writes.
+    pub(super) fn param(&self, n: usize) -> String {
+        match self {
+            Conn::Sqlite(_) => "?".to_string(),
+            Conn::Postgres(_) => format!("${n}"),
         }
-        s.push('(');
-        for c in 0..cols {
-            if c > 0 {
+    }
+
+    /// `(p(first), p(first+1), …), (…)`: `rows` tuples of `cols` parameters.
+    pub(super) fn placeholders(&self, rows: usize, cols: usize, first: usize) -> String {
+        let mut s = String::with_capacity(rows * cols * 6);
+        for r in 0..rows {
+            if r > 0 {
                 s.push_str(", ");
             }
-            s.push('$');
-            s.push_str(&(first + r * cols + c).to_string());
+            s.push('(');
+            for c in 0..cols {
+                if c > 0 {
+                    s.push_str(", ");
+                }
+                s.push_str(&self.param(first + r * cols + c));
+            }
+            s.push(')');
         }
-        s.push(')');
+        s
     }
-    s
 }
 
 /// Rows per multi-row INSERT: keeps the parameter count far below SQLite's 32,766 and
@@ -116,7 +130,7 @@ pub(super) async fn insert_rows(
         let batch: Vec<Vec<Arg>> = rows.by_ref().take(ROWS_PER_INSERT).collect();
         let sql = format!(
             "INSERT INTO {into} VALUES {} {suffix}",
-            placeholders(batch.len(), cols, 1)
+            c.placeholders(batch.len(), cols, 1)
         );
         let args = batch.into_iter().flatten();
         on!(c, c => {

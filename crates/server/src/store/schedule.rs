@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use scheduler::inventory::Device;
 
-use super::backend::{Arg, Conn, bind_args, insert_rows, lock_scheduling, on, placeholders};
+use super::backend::{Arg, Conn, bind_args, insert_rows, lock_scheduling, on};
 use super::rows::{kind, to_u32};
 use super::{Decision, FreeDevice, StoreError, jobs};
 use crate::domain::{Job, JobState};
@@ -128,17 +128,30 @@ async fn apply(
         .iter()
         .map(|d| (d.job_id.as_str(), reason(d, node_names)))
         .collect();
+    // Primary-key lookups on both databases (SQLite plans UPDATE … FROM (VALUES …) as a scan:
+    // 0.2-0.4 s per 500 jobs); the reason per job is a CASE. Parameters in textual order.
     let mut args = vec![Arg::Int(now)];
+    let mut n = 1;
+    let mut param = || {
+        n += 1;
+        c.param(n)
+    };
+    let mut cases = String::new();
     for d in batch {
+        cases.push_str(&format!(" WHEN {} THEN {}", param(), param()));
         args.push(Arg::Text(d.job_id.clone()));
         args.push(Arg::Text(reasons[d.job_id.as_str()].clone()));
     }
-    // VALUES columns are column1, column2 in both dialects.
+    let mut ids = Vec::with_capacity(batch.len());
+    for d in batch {
+        ids.push(param());
+        args.push(Arg::Text(d.job_id.clone()));
+    }
     let sql = format!(
-        "UPDATE jobs SET state = 'scheduled', reason = v.column2, updated_at = $1 \
-         FROM (VALUES {}) AS v WHERE jobs.id = v.column1 AND jobs.state = 'queued' \
-         RETURNING jobs.id, jobs.attempt",
-        placeholders(batch.len(), 2, 2)
+        "UPDATE jobs SET state = 'scheduled', updated_at = {}, reason = CASE id{cases} END \
+         WHERE id IN ({}) AND state = 'queued' RETURNING id, attempt",
+        c.param(1),
+        ids.join(", ")
     );
     let moved = on!(c, c => {
         bind_args!(sqlx::query_as::<_, (String, i64)>(&sql), args)
