@@ -1,0 +1,398 @@
+//! The time of one scheduling pass: 10,000 queued jobs over 1,000 simulated nodes of 8 devices,
+//! on SQLite and (when reachable) PostgreSQL. `decide` is the realistic one: in queue order
+//! (priority, then FIFO) each job is gang-placed with `scheduler::placement::place` on the
+//! devices still free, and jobs that do not fit are passed over so smaller ones backfill.
+//!
+//! Two passes are timed, each the median of several:
+//! - placing: every device free, so the pass places jobs until the cluster is full (the database
+//!   is put back between passes);
+//! - full: after that, the common case of each tick: a long queue and almost nothing free.
+//!
+//! `cargo bench -p server --bench schedule` (`ZEROTRAIN_BENCH_DATABASE_URL` picks the
+//! PostgreSQL server, default `postgres://postgres@127.0.0.1:5432/test`; a schema is created
+//! and dropped).
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use scheduler::inventory::{Device, Inventory, Node};
+use scheduler::memory::DeviceKind;
+use scheduler::placement::place;
+use server::domain::{Job, JobState};
+use server::store::{Decision, FreeDevice, Store, token_hash};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+const JOBS: usize = 10_000;
+const NODES: usize = 1_000;
+const DEVICES_PER_NODE: usize = 8;
+const PLACING_PASSES: usize = 5;
+const FULL_PASSES: usize = 9;
+const MARGIN: f64 = 0.05;
+const GB: u64 = 1_000_000_000;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(run());
+}
+
+struct Row {
+    store: &'static str,
+    pass: &'static str,
+    queued: usize,
+    free: usize,
+    placed: usize,
+    total: Vec<Duration>,
+    decide: Vec<Duration>,
+}
+
+async fn run() {
+    let mut rows = Vec::new();
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let store = Store::connect(&url).await.unwrap();
+    let raw = sqlx::SqlitePool::connect(&url).await.unwrap();
+    eprintln!("sqlite: populating {JOBS} jobs, {NODES} nodes");
+    populate(&store).await;
+    rows.extend(
+        measure("SQLite", &store, || async {
+            reset_sqlite(&raw).await;
+        })
+        .await,
+    );
+    store.close().await;
+
+    let pg_url = std::env::var("ZEROTRAIN_BENCH_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string());
+    match PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&pg_url)
+        .await
+    {
+        Err(e) => eprintln!("PostgreSQL at {pg_url} unreachable ({e}): not measured"),
+        Ok(admin) => {
+            let schema = format!("zt_bench_{}", uuid::Uuid::now_v7().simple());
+            sqlx::query(&format!("CREATE SCHEMA {schema}"))
+                .execute(&admin)
+                .await
+                .unwrap();
+            let options = PgConnectOptions::from_str(&pg_url)
+                .unwrap()
+                .options([("search_path", schema.as_str())]);
+            let store = Store::connect_postgres(options.clone()).await.unwrap();
+            let raw = PgPoolOptions::new().connect_with(options).await.unwrap();
+            eprintln!("postgres: populating {JOBS} jobs, {NODES} nodes");
+            populate(&store).await;
+            sqlx::query("ANALYZE").execute(&raw).await.unwrap();
+            rows.extend(
+                measure("PostgreSQL", &store, || async {
+                    reset_postgres(&raw).await;
+                })
+                .await,
+            );
+            store.close().await;
+            raw.close().await;
+            sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+                .execute(&admin)
+                .await
+                .unwrap();
+        }
+    }
+
+    println!();
+    println!(
+        "One scheduling pass: {JOBS} queued jobs, {NODES} nodes x {DEVICES_PER_NODE} devices \
+         (median of {PLACING_PASSES} placing / {FULL_PASSES} full passes)"
+    );
+    println!();
+    println!(
+        "| store | pass | queued | free devices | placed | pass (median) | of which decide | min–max |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {}–{} |",
+            r.store,
+            r.pass,
+            r.queued,
+            r.free,
+            r.placed,
+            ms(median(&r.total)),
+            ms(median(&r.decide)),
+            ms(*r.total.iter().min().unwrap()),
+            ms(*r.total.iter().max().unwrap()),
+        );
+    }
+}
+
+/// Nodes of 8 devices, half with 80 GB and half with 40 GB; jobs of 1 to 64 ranks needing 4 to
+/// 70 GB per rank, mostly priority 0.
+async fn populate(store: &Store) {
+    for n in 0..NODES {
+        let memory_bytes = if n % 2 == 0 { 80 * GB } else { 40 * GB };
+        let devices = vec![
+            Device {
+                kind: DeviceKind::Cuda,
+                memory_bytes,
+            };
+            DEVICES_PER_NODE
+        ];
+        store
+            .register_node(
+                &format!("gpu-{n:04}"),
+                &format!("10.0.{}.{}", n / 256, n % 256),
+                &devices,
+                &token_hash(&format!("node-{n}")),
+            )
+            .await
+            .unwrap();
+    }
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let jobs: Vec<Job> = (0..JOBS).map(|i| bench_job(i, &mut rng)).collect();
+    futures::stream::iter(jobs)
+        .map(|job| async move { store.insert_job(&job, None).await.unwrap() })
+        .buffered(8)
+        .collect::<Vec<_>>()
+        .await;
+}
+
+fn next(rng: &mut u64) -> u64 {
+    *rng ^= *rng << 13;
+    *rng ^= *rng >> 7;
+    *rng ^= *rng << 17;
+    *rng
+}
+
+fn bench_job(i: usize, rng: &mut u64) -> Job {
+    let world_size = [1, 1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 64][(next(rng) % 12) as usize];
+    let need_gb = [4, 10, 20, 30, 35, 50, 70][(next(rng) % 7) as usize];
+    let priority = match next(rng) % 20 {
+        0 => 5,
+        1..=3 => 1,
+        _ => 0,
+    };
+    let per_rank = need_gb * GB;
+    let name = format!("bench-{i}");
+    Job {
+        id: String::new(),
+        name: Some(name.clone()),
+        state: JobState::Queued,
+        priority,
+        attempt: 1,
+        world_size,
+        spec: serde_json::json!({
+            "name": name,
+            "model": { "preset": "gpt2-1.5B" },
+            "training": { "micro_batch_size": 4, "seq_len": 1024, "steps": 1000 },
+            "precision": { "dtype": "bf16" },
+            "optimizer": { "type": "adamw", "lr": 3e-4 },
+            "zero": { "stage": "auto" },
+            "world_size": world_size,
+        }),
+        plan: serde_json::json!({
+            "zero_stage": 2,
+            "activation_checkpointing": false,
+            "micro_batch_size": 4,
+            "grad_accum_steps": 1,
+            "per_rank_bytes": {
+                "params": per_rank / 4, "grads": per_rank / 8, "optimizer": per_rank / 4,
+                "activations": per_rank / 4, "buffers": per_rank - per_rank / 4 * 3 - per_rank / 8,
+                "overhead": 0, "total": per_rank,
+            },
+            "comm_bytes_per_step": per_rank / 2,
+            "devices_that_fit": 8000,
+        }),
+        unsupported_keys: Vec::new(),
+        owner: "bench".to_string(),
+        reason: String::new(),
+        master: None,
+        created_at: 0,
+        updated_at: 0,
+    }
+}
+
+/// Bytes one rank of `job` needs before device overhead: the plan's per-rank total less the
+/// overhead of the device kind it was planned for.
+fn need_before_overhead(job: &Job) -> u64 {
+    let bytes = &job.plan["per_rank_bytes"];
+    let total = bytes["total"].as_u64().unwrap_or(u64::MAX);
+    let overhead = bytes["overhead"].as_u64().unwrap_or(0);
+    total - overhead
+}
+
+/// Priority-then-FIFO gang placement with backfill: each job in queue order is placed with
+/// `place` on the devices no earlier decision of the pass took.
+fn decide(jobs: &[Job], free: &[FreeDevice]) -> Vec<Decision> {
+    // The free devices as an inventory, nodes in the order given, with their store ids.
+    let mut inventory = Inventory::default();
+    let mut ids: Vec<Vec<(String, u32)>> = Vec::new();
+    for f in free {
+        if ids.last().is_none_or(|d| d[0].0 != f.node_id) {
+            inventory.nodes.push(Node {
+                name: f.node_id.clone(),
+                devices: Vec::new(),
+            });
+            ids.push(Vec::new());
+        }
+        inventory.nodes.last_mut().unwrap().devices.push(f.spec);
+        ids.last_mut().unwrap().push((f.node_id.clone(), f.device));
+    }
+    let mut remaining = free.len();
+    let mut decisions = Vec::new();
+    for job in jobs {
+        let world_size = job.world_size as usize;
+        if world_size > remaining {
+            continue;
+        }
+        let need = need_before_overhead(job);
+        let Some(slots) = place(&inventory, world_size, MARGIN, |kind| {
+            need + kind.overhead_bytes()
+        }) else {
+            continue;
+        };
+        decisions.push(Decision {
+            job_id: job.id.clone(),
+            slots: slots
+                .iter()
+                .map(|s| ids[s.node][s.device].clone())
+                .collect(),
+        });
+        // Take the devices out, highest index first so the others keep theirs.
+        let mut taken: Vec<(usize, usize)> = slots.iter().map(|s| (s.node, s.device)).collect();
+        taken.sort_unstable_by(|a, b| b.cmp(a));
+        for (node, device) in taken {
+            inventory.nodes[node].devices.remove(device);
+            ids[node].remove(device);
+        }
+        for node in (0..inventory.nodes.len()).rev() {
+            if inventory.nodes[node].devices.is_empty() {
+                inventory.nodes.remove(node);
+                ids.remove(node);
+            }
+        }
+        remaining -= world_size;
+    }
+    decisions
+}
+
+struct Pass {
+    total: Duration,
+    decide: Duration,
+    queued: usize,
+    free: usize,
+    placed: usize,
+}
+
+async fn timed_pass(store: &Store) -> Pass {
+    let seen = Arc::new(Mutex::new((Duration::ZERO, 0, 0)));
+    let seen_in = seen.clone();
+    let start = Instant::now();
+    let applied = store
+        .schedule(move |jobs, free| {
+            let t = Instant::now();
+            let decisions = decide(jobs, free);
+            *seen_in.lock().unwrap() = (t.elapsed(), jobs.len(), free.len());
+            decisions
+        })
+        .await
+        .unwrap();
+    let total = start.elapsed();
+    let (decide, queued, free) = *seen.lock().unwrap();
+    Pass {
+        total,
+        decide,
+        queued,
+        free,
+        placed: applied.len(),
+    }
+}
+
+async fn measure<R, Fut>(store_name: &'static str, store: &Store, reset: R) -> Vec<Row>
+where
+    R: Fn() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut placing = Vec::new();
+    for i in 0..PLACING_PASSES {
+        if i > 0 {
+            reset().await;
+        }
+        placing.push(timed_pass(store).await);
+        eprintln!(
+            "{store_name} placing pass {i}: {} placed in {}",
+            placing[i].placed,
+            ms(placing[i].total)
+        );
+    }
+    let mut full = Vec::new();
+    for i in 0..FULL_PASSES {
+        full.push(timed_pass(store).await);
+        eprintln!(
+            "{store_name} full pass {i}: {} free, {} placed in {}",
+            full[i].free,
+            full[i].placed,
+            ms(full[i].total)
+        );
+    }
+    let row = |pass: &'static str, passes: &[Pass]| Row {
+        store: store_name,
+        pass,
+        queued: passes[0].queued,
+        free: passes[0].free,
+        placed: passes[0].placed,
+        total: passes.iter().map(|p| p.total).collect(),
+        decide: passes.iter().map(|p| p.decide).collect(),
+    };
+    vec![
+        row("placing (all devices free)", &placing),
+        row("full (queue waits)", &full[1..]),
+    ]
+}
+
+/// Puts the database back as before the placing pass: no assignments, the scheduled jobs
+/// queued again.
+const RESET: [&str; 3] = [
+    "DELETE FROM assignments",
+    "DELETE FROM transitions WHERE to_state = 'scheduled'",
+    "UPDATE jobs SET state = 'queued', reason = 'submitted' WHERE state = 'scheduled'",
+];
+
+async fn reset_sqlite(raw: &sqlx::SqlitePool) {
+    let mut tx = raw.begin().await.unwrap();
+    for sql in RESET {
+        sqlx::query(sql).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+async fn reset_postgres(raw: &sqlx::PgPool) {
+    let mut tx = raw.begin().await.unwrap();
+    for sql in RESET {
+        sqlx::query(sql).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    sqlx::query("VACUUM ANALYZE jobs")
+        .execute(raw)
+        .await
+        .unwrap();
+    sqlx::query("VACUUM ANALYZE assignments")
+        .execute(raw)
+        .await
+        .unwrap();
+}
+
+fn median(v: &[Duration]) -> Duration {
+    let mut v = v.to_vec();
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
