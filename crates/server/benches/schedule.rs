@@ -8,9 +8,9 @@
 //!   is put back between passes);
 //! - full: after that, the common case of each tick: a long queue and almost nothing free.
 //!
-//! `cargo bench -p server --bench schedule` (`ZEROTRAIN_BENCH_DATABASE_URL` picks the
-//! PostgreSQL server, default `postgres://postgres@127.0.0.1:5432/test`; a schema is created
-//! and dropped).
+//! `cargo bench -p server --bench schedule` (`ZEROTRAIN_BENCH_PG_URL` picks the PostgreSQL
+//! server, default `postgres://postgres@127.0.0.1:5432/test`, `none` skips it; a schema of its
+//! own is created and dropped).
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -67,15 +67,20 @@ async fn run() {
     );
     store.close().await;
 
-    let pg_url = std::env::var("ZEROTRAIN_BENCH_DATABASE_URL")
+    let pg_url = std::env::var("ZEROTRAIN_BENCH_PG_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string());
-    match PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&pg_url)
-        .await
-    {
-        Err(e) => eprintln!("PostgreSQL at {pg_url} unreachable ({e}): not measured"),
+    let admin = if pg_url == "none" {
+        Err("ZEROTRAIN_BENCH_PG_URL=none".to_string())
+    } else {
+        PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&pg_url)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    match admin {
+        Err(e) => eprintln!("PostgreSQL at {pg_url} not measured: {e}"),
         Ok(admin) => {
             let schema = format!("zt_bench_{}", uuid::Uuid::now_v7().simple());
             sqlx::query(&format!("CREATE SCHEMA {schema}"))

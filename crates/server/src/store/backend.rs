@@ -28,6 +28,9 @@ const _: [&str; 2] = [
 /// How long a SQLite writer waits for another writer before failing with "database is locked".
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Rows buffered between a SQLite connection's thread and the task reading them.
+const SQLITE_ROW_BUFFER: usize = 1024;
+
 #[derive(Debug, Clone)]
 pub(super) enum Pool {
     Sqlite(SqlitePool),
@@ -199,7 +202,11 @@ impl Pool {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
-            .busy_timeout(SQLITE_BUSY_TIMEOUT);
+            .busy_timeout(SQLITE_BUSY_TIMEOUT)
+            // Rows cross from the connection's thread to the caller in batches of this many; at
+            // the default (50) a scheduling pass reading 10,000 jobs waits 200 times for the
+            // caller's thread to be scheduled, which on a busy machine took 0.5 s more.
+            .row_buffer_size(SQLITE_ROW_BUFFER);
         // An in-memory database exists once per connection: keep exactly one.
         let pool = SqlitePoolOptions::new()
             .max_connections(if in_memory { 1 } else { 8 })
