@@ -38,7 +38,10 @@ impl Client {
         let token = match &c.token {
             Some(t) => t.clone(),
             None => {
-                let path = default_data_dir().join("admin-token");
+                // Where the server on this machine keeps it: ZEROTRAIN_DATA_DIR or the default.
+                let dir = std::env::var_os("ZEROTRAIN_DATA_DIR")
+                    .map_or_else(default_data_dir, Into::into);
+                let path = dir.join("admin-token");
                 std::fs::read_to_string(&path)
                     .map(|t| t.trim().to_string())
                     .with_context(|| {
