@@ -186,19 +186,21 @@ pub fn now_ms() -> i64 {
 /// Every route with the service's middleware.
 pub fn router(state: AppState) -> Router {
     let settings = &state.settings;
+    // Innermost first: errors the limit and the timeout produce still become problems, and
+    // are counted and compressed like any other answer.
     routes::routes()
-        .layer(middleware::map_response(problem_for_bare_errors))
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            track_requests,
-        ))
-        .layer(CompressionLayer::new())
-        .layer(RequestBodyLimitLayer::new(settings.body_limit))
-        // The layer above is the one limit; axum's own 2 MB default would be a second.
+        // The body limit below is the one limit; axum's own 2 MB default would be a second.
         .layer(DefaultBodyLimit::disable())
+        .layer(RequestBodyLimitLayer::new(settings.body_limit))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             settings.request_timeout,
+        ))
+        .layer(middleware::map_response(problem_for_bare_errors))
+        .layer(CompressionLayer::new())
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            track_requests,
         ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)

@@ -17,8 +17,12 @@ struct Running {
 }
 
 async fn start() -> Running {
+    start_with(|_| {}).await
+}
+
+async fn start_with(configure: impl FnOnce(&mut Settings)) -> Running {
     let dir = tempfile::tempdir().unwrap();
-    let settings = Settings {
+    let mut settings = Settings {
         port: 0,
         data_dir: dir.path().to_path_buf(),
         // Only wake-ups place jobs in these tests.
@@ -26,6 +30,7 @@ async fn start() -> Running {
         safety_margin: 0.0,
         ..Settings::default()
     };
+    configure(&mut settings);
     let server = server::build(settings).await.unwrap();
     let tokens = auth::bootstrap(&server.state().store, dir.path(), None)
         .await
@@ -121,6 +126,30 @@ async fn the_scheduling_loop_places_a_submitted_job_at_once() {
         assert!(Instant::now() < deadline, "not scheduled by the loop");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    s.server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_refused_by_its_length_with_a_problem() {
+    let s = start_with(|s| s.body_limit = 1024).await;
+    let mut big = spec();
+    big["name"] = json!("x".repeat(4096));
+    let resp = s.post("/v1/jobs", &s.admin, &big).await;
+    assert_eq!(resp.status(), 413);
+    assert_eq!(resp.headers()["content-type"], "application/problem+json");
+    let metrics = s
+        .http
+        .get(format!("{}/metrics", s.server.url()))
+        .bearer_auth(&s.admin)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted =
+        "zerotrain_http_requests_total{method=\"POST\",route=\"/v1/jobs\",status=\"413\"} 1";
+    assert!(metrics.contains(counted), "{metrics}");
     s.server.shutdown().await.unwrap();
 }
 
