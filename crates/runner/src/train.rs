@@ -258,7 +258,7 @@ fn train_rank<X: Float + Wire>(
             }
             // The position counts batches of `sequences_per_batch`; convert to ours.
             let consumed = m.data.batch * m.sequences_per_batch as u64;
-            if consumed % sequences_per_batch as u64 != 0 {
+            if !consumed.is_multiple_of(sequences_per_batch as u64) {
                 return Err(fail(format!(
                     "{consumed} sequences were read, not a whole number of this run's {sequences_per_batch}-sequence batches"
                 )));

@@ -144,7 +144,7 @@ fn candidates(spec: &JobSpec, relax: bool) -> Vec<Candidate> {
             let per_rank = t.sequences_per_rank(spec.world_size);
             (1..=per_rank)
                 .rev()
-                .filter(|m| per_rank % m == 0)
+                .filter(|m| per_rank.is_multiple_of(*m))
                 .map(|m| (m, per_rank / m))
                 .collect()
         }

@@ -40,7 +40,7 @@ pub enum PlanOutcome {
     Fits {
         fits: bool,
         #[serde(flatten)]
-        plan: Plan,
+        plan: Box<Plan>,
     },
     DoesNotFit {
         fits: bool,
@@ -76,7 +76,10 @@ impl Report {
             })
             .collect();
         let plan = match plan::plan(spec, inventory) {
-            Ok(plan) => PlanOutcome::Fits { fits: true, plan },
+            Ok(plan) => PlanOutcome::Fits {
+                fits: true,
+                plan: Box::new(plan),
+            },
             Err(Error::DoesNotFit(no)) => PlanOutcome::DoesNotFit {
                 fits: false,
                 reason: no.to_string(),

@@ -1126,7 +1126,8 @@ fn unsupported_deepspeed_keys_are_reported_at_every_depth() {
 fn deepspeed_batch_keys_any_two_determine_the_third_and_one_alone_means_no_accumulation() {
     // (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     //  world_size) → (micro-batch, accumulation)
-    let cases: [(Option<u32>, Option<u32>, Option<u32>, u32, (u32, u32)); 9] = [
+    type Case = (Option<u32>, Option<u32>, Option<u32>, u32, (u32, u32));
+    let cases: [Case; 9] = [
         (Some(32), Some(4), Some(2), 4, (4, 2)),
         (Some(32), Some(4), None, 4, (4, 2)),
         (Some(32), None, Some(2), 4, (4, 2)),

@@ -145,7 +145,7 @@ fn train(
                 path,
             });
         }
-        if p.step == 1 || p.step % 10 == 0 || p.step == p.steps {
+        if p.step == 1 || p.step.is_multiple_of(10) || p.step == p.steps {
             log(format!(
                 "step {}/{}: loss {:.4}, {:.0} tokens/s",
                 p.step, p.steps, p.loss, p.tokens_per_second

@@ -133,7 +133,7 @@ pub fn final_norm_mut<'a, X>(unit: &'a mut [X], shape: &GptShape) -> [&'a mut [X
 }
 
 fn lens<const N: usize>(kinds: &[TensorKind; N], shape: &GptShape) -> [usize; N] {
-    kinds.map(|k| k.dims(shape).len())
+    kinds.map(|k| k.dims(shape).numel())
 }
 
 /// Consecutive slices of the given lengths from the front of `buf` (the rest is padding).

@@ -90,11 +90,11 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
     let all_reduce = |elem_bytes: u64, elems: u64| 2 * ring(elem_bytes * padded(elems, n), n);
     // Every step the ranks agree on two f32s: the step's loss and the squared gradient norm.
     c.all_reduce += all_reduce(4, 2);
-    if setup.stage.shards_optimizer() {
-        if let Optimizer::Adafactor(_) = setup.optimizer {
-            let limbs = ADAFACTOR_SUM_LIMBS as u64;
-            c.all_reduce += all_reduce(8, factored * limbs) + all_reduce(8, tensors * limbs);
-        }
+    if setup.stage.shards_optimizer()
+        && let Optimizer::Adafactor(_) = setup.optimizer
+    {
+        let limbs = ADAFACTOR_SUM_LIMBS as u64;
+        c.all_reduce += all_reduce(8, factored * limbs) + all_reduce(8, tensors * limbs);
     }
     c
 }
@@ -113,11 +113,11 @@ pub(super) fn scratch_bytes(setup: &Setup, units: &Units) -> u64 {
         setup.dtype.bytes()
     };
     let mut chunk = element * units.largest_shard_len() as u64;
-    if let (Optimizer::Adafactor(_), Architecture::Gpt(shape)) = (setup.optimizer, setup.arch) {
-        if setup.stage.shards_optimizer() {
-            let sums = (ADAFACTOR_SUM_LIMBS * adafactor_factored_len(&shape)) as u64;
-            chunk = chunk.max(8 * padded(sums, n) / n);
-        }
+    if let (Optimizer::Adafactor(_), Architecture::Gpt(shape)) = (setup.optimizer, setup.arch)
+        && setup.stage.shards_optimizer()
+    {
+        let sums = (ADAFACTOR_SUM_LIMBS * adafactor_factored_len(&shape)) as u64;
+        chunk = chunk.max(8 * padded(sums, n) / n);
     }
     chunk
 }

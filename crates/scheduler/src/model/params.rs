@@ -47,7 +47,8 @@ pub enum Dims {
 }
 
 impl Dims {
-    pub fn len(self) -> usize {
+    /// Number of elements.
+    pub fn numel(self) -> usize {
         match self {
             Dims::Vector(n) => n,
             Dims::Matrix(r, c) => r * c,
@@ -154,7 +155,7 @@ pub struct ParamTensor {
 
 impl ParamTensor {
     pub fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.dims.len()
+        self.offset..self.offset + self.dims.numel()
     }
 }
 
@@ -209,7 +210,7 @@ impl Units {
                         dims: k.dims(shape),
                         offset,
                     };
-                    offset += t.dims.len();
+                    offset += t.dims.numel();
                     t
                 })
                 .collect();

@@ -99,7 +99,7 @@ fn validate_shape(s: &GptShape) -> Result<(), Error> {
             format!("{v} is larger than zerotrain supports ({max})")
         })?;
     }
-    ensure(s.n_embd % s.n_head == 0, "model.n_embd", || {
+    ensure(s.n_embd.is_multiple_of(s.n_head), "model.n_embd", || {
         format!("{} is not divisible by model.n_head {}", s.n_embd, s.n_head)
     })?;
     // Closed form of `GptShape::parameter_count` (which lays out every block), checked first so
@@ -163,7 +163,7 @@ impl TryFrom<ModelDoc> for ModelSpec {
                 })
             }
             (None, false, Some(p)) => {
-                if !(p >= 1.0 && p <= MAX_PARAMS && p.fract() == 0.0) {
+                if !((1.0..=MAX_PARAMS).contains(&p) && p.fract() == 0.0) {
                     return Err(format!(
                         "params {p} must be a whole number of parameters between 1 and 1e15"
                     ));

@@ -1,0 +1,162 @@
+//! The engine's persistent state as checkpoints see it: named buffers, written by every rank,
+//! and read back either verbatim or resharded from another world size or stage.
+
+use std::ops::Range;
+
+use kernels::Float;
+use scheduler::model::Units;
+use scheduler::spec::ZeroStage;
+
+use super::{Engine, held_range};
+use crate::Error;
+use crate::checkpoint::{self, StateTensor};
+use crate::comm::Wire;
+
+impl<X: Float + Wire> Engine<X> {
+    /// Writes this rank's part of a checkpoint; rank 0 then publishes it (every rank waits).
+    pub fn save_checkpoint(
+        &mut self,
+        out: &std::path::Path,
+        manifest: &checkpoint::Manifest,
+    ) -> Result<(), Error> {
+        let rank = self.comm.rank();
+        let tmp = checkpoint::staging_dir(out, manifest.step);
+        if rank == 0 {
+            checkpoint::begin(&tmp)?;
+        }
+        self.comm.barrier()?;
+        checkpoint::write_rank(&tmp, rank, &self.state())?;
+        self.comm.barrier()?;
+        if rank == 0 {
+            checkpoint::publish(out, &tmp, manifest)?;
+        }
+        self.comm.barrier()
+    }
+}
+
+impl<X: Float + Wire> Engine<X> {
+    /// This rank's persistent buffers, named for checkpoints: parameters, master weights and
+    /// optimizer states (gradients and activations are rebuilt every step).
+    pub fn state(&mut self) -> Vec<StateTensor<'_>> {
+        let dtype = match X::NAME {
+            "f16" => safetensors::Dtype::F16,
+            "bf16" => safetensors::Dtype::BF16,
+            _ => safetensors::Dtype::F32,
+        };
+        let mut out: Vec<StateTensor<'_>> = self
+            .bufs
+            .params
+            .iter_mut()
+            .enumerate()
+            .map(|(u, p)| StateTensor {
+                name: format!("u{u}.params"),
+                dtype,
+                bytes: bytemuck::cast_slice_mut(&mut p[..]),
+            })
+            .collect();
+        if let Some(master) = &mut self.master {
+            out.extend(master.iter_mut().enumerate().map(|(u, m)| StateTensor {
+                name: format!("u{u}.master"),
+                dtype: safetensors::Dtype::F32,
+                bytes: bytemuck::cast_slice_mut(&mut m[..]),
+            }));
+        }
+        out.extend(self.optimizer.state());
+        out
+    }
+}
+
+impl<X: Float + Wire> Engine<X> {
+    /// Fills this rank's state from a checkpoint written by `old_world` ranks at `old_stage`:
+    /// every element of each buffer is taken from whichever old rank held it.
+    pub fn load_resharded(
+        &mut self,
+        dir: &std::path::Path,
+        old_world: usize,
+        old_stage: ZeroStage,
+    ) -> Result<(), Error> {
+        let (units, stage, rank) = (self.units.clone(), self.stage, self.comm.rank());
+        let old_units = Units::new(&self.shape, old_world);
+        let fail = |reason: String| Error::Checkpoint {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let mut tensors = self.state();
+        let targets = tensors
+            .iter()
+            .map(|t| placement(&t.name, &units, stage, rank).map_err(&fail))
+            .collect::<Result<Vec<_>, _>>()?;
+        for old_rank in 0..old_world {
+            checkpoint::read_rank(dir, old_rank, |file| {
+                for (t, target) in tensors.iter_mut().zip(&targets) {
+                    let view = file
+                        .tensor(&t.name)
+                        .map_err(|e| format!("{}: {e}", t.name))?;
+                    let elem = t.dtype.bitsize() / 8;
+                    match target {
+                        None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
+                        None => {}
+                        Some((_, new)) => {
+                            let (_, old) = placement(&t.name, &old_units, old_stage, old_rank)?
+                                .expect("placed in both layouts");
+                            let (start, end) = (new.start.max(old.start), new.end.min(old.end));
+                            if start < end {
+                                let src = &view.data()
+                                    [(start - old.start) * elem..(end - old.start) * elem];
+                                t.bytes[(start - new.start) * elem..(end - new.start) * elem]
+                                    .copy_from_slice(src);
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Where state tensor `name` lies for `rank` of a layout: its unit and element range there,
+/// or `None` for state every rank holds whole (Adafactor's factored statistics).
+fn placement(
+    name: &str,
+    units: &Units,
+    stage: ZeroStage,
+    rank: usize,
+) -> Result<Option<(usize, Range<usize>)>, String> {
+    if name.starts_with("adafactor.") {
+        return Ok(None);
+    }
+    let (u, kind) = name
+        .strip_prefix('u')
+        .and_then(|rest| rest.split_once('.'))
+        .and_then(|(u, kind)| Some((u.parse::<usize>().ok()?, kind)))
+        .ok_or_else(|| format!("unknown state tensor {name}"))?;
+    let unit = units
+        .iter()
+        .nth(u)
+        .ok_or_else(|| format!("{name}: no unit {u} in this model"))?;
+    let held = held_range(unit, stage, rank);
+    let range = match kind {
+        "params" if stage.shards_params() => unit.shard_range(rank),
+        "params" => 0..unit.padded_len,
+        "master" | "m" | "v" | "momentum" | "exp_avg" => held,
+        "m8" | "v8" | "absmax_m" | "absmax_v" => {
+            return Err(
+                "8-bit Adam states are quantised per block of a shard and cannot be resharded; \
+                        resume with the world size and stage that wrote the checkpoint"
+                    .into(),
+            );
+        }
+        vector => {
+            let t = vector
+                .strip_prefix('t')
+                .and_then(|v| v.strip_suffix(".v"))
+                .and_then(|i| unit.tensors.get(i.parse::<usize>().ok()?))
+                .ok_or_else(|| format!("unknown state tensor {name}"))?
+                .range();
+            t.start.max(held.start)..t.end.min(held.end)
+        }
+    };
+    Ok(Some((u, range)))
+}
