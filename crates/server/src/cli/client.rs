@@ -1,6 +1,6 @@
 //! What the client commands share: where the server is and the token (`--url`/`--token`, else
 //! `ZEROTRAIN_URL`/`ZEROTRAIN_TOKEN`, else loopback and the admin token `serve`/`up` wrote to
-//! the data directory), JSON requests whose problems become readable errors, and a reader of
+//! the data directory), requests whose problems become readable errors, and a reader of
 //! server-sent events.
 
 use anyhow::{Context, anyhow, bail};
@@ -15,7 +15,8 @@ pub struct Connection {
     /// The server's URL.
     #[arg(long, env = "ZEROTRAIN_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
-    /// Bearer token [default: the admin token in the data directory].
+    /// Bearer token [default: the admin token `serve`/`up` wrote to the data directory,
+    /// ZEROTRAIN_DATA_DIR or ~/.local/share/zerotrain].
     #[arg(long, env = "ZEROTRAIN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }
