@@ -72,7 +72,9 @@ fn agent(
     let flag = stop.clone();
     (
         stop,
-        std::thread::spawn(move || runner::agent::run(&cfg, &flag).unwrap()),
+        std::thread::spawn(move || {
+            runner::agent::run(&cfg, &flag, &runner::agent::AgentMetrics::new()).unwrap()
+        }),
     )
 }
 
@@ -373,4 +375,55 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
         reference.final_loss,
         "resumed run ends where an uninterrupted one does"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_serves_its_own_metrics() {
+    let s = service().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut agent = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args([
+            "agent",
+            "--server",
+            &s.server.url(),
+            "--token",
+            &s.join,
+            "--cpu-devices",
+            "3",
+        ])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    s.wait_nodes(1).await;
+    let start = Instant::now();
+    let text = loop {
+        let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if !text.contains("zerotrain_agent_heartbeats_total 0") {
+            break text;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no heartbeat counted: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    assert!(text.contains("zerotrain_agent_heartbeats_total"), "{text}");
+    assert!(
+        text.contains("zerotrain_agent_device_memory_bytes{device=\"2\"} 2147483648"),
+        "{text}"
+    );
+    assert!(text.contains("zerotrain_agent_jobs_running 0"), "{text}");
 }

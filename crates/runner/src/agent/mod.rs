@@ -4,7 +4,10 @@
 //! process's rayon pool.
 
 mod job;
+mod metrics;
 pub mod protocol;
+
+pub use metrics::AgentMetrics;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -42,7 +45,13 @@ struct Running {
 
 /// Runs the agent until `stop` is set: registers, then heartbeats every interval the server
 /// asks for. A failed heartbeat is retried with the same reports at the next beat.
-pub fn run(cfg: &AgentConfig, stop: &AtomicBool) -> Result<(), Error> {
+pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Result<(), Error> {
+    for (i, d) in cfg.devices.iter().enumerate() {
+        metrics
+            .device_memory_bytes
+            .with_label_values(&[&i.to_string()])
+            .set(d.memory_bytes as i64);
+    }
     let http: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(30)))
         .build()
@@ -64,6 +73,7 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool) -> Result<(), Error> {
     let mut unsent: Vec<Report> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         running.retain(|_, r| !r.thread.is_finished());
+        metrics.jobs_running.set(running.len() as i64);
         unsent.append(&mut outbox.lock().unwrap_or_else(|p| p.into_inner()));
         let beat = Heartbeat {
             reports: unsent.clone(),
@@ -71,6 +81,13 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool) -> Result<(), Error> {
         };
         match post::<_, HeartbeatResponse>(&http, &beat_url, &registered.agent_token, &beat) {
             Ok(reply) => {
+                metrics.heartbeats.inc();
+                metrics.steps.inc_by(
+                    unsent
+                        .iter()
+                        .filter(|r| matches!(r, Report::Step { .. }))
+                        .count() as u64,
+                );
                 unsent.clear();
                 for a in reply.assignments {
                     let key = (a.job_id.clone(), a.attempt);
@@ -87,7 +104,10 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool) -> Result<(), Error> {
                     }
                 }
             }
-            Err(e) => eprintln!("agent {}: heartbeat failed, retrying: {e}", cfg.name),
+            Err(e) => {
+                metrics.heartbeat_failures.inc();
+                eprintln!("agent {}: heartbeat failed, retrying: {e}", cfg.name);
+            }
         }
         std::thread::sleep(interval);
     }

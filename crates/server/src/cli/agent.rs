@@ -1,7 +1,12 @@
 //! `zerotrain agent --server URL --token T [--cpu-devices N --device-memory SIZE]`: a runner
 //! agent offering this machine's devices to a server until the process ends.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
+
+use anyhow::Context;
+use runner::agent::AgentMetrics;
 
 use scheduler::bytes::parse_size;
 use scheduler::inventory::Device;
@@ -30,17 +35,49 @@ pub struct Args {
     /// Kernel threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the agent serves its own Prometheus `/metrics` (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    metrics_addr: SocketAddr,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let metrics = Arc::new(AgentMetrics::new());
+    let listener = std::net::TcpListener::bind(args.metrics_addr)
+        .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
+    let metrics_url = format!("http://{}/metrics", listener.local_addr()?);
+    serve_metrics(listener, metrics.clone())?;
     let cfg = config(args);
     eprintln!(
-        "agent {}: offering {} device(s) to {}",
+        "agent {}: offering {} device(s) to {}; metrics at {metrics_url}",
         cfg.name,
         cfg.devices.len(),
         cfg.server
     );
-    runner::agent::run(&cfg, &AtomicBool::new(false))?;
+    runner::agent::run(&cfg, &AtomicBool::new(false), &metrics)?;
+    Ok(())
+}
+
+/// Serves `metrics` at `/metrics` on a thread of its own.
+fn serve_metrics(
+    listener: std::net::TcpListener,
+    metrics: Arc<AgentMetrics>,
+) -> anyhow::Result<()> {
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || async move { metrics.render() }),
+            );
+            let listener = tokio::net::TcpListener::from_std(listener).expect("a bound listener");
+            if let Err(e) = axum::serve(listener, app).await {
+                eprintln!("agent metrics: {e}");
+            }
+        })
+    });
     Ok(())
 }
 

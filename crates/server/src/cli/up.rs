@@ -11,6 +11,8 @@ use scheduler::bytes::{human, parse_size};
 use scheduler::inventory::Device;
 use scheduler::memory::DeviceKind;
 
+use runner::agent::AgentMetrics;
+
 use super::serve;
 
 #[derive(clap::Args)]
@@ -54,7 +56,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             threads: args.threads,
         };
         let flag = stop.clone();
-        let agent = std::thread::spawn(move || runner::agent::run(&cfg, &flag));
+        let agent =
+            std::thread::spawn(move || runner::agent::run(&cfg, &flag, &AgentMetrics::new()));
         server
             .run_until(async {
                 let _ = tokio::signal::ctrl_c().await;
