@@ -160,6 +160,14 @@ pub struct LogLine {
     pub line: String,
 }
 
+/// A bearer token as the store describes it; the token itself is shown once, when created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct TokenRecord {
+    pub name: String,
+    pub role: Role,
+    pub created_at: i64,
+}
+
 /// What a bearer token may do: viewers read, submitters also submit and cancel, admins also
 /// manage; agents only speak the agent protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]

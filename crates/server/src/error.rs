@@ -37,6 +37,10 @@ pub enum ApiError {
     IdempotencyConflict { job_id: String },
     #[error("job {id} is already {}", state.as_str())]
     JobFinished { id: String, state: JobState },
+    #[error("a token named {name:?} exists; revoke it first or choose another name")]
+    TokenNameTaken { name: String },
+    #[error("{name:?} is the last admin token; create another admin token first")]
+    LastAdmin { name: String },
     #[error("node {id} was declared lost; register again")]
     NodeLost { id: String },
     #[error("the request body is larger than the server accepts")]
@@ -139,6 +143,8 @@ impl ApiError {
                 "Idempotency-Key reused",
             ),
             ApiError::JobFinished { .. } => (S::CONFLICT, "job-finished", "Job already finished"),
+            ApiError::TokenNameTaken { .. } => (S::CONFLICT, "token-name-taken", "Name taken"),
+            ApiError::LastAdmin { .. } => (S::CONFLICT, "last-admin", "Last admin token"),
             ApiError::NodeLost { .. } => (S::GONE, "node-lost", "Node lost"),
             ApiError::BodyTooLarge => (
                 S::PAYLOAD_TOO_LARGE,

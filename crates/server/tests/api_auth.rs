@@ -15,6 +15,7 @@ enum Needs {
     Nobody,
     Viewer,
     Submitter,
+    Admin,
     Join,
     NodeToken,
 }
@@ -33,6 +34,9 @@ const ROUTES: &[(&str, &str, Needs)] = &[
     ("GET", "/v1/jobs/{id}/events", Needs::Viewer),
     ("POST", "/v1/estimate", Needs::Viewer),
     ("GET", "/v1/nodes", Needs::Viewer),
+    ("POST", "/v1/tokens", Needs::Admin),
+    ("GET", "/v1/tokens", Needs::Admin),
+    ("DELETE", "/v1/tokens/{name}", Needs::Admin),
     ("POST", "/v1/agents/register", Needs::Join),
     ("POST", "/v1/agents/{node}/heartbeat", Needs::NodeToken),
 ];
@@ -65,7 +69,11 @@ async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
     app.call(Method::POST, &cancel, Some(SUBMITTER), None).await;
     let body = json!({});
     for &(method, template, needs) in ROUTES {
-        let path = template.replace("{id}", &job).replace("{node}", &node);
+        // A token name nobody has: an allowed DELETE answers 404 and revokes nothing.
+        let path = template
+            .replace("{id}", &job)
+            .replace("{node}", &node)
+            .replace("{name}", "nobody");
         let method = Method::from_bytes(method.as_bytes()).unwrap();
         let call = |token: Option<&str>| {
             let (app, method, path, body) = (&app, method.clone(), path.clone(), &body);
@@ -96,6 +104,7 @@ async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
         let (denied, allowed): (Vec<&str>, Vec<&str>) = match needs {
             Needs::Viewer => (vec![JOIN, &node_token], vec![VIEWER, SUBMITTER, ADMIN]),
             Needs::Submitter => (vec![JOIN, &node_token, VIEWER], vec![SUBMITTER, ADMIN]),
+            Needs::Admin => (vec![JOIN, &node_token, VIEWER, SUBMITTER], vec![ADMIN]),
             Needs::Join => (vec![&node_token, VIEWER, SUBMITTER, ADMIN], vec![JOIN]),
             Needs::NodeToken => (vec![JOIN, VIEWER, SUBMITTER, ADMIN], vec![&node_token]),
             Needs::Nobody => unreachable!(),

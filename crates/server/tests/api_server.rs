@@ -214,6 +214,44 @@ async fn the_client_commands_submit_list_show_logs_and_cancel() {
 }
 
 #[tokio::test]
+async fn the_token_command_creates_lists_and_revokes() {
+    let s = start().await;
+    let (ok, out) = s
+        .zerotrain(&["token", "create", "ci", "--role", "viewer"])
+        .await;
+    assert!(ok, "{out}");
+    let token = out.lines().next().unwrap().trim().to_string();
+    assert!(token.starts_with("zt_"), "{out}");
+    let resp = s
+        .http
+        .get(format!("{}/v1/jobs", s.server.url()))
+        .bearer_auth(&token);
+    assert_eq!(resp.send().await.unwrap().status(), 200);
+
+    let (ok, out) = s.zerotrain(&["token", "list"]).await;
+    assert!(ok, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("ci ") && l.contains("viewer")),
+        "{out}"
+    );
+    let (ok, out) = s.zerotrain(&["token", "create", "ci"]).await;
+    assert!(!ok && out.contains("exists"), "{out}");
+
+    let (ok, out) = s.zerotrain(&["token", "revoke", "ci"]).await;
+    assert!(ok, "{out}");
+    let resp = s
+        .http
+        .get(format!("{}/v1/jobs", s.server.url()))
+        .bearer_auth(&token);
+    assert_eq!(resp.send().await.unwrap().status(), 401);
+    let (ok, out) = s.zerotrain(&["token", "revoke", "ci"]).await;
+    assert!(!ok && out.contains("no token"), "{out}");
+
+    s.server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn submit_wait_follows_the_job_to_its_end() {
     let s = start().await;
     let (beat, token) = s.register().await;

@@ -15,7 +15,9 @@ use futures::FutureExt;
 use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
-use server::store::{Backend, Decision, FreeDevice, JobFilter, Store, StoreError, token_hash};
+use server::store::{
+    Backend, Decision, FreeDevice, JobFilter, Revoked, Store, StoreError, token_hash,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::SqlitePoolOptions;
 use sqlx::{PgPool, SqlitePool};
@@ -186,6 +188,9 @@ suite! {
     #[tokio::test] checkpoints_are_listed_by_step,
     #[tokio::test] reports_for_an_unknown_job_fail_naming_it,
     #[tokio::test] tokens_are_stored_hashed_and_looked_up_with_their_role,
+    #[tokio::test] a_token_name_is_taken_once_and_revoking_frees_it,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    two_admins_revoking_each_other_at_once_leave_one,
     #[tokio::test] the_database_refuses_a_second_holder_of_a_device,
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     two_replicas_never_place_a_job_or_a_device_twice,
@@ -1677,4 +1682,81 @@ async fn an_in_memory_sqlite_database_keeps_its_data_across_calls() {
 async fn an_unsupported_database_url_is_refused() {
     let err = Store::connect("mysql://localhost/x").await.unwrap_err();
     assert!(matches!(err, StoreError::Url(_)), "{err}");
+}
+
+async fn a_token_name_is_taken_once_and_revoking_frees_it(db: TestDb) {
+    let s = &db.store;
+    let carol = s
+        .create_token("carol", Role::Submitter, "zt_carol")
+        .await
+        .unwrap()
+        .expect("a free name");
+    assert_eq!(
+        (carol.name.as_str(), carol.role),
+        ("carol", Role::Submitter)
+    );
+    // The name is taken: nothing is written, the second token is unknown.
+    assert_eq!(
+        s.create_token("carol", Role::Admin, "zt_carol_2")
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(s.token("zt_carol_2").await.unwrap(), None);
+    s.create_token("admin", Role::Admin, "zt_admin")
+        .await
+        .unwrap();
+    let listed: Vec<(String, Role)> = s
+        .tokens()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.name, t.role))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("admin".to_string(), Role::Admin),
+            ("carol".to_string(), Role::Submitter)
+        ]
+    );
+    assert_eq!(s.revoke_token("admin").await.unwrap(), Revoked::LastAdmin);
+    assert!(s.token("zt_admin").await.unwrap().is_some());
+    assert_eq!(s.revoke_token("carol").await.unwrap(), Revoked::Yes);
+    assert_eq!(s.token("zt_carol").await.unwrap(), None);
+    assert_eq!(s.revoke_token("carol").await.unwrap(), Revoked::Unknown);
+    assert!(
+        s.create_token("carol", Role::Viewer, "zt_carol_3")
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+async fn two_admins_revoking_each_other_at_once_leave_one(db: TestDb) {
+    for round in 0..10 {
+        let (a, b) = (format!("a{round}"), format!("b{round}"));
+        for name in [&a, &b] {
+            db.store
+                .create_token(name, Role::Admin, &format!("zt_{name}"))
+                .await
+                .unwrap();
+        }
+        let replica = db.replica().await;
+        let (ra, rb) = tokio::join!(db.store.revoke_token(&b), replica.revoke_token(&a));
+        let mut outcomes = [ra.unwrap(), rb.unwrap()];
+        outcomes.sort_by_key(|o| *o == Revoked::Yes);
+        assert_eq!(
+            outcomes,
+            [Revoked::LastAdmin, Revoked::Yes],
+            "round {round}"
+        );
+        let admins = db.store.tokens().await.unwrap();
+        assert_eq!(admins.len(), 1, "round {round}: {admins:?}");
+        // Back to no tokens for the next round.
+        raw!(db, pool => {
+            sqlx::query("DELETE FROM tokens").execute(pool).await.unwrap();
+        });
+        replica.close().await;
+    }
 }

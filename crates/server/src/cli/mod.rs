@@ -8,6 +8,7 @@ mod jobs;
 mod logs;
 mod serve;
 mod submit;
+mod token;
 mod train;
 mod up;
 
@@ -47,6 +48,8 @@ enum Command {
     Logs(logs::Args),
     /// Cancel a job.
     Cancel(cancel::Args),
+    /// Create, list or revoke bearer tokens (admin).
+    Token(token::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -61,6 +64,7 @@ pub fn main() -> ExitCode {
         Command::Jobs(args) => jobs::run(args),
         Command::Logs(args) => logs::run(args),
         Command::Cancel(args) => cancel::run(args),
+        Command::Token(args) => token::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

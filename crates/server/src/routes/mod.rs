@@ -7,9 +7,10 @@ pub mod jobs;
 pub mod metrics;
 pub mod nodes;
 pub mod openapi;
+pub mod tokens;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 
 use crate::app::AppState;
 use crate::domain::NodeRecord;
@@ -31,6 +32,8 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/jobs/{id}/events", get(jobs::events::events))
         .route("/v1/estimate", post(estimate::estimate))
         .route("/v1/nodes", get(nodes::list))
+        .route("/v1/tokens", post(tokens::create).get(tokens::list))
+        .route("/v1/tokens/{name}", delete(tokens::revoke))
         .route("/v1/agents/register", post(agents::register::register))
         .route(
             "/v1/agents/{node}/heartbeat",

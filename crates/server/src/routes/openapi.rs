@@ -8,17 +8,19 @@ use utoipa::{Modify, OpenApi};
 use crate::app::JobEvent;
 use crate::auth::Viewer;
 use crate::domain::{
-    AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord, Transition,
+    AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, Role, StepRecord,
+    TokenRecord, Transition,
 };
 use crate::error::{Alternative, Configuration, DoesNotFit, Problem};
-use crate::routes::{agents, estimate, health, jobs, metrics, nodes};
+use crate::routes::{agents, estimate, health, jobs, metrics, nodes, tokens};
 
 #[derive(OpenApi)]
 #[openapi(
     info(
         title = "zerotrain",
         description = "ZeRO-sharded mixed-precision training as a service. Every endpoint but \
-            /healthz takes a bearer token: viewer < submitter < admin; agents use the join token \
+            /healthz takes a bearer token: viewer < submitter < admin (admins manage tokens at \
+            /v1/tokens); agents use the join token \
             to register and their node's token to heartbeat. Errors are RFC 9457 \
             application/problem+json."
     ),
@@ -36,12 +38,15 @@ use crate::routes::{agents, estimate, health, jobs, metrics, nodes};
         jobs::events::events,
         estimate::estimate,
         nodes::list,
+        tokens::create,
+        tokens::list,
+        tokens::revoke,
         agents::register::register,
         agents::heartbeat::heartbeat,
     ),
     components(schemas(
         Job, JobState, Transition, NodeRecord, AssignmentRecord, StepRecord, RankMemoryRecord,
-        LogLine, JobEvent, Problem, DoesNotFit, Configuration, Alternative,
+        LogLine, JobEvent, Problem, DoesNotFit, Configuration, Alternative, Role, TokenRecord,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = [])),

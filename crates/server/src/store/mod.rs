@@ -14,18 +14,19 @@ mod nodes;
 mod reports;
 mod rows;
 mod schedule;
+mod tokens;
 
 use scheduler::inventory::Device;
 use sqlx::postgres::PgConnectOptions;
 
 use backend::Pool;
 pub use jobs::DEFAULT_PAGE;
-pub use reports::token_hash;
 use rows::now_ms;
+pub use tokens::{Revoked, token_hash};
 
 use crate::domain::{
     AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, Role, StepRecord,
-    Transition,
+    TokenRecord, Transition,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -373,24 +374,48 @@ impl Store {
         role: Role,
         token: &str,
     ) -> Result<(), StoreError> {
-        reports::insert_token(
-            &mut self.pool.acquire().await?.conn(),
-            name,
+        let mut c = self.pool.acquire().await?;
+        tokens::upsert(&mut c.conn(), name, role, token, now_ms()).await
+    }
+
+    /// Stores a new token under `name`; `None`, writing nothing, when the name is taken.
+    pub async fn create_token(
+        &self,
+        name: &str,
+        role: Role,
+        token: &str,
+    ) -> Result<Option<TokenRecord>, StoreError> {
+        let mut c = self.pool.acquire().await?;
+        let created_at = now_ms();
+        let created = tokens::create(&mut c.conn(), name, role, token, created_at).await?;
+        Ok(created.then(|| TokenRecord {
+            name: name.to_string(),
             role,
-            token,
-            now_ms(),
-        )
-        .await
+            created_at,
+        }))
     }
 
     /// The name and role of a bearer token, if it is known.
     pub async fn token(&self, token: &str) -> Result<Option<(String, Role)>, StoreError> {
-        reports::token(&mut self.pool.acquire().await?.conn(), token).await
+        tokens::lookup(&mut self.pool.acquire().await?.conn(), token).await
+    }
+
+    /// Every token's name, role and creation time (never the token), by name.
+    pub async fn tokens(&self) -> Result<Vec<TokenRecord>, StoreError> {
+        tokens::list(&mut self.pool.acquire().await?.conn()).await
+    }
+
+    /// Deletes the token named `name`, unless it is the last admin token.
+    pub async fn revoke_token(&self, name: &str) -> Result<Revoked, StoreError> {
+        let mut tx = self.pool.write().await?;
+        let revoked = tokens::revoke(&mut tx.conn(), name).await?;
+        tx.commit().await?;
+        Ok(revoked)
     }
 
     /// Whether any admin token exists (`zerotrain up` creates one on first start).
     pub async fn has_admin(&self) -> Result<bool, StoreError> {
-        reports::has_admin(&mut self.pool.acquire().await?.conn()).await
+        tokens::has_admin(&mut self.pool.acquire().await?.conn()).await
     }
 
     /// Whether the database answers (for `/readyz`).

@@ -1,11 +1,9 @@
-//! What agents report about a job (steps, rank memory, logs, checkpoints) and bearer tokens.
-
-use sha2::{Digest, Sha256};
+//! What agents report about a job: steps, rank memory, logs, checkpoints.
 
 use super::backend::{Arg, Conn, insert_rows, on, unknown_job_on_fk};
 use super::rows::{json, real, to_json, to_u32};
 use super::{CheckpointRecord, StoreError};
-use crate::domain::{LogLine, RankMemoryRecord, Role, StepRecord};
+use crate::domain::{LogLine, RankMemoryRecord, StepRecord};
 
 pub(super) async fn add_steps(
     c: &mut Conn<'_>,
@@ -236,65 +234,4 @@ pub(super) async fn checkpoints(
             })
         })
         .collect()
-}
-
-/// SHA-256 of a bearer token, lower-case hex: the only form in which tokens are stored.
-pub fn token_hash(token: &str) -> String {
-    let digest = Sha256::digest(token.as_bytes());
-    let mut hex = String::with_capacity(64);
-    for byte in digest.iter() {
-        hex.push_str(&format!("{byte:02x}"));
-    }
-    hex
-}
-
-pub(super) async fn insert_token(
-    c: &mut Conn<'_>,
-    name: &str,
-    role: Role,
-    token: &str,
-    now: i64,
-) -> Result<(), StoreError> {
-    on!(c, c => {
-        sqlx::query(
-            "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (hash) DO UPDATE SET name = excluded.name, role = excluded.role",
-        )
-        .bind(token_hash(token))
-        .bind(name)
-        .bind(role.as_str())
-        .bind(now)
-        .execute(&mut **c)
-        .await?;
-    });
-    Ok(())
-}
-
-pub(super) async fn token(
-    c: &mut Conn<'_>,
-    token: &str,
-) -> Result<Option<(String, Role)>, StoreError> {
-    let row = on!(c, c => {
-        sqlx::query_as::<_, (String, String)>("SELECT name, role FROM tokens WHERE hash = $1")
-            .bind(token_hash(token))
-            .fetch_optional(&mut **c)
-            .await?
-    });
-    row.map(|(name, role)| match Role::parse(&role) {
-        Some(role) => Ok((name, role)),
-        None => Err(StoreError::Corrupt {
-            what: "token role".into(),
-            reason: format!("unknown role {role:?}"),
-        }),
-    })
-    .transpose()
-}
-
-pub(super) async fn has_admin(c: &mut Conn<'_>) -> Result<bool, StoreError> {
-    let n = on!(c, c => {
-        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM tokens WHERE role = 'admin'")
-            .fetch_one(&mut **c)
-            .await?
-    });
-    Ok(n > 0)
 }

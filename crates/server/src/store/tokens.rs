@@ -1,0 +1,161 @@
+//! Bearer tokens: only their SHA-256 is stored, with a unique name and a role.
+
+use sha2::{Digest, Sha256};
+
+use super::StoreError;
+use super::backend::{Conn, on};
+use crate::domain::{Role, TokenRecord};
+
+/// SHA-256 of a bearer token, lower-case hex: the only form in which tokens are stored.
+pub fn token_hash(token: &str) -> String {
+    let digest = Sha256::digest(token.as_bytes());
+    let mut hex = String::with_capacity(64);
+    for byte in digest.iter() {
+        hex.push_str(&format!("{byte:02x}"));
+    }
+    hex
+}
+
+/// What revoking a token by name did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Revoked {
+    Yes,
+    /// No token has that name.
+    Unknown,
+    /// It is the only admin token; nobody could manage the server without it.
+    LastAdmin,
+}
+
+/// Stores `token` under `name` with `role`; storing a known token again replaces its name and
+/// role (how `zerotrain up` adopts `ZEROTRAIN_TOKEN`).
+pub(super) async fn upsert(
+    c: &mut Conn<'_>,
+    name: &str,
+    role: Role,
+    token: &str,
+    now: i64,
+) -> Result<(), StoreError> {
+    on!(c, c => {
+        sqlx::query(
+            "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (hash) DO UPDATE SET name = excluded.name, role = excluded.role",
+        )
+        .bind(token_hash(token))
+        .bind(name)
+        .bind(role.as_str())
+        .bind(now)
+        .execute(&mut **c)
+        .await?;
+    });
+    Ok(())
+}
+
+/// Stores a new token; false, writing nothing, when `name` is taken.
+pub(super) async fn create(
+    c: &mut Conn<'_>,
+    name: &str,
+    role: Role,
+    token: &str,
+    now: i64,
+) -> Result<bool, StoreError> {
+    let inserted = on!(c, c => {
+        sqlx::query(
+            "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(token_hash(token))
+        .bind(name)
+        .bind(role.as_str())
+        .bind(now)
+        .execute(&mut **c)
+        .await?
+        .rows_affected()
+    });
+    Ok(inserted == 1)
+}
+
+/// The name and role of a bearer token, if it is known.
+pub(super) async fn lookup(
+    c: &mut Conn<'_>,
+    token: &str,
+) -> Result<Option<(String, Role)>, StoreError> {
+    let row = on!(c, c => {
+        sqlx::query_as::<_, (String, String)>("SELECT name, role FROM tokens WHERE hash = $1")
+            .bind(token_hash(token))
+            .fetch_optional(&mut **c)
+            .await?
+    });
+    row.map(|(name, role)| Ok((name, parse_role(&role)?)))
+        .transpose()
+}
+
+/// Every token's name, role and creation time, by name.
+pub(super) async fn list(c: &mut Conn<'_>) -> Result<Vec<TokenRecord>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (String, String, i64)>(
+            "SELECT name, role, created_at FROM tokens ORDER BY name",
+        )
+        .fetch_all(&mut **c)
+        .await?
+    });
+    rows.into_iter()
+        .map(|(name, role, created_at)| {
+            Ok(TokenRecord {
+                name,
+                role: parse_role(&role)?,
+                created_at,
+            })
+        })
+        .collect()
+}
+
+/// Deletes the token named `name`, unless it is the last admin token. Runs in a write
+/// transaction: on PostgreSQL the admin rows are locked first, so two admins revoking each
+/// other at once cannot both succeed.
+pub(super) async fn revoke(c: &mut Conn<'_>, name: &str) -> Result<Revoked, StoreError> {
+    if let Conn::Postgres(c) = c {
+        sqlx::query("SELECT hash FROM tokens WHERE role = 'admin' FOR UPDATE")
+            .execute(&mut **c)
+            .await?;
+    }
+    let deleted = on!(c, c => {
+        sqlx::query(
+            "DELETE FROM tokens WHERE name = $1 \
+             AND (role <> 'admin' OR (SELECT COUNT(*) FROM tokens WHERE role = 'admin') > 1)",
+        )
+        .bind(name)
+        .execute(&mut **c)
+        .await?
+        .rows_affected()
+    });
+    if deleted > 0 {
+        return Ok(Revoked::Yes);
+    }
+    let exists = on!(c, c => {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM tokens WHERE name = $1")
+            .bind(name)
+            .fetch_one(&mut **c)
+            .await?
+    });
+    Ok(if exists > 0 {
+        Revoked::LastAdmin
+    } else {
+        Revoked::Unknown
+    })
+}
+
+pub(super) async fn has_admin(c: &mut Conn<'_>) -> Result<bool, StoreError> {
+    let n = on!(c, c => {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM tokens WHERE role = 'admin'")
+            .fetch_one(&mut **c)
+            .await?
+    });
+    Ok(n > 0)
+}
+
+fn parse_role(role: &str) -> Result<Role, StoreError> {
+    Role::parse(role).ok_or_else(|| StoreError::Corrupt {
+        what: "token role".into(),
+        reason: format!("unknown role {role:?}"),
+    })
+}
