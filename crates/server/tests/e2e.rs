@@ -79,7 +79,7 @@ fn agent(
 }
 
 /// A `zerotrain agent` process.
-fn agent_process(s: &Service, name: &str, devices: usize) -> Child {
+fn agent_process(s: &Service, name: &str, devices: usize, extra: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args([
             "agent",
@@ -96,10 +96,27 @@ fn agent_process(s: &Service, name: &str, devices: usize) -> Child {
             "--device-memory",
             "1GiB",
         ])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap()
+}
+
+/// Calls `probe` until it gives a value, failing after `limit` with the last thing it said.
+async fn poll<T, F, Fut>(limit: Duration, every: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let start = Instant::now();
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(why) => assert!(start.elapsed() < limit, "after {limit:?}: {why}"),
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 impl Service {
@@ -129,43 +146,41 @@ impl Service {
 
     /// Polls job `id` until it reaches a terminal state (or `limit` passes).
     async fn finished(&self, id: &str, limit: Duration) -> Value {
-        let start = Instant::now();
-        loop {
+        poll(limit, Duration::from_millis(100), || async {
             let job = self.get(&format!("/v1/jobs/{id}")).await;
-            if ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap()) {
-                return job;
+            match job["state"].as_str().unwrap() {
+                "succeeded" | "failed" | "cancelled" => Ok(job),
+                state => Err(format!("job {id} still {state}")),
             }
-            assert!(
-                start.elapsed() < limit,
-                "job {id} still {} after {limit:?}",
-                job["state"]
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
+        .await
     }
 
     /// Waits until `n` nodes have registered: admission plans against registered devices.
     async fn wait_nodes(&self, n: usize) {
-        let start = Instant::now();
-        while self.get("/v1/nodes").await["nodes"]
-            .as_array()
-            .map_or(0, Vec::len)
-            < n
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "{n} node(s) never registered"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        poll(
+            Duration::from_secs(20),
+            Duration::from_millis(50),
+            || async {
+                let nodes = self.get("/v1/nodes").await["nodes"]
+                    .as_array()
+                    .map_or(0, Vec::len);
+                (nodes >= n)
+                    .then_some(())
+                    .ok_or(format!("{nodes} of {n} node(s) registered"))
+            },
+        )
+        .await
     }
 
     async fn wait_state(&self, id: &str, state: &str, limit: Duration) {
-        let start = Instant::now();
-        while self.get(&format!("/v1/jobs/{id}")).await["state"] != state {
-            assert!(start.elapsed() < limit, "job {id} never {state}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        poll(limit, Duration::from_millis(50), || async {
+            let job = self.get(&format!("/v1/jobs/{id}")).await;
+            (job["state"] == state)
+                .then_some(())
+                .ok_or(format!("job {id} never {state}: {}", job["state"]))
+        })
+        .await
     }
 }
 
@@ -333,27 +348,27 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
             .unwrap()
     };
     let s = service().await;
-    let mut first = agent_process(&s, "doomed", 2);
+    let mut first = agent_process(&s, "doomed", 2, &[]);
     s.wait_nodes(1).await;
     let (status, created) = s.submit(spec).await;
     assert_eq!(status, 201, "{created}");
     let id = job_id(&created);
     // Kill the agent once a checkpoint exists and training has gone past it.
-    let start = Instant::now();
-    loop {
-        let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
-        if m["steps"].as_array().map_or(0, Vec::len) >= 25 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no progress: {m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        || async {
+            let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+            let steps = m["steps"].as_array().map_or(0, Vec::len);
+            (steps >= 25)
+                .then_some(())
+                .ok_or(format!("no progress: {m}"))
+        },
+    )
+    .await;
     first.kill().unwrap();
     first.wait().unwrap();
-    let mut second = agent_process(&s, "rescuer", 2);
+    let mut second = agent_process(&s, "rescuer", 2, &[]);
     let job = s.finished(&id, Duration::from_secs(180)).await;
     second.kill().unwrap();
     second.wait().unwrap();
@@ -385,44 +400,31 @@ async fn an_agent_serves_its_own_metrics() {
         .local_addr()
         .unwrap()
         .port();
-    let mut agent = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args([
-            "agent",
-            "--server",
-            &s.server.url(),
-            "--token",
-            &s.join,
-            "--cpu-devices",
-            "3",
-        ])
-        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let mut agent = agent_process(&s, "watched", 3, &["--metrics-addr", &addr]);
     s.wait_nodes(1).await;
-    let start = Instant::now();
-    let text = loop {
-        let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if !text.contains("zerotrain_agent_heartbeats_total 0") {
-            break text;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "no heartbeat counted: {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let text = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let text = reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            match text.contains("zerotrain_agent_heartbeats_total 0") {
+                false => Ok(text),
+                true => Err(format!("no heartbeat counted: {text}")),
+            }
+        },
+    )
+    .await;
     agent.kill().unwrap();
     agent.wait().unwrap();
     assert!(text.contains("zerotrain_agent_heartbeats_total"), "{text}");
     assert!(
-        text.contains("zerotrain_agent_device_memory_bytes{device=\"2\"} 2147483648"),
+        text.contains("zerotrain_agent_device_memory_bytes{device=\"2\"} 1073741824"),
         "{text}"
     );
     assert!(text.contains("zerotrain_agent_jobs_running 0"), "{text}");

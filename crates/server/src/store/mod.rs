@@ -22,6 +22,7 @@ use sqlx::postgres::PgConnectOptions;
 use backend::Pool;
 pub use jobs::DEFAULT_PAGE;
 use rows::now_ms;
+use tokens::OnConflict;
 pub use tokens::{Revoked, token_hash};
 
 use crate::domain::{
@@ -375,7 +376,16 @@ impl Store {
         token: &str,
     ) -> Result<(), StoreError> {
         let mut c = self.pool.acquire().await?;
-        tokens::upsert(&mut c.conn(), name, role, token, now_ms()).await
+        tokens::insert(
+            &mut c.conn(),
+            name,
+            role,
+            token,
+            now_ms(),
+            OnConflict::Rename,
+        )
+        .await?;
+        Ok(())
     }
 
     /// Stores a new token under `name`; `None`, writing nothing, when the name is taken.
@@ -387,7 +397,15 @@ impl Store {
     ) -> Result<Option<TokenRecord>, StoreError> {
         let mut c = self.pool.acquire().await?;
         let created_at = now_ms();
-        let created = tokens::create(&mut c.conn(), name, role, token, created_at).await?;
+        let created = tokens::insert(
+            &mut c.conn(),
+            name,
+            role,
+            token,
+            created_at,
+            OnConflict::Keep,
+        )
+        .await?;
         Ok(created.then(|| TokenRecord {
             name: name.to_string(),
             role,

@@ -26,52 +26,45 @@ pub enum Revoked {
     LastAdmin,
 }
 
-/// Stores `token` under `name` with `role`; storing a known token again replaces its name and
-/// role (how `zerotrain up` adopts `ZEROTRAIN_TOKEN`).
-pub(super) async fn upsert(
-    c: &mut Conn<'_>,
-    name: &str,
-    role: Role,
-    token: &str,
-    now: i64,
-) -> Result<(), StoreError> {
-    on!(c, c => {
-        sqlx::query(
-            "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (hash) DO UPDATE SET name = excluded.name, role = excluded.role",
-        )
-        .bind(token_hash(token))
-        .bind(name)
-        .bind(role.as_str())
-        .bind(now)
-        .execute(&mut **c)
-        .await?;
-    });
-    Ok(())
+/// What storing a token does when its hash or name is already stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OnConflict {
+    /// A known token gets the new name and role (how `zerotrain up` adopts `ZEROTRAIN_TOKEN`).
+    Rename,
+    /// Nothing is written.
+    Keep,
 }
 
-/// Stores a new token; false, writing nothing, when `name` is taken.
-pub(super) async fn create(
+/// Stores `token` under `name` with `role`; false when nothing was written.
+pub(super) async fn insert(
     c: &mut Conn<'_>,
     name: &str,
     role: Role,
     token: &str,
     now: i64,
+    on_conflict: OnConflict,
 ) -> Result<bool, StoreError> {
-    let inserted = on!(c, c => {
-        sqlx::query(
+    let sql = match on_conflict {
+        OnConflict::Rename => {
             "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(token_hash(token))
-        .bind(name)
-        .bind(role.as_str())
-        .bind(now)
-        .execute(&mut **c)
-        .await?
-        .rows_affected()
+             ON CONFLICT (hash) DO UPDATE SET name = excluded.name, role = excluded.role"
+        }
+        OnConflict::Keep => {
+            "INSERT INTO tokens (hash, name, role, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT DO NOTHING"
+        }
+    };
+    let written = on!(c, c => {
+        sqlx::query(sql)
+            .bind(token_hash(token))
+            .bind(name)
+            .bind(role.as_str())
+            .bind(now)
+            .execute(&mut **c)
+            .await?
+            .rows_affected()
     });
-    Ok(inserted == 1)
+    Ok(written == 1)
 }
 
 /// The name and role of a bearer token, if it is known.
