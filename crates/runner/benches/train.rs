@@ -12,6 +12,8 @@
 use runner::train::{Options, Progress, run};
 use scheduler::spec::{Architecture, JobSpec, Purpose};
 
+mod common;
+
 const B: usize = 4;
 const T: usize = 64;
 
@@ -98,17 +100,6 @@ fn time_case(case: &Case, threads: usize) -> Timing {
     }
 }
 
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 fn main() {
     let filters: Vec<String> = std::env::args()
         .skip(1)
@@ -139,11 +130,7 @@ fn main() {
             continue;
         }
         let t = time_case(case, threads);
-        let step = median(&t.seconds);
-        let (lo, hi) = t
-            .seconds
-            .iter()
-            .fold((f64::INFINITY, 0f64), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let (step, lo, hi) = common::median_min_max(&t.seconds);
         let gflops = t.flops_per_step / step / 1e9;
         let versus = match llmc {
             Some(s) if case.model == "gpt2-124M" => format!("{:.2}×", s / step),
