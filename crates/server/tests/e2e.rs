@@ -429,3 +429,26 @@ async fn an_agent_serves_its_own_metrics() {
     );
     assert!(text.contains("zerotrain_agent_jobs_running 0"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_client_submits_waits_reads_and_cancels() {
+    let s = service().await;
+    let (stop, agent) = agent(&s, "local", 2, 1 << 30);
+    s.wait_nodes(1).await;
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../clients/python");
+    let mut python = Command::new("python3");
+    python
+        .args(["-m", "unittest", "-v", "test_zerotrain"])
+        .current_dir(dir)
+        .env("ZEROTRAIN_URL", s.server.url())
+        .env("ZEROTRAIN_TOKEN", ADMIN)
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    let out = tokio::task::spawn_blocking(move || python.output().unwrap())
+        .await
+        .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    agent.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("Ran 5 tests"), "{text}");
+}
