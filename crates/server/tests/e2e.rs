@@ -452,3 +452,88 @@ async fn the_python_client_submits_waits_reads_and_cancels() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("Ran 5 tests"), "{text}");
 }
+
+/// The README's main command as a user runs it: `zerotrain up`, a job submitted with the CLI
+/// (which finds the admin token in the data directory), and SIGTERM for a clean stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_string();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["up", "--port", "0", "--data-dir", &data])
+        .args(["--cpu-devices", "2", "--device-memory", "1GiB"])
+        .env_remove("ZEROTRAIN_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read stderr to its end on a thread of its own, so `up` never blocks on a full pipe.
+    let (url_tx, url_rx) = std::sync::mpsc::channel();
+    let stderr = up.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(stderr).lines() {
+            let line = line.unwrap();
+            if let Some(url) = line.strip_prefix("zerotrain serving at ") {
+                url_tx.send(url.to_string()).unwrap();
+            }
+            lines.push(line);
+        }
+        lines
+    });
+    let url = url_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let admin = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
+    let http = reqwest::Client::new();
+    poll(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            let r = http
+                .get(format!("{url}/readyz"))
+                .bearer_auth(admin.trim())
+                .send()
+                .await
+                .unwrap();
+            (r.status() == 200)
+                .then_some(())
+                .ok_or(format!("not ready: {}", r.status()))
+        },
+    )
+    .await;
+
+    let spec = dir.path().join("job.json");
+    std::fs::write(
+        &spec,
+        json!({"model": {"preset": "gpt2-tiny"}, "world_size": 2, "zero": {"stage": 1},
+               "training": {"steps": 10, "micro_batch_size": 2}})
+        .to_string(),
+    )
+    .unwrap();
+    let mut submit = Command::new(env!("CARGO_BIN_EXE_zerotrain"));
+    submit
+        .args(["submit", spec.to_str().unwrap(), "--wait"])
+        .env("ZEROTRAIN_URL", &url)
+        .env("ZEROTRAIN_DATA_DIR", &data)
+        .env_remove("ZEROTRAIN_TOKEN");
+    let out = tokio::task::spawn_blocking(move || submit.output().unwrap())
+        .await
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("succeeded"), "{text}");
+
+    let term = Command::new("kill")
+        .args(["-TERM", &up.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = poll(Duration::from_secs(15), Duration::from_millis(50), || {
+        let exited = up.try_wait().unwrap();
+        async move { exited.ok_or("still running after SIGTERM".to_string()) }
+    })
+    .await;
+    let lines = reader.join().unwrap();
+    assert!(status.success(), "{status}: {}", lines.join("\n"));
+}

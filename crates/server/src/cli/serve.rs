@@ -12,6 +12,8 @@ use crate::settings::{Settings, parse_duration, parse_margin};
 
 /// The server's flags, shared by `serve` and `up`.
 #[derive(clap::Args)]
+// `up` flattens these in among its own arguments: the group needs a name of its own.
+#[group(id = "server")]
 pub struct Args {
     /// Port to listen on [env: ZEROTRAIN_PORT; default 8080].
     #[arg(long)]
@@ -66,13 +68,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         let (server, _) = start(settings).await?;
-        server
-            .run_until(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+        server.run_until(stop_requested()).await?;
         Ok(())
     })
+}
+
+/// Completes on Ctrl-C (SIGINT) or SIGTERM (what service managers and `kill` send), so the
+/// server finishes its requests and closes the store either way.
+pub(super) async fn stop_requested() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("a SIGTERM handler installs");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 /// Builds the server, creates its tokens on first start and says where to find them.

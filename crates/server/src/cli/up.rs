@@ -58,11 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let flag = stop.clone();
         let agent =
             std::thread::spawn(move || runner::agent::run(&cfg, &flag, &AgentMetrics::new()));
-        server
-            .run_until(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+        server.run_until(serve::stop_requested()).await?;
         stop.store(true, Ordering::Relaxed);
         agent
             .join()
