@@ -97,18 +97,23 @@ pub struct NoFit {
 impl fmt::Display for NoFit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.closest;
+        let plural =
+            |n: usize, one: &'static str, many: &'static str| if n == 1 { one } else { many };
         write!(
             f,
-            "needs {} per rank at {} on {} devices; ",
+            "needs {} per rank at {} on {} {}; ",
             human(self.closest_need_bytes),
             c.describe(&Candidate {
                 activation_checkpointing: false,
                 ..*c
             }),
-            self.world_size
+            self.world_size,
+            plural(self.world_size, "device", "devices"),
         )?;
         if self.fitting_devices > 0 {
-            write!(f, "only {} devices have that much", self.fitting_devices)?;
+            let n = self.fitting_devices;
+            let has = plural(n, "device has", "devices have");
+            write!(f, "only {n} {has} that much")?;
         } else {
             write!(f, "largest device has {}", human(self.largest_device_bytes))?;
         }

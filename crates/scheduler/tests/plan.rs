@@ -242,6 +242,7 @@ fn fully_automatic_specs_have_no_alternative_to_offer() {
     );
     assert!(no.alternative.is_none());
     assert!(no.to_string().starts_with("needs "), "{no}");
+    assert!(no.to_string().contains(" on 1 device; "), "{no}");
     assert!(
         no.to_string().ends_with("largest device has 1.0 GB"),
         "{no}"

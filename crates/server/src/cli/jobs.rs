@@ -75,8 +75,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             j["id"].as_str().unwrap_or_default(),
             j["name"].as_str().unwrap_or("-"),
             j["state"].as_str().unwrap_or_default(),
-            j["world_size"],
-            j["attempt"],
+            j["world_size"].to_string(),
+            j["attempt"].to_string(),
             j["reason"].as_str().unwrap_or_default(),
         );
     }
