@@ -1,0 +1,78 @@
+//! The Grafana dashboard in `deploy/grafana` queries only series the server and the agents
+//! export, so renaming a metric without the dashboard fails here.
+
+use std::collections::BTreeMap;
+
+use runner::agent::AgentMetrics;
+use runner::comm::Op;
+use scheduler::memory::Breakdown;
+use server::domain::{JobState, StepRecord};
+use server::metrics::Metrics;
+
+/// Every series family, each with at least one sample, as `/metrics` pages render them.
+fn exported() -> String {
+    let m = Metrics::default();
+    m.set_job_counts(&[(JobState::Running, 1)]);
+    let step = StepRecord {
+        attempt: 1,
+        step: 1,
+        loss: 3.0,
+        loss_scale: 1.0,
+        tokens_per_second: 100.0,
+        skipped: false,
+        step_seconds: 0.1,
+        at: 0,
+    };
+    m.observe_step("j", &step);
+    let sent = BTreeMap::from([(Op::AllReduce, 8u64)]);
+    m.observe_memory("j", 0, &Breakdown::default(), &Breakdown::default(), &sent);
+    m.server.queue_wait_seconds.observe(1.0);
+    m.server.scheduling_pass_duration_seconds.observe(0.01);
+    m.server
+        .http_requests_total
+        .with_label_values(&["/v1/jobs", "GET", "200"])
+        .inc();
+    m.server
+        .http_request_duration_seconds
+        .with_label_values(&["/v1/jobs", "GET"])
+        .observe(0.001);
+    m.render() + &AgentMetrics::new().render()
+}
+
+#[test]
+fn every_dashboard_query_names_an_exported_series() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana/zerotrain.json"
+    );
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let text = exported();
+    let mut checked = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let names: Vec<&str> = expr
+                .match_indices("zerotrain_")
+                .map(|(at, _)| {
+                    let rest = &expr[at..];
+                    let end = rest
+                        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .unwrap_or(rest.len());
+                    &rest[..end]
+                })
+                .collect();
+            assert!(!names.is_empty(), "{}: {expr}", panel["title"]);
+            for name in names {
+                let sample = |sep: char| text.contains(&format!("\n{name}{sep}"));
+                assert!(
+                    sample('{') || sample(' '),
+                    "{}: {name} is not exported",
+                    panel["title"]
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 17, "only {checked} series checked");
+}
