@@ -223,7 +223,7 @@ fn train_rank<X: Float + Wire>(
         rank,
         world_size: setup.world_size,
     };
-    let mut data = DataLoader::new(&spec.data, layout, t.seed, shape.vocab_size)?;
+    let mut data = DataLoader::new(&spec.data, layout, t.seed, shape.vocab_size, &acct)?;
     let mut scaler = LossScaler::new(spec.precision.effective_loss_scale());
     let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
     let mut losses = Vec::with_capacity(t.steps.get() as usize);

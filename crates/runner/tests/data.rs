@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use runner::Error;
+use runner::accounting::Accountant;
 use runner::data::{BatchLayout, DataLoader, Position, entropy_floor, synthetic_vocab};
 use scheduler::spec::Data;
 
@@ -54,6 +55,16 @@ fn write_shard(path: &Path, header: [i32; 3], tokens: &[u16]) {
 
 fn shard(path: &Path, tokens: &[u16]) {
     write_shard(path, [20240520, 1, tokens.len() as i32], tokens);
+}
+
+/// A loader whose buffers are counted by an accountant of its own, without a budget.
+fn open_loader(
+    data: &Data,
+    layout: BatchLayout,
+    seed: u64,
+    vocab: usize,
+) -> Result<DataLoader, Error> {
+    DataLoader::new(data, layout, seed, vocab, &Accountant::new(None))
 }
 
 fn layout(batch: usize, seq_len: usize, rank: usize, world_size: usize) -> BatchLayout {
@@ -131,7 +142,7 @@ fn token_shards_are_read_exactly_as_llm_c_reads_them() {
     let spec = tokens(&dir.pattern("train_*.bin"), false);
     let ntok = [40, 20];
     for (rank, world) in [(0, 1), (0, 2), (1, 2)] {
-        let mut loader = DataLoader::new(&spec, layout(2, 4, rank, world), 7, VOCAB).unwrap();
+        let mut loader = open_loader(&spec, layout(2, 4, rank, world), 7, VOCAB).unwrap();
         let got = batches(&mut loader, 8, 12);
         let reads = llmc_reads(&ntok, (2, 4), rank as u64, world as u64, 12);
         for (i, ((x, y), (s, start))) in got.iter().zip(reads).enumerate() {
@@ -146,7 +157,7 @@ fn token_shards_are_read_exactly_as_llm_c_reads_them() {
     // The same by hand for world 2 (stride 16): shard 0 holds 2 world batches ((40-1)/16),
     // shard 1 one ((20-1)/16), then the data starts over.
     let first = |rank| {
-        let mut loader = DataLoader::new(&spec, layout(2, 4, rank, 2), 7, VOCAB).unwrap();
+        let mut loader = open_loader(&spec, layout(2, 4, rank, 2), 7, VOCAB).unwrap();
         batches(&mut loader, 8, 4)
             .iter()
             .map(|(x, _)| x[0])
@@ -175,12 +186,12 @@ fn resumed_loaders_continue_bit_identically() {
     ];
     for spec in &specs {
         let shape = layout(2, 4, 1, 2);
-        let mut whole = DataLoader::new(spec, shape, 3, VOCAB).unwrap();
+        let mut whole = open_loader(spec, shape, 3, VOCAB).unwrap();
         let expected = batches(&mut whole, 8, 11);
-        let mut first = DataLoader::new(spec, shape, 3, VOCAB).unwrap();
+        let mut first = open_loader(spec, shape, 3, VOCAB).unwrap();
         assert_eq!(batches(&mut first, 8, 4), expected[..4], "{spec:?}");
         let saved = serde_json::to_string(&first.position()).unwrap();
-        let mut resumed = DataLoader::new(spec, shape, 3, VOCAB).unwrap();
+        let mut resumed = open_loader(spec, shape, 3, VOCAB).unwrap();
         resumed.seek(serde_json::from_str(&saved).unwrap()).unwrap();
         assert_eq!(batches(&mut resumed, 8, 7), expected[4..], "{spec:?}");
         assert_eq!(resumed.position(), whole.position());
@@ -194,7 +205,7 @@ fn shuffled_shards_read_every_window_once_per_epoch_with_ranks_side_by_side() {
     two_shards(&dir, [130, 70]);
     let first_tokens = |shuffle: bool, rank: usize, seed: u64| -> Vec<u32> {
         let spec = tokens(&dir.pattern("train_*.bin"), shuffle);
-        let mut loader = DataLoader::new(&spec, layout(2, 4, rank, 2), seed, VOCAB).unwrap();
+        let mut loader = open_loader(&spec, layout(2, 4, rank, 2), seed, VOCAB).unwrap();
         batches(&mut loader, 8, 12)
             .iter()
             .map(|(x, _)| x[0])
@@ -229,7 +240,7 @@ fn text_is_read_byte_by_byte_in_windows() {
     let spec = Data::Text {
         path: dir.pattern("t.txt"),
     };
-    let mut loader = DataLoader::new(&spec, layout(2, 3, 0, 1), 1, 256).unwrap();
+    let mut loader = open_loader(&spec, layout(2, 3, 0, 1), 1, 256).unwrap();
     let got = batches(&mut loader, 6, 4);
     let bytes: Vec<u32> = text.bytes().map(u32::from).collect();
     // (21 - 1) / 6 = 3 windows, then the file starts over.
@@ -246,7 +257,7 @@ fn text_needs_a_vocabulary_of_256() {
     let spec = Data::Text {
         path: dir.pattern("t.txt"),
     };
-    let err = DataLoader::new(&spec, layout(1, 4, 0, 1), 1, 255)
+    let err = open_loader(&spec, layout(1, 4, 0, 1), 1, 255)
         .err()
         .unwrap();
     assert!(
@@ -256,7 +267,7 @@ fn text_needs_a_vocabulary_of_256() {
 }
 
 fn open_error(spec: &Data, shape: BatchLayout) -> Error {
-    match DataLoader::new(spec, shape, 1, VOCAB) {
+    match open_loader(spec, shape, 1, VOCAB) {
         Ok(_) => panic!("{spec:?} opened"),
         Err(e) => e,
     }
@@ -342,7 +353,7 @@ fn a_token_outside_the_vocabulary_names_the_file_and_its_index() {
     data[13] = 600;
     shard(&path, &data);
     let spec = tokens(path.to_str().unwrap(), false);
-    let mut loader = DataLoader::new(&spec, layout(2, 4, 0, 1), 1, 512).unwrap();
+    let mut loader = open_loader(&spec, layout(2, 4, 0, 1), 1, 512).unwrap();
     let (mut x, mut y) = ([0; 8], [0; 8]);
     loader.next_batch(&mut x, &mut y).unwrap();
     let err = loader.next_batch(&mut x, &mut y).unwrap_err();
@@ -363,7 +374,7 @@ fn seeking_past_the_data_is_refused() {
     let dir = TempDir::new("seek");
     two_shards(&dir, [40, 20]);
     let spec = tokens(&dir.pattern("train_*.bin"), false);
-    let mut loader = DataLoader::new(&spec, layout(2, 4, 0, 2), 1, VOCAB).unwrap();
+    let mut loader = open_loader(&spec, layout(2, 4, 0, 2), 1, VOCAB).unwrap();
     for bad in [
         Position {
             epoch: 0,
@@ -395,8 +406,7 @@ fn seeking_past_the_data_is_refused() {
 #[test]
 fn synthetic_data_is_deterministic_by_seed_and_disjoint_across_ranks() {
     let read = |seed, rank| {
-        let mut loader =
-            DataLoader::new(&Data::Synthetic, layout(4, 16, rank, 2), seed, 512).unwrap();
+        let mut loader = open_loader(&Data::Synthetic, layout(4, 16, rank, 2), seed, 512).unwrap();
         batches(&mut loader, 64, 3)
     };
     assert_eq!(read(5, 0), read(5, 0));
@@ -415,11 +425,11 @@ fn synthetic_data_is_deterministic_by_seed_and_disjoint_across_ranks() {
 
 #[test]
 fn synthetic_data_uses_a_smaller_model_vocabulary() {
-    let mut loader = DataLoader::new(&Data::Synthetic, layout(8, 32, 0, 1), 1, 10).unwrap();
+    let mut loader = open_loader(&Data::Synthetic, layout(8, 32, 0, 1), 1, 10).unwrap();
     let (x, y) = &batches(&mut loader, 256, 1)[0];
     assert!(x.iter().chain(y).all(|&t| t < 10));
     assert_eq!(synthetic_vocab(10), 10);
-    let too_small = DataLoader::new(&Data::Synthetic, layout(1, 4, 0, 1), 1, 3);
+    let too_small = open_loader(&Data::Synthetic, layout(1, 4, 0, 1), 1, 3);
     assert!(matches!(too_small, Err(Error::DataConfig { .. })));
 }
 
@@ -428,7 +438,7 @@ fn synthetic_data_uses_a_smaller_model_vocabulary() {
 #[test]
 fn synthetic_conditional_entropy_is_the_documented_floor() {
     let (b, t) = (16, 128);
-    let mut loader = DataLoader::new(&Data::Synthetic, layout(b, t, 0, 1), 9, 512).unwrap();
+    let mut loader = open_loader(&Data::Synthetic, layout(b, t, 0, 1), 9, 512).unwrap();
     let mut counts: BTreeMap<(u32, u32), BTreeMap<u32, u64>> = BTreeMap::new();
     for (x, y) in batches(&mut loader, b * t, 256) {
         for row in 0..b {
@@ -458,4 +468,51 @@ fn synthetic_conditional_entropy_is_the_documented_floor() {
         "{}",
         entropy_floor(512, 64)
     );
+}
+
+#[test]
+fn a_loader_holds_what_the_memory_model_counts_for_it() {
+    use scheduler::memory::{Category, Setup, rank_breakdown};
+    use scheduler::spec::{JobSpec, Purpose, ZeroStage};
+    let dir = TempDir::new("model");
+    two_shards(&dir, [500, 700]);
+    std::fs::write(dir.path("t.txt"), "x".repeat(500)).unwrap();
+    let (b, t) = (2, 16);
+    // Buffers the model counts, less the same job's with nothing of a loader's own.
+    let predicted = |data: &str| {
+        let json = format!(
+            r#"{{"model": {{"preset": "gpt2-tiny"}}, "data": {data},
+                "training": {{"micro_batch_size": {b}, "seq_len": {t}}}}}"#
+        );
+        let spec = JobSpec::parse(&json, Purpose::Train).unwrap().spec;
+        let setup = Setup::new(&spec, ZeroStage::Ddp, false, b as u32, 1);
+        rank_breakdown(&setup, 0).get(Category::Buffers)
+    };
+    let measured = |data: &Data| {
+        let acct = Accountant::new(None);
+        let loader = DataLoader::new(data, layout(b, t, 0, 1), 1, 512, &acct).unwrap();
+        drop(loader);
+        acct.peak().get(Category::Buffers)
+    };
+    let shards = format!(
+        r#"{{"kind": "tokens", "path": "{}", "shuffle": true}}"#,
+        dir.pattern("train_*.bin")
+    );
+    let text = format!(r#"{{"kind": "text", "path": "{}"}}"#, dir.pattern("t.txt"));
+    let cases = [
+        (r#"{"kind": "synthetic"}"#.to_string(), Data::Synthetic),
+        (shards, tokens(&dir.pattern("train_*.bin"), true)),
+        (
+            text,
+            Data::Text {
+                path: dir.pattern("t.txt"),
+            },
+        ),
+    ];
+    let base = predicted(&cases[0].0) - measured(&cases[0].1);
+    for (json, data) in &cases {
+        assert_eq!(predicted(json) - base, measured(data), "{json}");
+    }
+    // Shards: one window of B·T + 1 tokens as u32 and as their 2-byte form.
+    assert_eq!(measured(&cases[1].1), (b * t + 1) as u64 * 6);
 }

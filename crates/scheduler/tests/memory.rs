@@ -18,6 +18,7 @@ fn setup(arch: Architecture, dtype: Dtype, opt: Optimizer, stage: ZeroStage, n: 
         grad_accum: 1,
         checkpointing: false,
         reduces_norm: false,
+        token_width: 0,
     }
 }
 
@@ -99,6 +100,9 @@ fn reproduces_zero_paper_table_1() {
     }
 }
 
+/// The synthetic data loader at T = 64: its successor table and one row.
+const SYNTHETIC_LOADER: u64 = 32 * 32 * 16 + 65 * 4;
+
 #[test]
 fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
     let shape = Preset::Gpt2Small.shape();
@@ -122,11 +126,12 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
     let per_block = 3_342_336 * 2 + 1_024 * 4;
     let once = (2 * 196_608 + 2 * 196_608 + 786_432) * 2 + 512 * 4 + 196_608 * 4;
     assert_eq!(b.activations, 12 * per_block + once);
-    // Logits (B, T, V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch;
-    // no communication at N = 1.
+    // Logits (B, T, V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch,
+    // the synthetic corpus's table (32² contexts × 4 u32) and one row of T + 1 u32; no
+    // communication at N = 1.
     assert_eq!(
         b.buffers,
-        256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64
+        256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + SYNTHETIC_LOADER
     );
     assert_eq!(b.overhead, 0);
 }
@@ -164,7 +169,11 @@ fn stage_3_gathers_units_and_keeps_only_shards() {
     );
     assert_eq!(
         s0.buffers,
-        256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + ring_chunk
+        256 * 50_257 * 4
+            + 3 * 256 * 4
+            + 4 * MATMUL_SCRATCH_F32 as u64
+            + SYNTHETIC_LOADER
+            + ring_chunk
     );
     assert_eq!(s3.activations, s0.activations);
 }

@@ -16,7 +16,7 @@ pub(super) struct TokenFile {
     /// Where the tokens start.
     header_bytes: u64,
     /// Bytes per token: 2 for shards, 1 for text.
-    width: usize,
+    pub(super) width: usize,
     /// Tokens in the file.
     pub(super) len: u64,
 }
@@ -93,15 +93,15 @@ impl TokenFile {
     }
 
     /// Reads `out.len()` tokens starting at token `start` through `file`, an open handle of
-    /// this file; `bytes` is scratch space.
+    /// this file; `scratch` holds at least `out.len() · width` bytes.
     pub(super) fn read(
         &self,
         file: &mut File,
         start: u64,
-        bytes: &mut Vec<u8>,
+        scratch: &mut [u8],
         out: &mut [u32],
     ) -> Result<(), Error> {
-        bytes.resize(out.len() * self.width, 0);
+        let bytes = &mut scratch[..out.len() * self.width];
         file.seek(SeekFrom::Start(
             self.header_bytes + start * self.width as u64,
         ))

@@ -17,6 +17,7 @@ use rand::rngs::ChaCha8Rng;
 use scheduler::spec::Data;
 use serde::{Deserialize, Serialize};
 
+use crate::accounting::Accountant;
 use crate::error::Error;
 use synthetic::Synthetic;
 use windows::Windows;
@@ -84,19 +85,27 @@ impl DataLoader {
     /// Opens and checks the data (every shard's header, as llm.c does at start-up), so that a
     /// bad file fails the job before training. `vocab_size` is the model's: text needs ≥ 256,
     /// and a shard token at or above it is an error when read.
+    /// Its buffers come from `acct` (category buffers).
     pub fn new(
         data: &Data,
         layout: BatchLayout,
         seed: u64,
         vocab_size: usize,
+        acct: &Accountant,
     ) -> Result<Self, Error> {
         layout.validate()?;
         let source = match data {
-            Data::Synthetic => Source::Synthetic(Synthetic::new(layout, seed, vocab_size)?),
-            Data::Text { path } => Source::Files(Windows::text(path, layout, vocab_size)?),
+            Data::Synthetic => Source::Synthetic(Synthetic::new(layout, seed, vocab_size, acct)?),
+            Data::Text { path } => Source::Files(Windows::text(path, layout, vocab_size, acct)?),
             Data::Tokens { path, shuffle } => {
                 let shuffle_seed = shuffle.then_some(seed);
-                Source::Files(Windows::shards(path, layout, vocab_size, shuffle_seed)?)
+                Source::Files(Windows::shards(
+                    path,
+                    layout,
+                    vocab_size,
+                    shuffle_seed,
+                    acct,
+                )?)
             }
         };
         Ok(DataLoader { source })

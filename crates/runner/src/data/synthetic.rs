@@ -8,12 +8,12 @@
 use rand::RngExt;
 use rand::seq::SliceRandom;
 
-use super::{BatchLayout, Position, Stream, rng, split_window};
-use crate::error::Error;
+use scheduler::memory::Category;
+pub use scheduler::spec::MAX_SYNTHETIC_VOCAB;
 
-/// Synthetic tokens are below `min(vocab_size, MAX_SYNTHETIC_VOCAB)`: 32² contexts is a table a
-/// tiny GPT learns in a few hundred steps.
-pub const MAX_SYNTHETIC_VOCAB: usize = 32;
+use super::{BatchLayout, Position, Stream, rng, split_window};
+use crate::accounting::{Accountant, Buffer};
+use crate::error::Error;
 
 /// Probability of each of a context's four successors, likeliest (the bigram one) first.
 pub const SUCCESSOR_PROBABILITIES: [f64; 4] = [0.5, 0.25, 0.15, 0.1];
@@ -43,14 +43,19 @@ pub(super) struct Synthetic {
     seed: u64,
     vocab: u32,
     /// Successors of context (a, b) at `a·vocab + b`, likeliest first.
-    successors: Vec<[u32; 4]>,
+    successors: Buffer<[u32; 4]>,
     /// Batches produced so far.
     batches: u64,
-    row: Vec<u32>,
+    row: Buffer<u32>,
 }
 
 impl Synthetic {
-    pub(super) fn new(layout: BatchLayout, seed: u64, vocab_size: usize) -> Result<Self, Error> {
+    pub(super) fn new(
+        layout: BatchLayout,
+        seed: u64,
+        vocab_size: usize,
+        acct: &Accountant,
+    ) -> Result<Self, Error> {
         let v = synthetic_vocab(vocab_size);
         if v < CUMULATIVE.len() {
             return Err(Error::DataConfig {
@@ -61,20 +66,20 @@ impl Synthetic {
         let mut rng = rng(seed, Stream::SyntheticChain, 0, 0);
         let mut bigram: Vec<u32> = (0..v).collect();
         bigram.shuffle(&mut rng);
-        let mut successors = Vec::with_capacity((v * v) as usize);
-        for _a in 0..v {
-            for &top in &bigram {
-                let mut next = [top; 4];
-                for k in 1..4 {
-                    next[k] = loop {
-                        let t = rng.random_range(0..v);
-                        if !next[..k].contains(&t) {
-                            break t;
-                        }
-                    };
-                }
-                successors.push(next);
+        let mut successors = acct.alloc::<[u32; 4]>(Category::Buffers, (v * v) as usize)?;
+        // Context (a, b) at a·v + b: its likeliest successor depends on b alone.
+        let tops = (0..v).flat_map(|_a| bigram.iter().copied());
+        for (slot, top) in successors.iter_mut().zip(tops) {
+            let mut next = [top; 4];
+            for k in 1..4 {
+                next[k] = loop {
+                    let t = rng.random_range(0..v);
+                    if !next[..k].contains(&t) {
+                        break t;
+                    }
+                };
             }
+            *slot = next;
         }
         Ok(Synthetic {
             layout,
@@ -82,7 +87,7 @@ impl Synthetic {
             vocab: v,
             successors,
             batches: 0,
-            row: vec![0; layout.seq_len + 1],
+            row: acct.alloc(Category::Buffers, layout.seq_len + 1)?,
         })
     }
 

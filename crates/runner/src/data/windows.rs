@@ -5,14 +5,17 @@
 //! world-batch windows (each `B·T·world_size` tokens); the window grid itself is llm.c's, so
 //! every token is still read once per epoch. The permutations come from the job's seed, the
 //! epoch and the file, the same on every rank, so ranks keep reading disjoint slices of one
-//! window and a resumed run recomputes them from its position alone.
+//! window and a resumed run recomputes them from its position alone. They are computed an
+//! element at a time (`permuted`), so the loader's memory does not grow with the data.
 
 use std::fs::File;
 
-use rand::seq::SliceRandom;
+use rand::Rng;
+use scheduler::memory::Category;
 
 use super::file::{TokenFile, shard_paths};
 use super::{BatchLayout, Position, Stream, rng, split_window};
+use crate::accounting::{Accountant, Buffer};
 use crate::error::Error;
 
 pub(super) struct Windows {
@@ -23,18 +26,20 @@ pub(super) struct Windows {
     /// The seed for shuffling, or `None` to read in order.
     shuffle: Option<u64>,
     position: Position,
-    /// This epoch's file order: indices into `files`.
-    order: (u64, Vec<usize>),
-    /// The window order for (epoch, file index), when shuffling.
-    window_order: Option<((u64, usize), Vec<u64>)>,
     /// The file being read, by index into `files`; llm.c also keeps just one open.
     open: Option<(usize, File)>,
-    bytes: Vec<u8>,
-    window: Vec<u32>,
+    /// The raw bytes of one window.
+    bytes: Buffer<u8>,
+    window: Buffer<u32>,
 }
 
 impl Windows {
-    pub(super) fn text(path: &str, layout: BatchLayout, vocab_size: usize) -> Result<Self, Error> {
+    pub(super) fn text(
+        path: &str,
+        layout: BatchLayout,
+        vocab_size: usize,
+        acct: &Accountant,
+    ) -> Result<Self, Error> {
         let file = TokenFile::text(path.into())?;
         if vocab_size < 256 {
             return Err(Error::Data {
@@ -42,7 +47,7 @@ impl Windows {
                 reason: format!("byte-level text needs vocab_size ≥ 256, not {vocab_size}"),
             });
         }
-        Self::new(vec![file], layout, None, None)
+        Self::new(vec![file], layout, None, None, acct)
     }
 
     pub(super) fn shards(
@@ -50,12 +55,13 @@ impl Windows {
         layout: BatchLayout,
         vocab_size: usize,
         shuffle: Option<u64>,
+        acct: &Accountant,
     ) -> Result<Self, Error> {
         let files = shard_paths(pattern)?
             .into_iter()
             .map(TokenFile::shard)
             .collect::<Result<_, _>>()?;
-        Self::new(files, layout, Some(vocab_size), shuffle)
+        Self::new(files, layout, Some(vocab_size), shuffle, acct)
     }
 
     fn new(
@@ -63,18 +69,19 @@ impl Windows {
         layout: BatchLayout,
         vocab_size: Option<usize>,
         shuffle: Option<u64>,
+        acct: &Accountant,
     ) -> Result<Self, Error> {
-        let mut windows = Windows {
+        let tokens = layout.tokens() + 1;
+        let width = files.iter().map(|f| f.width).max().unwrap_or(1);
+        let windows = Windows {
             files,
             layout,
             vocab_size,
             shuffle,
             position: Position::default(),
-            order: (0, Vec::new()),
-            window_order: None,
             open: None,
-            bytes: Vec::new(),
-            window: vec![0; layout.tokens() + 1],
+            bytes: acct.alloc(Category::Buffers, tokens * width)?,
+            window: acct.alloc(Category::Buffers, tokens)?,
         };
         let need = windows.stride() + 1;
         if let Some(short) = windows.files.iter().find(|f| f.len < need) {
@@ -86,7 +93,6 @@ impl Windows {
                 ),
             });
         }
-        windows.order = (0, windows.file_order(0));
         Ok(windows)
     }
 
@@ -100,34 +106,27 @@ impl Windows {
         (self.files[file].len - 1) / self.stride()
     }
 
-    fn file_order(&self, epoch: u64) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.files.len()).collect();
-        if let Some(seed) = self.shuffle {
-            order.shuffle(&mut rng(seed, Stream::ShardOrder, epoch, 0));
+    /// The file at `position`: this epoch's permutation of the files.
+    fn file_at(&self, position: Position) -> usize {
+        let n = self.files.len() as u64;
+        match self.shuffle {
+            Some(seed) => {
+                let key = rng(seed, Stream::ShardOrder, position.epoch, 0).next_u64();
+                permuted(position.shard as u64, n, key) as usize
+            }
+            None => position.shard,
         }
-        order
-    }
-
-    /// The file at `position`, computing the epoch's order if it is not the cached one.
-    fn file_at(&mut self, position: Position) -> usize {
-        if self.order.0 != position.epoch {
-            self.order = (position.epoch, self.file_order(position.epoch));
-        }
-        self.order.1[position.shard]
     }
 
     /// Which window of `file` the `batch`-th read of this epoch takes.
-    fn window_index(&mut self, epoch: u64, file: usize, batch: u64) -> u64 {
-        let Some(seed) = self.shuffle else {
-            return batch;
-        };
-        let key = (epoch, file);
-        if self.window_order.as_ref().is_none_or(|(k, _)| *k != key) {
-            let mut order: Vec<u64> = (0..self.batches_in(file)).collect();
-            order.shuffle(&mut rng(seed, Stream::WindowOrder, epoch, file as u64));
-            self.window_order = Some((key, order));
+    fn window_index(&self, epoch: u64, file: usize, batch: u64) -> u64 {
+        match self.shuffle {
+            Some(seed) => {
+                let key = rng(seed, Stream::WindowOrder, epoch, file as u64).next_u64();
+                permuted(batch, self.batches_in(file), key)
+            }
+            None => batch,
         }
-        self.window_order.as_ref().unwrap().1[batch as usize]
     }
 
     pub(super) fn next_batch(
@@ -195,5 +194,56 @@ impl Windows {
         }
         self.position = position;
         Ok(())
+    }
+}
+
+/// Element `i` of a permutation of `0..n` chosen by `key`: a four-round Feistel network over the
+/// smallest domain of 4^k ≥ n values, applied again while the result is ≥ n (cycle walking),
+/// which stays inside `0..n` and keeps the map one-to-one. Costs no memory, whatever `n`.
+fn permuted(i: u64, n: u64, key: u64) -> u64 {
+    assert!(i < n, "index {i} outside 0..{n}");
+    let half = (64 - (n - 1).leading_zeros()).div_ceil(2).max(1);
+    let mask = (1u64 << half) - 1;
+    let mut x = i;
+    loop {
+        let (mut left, mut right) = (x >> half, x & mask);
+        for round in 0..4u64 {
+            let f = mix(right ^ key.rotate_left(16 * round as u32) ^ round) & mask;
+            (left, right) = (right, left ^ f);
+        }
+        x = (left << half) | right;
+        if x < n {
+            return x;
+        }
+    }
+}
+
+/// SplitMix64's finaliser: every input bit affects every output bit.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::permuted;
+
+    #[test]
+    fn permuted_is_a_permutation_of_every_size_and_depends_on_the_key() {
+        for n in [1u64, 2, 3, 4, 5, 7, 16, 17, 100, 1000, 4097] {
+            for key in [0u64, 1, 0xdead_beef] {
+                let mut seen: Vec<u64> = (0..n).map(|i| permuted(i, n, key)).collect();
+                seen.sort_unstable();
+                assert_eq!(seen, (0..n).collect::<Vec<_>>(), "n {n} key {key}");
+            }
+        }
+        let order = |key| {
+            (0..1000)
+                .map(|i| permuted(i, 1000, key))
+                .collect::<Vec<_>>()
+        };
+        assert_ne!(order(1), order(2));
+        assert_ne!(order(1), (0..1000).collect::<Vec<_>>());
     }
 }

@@ -12,21 +12,15 @@ fn engine<X: Float + Wire>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataL
     let t = spec.training.seq_len.get() as usize;
     let setup = Setup::new(&spec, ZeroStage::Ddp, false, b as u32, 1);
     let shape = spec.architecture().gpt().copied().unwrap();
-    let e = Engine::<X>::new(
-        &setup,
-        shape,
-        seed,
-        Communicator::solo(),
-        Accountant::new(None),
-    )
-    .unwrap();
+    let acct = Accountant::new(None);
+    let e = Engine::<X>::new(&setup, shape, seed, Communicator::solo(), acct.clone()).unwrap();
     let layout = BatchLayout {
         batch: b,
         seq_len: t,
         rank: 0,
         world_size: 1,
     };
-    let data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size).unwrap();
+    let data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size, &acct).unwrap();
     (e, data)
 }
 

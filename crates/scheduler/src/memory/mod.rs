@@ -12,7 +12,7 @@ use serde::ser::SerializeStruct;
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::model::{Activations, GptShape, Units};
-use crate::spec::{Architecture, Dtype, JobSpec, Optimizer, ZeroStage};
+use crate::spec::{Architecture, Dtype, JobSpec, MAX_SYNTHETIC_VOCAB, Optimizer, ZeroStage};
 
 /// What a byte is held for. The trainer's accounting allocator uses the same categories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -26,7 +26,8 @@ pub enum Category {
     Optimizer,
     /// Tensors saved for backward and the backward's scratch.
     Activations,
-    /// Logits, token ids, communication scratch, unit gradient buffers, gathered stage-3 units.
+    /// Logits, token ids, communication scratch, unit gradient buffers, gathered stage-3 units,
+    /// the data loader's buffers.
     Buffers,
     /// Per-device runtime cost (a CUDA context); 0 on CPU devices.
     Overhead,
@@ -146,6 +147,8 @@ pub struct Setup {
     pub checkpointing: bool,
     /// Whether ranks agree on a scalar each step (found-inf for fp16, the norm for clipping).
     pub reduces_norm: bool,
+    /// Bytes per token of the data files, or 0 for synthetic data (`Data::token_width`).
+    pub token_width: usize,
 }
 
 impl Setup {
@@ -168,6 +171,7 @@ impl Setup {
             grad_accum: grad_accum as usize,
             checkpointing,
             reduces_norm: spec.precision.dtype == Dtype::Fp16 || spec.training.grad_clip > 0.0,
+            token_width: spec.data.token_width(),
         }
     }
 }
@@ -242,7 +246,8 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
         setup.checkpointing,
         x,
     );
-    let mut buffers = acts.buffers + comm::scratch_bytes(setup, &units);
+    let mut buffers =
+        acts.buffers + comm::scratch_bytes(setup, &units) + loader_bytes(setup, shape);
     if stage.shards_grads() {
         // Full gradients of the unit in backward, and of the embeddings, which the tied LM head
         // and the encoder both add to, from the first backward op to the last.
@@ -267,6 +272,20 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
         activations: acts.activations,
         buffers,
         overhead: 0,
+    }
+}
+
+/// The data loader's buffers: for files, one window of `B·T + 1` tokens (u32) and its raw
+/// bytes; for the synthetic corpus, its successor table (four u32 per context of two tokens)
+/// and one row of `T + 1` tokens.
+fn loader_bytes(setup: &Setup, shape: &GptShape) -> u64 {
+    let window = (setup.micro_batch * setup.seq_len + 1) as u64;
+    match setup.token_width {
+        0 => {
+            let v = shape.vocab_size.min(MAX_SYNTHETIC_VOCAB) as u64;
+            16 * v * v + 4 * (setup.seq_len as u64 + 1)
+        }
+        width => window * (4 + width as u64),
     }
 }
 

@@ -5,6 +5,21 @@ use serde::{Deserialize, Serialize};
 use super::Architecture;
 use crate::error::{Error, ensure};
 
+/// Synthetic tokens are below `min(vocab_size, MAX_SYNTHETIC_VOCAB)`: 32² contexts is a table a
+/// tiny GPT learns in a few hundred steps (the runner's `data` module makes the corpus).
+pub const MAX_SYNTHETIC_VOCAB: usize = 32;
+
+impl Data {
+    /// Bytes of the tokens of a file of this kind (none for synthetic data).
+    pub fn token_width(&self) -> usize {
+        match self {
+            Data::Synthetic => 0,
+            Data::Text { .. } => 1,
+            Data::Tokens { .. } => 2,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", from = "DataDoc")]
 pub enum Data {

@@ -9,7 +9,7 @@ mod optimizer;
 mod precision;
 mod training;
 
-pub use data::Data;
+pub use data::{Data, MAX_SYNTHETIC_VOCAB};
 pub use model::{Architecture, ModelSource, ModelSpec};
 pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, Sgd};
 pub use precision::{Dtype, DynamicLossScale, LossScale, Precision, ScalerSemantics};
