@@ -21,15 +21,9 @@ pub fn parse_size(input: &str) -> Result<u64, Error> {
         input: input.to_string(),
         reason: reason.to_string(),
     };
-    let s = input.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| err("expected a number followed by a unit such as GiB or GB"))?;
-    let unit = unit.trim().to_ascii_uppercase();
+    let (value, unit) = number_and_unit(input)
+        .ok_or_else(|| err("expected a number followed by a unit such as GiB or GB"))?;
+    let unit = unit.to_ascii_uppercase();
     let scale = match unit.as_str() {
         "" => 1,
         u => UNITS
@@ -43,6 +37,17 @@ pub fn parse_size(input: &str) -> Result<u64, Error> {
         return Err(err("too large"));
     }
     Ok(bytes.round() as u64)
+}
+
+/// `1.5 TiB` as (1.5, "TiB"): a leading decimal number and the rest, both trimmed; `None` when
+/// no number leads. Sizes and durations (`500ms`) are written this way.
+pub fn number_and_unit(input: &str) -> Option<(f64, &str)> {
+    let s = input.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    Some((number.parse().ok()?, unit.trim()))
 }
 
 /// `41.3 GB`: decimal units, one decimal rounded half away from zero.

@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use scheduler::bytes::parse_size;
+use scheduler::bytes::{number_and_unit, parse_size};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
@@ -152,15 +152,9 @@ pub fn default_data_dir() -> PathBuf {
 
 /// `500ms`, `2s`, `5m`, `1h`, or a plain number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| "expected a number with an optional unit: ms, s, m or h".to_string())?;
-    let seconds = match unit.trim() {
+    let (value, unit) =
+        number_and_unit(s).ok_or("expected a number with an optional unit: ms, s, m or h")?;
+    let seconds = match unit {
         "ms" => value / 1000.0,
         "" | "s" => value,
         "m" => value * 60.0,
