@@ -478,7 +478,7 @@ fn a_loader_holds_what_the_memory_model_counts_for_it() {
     two_shards(&dir, [500, 700]);
     std::fs::write(dir.path("t.txt"), "x".repeat(500)).unwrap();
     let (b, t) = (2, 16);
-    // Buffers the model counts, less the same job's with nothing of a loader's own.
+    // Buffers the model counts for a gpt2-tiny job reading `data`.
     let predicted = |data: &str| {
         let json = format!(
             r#"{{"model": {{"preset": "gpt2-tiny"}}, "data": {data},
@@ -499,20 +499,33 @@ fn a_loader_holds_what_the_memory_model_counts_for_it() {
         dir.pattern("train_*.bin")
     );
     let text = format!(r#"{{"kind": "text", "path": "{}"}}"#, dir.pattern("t.txt"));
-    let cases = [
-        (r#"{"kind": "synthetic"}"#.to_string(), Data::Synthetic),
-        (shards, tokens(&dir.pattern("train_*.bin"), true)),
+    let synthetic = r#"{"kind": "synthetic"}"#;
+    // Synthetic: the successor table (32² contexts × 4 u32) and one row of T + 1 u32; the
+    // model's count of it is pinned by the trainer's measured == predicted tests.
+    assert_eq!(
+        measured(&Data::Synthetic),
+        32 * 32 * 16 + (t + 1) as u64 * 4
+    );
+    // Files: one window of B·T + 1 tokens as u32 and as read (2 bytes a token for shards,
+    // 1 for text), against what the model adds over synthetic data.
+    let files = [
+        (shards, tokens(&dir.pattern("train_*.bin"), true), 6),
         (
             text,
             Data::Text {
                 path: dir.pattern("t.txt"),
             },
+            5,
         ),
     ];
-    let base = predicted(&cases[0].0) - measured(&cases[0].1);
-    for (json, data) in &cases {
-        assert_eq!(predicted(json) - base, measured(data), "{json}");
+    for (json, data, bytes_per_token) in &files {
+        let held = measured(data);
+        assert_eq!(held, (b * t + 1) as u64 * bytes_per_token, "{json}");
+        let less = |a: u64, b: u64| a as i64 - b as i64;
+        assert_eq!(
+            less(predicted(json), predicted(synthetic)),
+            less(held, measured(&Data::Synthetic)),
+            "{json}"
+        );
     }
-    // Shards: one window of B·T + 1 tokens as u32 and as their 2-byte form.
-    assert_eq!(measured(&cases[1].1), (b * t + 1) as u64 * 6);
 }
