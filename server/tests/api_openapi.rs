@@ -13,7 +13,7 @@ use utoipa::OpenApi;
 const REGENERATE: &str = "UPDATE_OPENAPI=1 cargo test -p server --test api_openapi";
 
 fn committed() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../openapi/openapi.json")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../openapi/openapi.json")
 }
 
 #[test]

@@ -12,7 +12,7 @@ use serde_json::{Map, Value, json};
 
 const TRACES: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/reference/loss_scaler_traces.json"
+    "/../tests/reference/loss_scaler_traces.json"
 ));
 
 fn traces() -> Value {

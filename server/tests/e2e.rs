@@ -435,7 +435,7 @@ async fn the_python_client_submits_waits_reads_and_cancels() {
     let s = service().await;
     let (stop, agent) = agent(&s, "local", 2, 1 << 30);
     s.wait_nodes(1).await;
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../clients/python");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../clients/python");
     let mut python = Command::new("python3");
     python
         .args(["-m", "unittest", "-v", "test_zerotrain"])

@@ -43,7 +43,7 @@ fn exported() -> String {
 fn every_dashboard_query_names_an_exported_series() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/grafana/zerotrain.json"
+        "/../deploy/grafana/zerotrain.json"
     );
     let dashboard: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();

@@ -52,7 +52,7 @@ struct Row {
 fn reproduces_zero_paper_table_1() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/reference/zero_paper_table1.json"
+        "/../tests/reference/zero_paper_table1.json"
     );
     let text = std::fs::read_to_string(path)
         .unwrap()
