@@ -1,17 +1,19 @@
 //! Bearer tokens. People's tokens carry a role (viewer < submitter < admin); one extractor per
 //! role rejects a request whose token is missing (401), unknown (401) or under-privileged (403).
 //! Agents register with the join token and heartbeat with the per-node token registration
-//! gave them. The store keeps only tokens' SHA-256.
+//! gave them. The store keeps only tokens' SHA-256. A browser without a bearer token may bring
+//! the console's session cookie instead (`session`): it stands for the token it came from.
 
 use std::path::Path;
 
 use axum::extract::{FromRequestParts, Path as UrlPath};
-use axum::http::header;
 use axum::http::request::Parts;
+use axum::http::{HeaderMap, header};
 
 use crate::app::AppState;
 use crate::domain::{NodeRecord, Role};
 use crate::error::ApiError;
+use crate::session;
 use crate::store::{Store, StoreError, token_hash};
 
 /// Who is calling: the token's name and role.
@@ -22,9 +24,8 @@ pub struct Caller {
 }
 
 /// The bearer token of a request.
-fn bearer(parts: &Parts) -> Result<&str, ApiError> {
-    parts
-        .headers
+pub(crate) fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
@@ -34,13 +35,22 @@ fn bearer(parts: &Parts) -> Result<&str, ApiError> {
 }
 
 async fn authorize(parts: &Parts, state: &AppState, needed: Role) -> Result<Caller, ApiError> {
-    let token = bearer(parts)?;
-    let (name, role) = state
-        .store
-        .token(token)
-        .await
-        .map_err(unavailable)?
-        .ok_or(ApiError::UnknownToken)?;
+    let cookie = session::session_id(&parts.headers, &state.settings);
+    let Caller { name, role } = match cookie {
+        Some(id) if !parts.headers.contains_key(header::AUTHORIZATION) => {
+            session::authenticate(parts, state, &id).await?
+        }
+        _ => {
+            let token = bearer(&parts.headers)?;
+            let (name, role) = state
+                .store
+                .token(token)
+                .await
+                .map_err(unavailable)?
+                .ok_or(ApiError::UnknownToken)?;
+            Caller { name, role }
+        }
+    };
     if !role.allows(needed) {
         return Err(ApiError::Forbidden {
             needed: needed.as_str(),
@@ -50,7 +60,7 @@ async fn authorize(parts: &Parts, state: &AppState, needed: Role) -> Result<Call
 }
 
 /// Without the store nobody can be authenticated: the service is unavailable, not broken.
-fn unavailable(e: StoreError) -> ApiError {
+pub(crate) fn unavailable(e: StoreError) -> ApiError {
     tracing::warn!("checking a token: {e}");
     ApiError::Unavailable("the store does not answer".into())
 }
@@ -92,7 +102,7 @@ impl FromRequestParts<AppState> for AgentNode {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let token = bearer(parts)?;
+        let token = bearer(&parts.headers)?;
         let node = state
             .store
             .node_by_token(&token_hash(token))

@@ -22,6 +22,13 @@ pub enum ApiError {
     UnknownToken,
     #[error("this needs a {needed} token")]
     Forbidden { needed: &'static str },
+    #[error("no live console session (logged out, expired, or its token revoked); log in again")]
+    SessionEnded,
+    #[error(
+        "a request authenticated by the console's cookie that changes state must come from \
+         {expected}; its Origin was {origin}"
+    )]
+    CrossOrigin { origin: String, expected: String },
     #[error("only the job's owner or an admin may do this")]
     NotOwner,
     #[error("no {what} {id:?}")]
@@ -125,6 +132,8 @@ impl ApiError {
             ApiError::MissingToken | ApiError::UnknownToken => {
                 (S::UNAUTHORIZED, "unauthorized", "Unauthorized")
             }
+            ApiError::SessionEnded => (S::UNAUTHORIZED, "session-ended", "Session ended"),
+            ApiError::CrossOrigin { .. } => (S::FORBIDDEN, "cross-origin", "Cross-origin request"),
             ApiError::Forbidden { .. } => (S::FORBIDDEN, "forbidden", "Forbidden"),
             ApiError::NotOwner => (S::FORBIDDEN, "not-owner", "Not the job's owner"),
             ApiError::NotFound { .. } => (S::NOT_FOUND, "not-found", "Not found"),
@@ -266,7 +275,10 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let problem = self.problem();
         let mut response = problem_response(&problem);
-        if matches!(self, ApiError::MissingToken | ApiError::UnknownToken) {
+        if matches!(
+            self,
+            ApiError::MissingToken | ApiError::UnknownToken | ApiError::SessionEnded
+        ) {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

@@ -8,6 +8,7 @@ pub mod error;
 pub mod metrics;
 pub mod routes;
 pub mod scheduling;
+pub mod session;
 pub mod settings;
 pub mod store;
 

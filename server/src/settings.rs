@@ -39,6 +39,13 @@ pub struct Settings {
     /// How long a finished job's training series stay on `/metrics`, so the last scrape sees
     /// its final values (`ZEROTRAIN_FINISHED_SERIES_TTL`, default 60s).
     pub finished_series_ttl: Duration,
+    /// The URL browsers reach the server at, when it is not `http://` + the `Host` they send:
+    /// behind a TLS-terminating proxy, `https://zerotrain.example.com` (`ZEROTRAIN_PUBLIC_URL`).
+    /// Its origin is what cookie-authenticated requests must come from; with `https` the
+    /// console's cookie is `Secure` and `__Host-` prefixed.
+    pub public_url: Option<reqwest::Url>,
+    /// How long a console login lasts (`ZEROTRAIN_SESSION_TTL`, default 12h).
+    pub session_ttl: Duration,
     /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
     pub expect_local_agent: bool,
 }
@@ -65,6 +72,8 @@ impl Default for Settings {
             body_limit: 4 << 20,
             request_timeout: Duration::from_secs(30),
             finished_series_ttl: Duration::from_secs(60),
+            public_url: None,
+            session_ttl: Duration::from_secs(12 * 3600),
             expect_local_agent: false,
         }
     }
@@ -116,6 +125,12 @@ impl Settings {
         if let Some(v) = read("ZEROTRAIN_FINISHED_SERIES_TTL") {
             s.finished_series_ttl = parse(v, parse_duration)?;
         }
+        if let Some(v) = read("ZEROTRAIN_PUBLIC_URL") {
+            s.public_url = Some(parse(v, parse_public_url)?);
+        }
+        if let Some(v) = read("ZEROTRAIN_SESSION_TTL") {
+            s.session_ttl = parse(v, parse_duration)?;
+        }
         Ok(s)
     }
 
@@ -164,6 +179,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|e| e.to_string())
 }
 
+/// An `http` or `https` URL of a host, with no path: where browsers reach the server.
+pub fn parse_public_url(s: &str) -> Result<reqwest::Url, String> {
+    let url = reqwest::Url::parse(s).map_err(|e| e.to_string())?;
+    if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
+        return Err("expected http://HOST[:PORT] or https://HOST[:PORT]".into());
+    }
+    if url.path() != "/" || url.query().is_some() {
+        return Err("the console is served at the root: give no path or query".into());
+    }
+    Ok(url)
+}
+
 /// A fraction in [0, 1).
 pub fn parse_margin(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
@@ -206,6 +233,14 @@ mod tests {
             Settings::from_vars(|name| (name == "ZEROTRAIN_SAFETY_MARGIN").then(|| "2".into()))
                 .unwrap_err();
         assert_eq!(err.var, "ZEROTRAIN_SAFETY_MARGIN");
+    }
+
+    #[test]
+    fn a_public_url_is_an_origin() {
+        let url = parse_public_url("https://zt.example.com").unwrap();
+        assert_eq!(url.origin().ascii_serialization(), "https://zt.example.com");
+        assert!(parse_public_url("https://zt.example.com/console").is_err());
+        assert!(parse_public_url("ftp://zt.example.com").is_err());
     }
 
     #[test]

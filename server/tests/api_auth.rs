@@ -1,5 +1,6 @@
 //! Every route rejects a missing or unknown token (401) and an under-privileged one (403); the
-//! table must list every operation of the OpenAPI document, so a new route cannot skip it.
+//! table must list every operation of the OpenAPI document, so a new route cannot skip it. The
+//! console's session cookie gets exactly its token's access, and only from the server's origin.
 
 mod api_helpers;
 
@@ -18,6 +19,8 @@ enum Needs {
     Admin,
     Join,
     NodeToken,
+    /// A console session cookie (bearer tokens are not sessions).
+    Session,
 }
 
 const ROUTES: &[(&str, &str, Needs)] = &[
@@ -34,6 +37,8 @@ const ROUTES: &[(&str, &str, Needs)] = &[
     ("GET", "/v1/jobs/{id}/events", Needs::Viewer),
     ("POST", "/v1/estimate", Needs::Viewer),
     ("GET", "/v1/nodes", Needs::Viewer),
+    ("POST", "/v1/session", Needs::Viewer),
+    ("DELETE", "/v1/session", Needs::Session),
     ("POST", "/v1/tokens", Needs::Admin),
     ("GET", "/v1/tokens", Needs::Admin),
     ("DELETE", "/v1/tokens/{name}", Needs::Admin),
@@ -107,6 +112,13 @@ async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
             Needs::Admin => (vec![JOIN, &node_token, VIEWER, SUBMITTER], vec![ADMIN]),
             Needs::Join => (vec![&node_token, VIEWER, SUBMITTER, ADMIN], vec![JOIN]),
             Needs::NodeToken => (vec![JOIN, VIEWER, SUBMITTER, ADMIN], vec![&node_token]),
+            Needs::Session => {
+                for token in [JOIN, &node_token, VIEWER, SUBMITTER, ADMIN] {
+                    let a = call(Some(token)).await;
+                    assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{template}: {}", a.text);
+                }
+                continue;
+            }
             Needs::Nobody => unreachable!(),
         };
         for token in denied {
@@ -129,4 +141,110 @@ async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
             );
         }
     }
+}
+
+/// What each role's token may call, as the bearer-token test above checks it.
+fn allowed(needs: Needs, role_token: &str) -> bool {
+    match needs {
+        Needs::Nobody => true,
+        Needs::Viewer | Needs::Session => [VIEWER, SUBMITTER, ADMIN].contains(&role_token),
+        Needs::Submitter => [SUBMITTER, ADMIN].contains(&role_token),
+        Needs::Admin => role_token == ADMIN,
+        // Agents never use the console's cookie.
+        Needs::Join | Needs::NodeToken => false,
+    }
+}
+
+#[tokio::test]
+async fn a_session_cookie_has_exactly_its_tokens_access_on_every_route() {
+    let app = TestApp::new().await;
+    let (node, _) = app.register("n1", 1, 2 * GIB).await;
+    let job = app.submit_ok(&tiny_spec(1)).await;
+    app.call(
+        Method::POST,
+        &format!("/v1/jobs/{job}/cancel"),
+        Some(SUBMITTER),
+        None,
+    )
+    .await;
+    for role_token in [VIEWER, SUBMITTER, ADMIN] {
+        for &(method, template, needs) in ROUTES {
+            if needs == Needs::Nobody {
+                continue;
+            }
+            if (method, template) == ("POST", "/v1/session") {
+                // Logging in takes a token, not a session.
+                let cookie = app.login(role_token).await;
+                let a = app
+                    .browser(Method::POST, template, &cookie, Some(ORIGIN), None)
+                    .await;
+                assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{}", a.text);
+                continue;
+            }
+            // A fresh session each time: DELETE /v1/session ends it.
+            let cookie = app.login(role_token).await;
+            let path = template
+                .replace("{id}", &job)
+                .replace("{node}", &node)
+                .replace("{name}", "nobody");
+            let method = Method::from_bytes(method.as_bytes()).unwrap();
+            let body = (method == Method::POST).then(|| json!({}));
+            let a = app
+                .browser(method, &path, &cookie, Some(ORIGIN), body.as_ref())
+                .await;
+            let refused = [StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&a.status);
+            assert_eq!(
+                !refused,
+                allowed(needs, role_token),
+                "{template} with {role_token}'s cookie: {} {}",
+                a.status,
+                a.text
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_cookie_request_that_changes_state_needs_the_servers_origin() {
+    let app = TestApp::new().await;
+    app.register("n1", 1, 2 * GIB).await;
+    let cookie = app.login(ADMIN).await;
+    let job = app.submit_ok(&tiny_spec(1)).await;
+    let cancel = format!("/v1/jobs/{job}/cancel");
+    for origin in [
+        Some("http://evil.example"),
+        Some("null"),
+        Some("https://zerotrain.test:8080"),
+        None,
+    ] {
+        for (method, path) in [
+            (Method::POST, cancel.as_str()),
+            (Method::POST, "/v1/jobs"),
+            (Method::POST, "/v1/tokens"),
+            (Method::DELETE, "/v1/session"),
+        ] {
+            let body = (method == Method::POST).then(|| tiny_spec(1));
+            let a = app
+                .browser(method, path, &cookie, origin, body.as_ref())
+                .await;
+            assert_eq!(
+                a.status,
+                StatusCode::FORBIDDEN,
+                "{path} from {origin:?}: {}",
+                a.text
+            );
+            assert_eq!(a.json()["type"], "urn:zerotrain:problem:cross-origin");
+        }
+    }
+    // Nothing happened: the job is still queued, and the session still works.
+    assert_eq!(app.job(&job).await["state"], "queued");
+    let a = app
+        .browser(Method::POST, &cancel, &cookie, Some(ORIGIN), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    // Reading needs no Origin (browsers send none on same-origin GETs).
+    let a = app
+        .browser(Method::GET, "/v1/jobs", &cookie, None, None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
 }

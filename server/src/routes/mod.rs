@@ -7,6 +7,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod nodes;
 pub mod openapi;
+pub mod session;
 pub mod tokens;
 
 use axum::Router;
@@ -32,6 +33,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/jobs/{id}/events", get(jobs::events::events))
         .route("/v1/estimate", post(estimate::estimate))
         .route("/v1/nodes", get(nodes::list))
+        .route("/v1/session", post(session::create).delete(session::delete))
         .route("/v1/tokens", post(tokens::create).get(tokens::list))
         .route("/v1/tokens/{name}", delete(tokens::revoke))
         .route("/v1/agents/register", post(agents::register::register))

@@ -12,7 +12,7 @@ use crate::domain::{
     TokenRecord, Transition,
 };
 use crate::error::{Alternative, Configuration, DoesNotFit, Problem};
-use crate::routes::{agents, estimate, health, jobs, metrics, nodes, tokens};
+use crate::routes::{agents, estimate, health, jobs, metrics, nodes, session, tokens};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -21,7 +21,9 @@ use crate::routes::{agents, estimate, health, jobs, metrics, nodes, tokens};
         description = "ZeRO-sharded mixed-precision training as a service. Every endpoint but \
             /healthz takes a bearer token: viewer < submitter < admin (admins manage tokens at \
             /v1/tokens); agents use the join token \
-            to register and their node's token to heartbeat. Errors are RFC 9457 \
+            to register and their node's token to heartbeat. Browsers exchange a token for a \
+            session cookie at /v1/session; cookie-authenticated requests that change state \
+            must carry the server's Origin. Errors are RFC 9457 \
             application/problem+json."
     ),
     paths(
@@ -38,6 +40,8 @@ use crate::routes::{agents, estimate, health, jobs, metrics, nodes, tokens};
         jobs::events::events,
         estimate::estimate,
         nodes::list,
+        session::create,
+        session::delete,
         tokens::create,
         tokens::list,
         tokens::revoke,

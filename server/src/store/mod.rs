@@ -14,6 +14,7 @@ mod nodes;
 mod reports;
 mod rows;
 mod schedule;
+mod sessions;
 mod tokens;
 
 use scheduler::inventory::Device;
@@ -429,6 +430,31 @@ impl Store {
         let revoked = tokens::revoke(&mut tx.conn(), name).await?;
         tx.commit().await?;
         Ok(revoked)
+    }
+
+    /// Stores console session `session` for `token` until `expires_at`; false, writing
+    /// nothing, when the token is not known.
+    pub async fn insert_session(
+        &self,
+        session: &str,
+        token: &str,
+        expires_at: i64,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool.write().await?;
+        let inserted =
+            sessions::insert(&mut tx.conn(), session, token, now_ms(), expires_at).await?;
+        tx.commit().await?;
+        Ok(inserted)
+    }
+
+    /// The name and role of the token behind a console session, while both are live.
+    pub async fn session(&self, session: &str) -> Result<Option<(String, Role)>, StoreError> {
+        sessions::lookup(&mut self.pool.acquire().await?.conn(), session, now_ms()).await
+    }
+
+    /// Ends a console session (logging out).
+    pub async fn delete_session(&self, session: &str) -> Result<(), StoreError> {
+        sessions::delete(&mut self.pool.acquire().await?.conn(), session).await
     }
 
     /// Whether any admin token exists (`zerotrain up` creates one on first start).

@@ -146,7 +146,7 @@ pub(super) async fn has_admin(c: &mut Conn<'_>) -> Result<bool, StoreError> {
     Ok(n > 0)
 }
 
-fn parse_role(role: &str) -> Result<Role, StoreError> {
+pub(super) fn parse_role(role: &str) -> Result<Role, StoreError> {
     Role::parse(role).ok_or_else(|| StoreError::Corrupt {
         what: "token role".into(),
         reason: format!("unknown role {role:?}"),

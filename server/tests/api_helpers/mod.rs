@@ -23,6 +23,9 @@ pub const SUBMITTER: &str = "submitter-token";
 pub const OTHER_SUBMITTER: &str = "other-submitter-token";
 pub const VIEWER: &str = "viewer-token";
 pub const JOIN: &str = "join-token";
+/// The `Host` the browser requests name, and the Origin it sends from the console's pages.
+pub const HOST: &str = "zerotrain.test:8080";
+pub const ORIGIN: &str = "http://zerotrain.test:8080";
 
 pub struct TestApp {
     pub state: AppState,
@@ -126,12 +129,11 @@ impl TestApp {
             }
             None => Body::empty(),
         };
-        let resp = self
-            .router
-            .clone()
-            .oneshot(req.body(body).unwrap())
-            .await
-            .unwrap();
+        self.send(req.body(body).unwrap()).await
+    }
+
+    pub async fn send(&self, req: Request<Body>) -> Answer {
+        let resp = self.router.clone().oneshot(req).await.unwrap();
         let status = resp.status();
         let headers = resp.headers().clone();
         let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
@@ -219,6 +221,33 @@ impl TestApp {
     /// Runs one scheduling pass now.
     pub async fn schedule(&self) -> usize {
         server::scheduling::pass(&self.state).await.unwrap().len()
+    }
+
+    /// Logs in with `token` (`POST /v1/session`): the `Cookie` header value of the session.
+    pub async fn login(&self, token: &str) -> String {
+        let a = self
+            .call(Method::POST, "/v1/session", Some(token), None)
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+        let set = a.headers[header::SET_COOKIE].to_str().unwrap();
+        set.split(';').next().unwrap().to_string()
+    }
+
+    /// A request as the console's browser makes it: the session cookie, no bearer token, and
+    /// `origin` as its Origin (`None`: no Origin header) to a server at `http://HOST`.
+    pub async fn browser(
+        &self,
+        method: Method,
+        path: &str,
+        cookie: &str,
+        origin: Option<&str>,
+        body: Option<&Value>,
+    ) -> Answer {
+        let mut headers = vec![("host", HOST), ("cookie", cookie)];
+        if let Some(o) = origin {
+            headers.push(("origin", o));
+        }
+        self.call_with(method, path, None, body, &headers).await
     }
 
     pub async fn job(&self, id: &str) -> Value {
