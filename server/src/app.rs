@@ -23,6 +23,7 @@ use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::ToSchema;
 
+use crate::console;
 use crate::domain::{Job, JobState, LogLine, StepRecord};
 use crate::error::{InternalDetail, problem_for_bare_errors};
 use crate::metrics::Metrics;
@@ -189,6 +190,7 @@ pub fn router(state: AppState) -> Router {
     // Innermost first: errors the limit and the timeout produce still become problems, and
     // are counted and compressed like any other answer.
     routes::routes()
+        .merge(console::routes())
         // The body limit below is the one limit; axum's own 2 MB default would be a second.
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(settings.body_limit))

@@ -307,8 +307,11 @@ fn problem_response(problem: &Problem) -> Response {
 /// limit, a timeout) become problems too, so every error a client sees has one shape.
 pub async fn problem_for_bare_errors(response: Response) -> Response {
     let status = response.status();
-    let has_body_type = response.headers().contains_key(header::CONTENT_TYPE)
-        && response.headers()[header::CONTENT_TYPE] == PROBLEM_JSON;
+    // Problems, and the console's HTML error pages, already have their shape.
+    let has_body_type = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t == PROBLEM_JSON || t.as_bytes().starts_with(b"text/html"));
     if !(status.is_client_error() || status.is_server_error()) || has_body_type {
         return response;
     }

@@ -3,6 +3,7 @@
 pub mod app;
 pub mod auth;
 pub mod cli;
+pub mod console;
 pub mod domain;
 pub mod error;
 pub mod metrics;

@@ -16,7 +16,7 @@ use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
 use server::store::{
-    Backend, Decision, FreeDevice, JobFilter, Revoked, Store, StoreError, token_hash,
+    Backend, Decision, FreeDevice, JobFilter, JobSort, Revoked, Store, StoreError, token_hash,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::SqlitePoolOptions;
@@ -164,6 +164,8 @@ suite! {
     #[tokio::test] get_of_an_unknown_id_is_none,
     #[tokio::test] list_is_newest_first_and_filters_by_state_and_name,
     #[tokio::test] list_pages_with_the_before_cursor,
+    #[tokio::test] list_sorts_by_a_column_and_pages_through_ties,
+    #[tokio::test] sessions_live_while_their_token_does,
     #[tokio::test] an_idempotency_key_reused_by_its_owner_returns_the_first_job,
     #[tokio::test] an_idempotency_key_is_per_owner,
     #[tokio::test] a_transition_from_a_stale_state_changes_nothing,
@@ -445,6 +447,113 @@ async fn list_pages_with_the_before_cursor(db: TestDb) {
         .await
         .unwrap();
     assert_eq!(ids(&page), vec![submitted[2].clone()]);
+}
+
+async fn list_sorts_by_a_column_and_pages_through_ties(db: TestDb) {
+    // Priorities 1, 0, 1, 0, 1, 0, 1 by alice, one by bob: ties broken by submission order.
+    let mut submitted = Vec::new();
+    for i in 0..7 {
+        submitted.push(submit(&db.store, &format!("job-{i}"), 1 - i % 2, 1).await);
+    }
+    db.store
+        .insert_job(&job("bobs", "bob", 5, 1), None)
+        .await
+        .unwrap();
+    let sort = JobSort::parse("-priority").unwrap();
+    let mut pages = Vec::new();
+    let mut before = None;
+    loop {
+        let filter = JobFilter {
+            owner: Some("alice".into()),
+            sort,
+            before: before.clone(),
+            limit: 3,
+            ..JobFilter::default()
+        };
+        let page = db.store.list_jobs(&filter).await.unwrap();
+        if page.is_empty() {
+            break;
+        }
+        before = page.last().map(|j| j.id.clone());
+        pages.push(page);
+    }
+    let got: Vec<(i32, String)> = pages
+        .concat()
+        .into_iter()
+        .map(|j| (j.priority, j.name.unwrap()))
+        .collect();
+    let want: Vec<(i32, String)> = [6, 4, 2, 0, 5, 3, 1]
+        .map(|i| (1 - i % 2, format!("job-{i}")))
+        .into();
+    assert_eq!(
+        got, want,
+        "priority descending, newest first within a priority"
+    );
+    let by_name = JobFilter {
+        sort: JobSort::parse("name").unwrap(),
+        ..JobFilter::default()
+    };
+    let names: Vec<String> = db
+        .store
+        .list_jobs(&by_name)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.name.unwrap())
+        .collect();
+    assert_eq!(names[0], "bobs");
+    assert_eq!(
+        names[1..],
+        (0..7).map(|i| format!("job-{i}")).collect::<Vec<_>>()[..]
+    );
+    assert_eq!(
+        JobSort::parse("-priority").unwrap().as_string(),
+        "-priority"
+    );
+    assert!(JobSort::parse("size").is_none());
+}
+
+async fn sessions_live_while_their_token_does(db: TestDb) {
+    let far = i64::MAX / 2;
+    db.store
+        .insert_token("carol", Role::Viewer, "zt_carol")
+        .await
+        .unwrap();
+    db.store
+        .insert_token("dave", Role::Admin, "zt_dave")
+        .await
+        .unwrap();
+    assert!(
+        db.store
+            .insert_session("s1", "zt_carol", far)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !db.store
+            .insert_session("s2", "zt_unknown", far)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        db.store.session("s1").await.unwrap(),
+        Some(("carol".to_string(), Role::Viewer))
+    );
+    assert_eq!(db.store.session("s2").await.unwrap(), None);
+    // Expired sessions are not found, and the next login drops them.
+    assert!(db.store.insert_session("old", "zt_carol", 1).await.unwrap());
+    assert_eq!(db.store.session("old").await.unwrap(), None);
+    assert_eq!(db.store.revoke_token("carol").await.unwrap(), Revoked::Yes);
+    assert_eq!(db.store.session("s1").await.unwrap(), None);
+    assert!(db.store.insert_session("s3", "zt_dave", far).await.unwrap());
+    db.store.delete_session("s3").await.unwrap();
+    assert_eq!(db.store.session("s3").await.unwrap(), None);
+    let left: i64 = raw!(db, pool => sqlx::query_scalar("SELECT COUNT(*) FROM sessions")
+        .fetch_one(pool).await.unwrap());
+    assert_eq!(
+        left, 0,
+        "revoking the token deleted its sessions; logout deleted the other"
+    );
 }
 
 async fn an_idempotency_key_reused_by_its_owner_returns_the_first_job(db: TestDb) {

@@ -30,14 +30,16 @@ pub(super) fn start(
     std::thread::spawn(move || {
         let (job_id, attempt) = (a.job_id.clone(), a.attempt);
         let send = |r: Report| outbox.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+        let ranks: Vec<usize> = a.ranks.iter().map(|r| r.rank).collect();
+        // Each line names the ranks it speaks for (this node's), so readers can filter by rank.
+        let tag = rank_tag(&ranks);
         let log = |line: String| {
             send(Report::Log {
                 job_id: job_id.clone(),
                 attempt,
-                line,
+                line: format!("{tag} {line}"),
             })
         };
-        let ranks: Vec<usize> = a.ranks.iter().map(|r| r.rank).collect();
         log(format!(
             "{}: starting ranks {ranks:?} of attempt {attempt}",
             cfg.name
@@ -81,6 +83,13 @@ pub(super) fn start(
             }
         }
     })
+}
+
+/// `[rank 0]`, `[ranks 0,1,2,3]`: the tag that starts each log line of this node.
+fn rank_tag(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    let s = if ranks.len() == 1 { "" } else { "s" };
+    format!("[rank{s} {}]", list.join(","))
 }
 
 fn train(

@@ -91,6 +91,13 @@ pub(super) async fn start(settings: Settings) -> anyhow::Result<(Server, auth::B
     let admin = std::env::var("ZEROTRAIN_TOKEN").ok();
     let tokens = auth::bootstrap(&server.state().store, &data_dir, admin.as_deref()).await?;
     eprintln!("zerotrain serving at {}", server.url());
+    let console = server
+        .state()
+        .settings
+        .public_url
+        .as_ref()
+        .map_or_else(|| format!("{}/", server.url()), |u| u.to_string());
+    eprintln!("console: {console} (log in with a token)");
     let admin_file = data_dir.join("admin-token");
     match &tokens.new_admin_token {
         Some(token) => eprintln!("admin token: {token} (saved to {})", admin_file.display()),

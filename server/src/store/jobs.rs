@@ -3,7 +3,7 @@
 
 use super::backend::{Arg, Conn, bind_args, on};
 use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, new_id, state, to_json};
-use super::{JobFilter, StoreError};
+use super::{JobFilter, SortKey, StoreError};
 use crate::domain::{Job, JobState, Transition};
 
 /// The page size when a filter asks for 0 jobs.
@@ -101,8 +101,28 @@ pub(super) async fn list(c: &mut Conn<'_>, filter: &JobFilter) -> Result<Vec<Job
     if let Some(name) = &filter.name {
         condition("name =", Arg::Text(name.clone()));
     }
+    if let Some(owner) = &filter.owner {
+        condition("owner =", Arg::Text(owner.clone()));
+    }
+    let column = match filter.sort.key {
+        SortKey::Created => "id",
+        SortKey::Name => "COALESCE(name, '')",
+        SortKey::State => "state",
+        SortKey::Owner => "owner",
+        SortKey::Priority => "priority",
+    };
+    let (direction, past) = if filter.sort.descending {
+        ("DESC", "<")
+    } else {
+        ("ASC", ">")
+    };
     if let Some(before) = &filter.before {
-        condition("id <", Arg::Text(before.clone()));
+        // Keyset paging: past the cursor job's (sort key, id), read from its row.
+        args.push(Arg::Text(before.clone()));
+        conditions.push(format!(
+            "({column}, id) {past} (SELECT {column}, id FROM jobs WHERE id = ${})",
+            args.len()
+        ));
     }
     let limit = if filter.limit == 0 {
         DEFAULT_PAGE
@@ -116,7 +136,8 @@ pub(super) async fn list(c: &mut Conn<'_>, filter: &JobFilter) -> Result<Vec<Job
         format!("WHERE {}", conditions.join(" AND "))
     };
     let sql = format!(
-        "SELECT {JOB_COLUMNS} FROM jobs {filter_sql} ORDER BY id DESC LIMIT ${}",
+        "SELECT {JOB_COLUMNS} FROM jobs {filter_sql} \
+         ORDER BY {column} {direction}, id {direction} LIMIT ${}",
         args.len()
     );
     let rows = on!(c, c => {

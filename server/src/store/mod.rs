@@ -58,14 +58,76 @@ pub enum Backend {
     Postgres,
 }
 
-/// A filter and a page of `GET /v1/jobs`: newest first; `before` is the id of the last job of
-/// the previous page. A `limit` of 0 means [`DEFAULT_PAGE`].
+/// A filter and a page of `GET /v1/jobs`, in `sort` order; `before` is the id of the last job
+/// of the previous page. A `limit` of 0 means [`DEFAULT_PAGE`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct JobFilter {
     pub state: Option<JobState>,
     pub name: Option<String>,
+    pub owner: Option<String>,
+    pub sort: JobSort,
     pub before: Option<String>,
     pub limit: u32,
+}
+
+/// The order of a job list: a column, then the id (submission order) to break ties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobSort {
+    pub key: SortKey,
+    pub descending: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SortKey {
+    /// Submission time (the id is a UUIDv7).
+    #[default]
+    Created,
+    Name,
+    State,
+    Owner,
+    Priority,
+}
+
+impl Default for JobSort {
+    fn default() -> Self {
+        JobSort::NEWEST
+    }
+}
+
+impl JobSort {
+    pub const NEWEST: JobSort = JobSort {
+        key: SortKey::Created,
+        descending: true,
+    };
+
+    /// `created`, `name`, `state`, `owner` or `priority`; a leading `-` for descending.
+    pub fn parse(s: &str) -> Option<JobSort> {
+        let (descending, key) = match s.strip_prefix('-') {
+            Some(key) => (true, key),
+            None => (false, s),
+        };
+        let key = match key {
+            "created" => SortKey::Created,
+            "name" => SortKey::Name,
+            "state" => SortKey::State,
+            "owner" => SortKey::Owner,
+            "priority" => SortKey::Priority,
+            _ => return None,
+        };
+        Some(JobSort { key, descending })
+    }
+
+    /// The form `parse` reads.
+    pub fn as_string(self) -> String {
+        let key = match self.key {
+            SortKey::Created => "created",
+            SortKey::Name => "name",
+            SortKey::State => "state",
+            SortKey::Owner => "owner",
+            SortKey::Priority => "priority",
+        };
+        format!("{}{key}", if self.descending { "-" } else { "" })
+    }
 }
 
 /// A device no job holds now: node id, device index, the device.

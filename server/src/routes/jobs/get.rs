@@ -34,7 +34,12 @@ pub async fn get(
     _: Viewer,
     Path(id): Path<String>,
 ) -> Result<Json<JobDetail>, ApiError> {
-    let job = super::find(&state, &id).await?;
-    let transitions = state.store.transitions(&id).await?;
-    Ok(Json(JobDetail { job, transitions }))
+    Ok(Json(detail(&state, &id).await?))
+}
+
+/// Job `id` with its history (or a 404), as the endpoint and the console's job page show it.
+pub(crate) async fn detail(state: &AppState, id: &str) -> Result<JobDetail, ApiError> {
+    let job = super::find(state, id).await?;
+    let transitions = state.store.transitions(id).await?;
+    Ok(JobDetail { job, transitions })
 }

@@ -1,4 +1,5 @@
-//! `GET /v1/jobs`: newest first, filtered by state and name, a page at a time.
+//! `GET /v1/jobs`: filtered by state, name and owner, sorted (newest first by default), a page
+//! at a time. The console's jobs page reads the same pages through [`page`].
 
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
@@ -10,17 +11,22 @@ use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::{Job, JobState};
 use crate::error::{ApiError, Problem};
-use crate::store::JobFilter;
+use crate::store::{JobFilter, JobSort};
 
 const DEFAULT_LIMIT: u32 = 50;
 const MAX_LIMIT: u32 = 500;
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Default, Deserialize, IntoParams)]
 pub struct ListParams {
     /// Only jobs in this state (queued, scheduled, running, succeeded, failed, cancelled).
     pub state: Option<String>,
     /// Only jobs with this name.
     pub name: Option<String>,
+    /// Only jobs submitted with the token of this name.
+    pub owner: Option<String>,
+    /// `created`, `name`, `state`, `owner` or `priority`, with a leading `-` for descending
+    /// (default `-created`: newest first); ties go in submission order.
+    pub sort: Option<String>,
     /// `next_cursor` of the previous page.
     pub cursor: Option<String>,
     /// Jobs per page, 1-500 (default 50).
@@ -35,7 +41,7 @@ pub struct JobPage {
     pub next_cursor: Option<String>,
 }
 
-/// Jobs, newest first.
+/// Jobs, newest first unless `sort` says otherwise.
 #[utoipa::path(
     get,
     path = "/v1/jobs", operation_id = "list_jobs",
@@ -52,6 +58,11 @@ pub async fn list(
     params: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Json<JobPage>, ApiError> {
     let Query(params) = params?;
+    Ok(Json(page(&state, params).await?))
+}
+
+/// The page of jobs `params` asks for.
+pub(crate) async fn page(state: &AppState, params: ListParams) -> Result<JobPage, ApiError> {
     let job_state = match &params.state {
         Some(s) => Some(JobState::parse(s).ok_or_else(|| ApiError::BadRequest {
             field: "state".into(),
@@ -61,6 +72,16 @@ pub async fn list(
             ),
         })?),
         None => None,
+    };
+    let sort = match &params.sort {
+        Some(s) => JobSort::parse(s).ok_or_else(|| ApiError::BadRequest {
+            field: "sort".into(),
+            reason: format!(
+                "{s:?}: use created, name, state, owner or priority, \
+                 with a leading - for descending"
+            ),
+        })?,
+        None => JobSort::NEWEST,
     };
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
     if !(1..=MAX_LIMIT).contains(&limit) {
@@ -75,6 +96,8 @@ pub async fn list(
         .list_jobs(&JobFilter {
             state: job_state,
             name: params.name,
+            owner: params.owner,
+            sort,
             before: params.cursor,
             limit: limit + 1,
         })
@@ -85,5 +108,5 @@ pub async fn list(
     } else {
         None
     };
-    Ok(Json(JobPage { jobs, next_cursor }))
+    Ok(JobPage { jobs, next_cursor })
 }

@@ -8,7 +8,7 @@ use utoipa::ToSchema;
 
 use crate::app::AppState;
 use crate::auth::Viewer;
-use crate::domain::{JobState, RankMemoryRecord, StepRecord};
+use crate::domain::{Job, JobState, RankMemoryRecord, StepRecord};
 use crate::error::{ApiError, Problem};
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -22,6 +22,17 @@ pub struct JobMetrics {
     pub steps: Vec<StepRecord>,
     /// Per rank: peak bytes measured by the trainer and predicted by the memory model.
     pub ranks: Vec<RankMemoryRecord>,
+    /// Where each rank of the current attempt runs, with its device's memory (empty until
+    /// the job is placed).
+    pub devices: Vec<RankDevice>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RankDevice {
+    pub rank: u32,
+    pub node_id: String,
+    pub device: u32,
+    pub memory_bytes: u64,
 }
 
 /// A job's step series and per-rank memory.
@@ -41,13 +52,39 @@ pub async fn metrics(
     Path(id): Path<String>,
 ) -> Result<Json<JobMetrics>, ApiError> {
     let job = super::find(&state, &id).await?;
-    let steps = state.store.steps(&id).await?;
-    let ranks = state.store.rank_memory(&id).await?;
-    Ok(Json(JobMetrics {
+    Ok(Json(job_metrics(&state, job).await?))
+}
+
+/// `job`'s metrics, as the endpoint and the console's job page show them.
+pub(crate) async fn job_metrics(state: &AppState, job: Job) -> Result<JobMetrics, ApiError> {
+    let steps = state.store.steps(&job.id).await?;
+    let ranks = state.store.rank_memory(&job.id).await?;
+    let nodes = state.store.nodes().await?;
+    let devices = state
+        .store
+        .assignments_for_job(&job.id)
+        .await?
+        .into_iter()
+        .map(|a| {
+            let memory_bytes = nodes
+                .iter()
+                .find(|n| n.id == a.node_id)
+                .and_then(|n| n.devices.get(a.device as usize))
+                .map_or(0, |d| d.memory_bytes);
+            RankDevice {
+                rank: a.rank,
+                node_id: a.node_id,
+                device: a.device,
+                memory_bytes,
+            }
+        })
+        .collect();
+    Ok(JobMetrics {
         job_id: job.id,
         state: job.state,
         predicted_per_rank_bytes: job.plan["per_rank_bytes"].clone(),
         steps,
         ranks,
-    }))
+        devices,
+    })
 }

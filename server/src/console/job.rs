@@ -1,0 +1,222 @@
+//! `/jobs/{id}`: a job's state and history, spec and plan, memory measured against predicted,
+//! bytes sent per collective and its log, as tables that need no JavaScript; the charts (from
+//! `GET /v1/jobs/{id}/metrics`) and the followed log (`…/logs?follow=true`) are drawn by the
+//! console script. `/jobs/{id}/log.txt` downloads the whole log.
+
+use askama::Template;
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use scheduler::memory::Category;
+
+use super::view::{self, Layout};
+use super::{Signed, error_page, render};
+use crate::app::AppState;
+use crate::domain::{LogLine, Role};
+use crate::error::ApiError;
+use crate::routes::jobs::get::detail;
+use crate::routes::jobs::metrics::job_metrics;
+
+/// Log lines a page shows before following.
+const LOG_PAGE: u32 = 1000;
+
+struct HistoryRow {
+    at: String,
+    from: &'static str,
+    to: &'static str,
+    reason: String,
+}
+
+/// One category's bytes on each rank: (measured, predicted).
+struct MemoryRow {
+    category: &'static str,
+    cells: Vec<(String, String)>,
+}
+
+struct CommRow {
+    rank: u32,
+    ops: Vec<(String, String)>,
+}
+
+#[derive(Template)]
+#[template(path = "job.html")]
+struct JobPage {
+    layout: Layout,
+    id: String,
+    name: String,
+    state: &'static str,
+    live: bool,
+    reason: String,
+    owner: String,
+    attempt: u32,
+    priority: i32,
+    world_size: u32,
+    submitted: String,
+    plan: Vec<(&'static str, String)>,
+    predicted: Vec<(&'static str, String)>,
+    history: Vec<HistoryRow>,
+    ranks: Vec<u32>,
+    memory: Vec<MemoryRow>,
+    budgets: Vec<String>,
+    comm: Vec<CommRow>,
+    spec: String,
+    log: Vec<LogLine>,
+    can_cancel: bool,
+    can_submit: bool,
+}
+
+pub async fn page(
+    State(state): State<AppState>,
+    Signed(caller): Signed,
+    Path(id): Path<String>,
+) -> Response {
+    match load(&state, &id, &caller).await {
+        Ok(page) => render(&page),
+        Err(e) => error_page(e),
+    }
+}
+
+async fn load(
+    state: &AppState,
+    id: &str,
+    caller: &crate::auth::Caller,
+) -> Result<JobPage, ApiError> {
+    let d = detail(state, id).await?;
+    let job = d.job;
+    let metrics = job_metrics(state, job.clone()).await?;
+    let log = state.store.logs(id, 0, LOG_PAGE).await?;
+    let plan = &job.plan;
+    let field = |k: &str| plan[k].to_string();
+    let per_rank = &plan["per_rank_bytes"];
+    let category_bytes = |v: &serde_json::Value, c: &str| view::bytes(v[c].as_u64().unwrap_or(0));
+    let memory = Category::ALL
+        .iter()
+        .map(|c| MemoryRow {
+            category: c.name(),
+            cells: metrics
+                .ranks
+                .iter()
+                .map(|r| {
+                    (
+                        view::bytes(r.measured.get(*c)),
+                        view::bytes(r.predicted.get(*c)),
+                    )
+                })
+                .collect(),
+        })
+        .collect();
+    let comm = metrics
+        .ranks
+        .iter()
+        .map(|r| CommRow {
+            rank: r.rank,
+            ops: r
+                .comm_bytes_sent
+                .iter()
+                .map(|(op, b)| (format!("{op:?}"), view::bytes(*b)))
+                .collect(),
+        })
+        .collect();
+    let live = !job.state.is_terminal();
+    Ok(JobPage {
+        layout: Layout::new("job", caller),
+        name: job.name.clone().unwrap_or_default(),
+        state: job.state.as_str(),
+        live,
+        reason: job.reason.clone(),
+        owner: job.owner.clone(),
+        attempt: job.attempt,
+        priority: job.priority,
+        world_size: job.world_size,
+        submitted: view::time(job.created_at),
+        plan: vec![
+            ("ZeRO stage", field("zero_stage")),
+            ("micro-batch", field("micro_batch_size")),
+            ("gradient accumulation", field("grad_accum_steps")),
+            (
+                "activation checkpointing",
+                field("activation_checkpointing"),
+            ),
+            (
+                "bytes sent per step per rank",
+                view::bytes(plan["comm_bytes_per_step"].as_u64().unwrap_or(0)),
+            ),
+        ],
+        predicted: Category::ALL
+            .iter()
+            .map(|c| c.name())
+            .chain(["total"])
+            .map(|c| (c, category_bytes(per_rank, c)))
+            .collect(),
+        history: d
+            .transitions
+            .iter()
+            .map(|t| HistoryRow {
+                at: view::time(t.at),
+                from: t.from.map_or("", |s| s.as_str()),
+                to: t.to.as_str(),
+                reason: t.reason.clone(),
+            })
+            .collect(),
+        ranks: metrics.ranks.iter().map(|r| r.rank).collect(),
+        memory,
+        budgets: metrics
+            .ranks
+            .iter()
+            .map(|r| {
+                metrics
+                    .devices
+                    .iter()
+                    .find(|d| d.rank == r.rank)
+                    .map_or("—".into(), |d| view::bytes(d.memory_bytes))
+            })
+            .collect(),
+        comm,
+        spec: serde_json::to_string_pretty(&job.spec).unwrap_or_default(),
+        log,
+        can_cancel: live && (caller.role >= Role::Admin || caller.name == job.owner),
+        can_submit: caller.role.allows(Role::Submitter),
+        id: job.id,
+    })
+}
+
+/// `/jobs/{id}/log.txt`: every line, `seq<TAB>time<TAB>line`.
+pub async fn log_text(
+    State(state): State<AppState>,
+    Signed(_): Signed,
+    Path(id): Path<String>,
+) -> Response {
+    match whole_log(&state, &id).await {
+        Ok(text) => (
+            [
+                (
+                    header::CONTENT_TYPE,
+                    "text/plain; charset=utf-8".to_string(),
+                ),
+                (
+                    header::CONTENT_DISPOSITION,
+                    format!("attachment; filename=\"{}.log\"", view::short_id(&id)),
+                ),
+            ],
+            text,
+        )
+            .into_response(),
+        Err(e) => error_page(e),
+    }
+}
+
+async fn whole_log(state: &AppState, id: &str) -> Result<String, ApiError> {
+    crate::routes::jobs::find(state, id).await?;
+    let mut text = String::new();
+    let mut after = 0;
+    loop {
+        let lines = state.store.logs(id, after, LOG_PAGE).await?;
+        let Some(last) = lines.last() else {
+            return Ok(text);
+        };
+        after = last.seq;
+        for l in &lines {
+            text.push_str(&format!("{}\t{}\t{}\n", l.seq, view::time(l.at), l.line));
+        }
+    }
+}
