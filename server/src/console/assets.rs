@@ -98,6 +98,15 @@ pub async fn serve(Path(name): Path<String>, headers: HeaderMap) -> Response {
         .into_response()
 }
 
+/// `GET /favicon.ico`: there is none (pages say so with an empty `data:` icon).
+pub async fn no_icon() -> Response {
+    (
+        StatusCode::NO_CONTENT,
+        [(header::CACHE_CONTROL, "public, max-age=86400")],
+    )
+        .into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,6 +38,8 @@ pub fn routes() -> Router<AppState> {
         .route("/nodes", get(nodes::page))
         .route("/plan", get(plan::page))
         .route("/assets/{name}", get(assets::serve))
+        // Browsers ask for it on any page, the API's JSON included: none, and not again soon.
+        .route("/favicon.ico", get(assets::no_icon))
         .layer(middleware::map_response(security_headers))
 }
 

@@ -49,7 +49,8 @@ pub fn bytes(b: u64) -> String {
     scheduler::bytes::human(b)
 }
 
-/// The first block of a UUID: enough to tell jobs apart on a page.
+/// The last 8 characters of a UUIDv7, its random part (the first ones are the time, alike
+/// for jobs submitted together): enough to tell jobs apart on a page.
 pub fn short_id(id: &str) -> &str {
-    id.split('-').next().unwrap_or(id)
+    id.get(id.len().saturating_sub(8)..).unwrap_or(id)
 }

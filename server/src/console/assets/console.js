@@ -115,7 +115,17 @@ function chart(name, container, { data, height, ...opts }) {
   };
 }
 
-const stepAxis = { scales: { x: { time: false } } };
+/** Thousands as k and millions as M, so tick labels fit their axis. */
+function compact(v) {
+  if (v == null || !isFinite(v)) return '';
+  const a = Math.abs(v);
+  if (a >= 1e6) return +(v / 1e6).toPrecision(3) + 'M';
+  if (a >= 1e4) return +(v / 1e3).toPrecision(3) + 'k';
+  return +v.toPrecision(4);
+}
+
+const yAxis = { size: 60, values: (u, splits) => splits.map(compact) };
+const stepAxis = { scales: { x: { time: false } }, axes: [{}, yAxis] };
 
 function line(label, color) {
   return { label, stroke: color, width: 2, spanGaps: true };
@@ -143,7 +153,8 @@ function memoryData(m, worldSize) {
       let sum = 0;
       CATEGORIES.forEach((c, k) => {
         sum += b ? b[c] || 0 : 0;
-        cats[k].push(sum);
+        // The axis is logarithmic: nothing to stack yet is no bar.
+        cats[k].push(sum > 0 ? sum : null);
       });
       budget.push(dev ? dev.memory_bytes : null);
     });
@@ -159,9 +170,10 @@ function memoryChart(container, m, worldSize) {
   return chart('memory', container, {
     height: 260,
     data: series,
+    // Logarithmic, so that megabytes of state show beside a device budget of gigabytes.
     scales: {
       x: { time: false, range: (u) => [-0.6, u.data[0].length - 0.4] },
-      y: { range: (u, min, max) => [0, Math.max(1, max) * 1.1] },
+      y: { distr: 3 },
     },
     axes: [
       {
@@ -206,7 +218,9 @@ function jobPage() {
         loss: chart('loss', $('#chart-loss'), { ...stepAxis, data: d.loss, series: [{ label: 'step' }, line('loss', COLORS[0])] }),
         scale: chart('scale', $('#chart-scale'), {
           data: d.scale,
-          scales: { x: { time: false }, y: { distr: 3 } },
+          // Padded: a scale that never changes (fp32, or fp16 without overflow) sits inside.
+          scales: { x: { time: false }, y: { distr: 3, range: (u, min, max) => (min > 0 ? [min / 4, max * 4] : [1, 10]) } },
+          axes: [{}, yAxis],
           series: [
             { label: 'step' },
             line('loss scale', COLORS[1]),
@@ -302,7 +316,7 @@ function jobsPage() {
     for (const id of ids) {
       const r = await api('POST', `/v1/jobs/${id}/cancel`);
       if (r.ok) done++;
-      else failed.push(id.split('-')[0] + ': ' + problemText(r.data));
+      else failed.push(id.slice(-8) + ': ' + problemText(r.data));
     }
     status.textContent = `Cancelled ${done}.` + (failed.length ? ' Refused: ' + failed.join('; ') : '');
     $$('#job-rows input:checked').forEach((c) => (c.checked = false));
@@ -332,7 +346,7 @@ async function comparePage() {
         ...stepAxis,
         height: 300,
         data,
-        series: [{ label: 'step' }, ...runs.map((m, i) => line(m.job_id.split('-')[0], COLORS[i % COLORS.length]))],
+        series: [{ label: 'step' }, ...runs.map((m, i) => line(m.job_id.slice(-8), COLORS[i % COLORS.length]))],
       });
     } else {
       plot.update(data);
