@@ -40,22 +40,24 @@ async fn authorize(parts: &Parts, state: &AppState, needed: Role) -> Result<Call
         Some(id) if !parts.headers.contains_key(header::AUTHORIZATION) => {
             session::authenticate(parts, state, &id).await?
         }
-        _ => {
-            let token = bearer(&parts.headers)?;
-            let (name, role) = state
-                .store
-                .token(token)
-                .await
-                .map_err(unavailable)?
-                .ok_or(ApiError::UnknownToken)?;
-            Caller { name, role }
-        }
+        _ => token_caller(state, bearer(&parts.headers)?).await?,
     };
     if !role.allows(needed) {
         return Err(ApiError::Forbidden {
             needed: needed.as_str(),
         });
     }
+    Ok(Caller { name, role })
+}
+
+/// Who a bearer token belongs to (401 when nobody).
+pub(crate) async fn token_caller(state: &AppState, token: &str) -> Result<Caller, ApiError> {
+    let (name, role) = state
+        .store
+        .token(token)
+        .await
+        .map_err(unavailable)?
+        .ok_or(ApiError::UnknownToken)?;
     Ok(Caller { name, role })
 }
 

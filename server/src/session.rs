@@ -15,7 +15,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, header};
 use cookie::{Cookie, SameSite};
 
 use crate::app::{AppState, now_ms};
-use crate::auth::{Caller, unavailable};
+use crate::auth::{Caller, token_caller, unavailable};
 use crate::domain::Role;
 use crate::error::ApiError;
 use crate::settings::Settings;
@@ -121,13 +121,8 @@ impl FromRequestParts<AppState> for Session {
 
 /// A new session for a person's `token`: its caller, its id and when it expires (Unix ms).
 pub async fn open(state: &AppState, token: &str) -> Result<(Caller, String, i64), ApiError> {
-    let (name, role) = state
-        .store
-        .token(token)
-        .await
-        .map_err(unavailable)?
-        .ok_or(ApiError::UnknownToken)?;
-    if !role.allows(Role::Viewer) {
+    let caller = token_caller(state, token).await?;
+    if !caller.role.allows(Role::Viewer) {
         return Err(ApiError::Forbidden {
             needed: "viewer, submitter or admin",
         });
@@ -138,7 +133,7 @@ pub async fn open(state: &AppState, token: &str) -> Result<(Caller, String, i64)
         // Revoked between the two statements.
         return Err(ApiError::UnknownToken);
     }
-    Ok((Caller { name, role }, id, expires_at))
+    Ok((caller, id, expires_at))
 }
 
 /// `Set-Cookie` for session `id` (or, with `None`, one that deletes the cookie).

@@ -5,21 +5,18 @@
 //! to `target/console-screenshots/`. Without Chromium and chromedriver this test fails: CI
 //! installs them (`.ci/run`).
 
+mod live;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use fantoccini::wd::WebDriverCompatibleCommand;
 use fantoccini::{Client, ClientBuilder, Locator};
-use scheduler::inventory::Device;
-use scheduler::memory::{Category, DeviceKind};
+use scheduler::memory::Category;
 use serde_json::{Value, json};
-use server::app::{self, Server};
-use server::auth;
-use server::settings::Settings;
 
 const ADMIN: &str = "zt_console_admin";
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -188,53 +185,6 @@ async fn coloured_pixels(c: &Client, chart: &str) -> u64 {
         .unwrap()
 }
 
-struct Service {
-    server: Server,
-    stop: Arc<AtomicBool>,
-    agent: std::thread::JoinHandle<()>,
-    _dir: tempfile::TempDir,
-}
-
-async fn service() -> Service {
-    let dir = tempfile::tempdir().unwrap();
-    let settings = Settings {
-        port: 0,
-        data_dir: dir.path().to_path_buf(),
-        heartbeat_interval: Duration::from_millis(100),
-        scheduling_interval: Duration::from_millis(100),
-        ..Settings::default()
-    };
-    let server = app::build(settings).await.unwrap();
-    let tokens = auth::bootstrap(&server.state().store, dir.path(), Some(ADMIN))
-        .await
-        .unwrap();
-    let cfg = runner::agent::AgentConfig {
-        server: server.url(),
-        join_token: tokens.join_token,
-        name: "local".into(),
-        host: "127.0.0.1".into(),
-        devices: vec![
-            Device {
-                kind: DeviceKind::Cpu,
-                memory_bytes: 1 << 30,
-            };
-            4
-        ],
-        threads: Some(1),
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    let agent = std::thread::spawn(move || {
-        runner::agent::run(&cfg, &flag, &runner::agent::AgentMetrics::new()).unwrap()
-    });
-    Service {
-        server,
-        stop,
-        agent,
-        _dir: dir,
-    }
-}
-
 /// A page on another origin of the same site (another port of 127.0.0.1, so the SameSite
 /// cookie still goes along) whose form posts to `target`.
 async fn other_origin(target: String) -> String {
@@ -256,7 +206,8 @@ async fn other_origin(target: String) -> String {
 async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
     let started = Instant::now();
     let driver = chromedriver().await;
-    let s = service().await;
+    let s = live::start(ADMIN).await;
+    let (stop, agent) = live::agent(&s.server, &s.join, "local", 4, 1 << 30);
     let base = s.server.url();
     let profile = tempfile::tempdir().unwrap();
     let c = browser(&driver, profile.path()).await;
@@ -507,9 +458,9 @@ async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
     assert_no_console_errors(&c, "jobs").await;
 
     c.close().await.unwrap();
-    s.stop.store(true, Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
     s.server.shutdown().await.unwrap();
-    s.agent.join().unwrap();
+    agent.join().unwrap();
     eprintln!(
         "console browser test: {:.1} s",
         started.elapsed().as_secs_f64()
