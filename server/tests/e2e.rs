@@ -509,4 +509,6 @@ async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
     .await;
     let lines = reader.join().unwrap();
     assert!(status.success(), "{status}: {}", lines.join("\n"));
+    let console = format!("console: {url}/ (log in with a token)");
+    assert!(lines.contains(&console), "{console:?} in {lines:#?}");
 }
