@@ -10,14 +10,11 @@
 //! - stage 3: parameters sharded too: each unit is all-gathered before its forward and again
 //!   before its backward.
 
-use std::ops::Range;
-
 use kernels::Float;
 use kernels::norm::sum_squares;
 use kernels::residual::residual_accumulate;
 use scheduler::memory::{self, Category, Setup};
-use scheduler::model::{GptShape, Unit, Units};
-use scheduler::spec::ZeroStage;
+use scheduler::model::{GptShape, Units};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
@@ -27,17 +24,20 @@ use crate::gpt::{self, Acts, Block, Dims};
 use crate::loss_scale::LossScaler;
 use crate::optimizer::{OptimizerState, Slices, Step};
 
+mod layout;
 mod state;
 mod weights;
+
+use layout::{Part, ShardLayout};
 
 /// Index of the embeddings unit; block `l` is unit `l + 1`, the final norm unit `L + 1`.
 const EMB: usize = 0;
 
 /// The model's buffers on this rank.
 struct Buffers<X> {
-    /// Per unit: whole (stages 0-2) or this rank's shard (stage 3).
+    /// Per unit: the elements the layout holds of `Part::Params`.
     params: Vec<Buffer<X>>,
-    /// Per unit: whole (stages 0-1) or this rank's shard (stages 2-3).
+    /// Per unit: the elements the layout holds of `Part::Grads`.
     grads: Vec<Buffer<X>>,
     /// Stages 2-3: the full gradient of the embeddings and of the other unit in backward.
     unit_grads: Option<[Buffer<X>; 2]>,
@@ -86,14 +86,14 @@ pub struct StepReport {
 pub struct Engine<X: Float> {
     shape: GptShape,
     units: Units,
-    stage: ZeroStage,
+    layout: ShardLayout,
     dims: Dims,
     checkpointing: bool,
     grad_accum: usize,
     /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
     reduces_norm: bool,
     bufs: Buffers<X>,
-    /// Mixed precision: fp32 master weights of each unit's held range.
+    /// Mixed precision: fp32 master weights of each unit's `Part::State` range.
     master: Option<Vec<Buffer<f32>>>,
     optimizer: OptimizerState,
     acts: Acts<X>,
@@ -113,43 +113,32 @@ impl<X: Float + Wire> Engine<X> {
         comm: Communicator,
         acct: Accountant,
     ) -> Result<Engine<X>, Error> {
-        let (stage, rank) = (setup.stage, comm.rank());
         let units = Units::new(&shape, comm.world_size());
-        let held_len = |u: &Unit, sharded: bool| if sharded { u.shard_len() } else { u.padded_len };
-        let alloc_units = |category, sharded: bool| {
-            units
-                .iter()
-                .map(|u| acct.alloc::<X>(category, held_len(u, sharded)))
-                .collect::<Result<Vec<_>, Error>>()
-        };
-        let params = alloc_units(Category::Params, stage.shards_params())?;
-        let grads = alloc_units(Category::Grads, stage.shards_grads())?;
+        let layout = ShardLayout::new(setup.stage, &units, comm.rank());
+        let params = alloc_held(&acct, &layout, Category::Params, Part::Params)?;
+        let grads = alloc_held(&acct, &layout, Category::Grads, Part::Grads)?;
         let mixed = X::as_f32(&[]).is_none();
         let master = if mixed {
-            Some(
-                units
-                    .iter()
-                    .map(|u| {
-                        acct.alloc::<f32>(
-                            Category::Optimizer,
-                            held_len(u, stage.shards_optimizer()),
-                        )
-                    })
-                    .collect::<Result<Vec<_>, Error>>()?,
-            )
+            Some(alloc_held(
+                &acct,
+                &layout,
+                Category::Optimizer,
+                Part::State,
+            )?)
         } else {
             None
         };
-        let held: Vec<(&Unit, Range<usize>)> = units
+        let held: Vec<_> = units
             .iter()
-            .map(|u| (u, held_range(u, stage, rank)))
+            .enumerate()
+            .map(|(u, unit)| (unit, layout.held(Part::State, u)))
             .collect();
         let optimizer = OptimizerState::new(setup.optimizer, &held, &acct)?;
         let (emb, other) = (
             units.embeddings().padded_len,
             units.largest_other_padded_len(),
         );
-        let unit_grads = if stage.shards_grads() {
+        let unit_grads = if layout.sharded(Part::Grads) {
             Some([
                 acct.alloc(Category::Buffers, emb)?,
                 acct.alloc(Category::Buffers, other)?,
@@ -157,7 +146,7 @@ impl<X: Float + Wire> Engine<X> {
         } else {
             None
         };
-        let gathered = if stage.shards_params() {
+        let gathered = if layout.sharded(Part::Params) {
             Some([
                 acct.alloc(Category::Buffers, emb)?,
                 acct.alloc(Category::Buffers, other)?,
@@ -177,7 +166,7 @@ impl<X: Float + Wire> Engine<X> {
         let mut engine = Engine {
             shape,
             units,
-            stage,
+            layout,
             dims,
             checkpointing: setup.checkpointing,
             grad_accum: setup.grad_accum,
@@ -226,27 +215,58 @@ impl<X: Float + Wire> Engine<X> {
         let Some(gathered) = &mut self.bufs.gathered else {
             return Ok(());
         };
-        let unit = self.units.iter().nth(u).expect("unit index");
-        let buf = &mut gathered[Buffers::<X>::gathered_slot(u)][..unit.padded_len];
-        buf[unit.shard_range(self.comm.rank())].copy_from_slice(&self.bufs.params[u]);
+        let len = self.units.iter().nth(u).expect("unit index").padded_len;
+        let buf = &mut gathered[Buffers::<X>::gathered_slot(u)][..len];
+        buf[self.layout.held(Part::Params, u)].copy_from_slice(&self.bufs.params[u]);
         self.comm.all_gather(buf)
     }
 
-    /// Stages 2-3: reduce-scatters unit `u`'s gradient and adds this rank's shard of it into
-    /// the gradient kept across micro-batches; then clears the buffer for the next unit.
-    fn grads_done(&mut self, u: usize) -> Result<(), Error> {
+    /// The first of the three points where stages differ: backward has finished unit `u`'s
+    /// whole gradient. Where gradients are sharded (stages 2-3), it is reduce-scattered and
+    /// this rank's shard added into the gradient kept across micro-batches; the buffer is then
+    /// cleared for the next unit. Elsewhere backward added into the kept gradient directly.
+    fn after_unit_backward(&mut self, u: usize) -> Result<(), Error> {
         let Some(unit_grads) = &mut self.bufs.unit_grads else {
             return Ok(());
         };
-        let unit = self.units.iter().nth(u).expect("unit index");
-        let buf = &mut unit_grads[Buffers::<X>::grad_slot(u)][..unit.padded_len];
+        let len = self.units.iter().nth(u).expect("unit index").padded_len;
+        let buf = &mut unit_grads[Buffers::<X>::grad_slot(u)][..len];
         self.comm.reduce_scatter(buf)?;
         residual_accumulate(
             &mut self.bufs.grads[u],
-            &buf[unit.shard_range(self.comm.rank())],
+            &buf[self.layout.held(Part::Grads, u)],
         );
         buf.fill(X::ZERO);
         Ok(())
+    }
+
+    /// The second: every micro-batch's gradient has been added up. Whole gradients are
+    /// all-reduced (stage 0), or reduce-scattered where only the state is sharded (stage 1);
+    /// sharded ones were reduced unit by unit already.
+    fn after_accumulation(&mut self) -> Result<(), Error> {
+        if self.layout.sharded(Part::Grads) {
+            return Ok(());
+        }
+        let sharded_state = self.layout.sharded(Part::State);
+        self.bufs.grads.iter_mut().try_for_each(|g| {
+            if sharded_state {
+                self.comm.reduce_scatter(g)
+            } else {
+                self.comm.all_reduce(g)
+            }
+        })
+    }
+
+    /// The third: the optimizer has updated this rank's state range. Where that is a shard of
+    /// whole parameters (stages 1-2), every rank's updated shard is gathered.
+    fn after_update(&mut self) -> Result<(), Error> {
+        if !self.layout.sharded(Part::State) || self.layout.sharded(Part::Params) {
+            return Ok(());
+        }
+        self.bufs
+            .params
+            .iter_mut()
+            .try_for_each(|p| self.comm.all_gather(p))
     }
 
     fn unit_len(&self, u: usize) -> usize {
@@ -307,7 +327,7 @@ impl<X: Float + Wire> Engine<X> {
                 dloss,
             )
         };
-        self.grads_done(norm)?;
+        self.after_unit_backward(norm)?;
         for l in (0..l_n).rev() {
             self.fetch(l + 1)?;
             let len = self.unit_len(l + 1);
@@ -337,10 +357,10 @@ impl<X: Float + Wire> Engine<X> {
                 slot(l),
                 &d,
             );
-            self.grads_done(l + 1)?;
+            self.after_unit_backward(l + 1)?;
         }
         gpt::embed_backward(self.bufs.grad(EMB), &shape, &d, &self.acts);
-        self.grads_done(EMB)?;
+        self.after_unit_backward(EMB)?;
         Ok(loss)
     }
 
@@ -367,19 +387,7 @@ impl<X: Float + Wire> Engine<X> {
             loss += self.micro_step(dloss)?;
         }
         loss /= self.grad_accum as f64;
-        match self.stage {
-            ZeroStage::Ddp => self
-                .bufs
-                .grads
-                .iter_mut()
-                .try_for_each(|g| self.comm.all_reduce(g))?,
-            ZeroStage::Optimizer => self
-                .bufs
-                .grads
-                .iter_mut()
-                .try_for_each(|g| self.comm.reduce_scatter(g))?,
-            ZeroStage::Gradients | ZeroStage::Parameters => {}
-        }
+        self.after_accumulation()?;
         let (loss, grad_norm) = self.agree(loss, scale)?;
         let found_inf = grad_norm.is_some_and(|n| !n.is_finite());
         let step = self.applied + 1;
@@ -405,6 +413,7 @@ impl<X: Float + Wire> Engine<X> {
             grad_scale: (clip_coef / f64::from(scale)) as f32,
         };
         self.update(s)?;
+        self.after_update()?;
         self.applied = step;
         Ok(report(false))
     }
@@ -413,16 +422,11 @@ impl<X: Float + Wire> Engine<X> {
     /// ‖g‖ of the unscaled gradients (summed over shards when sharded): one all-reduce of two
     /// f32s.
     fn agree(&mut self, loss: f64, scale: f32) -> Result<(f64, Option<f64>), Error> {
-        let (rank, sharded) = (self.comm.rank(), self.stage.shards_optimizer());
+        let sharded = self.layout.sharded(Part::State);
         let mut sq = 0f64;
         if self.reduces_norm {
-            for (unit, g) in self.units.iter().zip(&self.bufs.grads) {
-                let held = if self.stage.shards_grads() {
-                    0..g.len()
-                } else {
-                    held_range(unit, self.stage, rank)
-                };
-                sq += sum_squares(&g[held]);
+            for (u, g) in self.bufs.grads.iter().enumerate() {
+                sq += sum_squares(&g[self.layout.held_within(Part::State, Part::Grads, u)]);
             }
         }
         let n = self.comm.world_size();
@@ -441,10 +445,9 @@ impl<X: Float + Wire> Engine<X> {
         ))
     }
 
-    /// Applies the optimizer to every unit's held range, then (stages 1-2) gathers the
-    /// updated parameters from every rank.
+    /// Applies the optimizer to every unit's state range.
     fn update(&mut self, s: Step) -> Result<(), Error> {
-        let (stage, rank) = (self.stage, self.comm.rank());
+        let layout = &self.layout;
         let mut masters: Vec<Option<&mut [f32]>> = match &mut self.master {
             Some(m) => m.iter_mut().map(|b| Some(&mut b[..])).collect(),
             None => self.bufs.params.iter().map(|_| None).collect(),
@@ -455,18 +458,10 @@ impl<X: Float + Wire> Engine<X> {
             .iter()
             .zip(self.bufs.params.iter_mut())
             .zip(&self.bufs.grads);
-        for (((unit, p), g), m) in units.zip(masters.iter_mut().map(Option::take)) {
-            let held = held_range(unit, stage, rank);
-            let grads = if stage.shards_grads() {
-                &g[..]
-            } else {
-                &g[held.clone()]
-            };
-            let params = if stage.shards_params() {
-                &mut p[..]
-            } else {
-                &mut p[held.clone()]
-            };
+        for (u, (((unit, p), g), m)) in units.zip(masters.iter_mut().map(Option::take)).enumerate()
+        {
+            let grads = &g[layout.held_within(Part::State, Part::Grads, u)];
+            let params = &mut p[layout.held_within(Part::State, Part::Params, u)];
             let (master, param_out) = match m {
                 Some(m) => (m, Some(params)),
                 None => (
@@ -476,30 +471,27 @@ impl<X: Float + Wire> Engine<X> {
             };
             slices.push(Slices {
                 unit,
-                held,
+                held: layout.held(Part::State, u),
                 master,
                 grads,
                 param_out,
             });
         }
-        self.optimizer.step(&mut slices, s, &mut self.comm)?;
-        if matches!(stage, ZeroStage::Optimizer | ZeroStage::Gradients) {
-            self.bufs
-                .params
-                .iter_mut()
-                .try_for_each(|p| self.comm.all_gather(p))?;
-        }
-        Ok(())
+        self.optimizer.step(&mut slices, s, &mut self.comm)
     }
 }
 
-/// The range of a unit whose optimizer state this rank keeps and updates.
-fn held_range(unit: &Unit, stage: ZeroStage, rank: usize) -> Range<usize> {
-    if stage.shards_optimizer() {
-        unit.shard_range(rank)
-    } else {
-        0..unit.padded_len
-    }
+/// One buffer per unit of the elements `part` holds, charged to `category`.
+fn alloc_held<T: Copy + Default>(
+    acct: &Accountant,
+    layout: &ShardLayout,
+    category: Category,
+    part: Part,
+) -> Result<Vec<Buffer<T>>, Error> {
+    layout
+        .held_lens(part)
+        .map(|len| acct.alloc(category, len))
+        .collect()
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@ use kernels::Float;
 use scheduler::model::Units;
 use scheduler::spec::ZeroStage;
 
-use super::{Engine, held_range};
+use super::Engine;
+use super::layout::{Part, ShardLayout};
 use crate::Error;
 use crate::checkpoint::{self, StateTensor};
 use crate::comm::Wire;
@@ -75,8 +76,11 @@ impl<X: Float + Wire> Engine<X> {
         old_world: usize,
         old_stage: ZeroStage,
     ) -> Result<(), Error> {
-        let (units, stage, rank) = (self.units.clone(), self.stage, self.comm.rank());
+        let (units, layout) = (self.units.clone(), self.layout.clone());
         let old_units = Units::new(&self.shape, old_world);
+        let old_layouts: Vec<ShardLayout> = (0..old_world)
+            .map(|r| ShardLayout::new(old_stage, &old_units, r))
+            .collect();
         let fail = |reason: String| Error::Checkpoint {
             path: dir.to_path_buf(),
             reason,
@@ -84,7 +88,7 @@ impl<X: Float + Wire> Engine<X> {
         let mut tensors = self.state();
         let targets = tensors
             .iter()
-            .map(|t| placement(&t.name, &units, stage, rank).map_err(&fail))
+            .map(|t| placement(&t.name, &units, &layout).map_err(&fail))
             .collect::<Result<Vec<_>, _>>()?;
         for old_rank in 0..old_world {
             checkpoint::read_rank(dir, old_rank, |file| {
@@ -97,7 +101,7 @@ impl<X: Float + Wire> Engine<X> {
                         None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
                         None => {}
                         Some((_, new)) => {
-                            let (_, old) = placement(&t.name, &old_units, old_stage, old_rank)?
+                            let (_, old) = placement(&t.name, &old_units, &old_layouts[old_rank])?
                                 .expect("placed in both layouts");
                             let (start, end) = (new.start.max(old.start), new.end.min(old.end));
                             if start < end {
@@ -116,13 +120,12 @@ impl<X: Float + Wire> Engine<X> {
     }
 }
 
-/// Where state tensor `name` lies for `rank` of a layout: its unit and element range there,
-/// or `None` for state every rank holds whole (Adafactor's factored statistics).
+/// Where state tensor `name` lies in one rank's `layout` of `units`: its unit and element
+/// range there, or `None` for state every rank holds whole (Adafactor's factored statistics).
 fn placement(
     name: &str,
     units: &Units,
-    stage: ZeroStage,
-    rank: usize,
+    layout: &ShardLayout,
 ) -> Result<Option<(usize, Range<usize>)>, String> {
     if name.starts_with("adafactor.") {
         return Ok(None);
@@ -136,10 +139,9 @@ fn placement(
         .iter()
         .nth(u)
         .ok_or_else(|| format!("{name}: no unit {u} in this model"))?;
-    let held = held_range(unit, stage, rank);
+    let held = layout.held(Part::State, u);
     let range = match kind {
-        "params" if stage.shards_params() => unit.shard_range(rank),
-        "params" => 0..unit.padded_len,
+        "params" => layout.held(Part::Params, u),
         "master" | "m" | "v" | "momentum" | "exp_avg" => held,
         "m8" | "v8" | "absmax_m" | "absmax_v" => {
             return Err(

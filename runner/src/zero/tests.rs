@@ -3,7 +3,7 @@
 use super::*;
 use crate::data::BatchLayout;
 use half::f16;
-use scheduler::spec::{JobSpec, Purpose};
+use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
 /// A single-rank stage-0 engine for `json` (seeded by `seed`) with micro-batch `b` of the
 /// spec's sequence length, and its data.

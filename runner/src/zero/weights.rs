@@ -9,7 +9,8 @@ use rand::rngs::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use scheduler::model::TensorKind;
 
-use super::{Engine, held_range};
+use super::Engine;
+use super::layout::Part;
 use crate::Error;
 use crate::comm::Wire;
 
@@ -17,38 +18,33 @@ impl<X: Float + Wire> Engine<X> {
     /// Sets every parameter from one fp32 vector per unit of the single-rank layout (e.g.
     /// Hugging Face weights), keeping this rank's part.
     pub fn load_weights(&mut self, units: &[Vec<f32>]) {
-        let rank = self.comm.rank();
         for (ui, values) in units.iter().enumerate() {
             let len = values.len().min(self.unit_len(ui));
             let mut it = values[..len].iter().copied();
-            self.write_tensor(ui, 0..len, rank, || it.next().unwrap_or(0.0));
+            self.write_tensor(ui, 0..len, || it.next().unwrap_or(0.0));
         }
     }
 
     /// Each unit's fp32 weights (the master copy in mixed precision), gathered from every rank
     /// where they are sharded, for the final export.
     pub fn unit_values(&mut self) -> Result<Vec<Vec<f32>>, Error> {
-        let (stage, rank) = (self.stage, self.comm.rank());
+        let layout = &self.layout;
         let mut out = Vec::with_capacity(self.bufs.params.len());
         for (u, unit) in self.units.iter().enumerate() {
-            let held = held_range(unit, stage, rank);
+            let held = layout.held(Part::State, u);
             let mut full = vec![0f32; unit.padded_len];
             match &self.master {
-                Some(m) => full[held.clone()].copy_from_slice(&m[u]),
+                Some(m) => full[held].copy_from_slice(&m[u]),
                 None => {
-                    let p = &self.bufs.params[u];
-                    let mine = if stage.shards_params() {
-                        &p[..]
-                    } else {
-                        &p[held.clone()]
-                    };
-                    full[held.clone()]
+                    let mine =
+                        &self.bufs.params[u][layout.held_within(Part::State, Part::Params, u)];
+                    full[held]
                         .iter_mut()
                         .zip(mine)
                         .for_each(|(f, x)| *f = x.to_f32());
                 }
             }
-            if stage.shards_optimizer() {
+            if layout.sharded(Part::State) {
                 self.comm.all_gather(&mut full)?;
             }
             full.truncate(unit.len);
@@ -61,7 +57,6 @@ impl<X: Float + Wire> Engine<X> {
     /// biases 0, LayerNorm weights 1. Each tensor draws from its own stream keyed by the seed,
     /// the unit and the tensor, so the values do not depend on how units are sharded.
     pub(super) fn init_weights(&mut self, seed: u64) {
-        let rank = self.comm.rank();
         let std = 0.02;
         let residual_std = std / (2.0 * self.shape.n_layer as f64).sqrt();
         let units = self.units.clone();
@@ -86,27 +81,16 @@ impl<X: Float + Wire> Engine<X> {
                         Box::new(move || normal.sample(&mut rng) as f32)
                     }
                 };
-                self.write_tensor(ui, t.range(), rank, value);
+                self.write_tensor(ui, t.range(), value);
             }
         }
     }
 
     /// Writes the values `next` yields for elements `range` of unit `ui` into this rank's
     /// parameters and master weights, wherever they hold them.
-    fn write_tensor(
-        &mut self,
-        ui: usize,
-        range: Range<usize>,
-        rank: usize,
-        mut next: impl FnMut() -> f32,
-    ) {
-        let unit = self.units.iter().nth(ui).expect("unit index");
-        let params_at = if self.stage.shards_params() {
-            unit.shard_range(rank)
-        } else {
-            0..unit.padded_len
-        };
-        let master_at = held_range(unit, self.stage, rank);
+    fn write_tensor(&mut self, ui: usize, range: Range<usize>, mut next: impl FnMut() -> f32) {
+        let params_at = self.layout.held(Part::Params, ui);
+        let master_at = self.layout.held(Part::State, ui);
         for i in range {
             let v = next();
             if params_at.contains(&i) {
