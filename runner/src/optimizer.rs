@@ -167,12 +167,13 @@ impl OptimizerState {
         out
     }
 
-    /// Applies one update to every unit's held range.
+    /// Applies one update to every unit's held range. `shards` holds the other ranks when the
+    /// held ranges are shards: Adafactor sums its statistics over every shard through it.
     pub fn step<X: Float>(
         &mut self,
         slices: &mut [Slices<'_, X>],
         s: Step,
-        comm: &mut Communicator,
+        shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {
         let wd = self.spec.weight_decay() as f32;
         if wd > 0.0 {
@@ -186,7 +187,7 @@ impl OptimizerState {
             }
         }
         let units = match &mut self.states {
-            States::Adafactor(a) => return a.step(slices, s, comm),
+            States::Adafactor(a) => return a.step(slices, s, shards),
             States::Elementwise(units) => units,
         };
         for (state, sl) in units.iter_mut().zip(slices.iter_mut()) {

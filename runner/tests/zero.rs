@@ -87,6 +87,29 @@ fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whol
     );
 }
 
+#[test]
+fn adafactor_gives_the_same_bits_at_every_stage_at_4_ranks() {
+    // Its factored statistics need every element: the ranks sum them over their shards where
+    // the state is sharded, and compute them alone where it is whole (stage 0). Without
+    // clipping, as stage 0 adds up the gradient norm in another order than the sharded stages.
+    let adafactor = |stage| {
+        job(
+            4,
+            stage,
+            2,
+            r#", "optimizer": {"type": "adafactor", "beta1": 0.9}"#,
+        )
+        .replace(r#""lr": 1e-3"#, r#""lr": 1e-3, "grad_clip": 0"#)
+    };
+    let stage0 = exported(&adafactor(0));
+    for stage in 1..=3 {
+        assert!(
+            exported(&adafactor(stage)) == stage0,
+            "stage {stage} differs from stage 0"
+        );
+    }
+}
+
 fn setup(json: &str) -> Setup {
     let s = spec(json);
     let micro = s.training.micro_batch_size.fixed().unwrap().get();

@@ -103,7 +103,7 @@ impl Adafactor {
         &mut self,
         slices: &mut [Slices<'_, X>],
         s: Step,
-        comm: &mut Communicator,
+        shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {
         let a = self.hp;
         let hp = k::Adafactor {
@@ -113,19 +113,20 @@ impl Adafactor {
             decay_rate: a.decay_rate as f32,
             beta1: a.beta1.map(|b| b as f32),
         };
-        phases(&mut self.units, &mut self.factored, slices, &hp, s, comm)
+        phases(&mut self.units, &mut self.factored, slices, &hp, s, shards)
     }
 }
 
-/// The phases across every held range: exact row/column sums of g², all-reduced; the
-/// statistics' EMAs; exact per-tensor sums of squared updates, all-reduced; the update.
+/// The phases across every held range: exact row/column sums of g² (all-reduced over the
+/// `shards`, when the ranges are shards); the statistics' EMAs; exact per-tensor sums of
+/// squared updates (all-reduced likewise); the update.
 fn phases<X: Float>(
     units: &mut [Moments],
     f: &mut Factored,
     slices: &mut [Slices<'_, X>],
     hp: &k::Adafactor,
     s: Step,
-    comm: &mut Communicator,
+    mut shards: Option<&mut Communicator>,
 ) -> Result<(), Error> {
     let gs = s.grad_scale;
     f.sums.fill(0.0);
@@ -143,7 +144,9 @@ fn phases<X: Float>(
             k::adafactor_sq_sums(grad, start, gs, hp, rs, cs);
         }
     });
-    comm.all_reduce(&mut f.sums)?;
+    if let Some(comm) = shards.as_deref_mut() {
+        comm.all_reduce(&mut f.sums)?;
+    }
     let mut sums: &[f64] = &f.sums;
     for (row, col) in f.stats.iter_mut() {
         let (mine, rest) = sums.split_at((row.len() + col.len()) * LIMBS);
@@ -162,7 +165,9 @@ fn phases<X: Float>(
         } => k::adafactor_rms_sum(grad, gs, Moment::Factored { row, col, start }, rms),
         Piece::Vector { grad, v, rms, .. } => k::adafactor_vector_ema(v, grad, gs, hp, s.t, rms),
     });
-    comm.all_reduce(&mut f.rms)?;
+    if let Some(comm) = shards {
+        comm.all_reduce(&mut f.rms)?;
+    }
     walk(units, f, slices, |p| match p {
         Piece::Matrix {
             master,

@@ -212,10 +212,10 @@ impl<X: Float + Wire> Engine<X> {
 
     /// Stage 3: gathers unit `u`'s parameters from every rank's shard.
     fn fetch(&mut self, u: usize) -> Result<(), Error> {
+        let len = self.unit_len(u);
         let Some(gathered) = &mut self.bufs.gathered else {
             return Ok(());
         };
-        let len = self.units.iter().nth(u).expect("unit index").padded_len;
         let buf = &mut gathered[Buffers::<X>::gathered_slot(u)][..len];
         buf[self.layout.held(Part::Params, u)].copy_from_slice(&self.bufs.params[u]);
         self.comm.all_gather(buf)
@@ -226,10 +226,10 @@ impl<X: Float + Wire> Engine<X> {
     /// this rank's shard added into the gradient kept across micro-batches; the buffer is then
     /// cleared for the next unit. Elsewhere backward added into the kept gradient directly.
     fn after_unit_backward(&mut self, u: usize) -> Result<(), Error> {
+        let len = self.unit_len(u);
         let Some(unit_grads) = &mut self.bufs.unit_grads else {
             return Ok(());
         };
-        let len = self.units.iter().nth(u).expect("unit index").padded_len;
         let buf = &mut unit_grads[Buffers::<X>::grad_slot(u)][..len];
         self.comm.reduce_scatter(buf)?;
         residual_accumulate(
@@ -477,7 +477,8 @@ impl<X: Float + Wire> Engine<X> {
                 param_out,
             });
         }
-        self.optimizer.step(&mut slices, s, &mut self.comm)
+        let shards = layout.sharded(Part::State).then_some(&mut self.comm);
+        self.optimizer.step(&mut slices, s, shards)
     }
 }
 
