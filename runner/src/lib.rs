@@ -9,8 +9,8 @@ pub mod data;
 mod error;
 mod gpt;
 pub mod loss_scale;
+pub mod lr_schedule;
 pub mod optimizer;
-pub mod schedule;
 pub mod train;
 pub mod zero;
 

@@ -23,7 +23,7 @@ use crate::checkpoint::{self, Manifest};
 use crate::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring};
 use crate::data::{BatchLayout, DataLoader, Position};
 use crate::loss_scale::LossScaler;
-use crate::schedule;
+use crate::lr_schedule;
 use crate::zero::Engine;
 
 /// How a run is hosted.
@@ -290,7 +290,7 @@ fn train_rank<X: Float + Wire>(
         {
             return Err(Error::Cancelled { step });
         }
-        let lr = schedule::lr(t, step) as f32;
+        let lr = lr_schedule::lr(t, step) as f32;
         let start = Instant::now();
         let r = engine.step(&mut data, &mut scaler, lr, t.grad_clip)?;
         let elapsed = start.elapsed().as_secs_f64();

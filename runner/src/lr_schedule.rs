@@ -1,4 +1,4 @@
-//! `schedule`: the learning rate of each optimizer step (counted from 0).
+//! `lr_schedule`: the learning rate of each optimizer step (counted from 0).
 //!
 //! Warmup rises from `warmup_start_lr` to `lr` over `warmup_steps`, then the rate stays at `lr`
 //! (`constant`) or decays to `min_lr`, reaching it at `decay_horizon()` and staying there. The
