@@ -20,7 +20,6 @@ pub mod encoder;
 pub mod float;
 pub mod gelu;
 pub mod layernorm;
-pub mod loss_scale;
 mod math;
 pub mod matmul;
 pub mod norm;
