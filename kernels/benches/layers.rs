@@ -4,7 +4,7 @@
 //! `cargo bench -p kernels --bench layers [-- FILTER…]`.
 
 use half::bf16;
-use kernels::attention::{Dims, attention_backward, attention_forward};
+use kernels::attention::{AttentionDims, attention_backward, attention_forward};
 use kernels::crossentropy::crossentropy_forward;
 use kernels::encoder::{encoder_backward, encoder_forward};
 use kernels::gelu::{gelu_backward, gelu_forward};
@@ -80,7 +80,7 @@ fn layers<X: Float>() -> Vec<Row> {
         2 * L + 1,
         median(|| layernorm_backward(&mut dx, &mut dw, &mut db, &dy, &x, &w, &mean, &rstd)),
     );
-    let d = Dims {
+    let d = AttentionDims {
         b: B,
         t: T,
         c: C,

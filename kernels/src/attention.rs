@@ -10,19 +10,19 @@ pub const MAX_T: usize = 1024;
 
 /// Shapes of one call: batch, sequence length, channels and heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Dims {
+pub struct AttentionDims {
     pub b: usize,
     pub t: usize,
     pub c: usize,
     pub nh: usize,
 }
 
-impl Dims {
+impl AttentionDims {
     fn hs(&self) -> usize {
         self.c / self.nh
     }
     fn check(&self, qkv: usize, out: usize, att: usize) {
-        let Dims { b, t, c, nh } = *self;
+        let AttentionDims { b, t, c, nh } = *self;
         assert!(
             nh > 0 && c.is_multiple_of(nh) && c / nh <= BLOCK,
             "head size C/NH must divide C and be <= {BLOCK}"
@@ -91,7 +91,7 @@ impl<'a> Rows<'a> {
 }
 
 /// Scratch for `parts` widened `(T, hs)` head slices, empty when `X` is f32.
-fn scratch<X: Float>(parts: usize, d: &Dims) -> Vec<f32> {
+fn scratch<X: Float>(parts: usize, d: &AttentionDims) -> Vec<f32> {
     match X::as_f32(&[]) {
         Some(_) => Vec::new(),
         None => vec![0f32; parts * d.t * d.hs()],
@@ -103,7 +103,7 @@ fn scratch<X: Float>(parts: usize, d: &Dims) -> Vec<f32> {
 ///
 /// One task per (b, h). Unless `X` is f32, each task widens its head's keys and values once
 /// into `2·T·hs` f32 of heap scratch.
-pub fn attention_forward<X: Float>(out: &mut [X], att: &mut [X], qkv: &[X], d: Dims) {
+pub fn attention_forward<X: Float>(out: &mut [X], att: &mut [X], qkv: &[X], d: AttentionDims) {
     d.check(qkv.len(), out.len(), att.len());
     let (t_len, hs, scale) = (d.t, d.hs(), 1.0 / (d.hs() as f32).sqrt());
     let (out, att) = (SharedMut::new(out), SharedMut::new(att));
@@ -174,7 +174,7 @@ pub fn attention_backward<X: Float>(
     dout: &[X],
     qkv: &[X],
     att: &[X],
-    d: Dims,
+    d: AttentionDims,
 ) {
     d.check(qkv.len(), dout.len(), att.len());
     assert!(

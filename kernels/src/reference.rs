@@ -2,7 +2,7 @@
 //! Shapes and meanings match the optimised kernels; backward functions return fresh gradients
 //! (the kernels' accumulate-or-overwrite conventions are the caller's business here).
 
-use crate::attention::Dims;
+use crate::attention::AttentionDims;
 use crate::matmul::Layout;
 
 /// `out (B·T, C) = wte[tokens] + wpe[t]`.
@@ -129,8 +129,8 @@ pub fn matmul_backward(
 }
 
 /// `(out (B, T, C), att (B, NH, T, T))` from `qkv (B, T, 3C)`.
-pub fn attention_forward(qkv: &[f64], d: Dims) -> (Vec<f64>, Vec<f64>) {
-    let Dims {
+pub fn attention_forward(qkv: &[f64], d: AttentionDims) -> (Vec<f64>, Vec<f64>) {
+    let AttentionDims {
         b: bn,
         t: tn,
         c,
@@ -169,8 +169,8 @@ pub fn attention_forward(qkv: &[f64], d: Dims) -> (Vec<f64>, Vec<f64>) {
 }
 
 /// `dqkv (B, T, 3C)` from `dout (B, T, C)` and the forward's `qkv` and `att`.
-pub fn attention_backward(dout: &[f64], qkv: &[f64], att: &[f64], d: Dims) -> Vec<f64> {
-    let Dims {
+pub fn attention_backward(dout: &[f64], qkv: &[f64], att: &[f64], d: AttentionDims) -> Vec<f64> {
+    let AttentionDims {
         b: bn,
         t: tn,
         c,

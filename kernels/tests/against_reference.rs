@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kernels::attention::{Dims, attention_backward, attention_forward};
+use kernels::attention::{AttentionDims, attention_backward, attention_forward};
 use kernels::matmul::{Layout, MIN_SCRATCH, matmul_backward, matmul_forward, scratch_len};
 use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, reference, residual};
 
@@ -191,7 +191,7 @@ fn layernorm_matches<X: Float>() {
 
 fn attention_matches<X: Float>() {
     let mut rng = Rng::new(5);
-    let d = Dims {
+    let d = AttentionDims {
         b: 2,
         t: 19,
         c: 60,

@@ -6,7 +6,7 @@ mod common;
 
 use common::{Rng, to_x};
 use half::{bf16, f16};
-use kernels::attention::{Dims, attention_backward, attention_forward};
+use kernels::attention::{AttentionDims, attention_backward, attention_forward};
 use kernels::matmul::{Layout, matmul_backward, matmul_forward, scratch_len};
 use kernels::optim::*;
 use kernels::{Float, cpu, crossentropy, encoder, layernorm, norm};
@@ -84,7 +84,7 @@ fn matmul_is_deterministic() {
 fn layer_bits<X: Float>() -> Bits {
     let mut rng = Rng::new(42);
     let (b, t, c, v) = (4, 32, 96, 50);
-    let d = Dims { b, t, c, nh: 4 };
+    let d = AttentionDims { b, t, c, nh: 4 };
     let tokens = rng.tokens(b * t, v);
     let (wte, wpe) = (
         to_x::<X>(&rng.vec(v * c, 1.0)),

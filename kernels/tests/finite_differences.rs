@@ -4,7 +4,7 @@
 mod common;
 
 use common::Rng;
-use kernels::attention::Dims;
+use kernels::attention::AttentionDims;
 use kernels::matmul::Layout;
 use kernels::reference as r;
 
@@ -102,7 +102,7 @@ fn matmul_backward_matches_finite_differences() {
 #[test]
 fn attention_backward_matches_finite_differences() {
     let mut rng = Rng::new(14);
-    let d = Dims {
+    let d = AttentionDims {
         b: 2,
         t: 4,
         c: 6,

@@ -37,8 +37,8 @@ impl Dims {
         self.b * self.t
     }
 
-    pub(crate) fn attention(&self) -> kernels::attention::Dims {
-        kernels::attention::Dims {
+    pub(crate) fn attention(&self) -> kernels::attention::AttentionDims {
+        kernels::attention::AttentionDims {
             b: self.b,
             t: self.t,
             c: self.c,
