@@ -11,7 +11,7 @@ use scheduler::model::{GptShape, TensorKind};
 
 /// Sizes of one micro-batch of one model: B, T, C, NH, V, L.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dims {
+pub struct BatchDims {
     pub b: usize,
     pub t: usize,
     pub c: usize,
@@ -20,9 +20,9 @@ pub struct Dims {
     pub l: usize,
 }
 
-impl Dims {
-    pub fn new(shape: &GptShape, micro_batch: usize, seq_len: usize) -> Dims {
-        Dims {
+impl BatchDims {
+    pub fn new(shape: &GptShape, micro_batch: usize, seq_len: usize) -> BatchDims {
+        BatchDims {
             b: micro_batch,
             t: seq_len,
             c: shape.n_embd,

@@ -12,16 +12,18 @@ use kernels::matmul::{Layout, matmul_backward, matmul_forward};
 use kernels::residual::residual_accumulate;
 use scheduler::model::GptShape;
 
-use super::{Acts, Block, BlockActs, Dims, embeddings, embeddings_mut, final_norm, final_norm_mut};
+use super::{
+    Acts, BatchDims, Block, BlockActs, embeddings, embeddings_mut, final_norm, final_norm_mut,
+};
 
 /// `encoded = wte[inputs] + wpe[0..T]`.
-pub fn embed_forward<X: Float>(emb: &[X], shape: &GptShape, d: &Dims, acts: &mut Acts<X>) {
+pub fn embed_forward<X: Float>(emb: &[X], shape: &GptShape, d: &BatchDims, acts: &mut Acts<X>) {
     let [wte, wpe] = embeddings(emb, shape);
     encoder_forward(&mut acts.encoded, &acts.inputs, wte, wpe, d.t, d.c);
 }
 
 /// Adds ∂loss/∂wte and ∂loss/∂wpe from `dres` (∂loss/∂encoded) into the embeddings' gradient.
-pub fn embed_backward<X: Float>(demb: &mut [X], shape: &GptShape, d: &Dims, acts: &Acts<X>) {
+pub fn embed_backward<X: Float>(demb: &mut [X], shape: &GptShape, d: &BatchDims, acts: &Acts<X>) {
     let [dwte, dwpe] = embeddings_mut(demb, shape);
     encoder_backward(dwte, dwpe, &acts.dres, &acts.inputs, d.t, d.c);
 }
@@ -33,7 +35,7 @@ pub fn block_forward<X: Float>(
     acts: &mut Acts<X>,
     l: usize,
     slot: usize,
-    d: &Dims,
+    d: &BatchDims,
 ) {
     let (n, c) = (d.tokens(), d.c);
     let (before, from_l) = acts.res3.split_at_mut(l);
@@ -112,7 +114,7 @@ pub fn block_backward<X: Float>(
     acts: &mut Acts<X>,
     l: usize,
     slot: usize,
-    d: &Dims,
+    d: &BatchDims,
 ) {
     let (n, c) = (d.tokens(), d.c);
     let input: &[X] = if l == 0 {
@@ -207,7 +209,7 @@ pub fn head<X: Float>(
     demb: &mut [X],
     acts: &mut Acts<X>,
     shape: &GptShape,
-    d: &Dims,
+    d: &BatchDims,
     dloss: f32,
 ) -> f64 {
     let (n, c, v) = (d.tokens(), d.c, d.v);

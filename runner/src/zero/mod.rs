@@ -20,7 +20,7 @@ use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::comm::{Communicator, Wire};
 use crate::data::DataLoader;
-use crate::gpt::{self, Acts, Block, Dims};
+use crate::gpt::{self, Acts, BatchDims, Block};
 use crate::loss_scale::LossScaler;
 use crate::optimizer::{OptimizerState, Slices, Step};
 
@@ -87,7 +87,7 @@ pub struct Engine<X: Float> {
     shape: GptShape,
     units: Units,
     layout: ShardLayout,
-    dims: Dims,
+    dims: BatchDims,
     checkpointing: bool,
     grad_accum: usize,
     /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
@@ -161,7 +161,7 @@ impl<X: Float + Wire> Engine<X> {
             debug_assert_eq!(ring % 8, 0, "ring chunks are whole 8-byte words");
             comm.set_scratch(acct.alloc(Category::Buffers, (ring / 8) as usize)?);
         }
-        let dims = Dims::new(&shape, setup.micro_batch, setup.seq_len);
+        let dims = BatchDims::new(&shape, setup.micro_batch, setup.seq_len);
         let acts = Acts::new(&acct, &shape, dims.b, dims.t, setup.checkpointing)?;
         let mut engine = Engine {
             shape,
@@ -192,7 +192,7 @@ impl<X: Float + Wire> Engine<X> {
         &self.acct
     }
 
-    pub fn dims(&self) -> Dims {
+    pub fn dims(&self) -> BatchDims {
         self.dims
     }
 

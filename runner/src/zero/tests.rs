@@ -65,7 +65,7 @@ fn reference_loss(
     shape: &GptShape,
     inputs: &[u32],
     targets: &[u32],
-    d: Dims,
+    d: BatchDims,
 ) -> f64 {
     use kernels::matmul::Layout::{KN, NK};
     use kernels::reference as r;
