@@ -7,7 +7,7 @@ use std::ops::Range;
 use kernels::Float;
 use kernels::optim as k;
 use scheduler::memory::Category;
-use scheduler::model::{Dims, Unit};
+use scheduler::model::{TensorDims, Unit};
 use scheduler::spec::Optimizer;
 
 use crate::Error;
@@ -70,7 +70,7 @@ enum UnitState {
 fn pieces<'u>(
     unit: &'u Unit,
     held: &Range<usize>,
-) -> impl Iterator<Item = (usize, Dims, Range<usize>)> + 'u {
+) -> impl Iterator<Item = (usize, TensorDims, Range<usize>)> + 'u {
     let held = held.clone();
     unit.tensors.iter().enumerate().filter_map(move |(i, t)| {
         let r = t.range();
@@ -179,7 +179,7 @@ impl OptimizerState {
         if wd > 0.0 {
             for sl in slices.iter_mut() {
                 for (i, dims, r) in pieces(sl.unit, &sl.held) {
-                    if matches!(dims, Dims::Matrix(..)) {
+                    if matches!(dims, TensorDims::Matrix(..)) {
                         let at = sl.unit.tensors[i].offset + r.start - sl.held.start;
                         k::decay(&mut sl.master[at..at + r.len()], 1.0 - s.lr * wd);
                     }

@@ -7,7 +7,7 @@ use std::ops::Range;
 use kernels::Float;
 use kernels::optim::{self as k, LIMBS, Moment};
 use scheduler::memory::Category;
-use scheduler::model::{Dims, Unit};
+use scheduler::model::{TensorDims, Unit};
 use scheduler::spec::AdaFactor;
 
 use super::{Slices, Step, f32s, pieces};
@@ -51,7 +51,7 @@ impl Adafactor {
             .map(|(unit, range)| {
                 Ok(Moments {
                     vectors: pieces(unit, range)
-                        .filter(|(_, dims, _)| matches!(dims, Dims::Vector(_)))
+                        .filter(|(_, dims, _)| matches!(dims, TensorDims::Vector(_)))
                         .map(|(i, _, r)| Ok::<_, Error>((i, f32s(r.len())?)))
                         .collect::<Result<_, _>>()?,
                     exp_avg: hp.beta1.map(|_| f32s(range.len())).transpose()?,
@@ -62,8 +62,8 @@ impl Adafactor {
             .iter()
             .flat_map(|(u, _)| &u.tensors)
             .filter_map(|t| match t.dims {
-                Dims::Matrix(r, c) => Some((r, c)),
-                Dims::Vector(_) => None,
+                TensorDims::Matrix(r, c) => Some((r, c)),
+                TensorDims::Vector(_) => None,
             })
             .collect();
         let factored: usize = matrices.iter().map(|(r, c)| r + c).sum();
@@ -252,7 +252,7 @@ fn walk<X: Float>(
             let r = t.range();
             let (start, end) = (r.start.max(sl.held.start), r.end.min(sl.held.end));
             match t.dims {
-                Dims::Matrix(rows, cols) => {
+                TensorDims::Matrix(rows, cols) => {
                     let (row, col) = stats.next().expect("statistics per matrix");
                     let (mine, tail) =
                         std::mem::take(&mut sums).split_at_mut((rows + cols) * LIMBS);
@@ -273,7 +273,7 @@ fn walk<X: Float>(
                         });
                     }
                 }
-                Dims::Vector(numel) => {
+                TensorDims::Vector(numel) => {
                     if start < end {
                         let (_, v) = vectors.next().expect("a moment per held vector");
                         let (master, grad, out, exp_avg) = rest.take(start, end);

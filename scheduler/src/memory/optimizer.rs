@@ -1,6 +1,6 @@
 //! Optimizer state bytes beyond the fp32 master weights.
 
-use crate::model::{Dims, GptShape, Units};
+use crate::model::{GptShape, TensorDims, Units};
 use crate::spec::{Adam8bit, Optimizer};
 
 use super::Setup;
@@ -28,8 +28,8 @@ pub(crate) fn adafactor_factored_len(shape: &GptShape) -> usize {
         .iter()
         .flat_map(|u| &u.tensors)
         .map(|t| match t.dims {
-            Dims::Matrix(r, c) => r + c,
-            Dims::Vector(_) => 0,
+            TensorDims::Matrix(r, c) => r + c,
+            TensorDims::Vector(_) => 0,
         })
         .sum()
 }
@@ -66,7 +66,7 @@ pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, ra
                 .flat_map(|u| {
                     let range = held(u);
                     u.tensors.iter().filter_map(move |t| match t.dims {
-                        Dims::Vector(_) => {
+                        TensorDims::Vector(_) => {
                             let r = t.range();
                             Some(
                                 r.end
@@ -74,7 +74,7 @@ pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, ra
                                     .saturating_sub(r.start.max(range.start)),
                             )
                         }
-                        Dims::Matrix(..) => None,
+                        TensorDims::Matrix(..) => None,
                     })
                 })
                 .sum();

@@ -6,7 +6,7 @@ mod activations;
 mod params;
 
 pub use activations::{ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32};
-pub use params::{Dims, ParamTensor, SHARD_ALIGN, TensorKind, Unit, UnitKind, Units};
+pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorKind, Unit, UnitKind, Units};
 
 use serde::{Deserialize, Serialize};
 

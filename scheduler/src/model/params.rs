@@ -40,25 +40,25 @@ pub enum TensorKind {
 
 /// Dimensions of a parameter tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dims {
+pub enum TensorDims {
     Vector(usize),
     /// Row-major (rows, cols).
     Matrix(usize, usize),
 }
 
-impl Dims {
+impl TensorDims {
     /// Number of elements.
     pub fn numel(self) -> usize {
         match self {
-            Dims::Vector(n) => n,
-            Dims::Matrix(r, c) => r * c,
+            TensorDims::Vector(n) => n,
+            TensorDims::Matrix(r, c) => r * c,
         }
     }
 
     pub fn to_vec(self) -> Vec<usize> {
         match self {
-            Dims::Vector(n) => vec![n],
-            Dims::Matrix(r, c) => vec![r, c],
+            TensorDims::Vector(n) => vec![n],
+            TensorDims::Matrix(r, c) => vec![r, c],
         }
     }
 }
@@ -81,17 +81,17 @@ impl TensorKind {
     ];
     pub const FINAL_NORM: [TensorKind; 2] = [TensorKind::LnfWeight, TensorKind::LnfBias];
 
-    pub fn dims(self, s: &GptShape) -> Dims {
+    pub fn dims(self, s: &GptShape) -> TensorDims {
         let c = s.n_embd;
         match self {
-            TensorKind::Wte => Dims::Matrix(s.vocab_size, c),
-            TensorKind::Wpe => Dims::Matrix(s.context_length, c),
-            TensorKind::AttnWeight => Dims::Matrix(c, 3 * c),
-            TensorKind::AttnBias => Dims::Vector(3 * c),
-            TensorKind::AttnProjWeight => Dims::Matrix(c, c),
-            TensorKind::FcWeight => Dims::Matrix(c, 4 * c),
-            TensorKind::FcBias => Dims::Vector(4 * c),
-            TensorKind::FcProjWeight => Dims::Matrix(4 * c, c),
+            TensorKind::Wte => TensorDims::Matrix(s.vocab_size, c),
+            TensorKind::Wpe => TensorDims::Matrix(s.context_length, c),
+            TensorKind::AttnWeight => TensorDims::Matrix(c, 3 * c),
+            TensorKind::AttnBias => TensorDims::Vector(3 * c),
+            TensorKind::AttnProjWeight => TensorDims::Matrix(c, c),
+            TensorKind::FcWeight => TensorDims::Matrix(c, 4 * c),
+            TensorKind::FcBias => TensorDims::Vector(4 * c),
+            TensorKind::FcProjWeight => TensorDims::Matrix(4 * c, c),
             TensorKind::Ln1Weight
             | TensorKind::Ln1Bias
             | TensorKind::AttnProjBias
@@ -99,14 +99,14 @@ impl TensorKind {
             | TensorKind::Ln2Bias
             | TensorKind::FcProjBias
             | TensorKind::LnfWeight
-            | TensorKind::LnfBias => Dims::Vector(c),
+            | TensorKind::LnfBias => TensorDims::Vector(c),
         }
     }
 
     /// Weight decay applies to matrices (embeddings and linear weights), not to biases or
     /// LayerNorm parameters: the nanoGPT / llm.c rule.
     pub fn decayed(self, s: &GptShape) -> bool {
-        matches!(self.dims(s), Dims::Matrix(..))
+        matches!(self.dims(s), TensorDims::Matrix(..))
     }
 
     /// The Hugging Face `GPT2LMHeadModel` state-dict name, without the `transformer.` prefix.
@@ -148,7 +148,7 @@ pub enum UnitKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParamTensor {
     pub kind: TensorKind,
-    pub dims: Dims,
+    pub dims: TensorDims,
     /// Element offset within the unit.
     pub offset: usize,
 }
