@@ -11,16 +11,17 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use scheduler::bytes::human;
 use scheduler::model::{GptShape, Units};
 use scheduler::spec::Dtype as Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::data::Position;
+use crate::data::{DataRoots, Position};
 use crate::loss_scale;
 
 /// Checkpoints kept on disk; older ones are removed once a newer one is in place.
@@ -267,12 +268,67 @@ pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Er
     sync_dir(out)
 }
 
+/// Bytes of safetensors header allowed per tensor (its JSON entry: name, dtype, shape and
+/// offsets take about 100).
+const HEADER_BYTES_PER_TENSOR: u64 = 256;
+
+/// The largest Hugging Face weights file of `shape` that `load_hf` reads: every tensor in
+/// fp32, plus what such files may also carry (an untied `lm_head.weight`, each block's causal
+/// mask `attn.bias` and `attn.masked_bias`), and a header of `HEADER_BYTES_PER_TENSOR` per
+/// tensor and 4 KiB of metadata. The file is read whole, so this bounds what reading it adds
+/// to the process.
+pub fn max_hf_file_bytes(shape: &GptShape) -> u64 {
+    let units = Units::new(shape, 1);
+    let tensors: u64 = units.iter().map(|u| u.tensors.len() as u64).sum();
+    let values: u64 = units.iter().map(|u| u.len as u64).sum();
+    let [v, t, l, c] = [
+        shape.vocab_size,
+        shape.context_length,
+        shape.n_layer,
+        shape.n_embd,
+    ]
+    .map(|n| n as u64);
+    let extra_values = v * c + l * (t * t + 1);
+    let extra_tensors = 1 + 2 * l;
+    8 + 4 * (values + extra_values) + HEADER_BYTES_PER_TENSOR * (tensors + extra_tensors) + 4096
+}
+
 /// Reads Hugging Face GPT-2 weights (names with or without the `transformer.` prefix; the
 /// causal-mask buffers `attn.bias`/`attn.masked_bias` and a tied `lm_head.weight` ignored)
-/// into one fp32 vector per unit of `shape`'s single-rank layout.
-pub fn load_hf(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
-    let bytes = fs::read(path).map_err(|e| io(path, e))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| io(path, e))?;
+/// into one fp32 vector per unit of `shape`'s single-rank layout. `path` is the spec's
+/// `model.init_from`, opened only inside `roots`; a file larger than `max_hf_file_bytes` is
+/// refused before a byte of it is read.
+pub fn load_hf(roots: &DataRoots, path: &str, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
+    let what = format!("model.init_from {path:?}");
+    let fail = |reason: String| Error::Data {
+        what: what.clone(),
+        reason,
+    };
+    let (_, file) = roots.open("model.init_from", path)?;
+    let limit = max_hf_file_bytes(shape);
+    let size = file
+        .metadata()
+        .map_err(|e| fail(format!("cannot read its size: {}", e.kind())))?
+        .len();
+    let too_large = || {
+        fail(format!(
+            "larger than a weights file of this model can be ({} at most)",
+            human(limit)
+        ))
+    };
+    if size > limit {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    // A file growing while it is read still stops at the limit.
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large());
+    }
+    let file =
+        SafeTensors::deserialize(&bytes).map_err(|_| fail("not a safetensors file".into()))?;
     let layout = Units::new(shape, 1);
     let known: Vec<String> = layout
         .iter()
@@ -290,10 +346,11 @@ pub fn load_hf(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
         })
         .collect();
     if !unexpected.is_empty() {
-        return Err(io(
-            path,
-            format!("tensors this model does not have: {unexpected:?}"),
-        ));
+        // Their names are the file's content: count them only.
+        return Err(fail(format!(
+            "has {} tensor(s) this model does not have",
+            unexpected.len()
+        )));
     }
     layout
         .iter()
@@ -304,20 +361,16 @@ pub fn load_hf(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
                 let view = file
                     .tensor(&format!("transformer.{name}"))
                     .or_else(|_| file.tensor(&name))
-                    .map_err(|_| io(path, format!("missing tensor {name}")))?;
+                    .map_err(|_| fail(format!("missing tensor {name}")))?;
                 let want = t.dims.to_vec();
                 if view.shape() != want.as_slice() {
                     let got = view.shape();
-                    return Err(io(
-                        path,
-                        format!("{name} has shape {got:?}; the model needs {want:?}"),
-                    ));
+                    return Err(fail(format!(
+                        "{name} has shape {got:?}; the model needs {want:?}"
+                    )));
                 }
                 widen(view.dtype(), view.data(), &mut values[t.range()]).map_err(|dtype| {
-                    io(
-                        path,
-                        format!("{name} is {dtype:?}; expected F32, F16 or BF16"),
-                    )
+                    fail(format!("{name} is {dtype:?}; expected F32, F16 or BF16"))
                 })?;
             }
             Ok(values)

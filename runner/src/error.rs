@@ -7,19 +7,24 @@ use scheduler::memory::Category;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A data file (or glob pattern) that cannot be used: missing, unreadable, bad header,
-    /// truncated, or too short for one batch.
-    #[error("data file {}: {reason}", path.display())]
-    Data { path: PathBuf, reason: String },
+    /// A data file (or glob pattern) under the data roots that cannot be used: missing,
+    /// unreadable, not a regular file, bad header, truncated, or too short for one batch.
+    /// `what` is the spec field and the path as the spec wrote it (and for a glob, which of
+    /// its files); the reason never quotes the file's bytes or size.
+    #[error("{what}: {reason}")]
+    Data { what: String, reason: String },
+    /// A job input outside the node's data roots (or leading outside through a symlink or
+    /// `..`). Says nothing else about the file: not whether it exists, nor what it holds.
+    #[error("{field}: outside the data roots")]
+    OutsideDataRoots { field: &'static str },
+    /// A configured data root that cannot be one.
+    #[error("data root {}: {reason}", root.display())]
+    DataRoot { root: PathBuf, reason: String },
     /// A token the model cannot embed; `index` counts tokens from the start of the file's data.
-    #[error(
-        "data file {}: token {token} at index {index} is not below the model's vocab_size {vocab_size}",
-        path.display()
-    )]
+    #[error("{what}: the token at index {index} is not below the model's vocab_size {vocab_size}")]
     TokenOutOfRange {
-        path: PathBuf,
+        what: String,
         index: u64,
-        token: u32,
         vocab_size: usize,
     },
     /// The loader's arguments do not fit the data kind (e.g. a vocabulary too small for it).

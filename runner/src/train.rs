@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -21,7 +20,7 @@ use crate::Error;
 use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
 use crate::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring};
-use crate::data::{BatchLayout, DataLoader, Position};
+use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
 use crate::loss_scale::LossScaler;
 use crate::lr_schedule;
 use crate::zero::Engine;
@@ -41,6 +40,9 @@ pub struct Options {
     pub distributed: Option<Distributed>,
     /// Set to stop the run after the current step (`Error::Cancelled`).
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Where the spec's input files may be read (default: anywhere, for a run in a user's own
+    /// process; the agent passes its node's data roots).
+    pub data_roots: DataRoots,
 }
 
 /// One rank of a job whose ranks are separate processes, possibly on several hosts.
@@ -223,7 +225,8 @@ fn train_rank<X: Float + Wire>(
         rank,
         world_size: setup.world_size,
     };
-    let mut data = DataLoader::new(&spec.data, layout, t.seed, shape.vocab_size, &acct)?;
+    let roots = &opts.data_roots;
+    let mut data = DataLoader::new(&spec.data, roots, layout, t.seed, shape.vocab_size, &acct)?;
     let mut scaler = LossScaler::new(spec.precision.effective_loss_scale());
     let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
     let mut losses = Vec::with_capacity(t.steps.get() as usize);
@@ -274,7 +277,7 @@ fn train_rank<X: Float + Wire>(
         }
         None => {
             if let Some(path) = &spec.model.init_from {
-                engine.load_weights(&checkpoint::load_hf(Path::new(path), &shape)?);
+                engine.load_weights(&checkpoint::load_hf(roots, path, &shape)?);
             }
             None
         }

@@ -4,6 +4,7 @@ use std::fs;
 use std::path::Path;
 
 use runner::checkpoint;
+use runner::data::DataRoots;
 use runner::train::{Options, Summary, run};
 use safetensors::SafeTensors;
 use scheduler::model::Preset;
@@ -142,7 +143,9 @@ fn the_export_is_hugging_face_gpt2_and_loads_back() {
         (Some(64), Some(2), Some(4))
     );
     assert_eq!(config["activation_function"], "gelu_new");
-    let units = checkpoint::load_hf(&out.path().join("model.safetensors"), &shape).unwrap();
+    let exported = out.path().join("model.safetensors");
+    let units =
+        checkpoint::load_hf(&DataRoots::anywhere(), exported.to_str().unwrap(), &shape).unwrap();
     let wte_values: Vec<f32> = wte
         .data()
         .chunks_exact(4)
@@ -178,9 +181,11 @@ fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_sha
     }
     let hf = out.path().join("gpt2-like.safetensors");
     safetensors::serialize_to_file(tensors, None, &hf).unwrap();
-    let from = checkpoint::load_hf(&hf, &Preset::Tiny.shape()).unwrap();
-    let original =
-        checkpoint::load_hf(&out.path().join("model.safetensors"), &Preset::Tiny.shape()).unwrap();
+    let load = |path: &Path, shape: &scheduler::model::GptShape| {
+        checkpoint::load_hf(&DataRoots::anywhere(), path.to_str().unwrap(), shape)
+    };
+    let from = load(&hf, &Preset::Tiny.shape()).unwrap();
+    let original = load(&out.path().join("model.safetensors"), &Preset::Tiny.shape()).unwrap();
     assert_eq!(from, original);
     let json = format!(
         r#"{{"model": {{"preset": "gpt2-tiny", "init_from": {:?}}}, "training": {{"steps": 1}}}}"#,
@@ -198,12 +203,22 @@ fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_sha
         fresh.losses[0]
     );
     let wrong = scheduler::model::GptShape {
+        n_embd: 128,
+        ..Preset::Tiny.shape()
+    };
+    let err = load(&hf, &wrong).unwrap_err().to_string();
+    assert!(
+        err.contains("wte.weight has shape [512, 64]; the model needs [512, 128]"),
+        "{err}"
+    );
+    // A smaller model's weights file cannot be this large: refused before it is read.
+    let smaller = scheduler::model::GptShape {
         n_embd: 32,
         ..Preset::Tiny.shape()
     };
-    let err = checkpoint::load_hf(&hf, &wrong).unwrap_err().to_string();
+    let err = load(&hf, &smaller).unwrap_err().to_string();
     assert!(
-        err.contains("wte.weight has shape [512, 64]; the model needs [512, 32]"),
+        err.contains("larger than a weights file of this model can be"),
         "{err}"
     );
 }

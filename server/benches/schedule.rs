@@ -299,7 +299,7 @@ async fn timed_pass(store: &Store) -> Pass {
     let seen_in = seen.clone();
     let start = Instant::now();
     let applied = store
-        .schedule(move |jobs, free| {
+        .schedule(move |jobs, free, _| {
             let t = Instant::now();
             let decisions = decide(jobs, free);
             *seen_in.lock().unwrap() = (t.elapsed(), jobs.len(), free.len());

@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
+use axum::body::HttpBody;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, broadcast, watch};
@@ -23,20 +24,26 @@ use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::ToSchema;
 
+use runner::data::DataRoots;
+
 use crate::console;
 use crate::domain::{Job, JobState, LogLine, StepRecord};
-use crate::error::{InternalDetail, problem_for_bare_errors};
+use crate::error::{ApiError, InternalDetail, problem_for_bare_errors};
 use crate::metrics::Metrics;
 use crate::routes;
 use crate::scheduling;
 use crate::settings::Settings;
 use crate::store::{Store, StoreError};
+use crate::throttle::{AuthThrottle, throttle_failed_auth};
 
 /// What every handler and background task shares.
 pub struct App {
     /// Jobs, nodes, assignments, reports and tokens.
     pub store: Store,
     pub settings: Settings,
+    /// `settings.data_roots` resolved: submissions naming a file outside them are refused,
+    /// and `zerotrain up`'s local agent reads only inside them.
+    pub data_roots: DataRoots,
     /// Every Prometheus series this server exports.
     pub metrics: Metrics,
     /// Job state changes, steps and log lines as this server sees them, for SSE followers.
@@ -50,6 +57,8 @@ pub struct App {
     pub devices_free: AtomicBool,
     /// Becomes `true` when the server shuts down: streams end, the scheduling loop stops.
     pub shutdown: watch::Sender<bool>,
+    /// Failed authentications by client address.
+    pub auth_throttle: AuthThrottle,
 }
 
 #[derive(Clone)]
@@ -107,16 +116,22 @@ impl JobEvent {
 }
 
 impl AppState {
-    pub fn new(store: Store, settings: Settings) -> AppState {
-        AppState(Arc::new(App {
+    /// The state over `store`; fails when a data root cannot be one (missing, or holding the
+    /// data dir).
+    pub fn new(store: Store, settings: Settings) -> Result<AppState, BuildError> {
+        let data_roots = settings.open_data_roots().map_err(BuildError::DataRoots)?;
+        let auth_throttle = AuthThrottle::new(settings.limits.auth_failures_per_minute);
+        Ok(AppState(Arc::new(App {
             store,
             settings,
+            data_roots,
             metrics: Metrics::default(),
             events: broadcast::channel(1024).0,
             wake_scheduler: Notify::new(),
             devices_free: AtomicBool::new(true),
             shutdown: watch::channel(false).0,
-        }))
+            auth_throttle,
+        })))
     }
 }
 
@@ -198,7 +213,12 @@ pub fn router(state: AppState) -> Router {
             StatusCode::REQUEST_TIMEOUT,
             settings.request_timeout,
         ))
+        .layer(middleware::from_fn(require_json))
         .layer(middleware::map_response(problem_for_bare_errors))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            throttle_failed_auth,
+        ))
         .layer(CompressionLayer::new())
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -206,6 +226,32 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Request bodies of the API are JSON: anything else gets 415 before a handler reads it. The
+/// console's login form may post `application/x-www-form-urlencoded` to `/v1/session`.
+async fn require_json(request: Request, next: Next) -> Response {
+    let empty = request.body().size_hint().upper() == Some(0);
+    let path = request.uri().path();
+    if !empty && path.starts_with("/v1/") {
+        let found = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .unwrap_or_default();
+        let mime = found
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        let json = mime == "application/json" || mime.ends_with("+json");
+        let login_form = path == "/v1/session" && mime == "application/x-www-form-urlencoded";
+        if !json && !login_form {
+            return ApiError::NotJson { found }.into_response();
+        }
+    }
+    next.run(request).await
 }
 
 /// Counts and times each request by its matched route (never the raw URI, whose ids would
@@ -242,6 +288,8 @@ pub enum BuildError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    DataRoots(runner::Error),
     #[error("listening on {addr}: {source}")]
     Bind {
         addr: String,
@@ -276,11 +324,13 @@ pub async fn build(settings: Settings) -> Result<Server, BuildError> {
         addr: addr.to_string(),
         source,
     })?;
-    let state = AppState::new(store, settings);
+    let state = AppState::new(store, settings)?;
     let scheduler = tokio::spawn(scheduling::run(state.clone()));
     let mut stop = state.shutdown.subscribe();
     let app = router(state.clone());
     let http = tokio::spawn(async move {
+        // Peers' addresses reach the throttle of failed authentications.
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = stop.wait_for(|stopped| *stopped).await;

@@ -197,6 +197,51 @@ pub async fn bootstrap(
     })
 }
 
+/// What `<data dir>/admin-token` holds, as the store sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminFile {
+    /// A live admin token.
+    Admin,
+    /// A token the store does not know as an admin's (revoked, or re-created with another role).
+    Revoked,
+    Missing,
+}
+
+/// Checks the admin token the CLI would use by default.
+pub async fn admin_file(store: &Store, data_dir: &Path) -> Result<AdminFile, StoreError> {
+    let Ok(text) = std::fs::read_to_string(data_dir.join("admin-token")) else {
+        return Ok(AdminFile::Missing);
+    };
+    Ok(match store.token(text.trim()).await? {
+        Some((_, Role::Admin)) => AdminFile::Admin,
+        _ => AdminFile::Revoked,
+    })
+}
+
+/// The recovery for a locked-out admin, which needs only the data dir and the store (the server
+/// may be running or not): stores a new admin token named `name` and writes it to
+/// `<data dir>/admin-token`. `None` when the name is taken.
+pub async fn mint_admin(
+    store: &Store,
+    data_dir: &Path,
+    name: &str,
+) -> Result<Option<String>, BootstrapError> {
+    let token = new_token();
+    if store
+        .create_token(name, Role::Admin, &token)
+        .await?
+        .is_none()
+    {
+        return Ok(None);
+    }
+    std::fs::create_dir_all(data_dir).map_err(|source| BootstrapError::File {
+        path: data_dir.display().to_string(),
+        source,
+    })?;
+    write_secret(&data_dir.join("admin-token"), &token)?;
+    Ok(Some(token))
+}
+
 fn write_secret(path: &Path, secret: &str) -> Result<(), BootstrapError> {
     let err = |source| BootstrapError::File {
         path: path.display().to_string(),

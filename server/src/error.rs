@@ -48,10 +48,25 @@ pub enum ApiError {
     TokenNameTaken { name: String },
     #[error("{name:?} is the last admin token; create another admin token first")]
     LastAdmin { name: String },
+    #[error(
+        "{name:?} is the last agent join token; create another (role agent_join) first, so \
+         agents can still register"
+    )]
+    LastJoin { name: String },
     #[error("node {id} was declared lost; register again")]
     NodeLost { id: String },
     #[error("the request body is larger than the server accepts")]
     BodyTooLarge,
+    #[error("request bodies must be JSON (Content-Type: application/json), not {found:?}")]
+    NotJson { found: String },
+    #[error(
+        "too many requests with unknown tokens from this address; try again in {retry_after_s} s"
+    )]
+    AuthThrottled { retry_after_s: u64 },
+    #[error(
+        "{owner:?} has {limit} queued jobs, the most one owner may have; wait for some to start"
+    )]
+    QueueFull { owner: String, limit: u32 },
     #[error("{0}")]
     Unavailable(String),
     #[error("store: {0}")]
@@ -124,6 +139,29 @@ impl From<&Candidate> for Configuration {
 #[derive(Debug, Clone)]
 pub struct InternalDetail(pub String);
 
+/// Marks an answer to a request whose token the server does not know (for the throttle of
+/// failed authentications).
+#[derive(Debug, Clone, Copy)]
+pub struct AuthFailed;
+
+/// The most bytes of a problem's `detail` or `field`: they may echo the request (a name, a
+/// path, an unknown key), and a client sending a megabyte should not get it back.
+pub const MAX_ECHO_BYTES: usize = 1000;
+
+/// `s` cut to at most `MAX_ECHO_BYTES` on a character boundary, ending in `…` when cut.
+fn truncated(mut s: String) -> String {
+    const MORE: &str = "…";
+    if s.len() > MAX_ECHO_BYTES {
+        let mut end = MAX_ECHO_BYTES - MORE.len();
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str(MORE);
+    }
+    s
+}
+
 impl ApiError {
     /// Status, problem type and title: the one table.
     fn kind(&self) -> (StatusCode, &'static str, &'static str) {
@@ -154,12 +192,26 @@ impl ApiError {
             ApiError::JobFinished { .. } => (S::CONFLICT, "job-finished", "Job already finished"),
             ApiError::TokenNameTaken { .. } => (S::CONFLICT, "token-name-taken", "Name taken"),
             ApiError::LastAdmin { .. } => (S::CONFLICT, "last-admin", "Last admin token"),
+            ApiError::LastJoin { .. } => (S::CONFLICT, "last-join", "Last agent join token"),
             ApiError::NodeLost { .. } => (S::GONE, "node-lost", "Node lost"),
             ApiError::BodyTooLarge => (
                 S::PAYLOAD_TOO_LARGE,
                 "body-too-large",
                 "Request body too large",
             ),
+            ApiError::NotJson { .. } => (
+                S::UNSUPPORTED_MEDIA_TYPE,
+                "not-json",
+                "Unsupported media type",
+            ),
+            ApiError::AuthThrottled { .. } => (
+                S::TOO_MANY_REQUESTS,
+                "auth-throttled",
+                "Too many failed authentications",
+            ),
+            ApiError::QueueFull { .. } => {
+                (S::TOO_MANY_REQUESTS, "queue-full", "Too many queued jobs")
+            }
             ApiError::Unavailable(_) => {
                 (S::SERVICE_UNAVAILABLE, "unavailable", "Service unavailable")
             }
@@ -176,11 +228,11 @@ impl ApiError {
         let detail = if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
             "the server failed to answer; the error is in its log".to_string()
         } else {
-            self.to_string()
+            truncated(self.to_string())
         };
         let field = match self {
             ApiError::BadRequest { field, .. } | ApiError::InvalidSpec { field, .. } => {
-                Some(field.clone())
+                Some(truncated(field.clone()))
             }
             _ => None,
         };
@@ -282,6 +334,14 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if matches!(self, ApiError::UnknownToken) {
+            response.extensions_mut().insert(AuthFailed);
+        }
+        if let ApiError::AuthThrottled { retry_after_s } = self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
         }
         if problem.status >= 500 {
             response

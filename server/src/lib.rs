@@ -7,11 +7,13 @@ pub mod console;
 pub mod domain;
 pub mod error;
 pub mod metrics;
+pub mod retention;
 pub mod routes;
 pub mod scheduling;
 pub mod session;
 pub mod settings;
 pub mod store;
+pub mod throttle;
 
 pub use app::{AppState, Server, build, router};
 pub use settings::Settings;

@@ -14,8 +14,9 @@ use scheduler::placement::place;
 use serde::Deserialize;
 
 use crate::app::{AppState, now_ms};
-use crate::domain::Job;
-use crate::store::{Decision, FreeDevice, StoreError};
+use crate::domain::{Job, JobState};
+use crate::retention;
+use crate::store::{Decision, FreeDevice, HeldRanks, StoreError};
 
 /// The part of a stored plan (`scheduler::plan::Plan` as JSON) the service reads back.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -39,8 +40,22 @@ impl StoredPlan {
     }
 }
 
-/// Placements for as many of `jobs` as fit on `free`, keeping `margin` of every device free.
-pub fn decide(jobs: &[Job], free: &[FreeDevice], margin: f64) -> Vec<Decision> {
+/// How much of the cluster one owner may hold: `held` ranks now, at most `limit` at once.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnerQuota<'a> {
+    pub held: &'a HeldRanks,
+    pub limit: u32,
+}
+
+/// Placements for as many of `jobs` as fit on `free`, keeping `margin` of every device free. A
+/// job that would take its owner past `quota` waits, without holding up other owners' jobs.
+pub fn decide(
+    jobs: &[Job],
+    free: &[FreeDevice],
+    margin: f64,
+    quota: OwnerQuota<'_>,
+) -> Vec<Decision> {
+    let mut held: HeldRanks = quota.held.clone();
     let mut order: Vec<&Job> = jobs.iter().collect();
     order.sort_by(|a, b| {
         (b.priority.cmp(&a.priority))
@@ -66,11 +81,18 @@ pub fn decide(jobs: &[Job], free: &[FreeDevice], margin: f64) -> Vec<Decision> {
         if head_waits.is_some_and(|head| size >= head) || failed.contains(&(job.world_size, base)) {
             continue;
         }
+        let owner_ranks = held.get(&job.owner).copied().unwrap_or(0);
+        if owner_ranks.saturating_add(job.world_size) > quota.limit {
+            continue;
+        }
         match pool.place(job.world_size as usize, margin, &plan) {
-            Some(slots) => decisions.push(Decision {
-                job_id: job.id.clone(),
-                slots,
-            }),
+            Some(slots) => {
+                held.insert(job.owner.clone(), owner_ranks + job.world_size);
+                decisions.push(Decision {
+                    job_id: job.id.clone(),
+                    slots,
+                });
+            }
             None => {
                 failed.insert((job.world_size, base));
                 head_waits.get_or_insert(size);
@@ -153,6 +175,7 @@ const PLACE_AT_LEAST_EVERY: Duration = Duration::from_secs(30);
 pub async fn run(state: AppState) {
     let mut stop = state.shutdown.subscribe();
     let mut last_placing = Instant::now();
+    let mut last_retention: Option<Instant> = None;
     loop {
         let woken = tokio::select! {
             () = tokio::time::sleep(state.settings.scheduling_interval) => false,
@@ -176,6 +199,16 @@ pub async fn run(state: AppState) {
         if let Err(e) = done {
             tracing::warn!("scheduling pass failed: {e}");
         }
+        if last_retention.is_none_or(|t| t.elapsed() >= retention::EVERY) {
+            last_retention = Some(Instant::now());
+            match retention::collect(&state, now_ms()).await {
+                Ok(r) if r != retention::Removed::default() => {
+                    tracing::info!(?r, "removed finished jobs' outputs past their retention")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("retention failed: {e}"),
+            }
+        }
     }
 }
 
@@ -185,12 +218,13 @@ pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
     let start = Instant::now();
     reap(state).await?;
     let margin = state.settings.safety_margin;
+    let limit = state.settings.limits.running_ranks_per_owner;
     let mut queued_since = Vec::new();
     let mut left_free = true;
     let decisions = state
         .store
-        .schedule(|jobs, free| {
-            let decisions = decide(jobs, free, margin);
+        .schedule(|jobs, free, held| {
+            let decisions = decide(jobs, free, margin, OwnerQuota { held, limit });
             queued_since = jobs.iter().map(|j| (j.id.clone(), j.updated_at)).collect();
             let taken: usize = decisions.iter().map(|d| d.slots.len()).sum();
             left_free = free.len() > taken;
@@ -229,8 +263,10 @@ async fn reap(state: &AppState) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Refreshes the job gauges and drops the series of jobs that ended a while ago.
+/// Fails jobs past the wall-time limit, refreshes the job gauges and drops the series of jobs
+/// that ended a while ago.
 async fn housekeeping(state: &AppState) -> Result<(), StoreError> {
+    end_overdue(state, now_ms()).await?;
     state
         .metrics
         .set_job_counts(&state.store.count_by_state().await?);
@@ -238,10 +274,52 @@ async fn housekeeping(state: &AppState) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Fails every job whose current attempt has held its devices longer than `max_wall_time` at
+/// `now`; its agents are told to stop at their next heartbeat. Returns the jobs failed.
+pub async fn end_overdue(state: &AppState, now: i64) -> Result<Vec<String>, StoreError> {
+    let limit = state.settings.limits.max_wall_time;
+    let cutoff = now.saturating_sub(i64::try_from(limit.as_millis()).unwrap_or(i64::MAX));
+    let reason = format!("exceeded max_wall_time of {}", short_duration(limit));
+    let mut ended = Vec::new();
+    for (id, attempt) in state.store.placed_before(cutoff).await? {
+        let from = [JobState::Scheduled, JobState::Running];
+        if state
+            .transition_attempt(&id, attempt, &from, JobState::Failed, &reason)
+            .await?
+            .is_some()
+        {
+            tracing::info!(job = %id, attempt, "{reason}");
+            ended.push(id);
+        }
+    }
+    Ok(ended)
+}
+
+/// `72h`, `90m`, `45s`, `1500ms`: the largest unit that divides the duration.
+fn short_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    match ms {
+        0 => "0s".into(),
+        _ if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+        _ if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+        _ if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        _ => format!("{ms}ms"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::JobState;
+
+    /// `decide` with no owner holding anything and no owner limit.
+    fn decide(jobs: &[Job], free: &[FreeDevice], margin: f64) -> Vec<Decision> {
+        let held = HeldRanks::new();
+        let quota = OwnerQuota {
+            held: &held,
+            limit: u32::MAX,
+        };
+        super::decide(jobs, free, margin, quota)
+    }
 
     const GB: u64 = 1_000_000_000;
 
@@ -360,6 +438,36 @@ mod tests {
         assert!(decide(&jobs, &free, 0.0).is_empty());
         free[0].spec.memory_bytes += 1;
         assert_eq!(decide(&jobs, &free, 0.0).len(), 1);
+    }
+
+    #[test]
+    fn an_owner_past_its_running_ranks_waits_while_others_run() {
+        let mut jobs = [
+            job("alice-1", 0, 1, 2, 1),
+            job("alice-2", 0, 2, 2, 1),
+            job("bob", 0, 3, 2, 1),
+        ];
+        jobs[0].owner = "alice".into();
+        jobs[1].owner = "alice".into();
+        let free = devices("n", &[16; 8]);
+        let mut held = HeldRanks::new();
+        held.insert("alice".into(), 1);
+        let quota = OwnerQuota {
+            held: &held,
+            limit: 4,
+        };
+        // alice holds 1: her first job takes her to 3, the second would pass 4 and waits.
+        let d = super::decide(&jobs, &free, 0.0, quota);
+        assert_eq!(placed(&d), ["alice-1", "bob"]);
+        let none_held = HeldRanks::new();
+        let quota = OwnerQuota {
+            held: &none_held,
+            limit: 4,
+        };
+        assert_eq!(
+            placed(&super::decide(&jobs, &free, 0.0, quota)),
+            ["alice-1", "alice-2", "bob"]
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use runner::data::DataRoots;
 use scheduler::bytes::{number_and_unit, parse_size};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -17,6 +18,10 @@ pub struct Settings {
     /// Where the SQLite database, job outputs and token files live (`ZEROTRAIN_DATA_DIR`,
     /// default `$XDG_DATA_HOME/zerotrain` or `~/.local/share/zerotrain`).
     pub data_dir: PathBuf,
+    /// The directories jobs may name input files in (`ZEROTRAIN_DATA_ROOTS`, `:`-separated;
+    /// default `<data_dir>/datasets`). Submissions naming a file outside them are refused;
+    /// `zerotrain up`'s local agent reads only inside them. They may not contain `data_dir`.
+    pub data_roots: Vec<PathBuf>,
     /// `sqlite://PATH` or `postgres://…` (`ZEROTRAIN_DATABASE_URL`); `None` means
     /// `sqlite://<data_dir>/zerotrain.db`.
     pub database_url: Option<String>,
@@ -48,6 +53,49 @@ pub struct Settings {
     pub session_ttl: Duration,
     /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
     pub expect_local_agent: bool,
+    /// What one owner (token name) may ask of the service.
+    pub limits: Limits,
+}
+
+/// Limits an operator sets; every one has a default that keeps one client from exhausting the
+/// service.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    /// Queued jobs one owner may have; a submission past it gets 429
+    /// (`ZEROTRAIN_MAX_QUEUED_PER_OWNER`, default 1000).
+    pub queued_per_owner: u32,
+    /// Ranks one owner's scheduled and running jobs may hold at once; further jobs wait, and
+    /// a job of more ranks is refused (`ZEROTRAIN_MAX_RUNNING_RANKS_PER_OWNER`, default 64).
+    pub running_ranks_per_owner: u32,
+    /// Largest `training.steps` accepted (`ZEROTRAIN_MAX_STEPS`, default 1000000).
+    pub max_steps: u32,
+    /// How long an attempt may hold its devices before the job fails
+    /// (`ZEROTRAIN_MAX_WALL_TIME`, default 72h).
+    pub max_wall_time: Duration,
+    /// A finished job's checkpoints are removed this long after it ended
+    /// (`ZEROTRAIN_CHECKPOINT_RETENTION`, default 7d).
+    pub checkpoint_retention: Duration,
+    /// A finished job's whole output directory (the final model too) is removed this long
+    /// after it ended; `None` keeps the model (`ZEROTRAIN_MODEL_RETENTION`, default unset).
+    pub model_retention: Option<Duration>,
+    /// Failed authentications (unknown tokens) one client address may make per minute before
+    /// its requests get 429 with `Retry-After`; 0 turns the limit off
+    /// (`ZEROTRAIN_AUTH_FAILURES_PER_MINUTE`, default 30).
+    pub auth_failures_per_minute: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            queued_per_owner: 1000,
+            running_ranks_per_owner: 64,
+            max_steps: 1_000_000,
+            max_wall_time: Duration::from_secs(72 * 3600),
+            checkpoint_retention: Duration::from_secs(7 * 24 * 3600),
+            model_retention: None,
+            auth_failures_per_minute: 30,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +112,7 @@ impl Default for Settings {
             listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: 8080,
             data_dir: default_data_dir(),
+            data_roots: Vec::new(),
             database_url: None,
             heartbeat_timeout: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(2),
@@ -75,6 +124,7 @@ impl Default for Settings {
             public_url: None,
             session_ttl: Duration::from_secs(12 * 3600),
             expect_local_agent: false,
+            limits: Limits::default(),
         }
     }
 }
@@ -97,6 +147,9 @@ impl Settings {
         }
         if let Some((_, v)) = read("ZEROTRAIN_DATA_DIR") {
             s.data_dir = PathBuf::from(v);
+        }
+        if let Some((_, v)) = read("ZEROTRAIN_DATA_ROOTS") {
+            s.data_roots = std::env::split_paths(&v).collect();
         }
         if let Some((_, v)) = read("ZEROTRAIN_DATABASE_URL") {
             s.database_url = Some(v);
@@ -131,6 +184,29 @@ impl Settings {
         if let Some(v) = read("ZEROTRAIN_SESSION_TTL") {
             s.session_ttl = parse(v, parse_duration)?;
         }
+        let count = |v: &str| v.parse::<u32>().map_err(|e| e.to_string());
+        let l = &mut s.limits;
+        if let Some(v) = read("ZEROTRAIN_MAX_QUEUED_PER_OWNER") {
+            l.queued_per_owner = parse(v, count)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_MAX_RUNNING_RANKS_PER_OWNER") {
+            l.running_ranks_per_owner = parse(v, count)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_MAX_STEPS") {
+            l.max_steps = parse(v, count)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_MAX_WALL_TIME") {
+            l.max_wall_time = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_CHECKPOINT_RETENTION") {
+            l.checkpoint_retention = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_MODEL_RETENTION") {
+            l.model_retention = Some(parse(v, parse_duration)?);
+        }
+        if let Some(v) = read("ZEROTRAIN_AUTH_FAILURES_PER_MINUTE") {
+            l.auth_failures_per_minute = parse(v, count)?;
+        }
         Ok(s)
     }
 
@@ -139,6 +215,20 @@ impl Settings {
         self.database_url
             .clone()
             .unwrap_or_else(|| format!("sqlite://{}", self.data_dir.join("zerotrain.db").display()))
+    }
+
+    /// The data roots, checked: `data_roots`, or `<data_dir>/datasets` (created if missing);
+    /// none may hold the data dir or the SQLite database.
+    pub fn open_data_roots(&self) -> Result<DataRoots, runner::Error> {
+        let database: Vec<PathBuf> = self.sqlite_path().into_iter().collect();
+        DataRoots::for_data_dir(&self.data_roots, &self.data_dir, &database)
+    }
+
+    /// The SQLite database file, when the store is one.
+    pub fn sqlite_path(&self) -> Option<PathBuf> {
+        let url = self.database_url();
+        let path = url.strip_prefix("sqlite://")?;
+        Some(PathBuf::from(path.split('?').next().unwrap_or(path)))
     }
 
     /// Where job `id` writes its checkpoints and export.
@@ -165,16 +255,17 @@ pub fn default_data_dir() -> PathBuf {
     }
 }
 
-/// `500ms`, `2s`, `5m`, `1h`, or a plain number of seconds.
+/// `500ms`, `2s`, `5m`, `1h`, `7d`, or a plain number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let (value, unit) =
-        number_and_unit(s).ok_or("expected a number with an optional unit: ms, s, m or h")?;
+        number_and_unit(s).ok_or("expected a number with an optional unit: ms, s, m, h or d")?;
     let seconds = match unit {
         "ms" => value / 1000.0,
         "" | "s" => value,
         "m" => value * 60.0,
         "h" => value * 3600.0,
-        other => return Err(format!("unknown unit {other:?}; use ms, s, m or h")),
+        "d" => value * 86400.0,
+        other => return Err(format!("unknown unit {other:?}; use ms, s, m, h or d")),
     };
     Duration::try_from_secs_f64(seconds).map_err(|e| e.to_string())
 }
@@ -248,6 +339,10 @@ mod tests {
         assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
         assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
         assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86400)
+        );
         assert!(parse_duration("2 fortnights").is_err());
     }
 

@@ -281,7 +281,7 @@ async fn schedule_first_fit(store: &Store) -> (Vec<FreeDevice>, Vec<Decision>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let seen_in = seen.clone();
     let applied = store
-        .schedule(move |jobs, free| {
+        .schedule(move |jobs, free, _| {
             *seen_in.lock().unwrap() = free.to_vec();
             first_fit(jobs, free)
         })
@@ -900,7 +900,7 @@ async fn reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices(db: T
     let on_alive = submit(s, "on-alive", 1, 1).await;
     let waiting = submit(s, "waiting", 0, 4).await;
     let applied = s
-        .schedule(|jobs, free| {
+        .schedule(|jobs, free, _| {
             let slot = |node: &str, d: u32| {
                 let f = free
                     .iter()
@@ -1039,7 +1039,7 @@ async fn schedule_shows_the_queue_by_priority_then_age_and_the_free_devices(db: 
     let seen = Arc::new(Mutex::new((Vec::new(), Vec::new())));
     let seen_in = seen.clone();
     let applied = s
-        .schedule(move |jobs, free| {
+        .schedule(move |jobs, free, _| {
             *seen_in.lock().unwrap() = (ids(jobs), free.to_vec());
             Vec::new()
         })
@@ -1179,7 +1179,7 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
             slots: vec![slot(2), slot(2)],
         },
     ];
-    let applied = s.schedule(move |_, _| decisions).await.unwrap();
+    let applied = s.schedule(move |_, _, _| decisions).await.unwrap();
     assert_eq!(
         applied,
         vec![Decision {
@@ -1593,7 +1593,11 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
         tokio::spawn(async move {
             let mut placed = 0;
             while !done.load(Ordering::Relaxed) {
-                placed += store.schedule(first_fit).await.unwrap().len();
+                placed += store
+                    .schedule(|jobs, free, _| first_fit(jobs, free))
+                    .await
+                    .unwrap()
+                    .len();
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             placed
@@ -1834,6 +1838,16 @@ async fn a_token_name_is_taken_once_and_revoking_frees_it(db: TestDb) {
     assert_eq!(s.revoke_token("carol").await.unwrap(), Revoked::Yes);
     assert_eq!(s.token("zt_carol").await.unwrap(), None);
     assert_eq!(s.revoke_token("carol").await.unwrap(), Revoked::Unknown);
+    // The last agent join token stays too, until there is another.
+    s.create_token("join", Role::AgentJoin, "zt_join")
+        .await
+        .unwrap();
+    assert_eq!(s.revoke_token("join").await.unwrap(), Revoked::LastJoin);
+    assert!(s.token("zt_join").await.unwrap().is_some());
+    s.create_token("join-2", Role::AgentJoin, "zt_join_2")
+        .await
+        .unwrap();
+    assert_eq!(s.revoke_token("join").await.unwrap(), Revoked::Yes);
     assert!(
         s.create_token("carol", Role::Viewer, "zt_carol_3")
             .await

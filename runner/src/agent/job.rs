@@ -116,6 +116,7 @@ fn train(
         comm_timeout: Some(COMM_TIMEOUT),
         distributed: None,
         cancel: Some(cancel),
+        data_roots: cfg.data_roots.clone(),
     };
     let (job_id, attempt) = (a.job_id.clone(), a.attempt);
     let mut started = false;

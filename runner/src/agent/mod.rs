@@ -18,6 +18,7 @@ use std::time::Duration;
 use scheduler::inventory::Device;
 
 use crate::Error;
+use crate::data::DataRoots;
 use protocol::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse, Report};
 
 /// Where to find the server and what this node offers.
@@ -33,6 +34,8 @@ pub struct AgentConfig {
     pub devices: Vec<Device>,
     /// Kernel threads (default: all cores).
     pub threads: Option<usize>,
+    /// The only directories jobs may read their inputs from.
+    pub data_roots: DataRoots,
 }
 
 /// Reports waiting for the next heartbeat, shared with the jobs' threads.

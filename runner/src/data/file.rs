@@ -3,8 +3,9 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
+use super::roots::open_regular;
 use crate::error::Error;
 
 const SHARD_MAGIC: i32 = 20240520;
@@ -12,7 +13,11 @@ const SHARD_VERSION: i32 = 1;
 const HEADER_BYTES: u64 = 256 * 4;
 
 pub(super) struct TokenFile {
-    pub(super) path: PathBuf,
+    /// Resolved inside the data roots.
+    path: PathBuf,
+    /// How errors name it: the spec field and path (for a glob, which match), never the
+    /// resolved name.
+    pub(super) what: String,
     /// Where the tokens start.
     header_bytes: u64,
     /// Bytes per token: 2 for shards, 1 for text.
@@ -21,71 +26,74 @@ pub(super) struct TokenFile {
     pub(super) len: u64,
 }
 
-fn data_error(path: &Path, reason: impl Into<String>) -> Error {
+pub(super) fn data_error(what: &str, reason: impl Into<String>) -> Error {
     Error::Data {
-        path: path.to_owned(),
+        what: what.to_string(),
         reason: reason.into(),
     }
 }
 
 impl TokenFile {
     /// Checks a token shard's header against its size, as llm.c's `dataloader_load_shard_`.
-    pub(super) fn shard(path: PathBuf) -> Result<Self, Error> {
-        let mut file = open(&path)?;
-        let size = file_size(&file, &path)?;
+    /// Errors say what is wrong, never the bytes or the size found.
+    pub(super) fn shard(path: PathBuf, what: String) -> Result<Self, Error> {
+        let mut file = open_regular(&path, &what)?;
+        let size = file_size(&file, &what)?;
         let mut header = [0u8; HEADER_BYTES as usize];
         if size < HEADER_BYTES {
             return Err(data_error(
-                &path,
-                format!("truncated: {size} bytes is shorter than the {HEADER_BYTES}-byte header"),
+                &what,
+                format!("truncated: shorter than the {HEADER_BYTES}-byte header"),
             ));
         }
         file.read_exact(&mut header)
-            .map_err(|e| data_error(&path, format!("cannot read the header: {e}")))?;
+            .map_err(|e| data_error(&what, format!("cannot read the header: {}", e.kind())))?;
         let field = |i: usize| i32::from_le_bytes(header[4 * i..4 * i + 4].try_into().unwrap());
         let (magic, version, count) = (field(0), field(1), field(2));
         if magic != SHARD_MAGIC {
             return Err(data_error(
-                &path,
-                format!("bad magic {magic}, expected {SHARD_MAGIC}: not an llm.c token shard"),
+                &what,
+                format!("bad magic, expected {SHARD_MAGIC}: not an llm.c token shard"),
             ));
         }
         if version != SHARD_VERSION {
             return Err(data_error(
-                &path,
-                format!("unsupported version {version}, expected {SHARD_VERSION}"),
+                &what,
+                format!("unsupported version, expected {SHARD_VERSION}"),
             ));
         }
         let len = u64::try_from(count)
             .ok()
             .filter(|&n| n > 0)
-            .ok_or_else(|| data_error(&path, format!("header says {count} tokens")))?;
+            .ok_or_else(|| data_error(&what, "the header's token count is not positive"))?;
         let expected = HEADER_BYTES + 2 * len;
         if size != expected {
-            let what = if size < expected {
+            let what_is_wrong = if size < expected {
                 "truncated"
             } else {
                 "too long"
             };
             return Err(data_error(
-                &path,
+                &what,
                 format!(
-                    "{what}: the header says {len} tokens, which take {expected} bytes, but the file has {size}"
+                    "{what_is_wrong}: the file's size does not match the token count in its header"
                 ),
             ));
         }
         Ok(TokenFile {
             path,
+            what,
             header_bytes: HEADER_BYTES,
             width: 2,
             len,
         })
     }
 
-    pub(super) fn text(path: PathBuf) -> Result<Self, Error> {
-        let len = file_size(&open(&path)?, &path)?;
+    pub(super) fn text(path: PathBuf, what: String) -> Result<Self, Error> {
+        let len = file_size(&open_regular(&path, &what)?, &what)?;
         Ok(TokenFile {
             path,
+            what,
             header_bytes: 0,
             width: 1,
             len,
@@ -106,7 +114,12 @@ impl TokenFile {
             self.header_bytes + start * self.width as u64,
         ))
         .and_then(|_| file.read_exact(bytes))
-        .map_err(|e| data_error(&self.path, format!("cannot read token {start}: {e}")))?;
+        .map_err(|e| {
+            data_error(
+                &self.what,
+                format!("cannot read token {start}: {}", e.kind()),
+            )
+        })?;
         match self.width {
             1 => out
                 .iter_mut()
@@ -120,42 +133,14 @@ impl TokenFile {
         Ok(())
     }
 
+    /// Opens the file again (it is checked again: still a regular file, no symlink swapped in).
     pub(super) fn open(&self) -> Result<File, Error> {
-        open(&self.path)
+        open_regular(&self.path, &self.what)
     }
 }
 
-fn open(path: &Path) -> Result<File, Error> {
-    File::open(path).map_err(|e| data_error(path, format!("cannot open: {e}")))
-}
-
-fn file_size(file: &File, path: &Path) -> Result<u64, Error> {
+fn file_size(file: &File, what: &str) -> Result<u64, Error> {
     file.metadata()
         .map(|m| m.len())
-        .map_err(|e| data_error(path, format!("cannot read its size: {e}")))
-}
-
-/// The files a shard pattern names, sorted; a pattern without wildcards is one file.
-pub(super) fn shard_paths(pattern: &str) -> Result<Vec<PathBuf>, Error> {
-    if glob::Pattern::escape(pattern) == pattern {
-        return Ok(vec![PathBuf::from(pattern)]);
-    }
-    let paths = glob::glob(pattern)
-        .map_err(|e| data_error(Path::new(pattern), format!("invalid glob pattern: {e}")))?;
-    let mut files = Vec::new();
-    for entry in paths {
-        let path =
-            entry.map_err(|e| data_error(e.path(), format!("cannot read: {}", e.error())))?;
-        if path.is_file() {
-            files.push(path);
-        }
-    }
-    if files.is_empty() {
-        return Err(data_error(
-            Path::new(pattern),
-            "the pattern matches no files",
-        ));
-    }
-    files.sort();
-    Ok(files)
+        .map_err(|e| data_error(what, format!("cannot read its size: {}", e.kind())))
 }

@@ -9,6 +9,7 @@
 //! for the next one, and after the last file the data starts over (a new epoch).
 
 mod file;
+mod roots;
 mod synthetic;
 mod windows;
 
@@ -22,6 +23,7 @@ use crate::error::Error;
 use synthetic::Synthetic;
 use windows::Windows;
 
+pub use roots::{DataRoots, spec_inputs};
 pub use synthetic::{MAX_SYNTHETIC_VOCAB, SUCCESSOR_PROBABILITIES, entropy_floor, synthetic_vocab};
 
 /// How one rank's batches are shaped and which slice of the world's batch it reads.
@@ -83,11 +85,12 @@ enum Source {
 
 impl DataLoader {
     /// Opens and checks the data (every shard's header, as llm.c does at start-up), so that a
-    /// bad file fails the job before training. `vocab_size` is the model's: text needs ≥ 256,
-    /// and a shard token at or above it is an error when read.
-    /// Its buffers come from `acct` (category buffers).
+    /// bad file fails the job before training; files are read only inside `roots`.
+    /// `vocab_size` is the model's: text needs ≥ 256, and a shard token at or above it is an
+    /// error when read. Its buffers come from `acct` (category buffers).
     pub fn new(
         data: &Data,
+        roots: &DataRoots,
         layout: BatchLayout,
         seed: u64,
         vocab_size: usize,
@@ -96,11 +99,14 @@ impl DataLoader {
         layout.validate()?;
         let source = match data {
             Data::Synthetic => Source::Synthetic(Synthetic::new(layout, seed, vocab_size, acct)?),
-            Data::Text { path } => Source::Files(Windows::text(path, layout, vocab_size, acct)?),
+            Data::Text { path } => {
+                Source::Files(Windows::text(path, roots, layout, vocab_size, acct)?)
+            }
             Data::Tokens { path, shuffle } => {
                 let shuffle_seed = shuffle.then_some(seed);
                 Source::Files(Windows::shards(
                     path,
+                    roots,
                     layout,
                     vocab_size,
                     shuffle_seed,

@@ -13,7 +13,8 @@ use std::fs::File;
 use rand::Rng;
 use scheduler::memory::Category;
 
-use super::file::{TokenFile, shard_paths};
+use super::file::{TokenFile, data_error};
+use super::roots::DataRoots;
 use super::{BatchLayout, Position, Stream, rng, split_window};
 use crate::accounting::{Accountant, Buffer};
 use crate::error::Error;
@@ -36,30 +37,44 @@ pub(super) struct Windows {
 impl Windows {
     pub(super) fn text(
         path: &str,
+        roots: &DataRoots,
         layout: BatchLayout,
         vocab_size: usize,
         acct: &Accountant,
     ) -> Result<Self, Error> {
-        let file = TokenFile::text(path.into())?;
+        let what = format!("data.path {path:?}");
         if vocab_size < 256 {
-            return Err(Error::Data {
-                path: file.path,
-                reason: format!("byte-level text needs vocab_size ≥ 256, not {vocab_size}"),
-            });
+            return Err(data_error(
+                &what,
+                format!("byte-level text needs vocab_size ≥ 256, not {vocab_size}"),
+            ));
         }
+        let file = TokenFile::text(roots.resolve("data.path", path)?, what)?;
         Self::new(vec![file], layout, None, None, acct)
     }
 
+    /// The shards `pattern` matches; errors name a match by its place in the sorted list,
+    /// never by its name.
     pub(super) fn shards(
         pattern: &str,
+        roots: &DataRoots,
         layout: BatchLayout,
         vocab_size: usize,
         shuffle: Option<u64>,
         acct: &Accountant,
     ) -> Result<Self, Error> {
-        let files = shard_paths(pattern)?
+        let paths = roots.glob("data.path", pattern)?;
+        let n = paths.len();
+        let files = paths
             .into_iter()
-            .map(TokenFile::shard)
+            .enumerate()
+            .map(|(i, path)| {
+                let what = match n {
+                    1 => format!("data.path {pattern:?}"),
+                    _ => format!("data.path {pattern:?}, file {} of {n}", i + 1),
+                };
+                TokenFile::shard(path, what)
+            })
             .collect::<Result<_, _>>()?;
         Self::new(files, layout, Some(vocab_size), shuffle, acct)
     }
@@ -85,13 +100,10 @@ impl Windows {
         };
         let need = windows.stride() + 1;
         if let Some(short) = windows.files.iter().find(|f| f.len < need) {
-            return Err(Error::Data {
-                path: short.path.clone(),
-                reason: format!(
-                    "{} tokens is less than one batch: B·T·world_size + 1 = {need}",
-                    short.len
-                ),
-            });
+            return Err(data_error(
+                &short.what,
+                format!("less than one batch: B·T·world_size + 1 = {need} tokens"),
+            ));
         }
         Ok(windows)
     }
@@ -166,9 +178,8 @@ impl Windows {
             && let Some(i) = self.window.iter().position(|&t| t as usize >= vocab_size)
         {
             return Err(Error::TokenOutOfRange {
-                path: f.path.clone(),
+                what: f.what.clone(),
                 index: start + i as u64,
-                token: self.window[i],
                 vocab_size,
             });
         }

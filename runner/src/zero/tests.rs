@@ -1,7 +1,7 @@
 //! Engine-level checks: fp16 underflow and the whole-model gradient.
 
 use super::*;
-use crate::data::BatchLayout;
+use crate::data::{BatchLayout, DataRoots};
 use half::f16;
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
@@ -20,7 +20,8 @@ fn engine<X: Float + Wire>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataL
         rank: 0,
         world_size: 1,
     };
-    let data = DataLoader::new(&spec.data, layout, 1, shape.vocab_size, &acct).unwrap();
+    let roots = DataRoots::anywhere();
+    let data = DataLoader::new(&spec.data, &roots, layout, 1, shape.vocab_size, &acct).unwrap();
     (e, data)
 }
 

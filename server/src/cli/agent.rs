@@ -1,16 +1,21 @@
-//! `zerotrain agent --server URL --token T [--cpu-devices N --device-memory SIZE]`: a runner
-//! agent offering this machine's devices to a server until the process ends.
+//! `zerotrain agent --server URL --token T [--cpu-devices N --device-memory SIZE]
+//! [--data-root DIR]...`: a runner agent offering this machine's devices to a server until the
+//! process ends; jobs read input files only inside its data roots.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use runner::agent::AgentMetrics;
+use runner::data::DataRoots;
 
 use scheduler::bytes::parse_size;
 use scheduler::inventory::Device;
 use scheduler::memory::DeviceKind;
+
+use crate::settings::default_data_dir;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -38,6 +43,19 @@ pub struct Args {
     /// Where the agent serves its own Prometheus `/metrics` (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
     metrics_addr: SocketAddr,
+    /// A directory jobs may read input files from (repeatable); none may contain the data
+    /// directory [default: DATA_DIR/datasets, created if missing].
+    #[arg(
+        long = "data-root",
+        value_name = "DIR",
+        env = "ZEROTRAIN_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
+    data_roots: Vec<PathBuf>,
+    /// The service's data directory on this machine (tokens, database), which no data root may
+    /// hold [default: as for `serve`].
+    #[arg(long, env = "ZEROTRAIN_DATA_DIR")]
+    data_dir: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -46,12 +64,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
     let metrics_url = format!("http://{}/metrics", listener.local_addr()?);
     serve_metrics(listener, metrics.clone())?;
-    let cfg = config(args);
+    let cfg = config(args)?;
     eprintln!(
-        "agent {}: offering {} device(s) to {}; metrics at {metrics_url}",
+        "agent {}: offering {} device(s) to {}; metrics at {metrics_url}; data roots {}",
         cfg.name,
         cfg.devices.len(),
-        cfg.server
+        cfg.server,
+        roots_list(&cfg.data_roots)
     );
     runner::agent::run(&cfg, &AtomicBool::new(false), &metrics)?;
     Ok(())
@@ -81,19 +100,32 @@ fn serve_metrics(
     Ok(())
 }
 
-fn config(args: Args) -> runner::agent::AgentConfig {
+fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
     let device = Device {
         kind: DeviceKind::Cpu,
         memory_bytes: args.device_memory,
     };
-    runner::agent::AgentConfig {
+    let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
+    let data_roots = DataRoots::for_data_dir(&args.data_roots, &data_dir, &[])?;
+    Ok(runner::agent::AgentConfig {
         server: args.server.trim_end_matches('/').to_string(),
         join_token: args.token,
         name: args.name.unwrap_or_else(hostname),
         host: args.host,
         devices: vec![device; args.cpu_devices],
         threads: args.threads,
-    }
+        data_roots,
+    })
+}
+
+/// The roots as a start-up line shows them.
+pub(super) fn roots_list(roots: &DataRoots) -> String {
+    let dirs: Vec<String> = roots
+        .dirs()
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    dirs.join(", ")
 }
 
 fn hostname() -> String {

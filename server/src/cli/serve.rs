@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use crate::app::Server;
-use crate::auth;
+use crate::auth::{self, AdminFile};
 use crate::settings::{Settings, parse_duration, parse_margin};
 
 /// The server's flags, shared by `serve` and `up`.
@@ -24,6 +24,10 @@ pub struct Args {
     /// Database, tokens and job outputs [env: ZEROTRAIN_DATA_DIR].
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// A directory jobs may read input files from (repeatable) [env: ZEROTRAIN_DATA_ROOTS,
+    /// `:`-separated; default DATA_DIR/datasets]. `up`'s local agent reads only there.
+    #[arg(long = "data-root", value_name = "DIR")]
+    data_roots: Vec<PathBuf>,
     /// sqlite://PATH or postgres://… [env: ZEROTRAIN_DATABASE_URL; default SQLite in the data
     /// directory].
     #[arg(long)]
@@ -48,6 +52,9 @@ impl Args {
         }
         if let Some(dir) = self.data_dir {
             settings.data_dir = dir;
+        }
+        if !self.data_roots.is_empty() {
+            settings.data_roots = self.data_roots;
         }
         if let Some(url) = self.database_url {
             settings.database_url = Some(url);
@@ -99,12 +106,28 @@ pub(super) async fn start(settings: Settings) -> anyhow::Result<(Server, auth::B
         .map_or_else(|| format!("{}/", server.url()), |u| u.to_string());
     eprintln!("console: {console} (log in with a token)");
     let admin_file = data_dir.join("admin-token");
+    let recover = format!(
+        "recover with `zerotrain token create NAME --bootstrap --data-dir {}` (needs this data \
+         directory and the database; writes a new admin token to {})",
+        data_dir.display(),
+        admin_file.display()
+    );
     match &tokens.new_admin_token {
         Some(token) => eprintln!("admin token: {token} (saved to {})", admin_file.display()),
-        None => eprintln!(
-            "admin token: in {} (or ZEROTRAIN_TOKEN)",
-            admin_file.display()
-        ),
+        None => match auth::admin_file(&server.state().store, &data_dir).await? {
+            AdminFile::Admin => eprintln!(
+                "admin token: in {} (or ZEROTRAIN_TOKEN)",
+                admin_file.display()
+            ),
+            AdminFile::Revoked => eprintln!(
+                "admin token: the one in {} was revoked and no longer works; {recover}",
+                admin_file.display()
+            ),
+            AdminFile::Missing => eprintln!(
+                "admin token: {} is missing; use another admin token, or {recover}",
+                admin_file.display()
+            ),
+        },
     }
     eprintln!(
         "agents join with: zerotrain agent --server {} --token $(cat {})",

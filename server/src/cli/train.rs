@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use runner::data::DataRoots;
 use runner::train::{Distributed, Options, run};
 use scheduler::bytes::{human, parse_size};
 use scheduler::memory::Category;
@@ -69,6 +70,8 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             .zip(args.master)
             .map(|(rank, master)| Distributed { rank, master }),
         cancel: None,
+        // The user's own process reads what the user can.
+        data_roots: DataRoots::anywhere(),
     };
     let summary = run(&spec, &opts, &mut |p| {
         bar.set_position(u64::from(p.step));

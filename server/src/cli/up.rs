@@ -37,10 +37,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let (server, tokens) = serve::start(settings).await?;
+        let data_roots = server.state().data_roots.clone();
         eprintln!(
-            "local agent: {} CPU device(s) of {}",
+            "local agent: {} CPU device(s) of {}; jobs read files only under {}",
             args.cpu_devices,
-            human(args.device_memory)
+            human(args.device_memory),
+            super::agent::roots_list(&data_roots)
         );
         let stop = Arc::new(AtomicBool::new(false));
         let device = Device {
@@ -54,6 +56,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             host: "127.0.0.1".into(),
             devices: vec![device; args.cpu_devices],
             threads: args.threads,
+            data_roots,
         };
         let flag = stop.clone();
         let agent =

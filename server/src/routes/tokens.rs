@@ -87,8 +87,9 @@ pub async fn list(State(state): State<AppState>, _: Admin) -> Result<Json<TokenL
     }))
 }
 
-/// Revoke a token: requests bearing it are refused from now on. The last admin token cannot
-/// be revoked.
+/// Revoke a token: requests bearing it are refused from now on. The last admin token and the
+/// last agent join token cannot be revoked (create another first), so neither the admin nor
+/// new agents are ever locked out.
 #[utoipa::path(
     delete,
     path = "/v1/tokens/{name}", operation_id = "revoke_token",
@@ -97,7 +98,7 @@ pub async fn list(State(state): State<AppState>, _: Admin) -> Result<Json<TokenL
     responses(
         (status = 204, description = "Revoked"),
         (status = 404, body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "It is the last admin token",
+        (status = 409, description = "It is the last admin token or the last agent join token",
             body = Problem, content_type = "application/problem+json"),
     ),
 )]
@@ -113,10 +114,12 @@ pub async fn revoke(
             id: name,
         }),
         Revoked::LastAdmin => Err(ApiError::LastAdmin { name }),
+        Revoked::LastJoin => Err(ApiError::LastJoin { name }),
     }
 }
 
-fn check_name(name: &str) -> Result<(), ApiError> {
+/// 1-64 characters of `A-Z a-z 0-9 . _ -` (the CLI's `--bootstrap` checks the same).
+pub(crate) fn check_name(name: &str) -> Result<(), ApiError> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
     if name.is_empty() || name.len() > MAX_NAME || !name.chars().all(allowed) {
         return Err(ApiError::BadRequest {

@@ -1,20 +1,35 @@
 //! Jobs: insertion with idempotency keys, lookups and pages, and compare-and-set transitions
 //! that record their reason and release devices.
 
+use std::collections::HashMap;
+
 use super::backend::{Arg, Conn, bind_args, on};
-use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, new_id, state, to_json};
+use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, new_id, state, to_json, to_u32};
 use super::{JobFilter, SortKey, StoreError};
 use crate::domain::{Job, JobState, Transition};
 
 /// The page size when a filter asks for 0 jobs.
 pub const DEFAULT_PAGE: u32 = 100;
 
+/// Inserts a queued job; see [`super::Store::submit_job`]. `None` when the owner already has
+/// `queued_limit` queued jobs.
 pub(super) async fn insert(
     c: &mut Conn<'_>,
     job: &Job,
     idempotency_key: Option<&str>,
+    queued_limit: Option<u32>,
     now: i64,
-) -> Result<Job, StoreError> {
+) -> Result<Option<Job>, StoreError> {
+    if let Some(limit) = queued_limit {
+        if let Some(key) = idempotency_key
+            && let Some(existing) = by_key(c, &job.owner, key).await?
+        {
+            return Ok(Some(existing));
+        }
+        if queued_of(c, &job.owner).await? >= i64::from(limit) {
+            return Ok(None);
+        }
+    }
     let id = if job.id.is_empty() {
         new_id()
     } else {
@@ -56,19 +71,16 @@ pub(super) async fn insert(
     });
     if inserted == 0 {
         // Only the (owner, idempotency_key) constraint is skipped, so the key exists.
-        let sql =
-            format!("SELECT {JOB_COLUMNS} FROM jobs WHERE owner = $1 AND idempotency_key = $2");
-        let row = on!(c, c => {
-            sqlx::query_as::<_, JobRow>(&sql)
-                .bind(&job.owner)
-                .bind(idempotency_key)
-                .fetch_one(&mut **c)
-                .await?
-        });
-        return Job::try_from(row);
+        let key = idempotency_key.unwrap_or_default();
+        return Ok(Some(by_key(c, &job.owner, key).await?.ok_or_else(
+            || StoreError::Corrupt {
+                what: "job".into(),
+                reason: format!("idempotency key {key:?} clashed but is not found"),
+            },
+        )?));
     }
     record(c, &id, attempt, None, JobState::Queued, &reason, now).await?;
-    Ok(Job {
+    Ok(Some(Job {
         id,
         state: JobState::Queued,
         attempt,
@@ -77,7 +89,79 @@ pub(super) async fn insert(
         created_at,
         updated_at: created_at,
         ..job.clone()
-    })
+    }))
+}
+
+/// The job `owner` submitted with idempotency key `key`.
+async fn by_key(c: &mut Conn<'_>, owner: &str, key: &str) -> Result<Option<Job>, StoreError> {
+    let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE owner = $1 AND idempotency_key = $2");
+    let row = on!(c, c => {
+        sqlx::query_as::<_, JobRow>(&sql)
+            .bind(owner)
+            .bind(key)
+            .fetch_optional(&mut **c)
+            .await?
+    });
+    row.map(Job::try_from).transpose()
+}
+
+/// How many queued jobs `owner` has. On PostgreSQL the owner's submissions are serialised for
+/// the rest of the transaction first, so two of them cannot both see room for one more.
+async fn queued_of(c: &mut Conn<'_>, owner: &str) -> Result<i64, StoreError> {
+    if let Conn::Postgres(c) = c {
+        sqlx::query(
+            "SELECT pg_advisory_xact_lock(hashtext('zerotrain.owner.' || current_schema() || '.' || $1))",
+        )
+        .bind(owner)
+        .execute(&mut **c)
+        .await?;
+    }
+    let n = on!(c, c => {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT COUNT(*) FROM jobs WHERE owner = $1 AND state = 'queued'",
+        )
+        .bind(owner)
+        .fetch_one(&mut **c)
+        .await?
+    });
+    Ok(n)
+}
+
+/// Jobs holding devices (scheduled or running) whose current attempt was placed before
+/// `before`: (id, attempt).
+pub(super) async fn placed_before(
+    c: &mut Conn<'_>,
+    before: i64,
+) -> Result<Vec<(String, u32)>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT j.id, j.attempt FROM jobs j WHERE j.state IN ('scheduled', 'running') \
+             AND EXISTS (SELECT 1 FROM assignments a WHERE a.job_id = j.id \
+                 AND a.attempt = j.attempt AND a.assigned_at < $1)",
+        )
+        .bind(before)
+        .fetch_all(&mut **c)
+        .await?
+    });
+    rows.into_iter()
+        .map(|(id, attempt)| Ok((id, to_u32(attempt, "attempt")?)))
+        .collect()
+}
+
+/// Ranks each owner's scheduled and running jobs hold, by owner.
+pub(super) async fn held_ranks(c: &mut Conn<'_>) -> Result<HashMap<String, u32>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT owner, SUM(world_size) FROM jobs \
+             WHERE state IN ('scheduled', 'running') GROUP BY owner",
+        )
+        .fetch_all(&mut **c)
+        .await?
+    });
+    Ok(rows
+        .into_iter()
+        .map(|(owner, n)| (owner, u32::try_from(n).unwrap_or(u32::MAX)))
+        .collect())
 }
 
 pub(super) async fn get(c: &mut Conn<'_>, id: &str) -> Result<Option<Job>, StoreError> {

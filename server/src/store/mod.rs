@@ -138,6 +138,9 @@ pub struct FreeDevice {
     pub spec: Device,
 }
 
+/// Ranks held by each owner's scheduled and running jobs, by owner (token name).
+pub type HeldRanks = std::collections::HashMap<String, u32>;
+
 /// A placement decided by a scheduling pass: the job (at its current attempt) and, per rank in
 /// order, the node id and device index.
 #[derive(Debug, Clone, PartialEq)]
@@ -193,10 +196,29 @@ impl Store {
         job: &Job,
         idempotency_key: Option<&str>,
     ) -> Result<Job, StoreError> {
+        let inserted = self.submit_job(job, idempotency_key, None).await?;
+        Ok(inserted.expect("without a limit a job is always inserted"))
+    }
+
+    /// [`Store::insert_job`], unless the owner already has `queued_limit` queued jobs: then
+    /// `None`, and nothing is written (a known idempotency key still returns its job).
+    pub async fn submit_job(
+        &self,
+        job: &Job,
+        idempotency_key: Option<&str>,
+        queued_limit: Option<u32>,
+    ) -> Result<Option<Job>, StoreError> {
         let mut tx = self.pool.write().await?;
-        let job = jobs::insert(&mut tx.conn(), job, idempotency_key, now_ms()).await?;
+        let job =
+            jobs::insert(&mut tx.conn(), job, idempotency_key, queued_limit, now_ms()).await?;
         tx.commit().await?;
         Ok(job)
+    }
+
+    /// Jobs holding devices whose current attempt was placed before `before` (Unix ms):
+    /// (id, attempt), for the wall-time limit.
+    pub async fn placed_before(&self, before: i64) -> Result<Vec<(String, u32)>, StoreError> {
+        jobs::placed_before(&mut self.pool.acquire().await?.conn(), before).await
     }
 
     pub async fn get_job(&self, id: &str) -> Result<Option<Job>, StoreError> {
@@ -303,14 +325,14 @@ impl Store {
     }
 
     /// One scheduling pass, atomic and exclusive across server replicas: `decide` sees the
-    /// queued jobs (priority descending, then oldest first) and the free devices of live nodes,
-    /// and returns placements; those jobs move to `scheduled` with their assignments recorded.
+    /// queued jobs (priority descending, then oldest first), the free devices of live nodes
+    /// and the ranks each owner's scheduled and running jobs hold, and returns placements; those jobs move to `scheduled` with their assignments recorded.
     /// Returns the decisions applied (a job another replica moved meanwhile is skipped). A
     /// decision for a job `decide` was not shown, with a slot count other than the job's world
     /// size, or with a device not shown free or used twice in the pass is dropped with a warning.
     pub async fn schedule<F>(&self, decide: F) -> Result<Vec<Decision>, StoreError>
     where
-        F: FnOnce(&[Job], &[FreeDevice]) -> Vec<Decision> + Send,
+        F: FnOnce(&[Job], &[FreeDevice], &HeldRanks) -> Vec<Decision> + Send,
     {
         let mut tx = self.pool.write().await?;
         let applied = schedule::pass(&mut tx.conn(), decide, now_ms()).await?;

@@ -8,7 +8,7 @@ use scheduler::inventory::Device;
 
 use super::backend::{Arg, Conn, bind_args, insert_rows, lock_scheduling, on};
 use super::rows::{kind, to_u32};
-use super::{Decision, FreeDevice, StoreError, jobs};
+use super::{Decision, FreeDevice, HeldRanks, StoreError, jobs};
 use crate::domain::{Job, JobState};
 
 /// Decisions applied per UPDATE statement.
@@ -20,12 +20,13 @@ pub(super) async fn pass<F>(
     now: i64,
 ) -> Result<Vec<Decision>, StoreError>
 where
-    F: FnOnce(&[Job], &[FreeDevice]) -> Vec<Decision> + Send,
+    F: FnOnce(&[Job], &[FreeDevice], &HeldRanks) -> Vec<Decision> + Send,
 {
     lock_scheduling(c).await?;
     let queue = jobs::queue(c).await?;
     let (free, node_names) = free_devices(c).await?;
-    let decisions = decide(&queue, &free);
+    let held = jobs::held_ranks(c).await?;
+    let decisions = decide(&queue, &free, &held);
     let valid = validate(decisions, &queue, &free);
     let mut applied = Vec::with_capacity(valid.len());
     for batch in valid.chunks(DECISIONS_PER_UPDATE) {

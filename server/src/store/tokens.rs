@@ -24,6 +24,8 @@ pub enum Revoked {
     Unknown,
     /// It is the only admin token; nobody could manage the server without it.
     LastAdmin,
+    /// It is the only agent join token; no agent could register (or register again) without it.
+    LastJoin,
 }
 
 /// What storing a token does when its hash or name is already stored.
@@ -102,19 +104,19 @@ pub(super) async fn list(c: &mut Conn<'_>) -> Result<Vec<TokenRecord>, StoreErro
         .collect()
 }
 
-/// Deletes the token named `name`, unless it is the last admin token. Runs in a write
-/// transaction: on PostgreSQL the admin rows are locked first, so two admins revoking each
-/// other at once cannot both succeed.
+/// Deletes the token named `name`, unless it is the last admin token or the last agent join
+/// token. Runs in a write transaction: on PostgreSQL those rows are locked first, so two admins
+/// revoking each other at once cannot both succeed.
 pub(super) async fn revoke(c: &mut Conn<'_>, name: &str) -> Result<Revoked, StoreError> {
     if let Conn::Postgres(c) = c {
-        sqlx::query("SELECT hash FROM tokens WHERE role = 'admin' FOR UPDATE")
+        sqlx::query("SELECT hash FROM tokens WHERE role IN ('admin', 'agent_join') FOR UPDATE")
             .execute(&mut **c)
             .await?;
     }
     let deleted = on!(c, c => {
         sqlx::query(
-            "DELETE FROM tokens WHERE name = $1 \
-             AND (role <> 'admin' OR (SELECT COUNT(*) FROM tokens WHERE role = 'admin') > 1)",
+            "DELETE FROM tokens WHERE name = $1 AND (role NOT IN ('admin', 'agent_join') \
+             OR (SELECT COUNT(*) FROM tokens t WHERE t.role = tokens.role) > 1)",
         )
         .bind(name)
         .execute(&mut **c)
@@ -124,16 +126,16 @@ pub(super) async fn revoke(c: &mut Conn<'_>, name: &str) -> Result<Revoked, Stor
     if deleted > 0 {
         return Ok(Revoked::Yes);
     }
-    let exists = on!(c, c => {
-        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM tokens WHERE name = $1")
+    let role = on!(c, c => {
+        sqlx::query_scalar::<_, String>("SELECT role FROM tokens WHERE name = $1")
             .bind(name)
-            .fetch_one(&mut **c)
+            .fetch_optional(&mut **c)
             .await?
     });
-    Ok(if exists > 0 {
-        Revoked::LastAdmin
-    } else {
-        Revoked::Unknown
+    Ok(match role.as_deref().map(parse_role).transpose()? {
+        None => Revoked::Unknown,
+        Some(Role::AgentJoin) => Revoked::LastJoin,
+        Some(_) => Revoked::LastAdmin,
     })
 }
 

@@ -89,7 +89,7 @@ impl TestApp {
         ] {
             store.insert_token(name, role, token).await.unwrap();
         }
-        let state = AppState::new(store, settings);
+        let state = AppState::new(store, settings).unwrap();
         TestApp {
             router: router(state.clone()),
             state,

@@ -67,6 +67,7 @@ pub fn agent(
             devices
         ],
         threads: None,
+        data_roots: server.state().data_roots.clone(),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

@@ -16,6 +16,7 @@ use crate::auth::Submitter;
 use crate::domain::{Job, JobState};
 use crate::error::{ApiError, Problem};
 use crate::routes::planning_inventory;
+use crate::settings::Limits;
 
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct CreateParams {
@@ -40,8 +41,8 @@ const IDEMPOTENCY_KEY: &str = "idempotency-key";
 ///
 /// The body is a job spec, native or DeepSpeed form (`{"deepspeed": {...}, ...}`). The job is
 /// planned against every registered device (busy or not): 422 when the spec is invalid (the
-/// problem names the field) or when no registered device could ever hold a rank (with the
-/// planner's numbers). A repeated `Idempotency-Key` returns the job it created, with 200.
+/// problem names the field), names an input file outside the server's data roots, or when no
+/// registered device could ever hold a rank (with the planner's numbers). A repeated `Idempotency-Key` returns the job it created, with 200.
 #[utoipa::path(
     post,
     path = "/v1/jobs", operation_id = "create_job",
@@ -57,7 +58,10 @@ const IDEMPOTENCY_KEY: &str = "idempotency-key";
         (status = 200, description = "The job this Idempotency-Key created", body = JobCreated),
         (status = 409, description = "Idempotency-Key reused with another spec",
             body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid spec, or no registered device can hold a rank",
+        (status = 422, description = "Invalid spec, an input file outside the data roots, past \
+            a limit (steps, ranks), or no registered device can hold a rank",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The owner has as many queued jobs as one may have",
             body = Problem, content_type = "application/problem+json"),
     ),
 )]
@@ -87,6 +91,13 @@ pub async fn create(
         reason: format!("not UTF-8: {e}"),
     })?;
     let parsed = JobSpec::parse(text, Purpose::Train)?;
+    if let Some(field) = state.data_roots.refused_input(&parsed.spec) {
+        return Err(ApiError::InvalidSpec {
+            field: field.into(),
+            reason: "outside the data roots".into(),
+        });
+    }
+    within_limits(&parsed.spec, &state.settings.limits)?;
     let nodes = state.store.nodes().await?;
     let plan = plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings))?;
     let now = now_ms();
@@ -106,7 +117,13 @@ pub async fn create(
         created_at: now,
         updated_at: now,
     };
-    let stored = state.store.insert_job(&job, key).await?;
+    let queued_limit = Some(state.settings.limits.queued_per_owner);
+    let Some(stored) = state.store.submit_job(&job, key, queued_limit).await? else {
+        return Err(ApiError::QueueFull {
+            owner: job.owner,
+            limit: state.settings.limits.queued_per_owner,
+        });
+    };
     let status = if stored.id == job.id {
         state.announce(&stored);
         StatusCode::CREATED
@@ -121,4 +138,29 @@ pub async fn create(
         job: stored,
     };
     Ok((status, [(header::LOCATION, location)], Json(created)).into_response())
+}
+
+/// The operator's limits on one job: its steps, and its ranks against what one owner may run.
+fn within_limits(spec: &JobSpec, limits: &Limits) -> Result<(), ApiError> {
+    let steps = spec.training.steps.get();
+    if steps > limits.max_steps {
+        return Err(ApiError::InvalidSpec {
+            field: "training.steps".into(),
+            reason: format!(
+                "{steps} is more than this server's maximum of {}",
+                limits.max_steps
+            ),
+        });
+    }
+    let ranks = spec.world_size.get();
+    if ranks > limits.running_ranks_per_owner {
+        return Err(ApiError::InvalidSpec {
+            field: "world_size".into(),
+            reason: format!(
+                "{ranks} ranks are more than the {} one owner may run at once",
+                limits.running_ranks_per_owner
+            ),
+        });
+    }
+    Ok(())
 }
