@@ -16,6 +16,7 @@ use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::NodeRecord;
 use crate::error::{ApiError, Problem};
+use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
 use crate::settings::Settings;
 
@@ -48,7 +49,7 @@ pub struct NodeFit {
     post,
     path = "/v1/estimate", operation_id = "estimate",
     tag = "jobs",
-    request_body(content = Object, description = "A job spec (native or DeepSpeed form)"),
+    request_body(content = JobSpecBody, content_type = "application/json"),
     responses(
         (status = 200, body = Estimate),
         (status = 422, body = Problem, content_type = "application/problem+json"),

@@ -10,37 +10,49 @@ pub mod openapi;
 pub mod session;
 pub mod tokens;
 
-use axum::Router;
-use axum::routing::{delete, get, post};
+use axum::{Extension, Router};
+use utoipa::OpenApi as _;
+use utoipa::openapi::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::app::AppState;
 use crate::domain::NodeRecord;
 use crate::settings::Settings;
 use scheduler::inventory::{Device, Inventory, Node};
 
-/// Every endpoint; `app::router` adds the middleware.
+/// Every endpoint, and the OpenAPI document of exactly these. Each is registered through
+/// `routes!`, which takes its path and methods from the handler's `#[utoipa::path]`, and
+/// nothing else adds a route here: the router and the document cannot disagree. (One `routes!`
+/// per path: utoipa-axum would route every handler of one call on every path of it.)
+pub fn api() -> (Router<AppState>, OpenApi) {
+    let (router, doc) = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(health::healthz))
+        .routes(routes!(health::readyz))
+        .routes(routes!(metrics::metrics))
+        .routes(routes!(openapi::openapi_json))
+        .routes(routes!(jobs::create::create, jobs::list::list))
+        .routes(routes!(jobs::get::get))
+        .routes(routes!(jobs::cancel::cancel))
+        .routes(routes!(jobs::metrics::metrics))
+        .routes(routes!(jobs::logs::logs))
+        .routes(routes!(jobs::events::events))
+        .routes(routes!(estimate::estimate))
+        .routes(routes!(nodes::list))
+        .routes(routes!(session::create, session::delete))
+        .routes(routes!(tokens::create, tokens::list))
+        .routes(routes!(tokens::revoke))
+        .routes(routes!(agents::register::register))
+        .routes(routes!(agents::heartbeat::heartbeat))
+        .split_for_parts();
+    (router, openapi::with_shared_responses(doc))
+}
+
+/// Every endpoint, serving its own document at `/openapi.json`; `app::router` adds the
+/// console and the middleware.
 pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/metrics", get(metrics::metrics))
-        .route("/openapi.json", get(openapi::openapi_json))
-        .route("/v1/jobs", post(jobs::create::create).get(jobs::list::list))
-        .route("/v1/jobs/{id}", get(jobs::get::get))
-        .route("/v1/jobs/{id}/cancel", post(jobs::cancel::cancel))
-        .route("/v1/jobs/{id}/metrics", get(jobs::metrics::metrics))
-        .route("/v1/jobs/{id}/logs", get(jobs::logs::logs))
-        .route("/v1/jobs/{id}/events", get(jobs::events::events))
-        .route("/v1/estimate", post(estimate::estimate))
-        .route("/v1/nodes", get(nodes::list))
-        .route("/v1/session", post(session::create).delete(session::delete))
-        .route("/v1/tokens", post(tokens::create).get(tokens::list))
-        .route("/v1/tokens/{name}", delete(tokens::revoke))
-        .route("/v1/agents/register", post(agents::register::register))
-        .route(
-            "/v1/agents/{node}/heartbeat",
-            post(agents::heartbeat::heartbeat),
-        )
+    let (router, doc) = api();
+    router.layer(Extension(openapi::Served::new(&doc)))
 }
 
 /// The live nodes' devices as the planner sees them: each device less the safety margin

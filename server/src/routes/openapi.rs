@@ -1,19 +1,24 @@
-//! `GET /openapi.json`: the OpenAPI 3.1 document, generated from the handlers' annotations
-//! and types; `openapi/openapi.json` is a committed copy a test keeps current.
+//! `GET /openapi.json`: the OpenAPI 3.1 document of the router `routes::api` builds, from the
+//! handlers' annotations and types, with the answers every operation shares added here;
+//! `openapi/openapi.json` is a committed copy a test keeps current.
 
-use axum::Json;
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi};
+use axum::Extension;
+use axum::body::Bytes;
+use axum::http::header;
+use axum::response::IntoResponse;
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::path::Operation;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{
+    Content, ObjectBuilder, OpenApi as Document, Ref, RefOr, Response, ResponseBuilder, Type,
+};
+use utoipa::{Modify, OpenApi, PartialSchema, ToSchema};
 
 use crate::app::JobEvent;
 use crate::auth::Viewer;
-use crate::domain::{
-    AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, Role, StepRecord,
-    TokenRecord, Transition,
-};
-use crate::error::{Alternative, Configuration, DoesNotFit, Problem};
-use crate::routes::{agents, estimate, health, jobs, metrics, nodes, session, tokens};
+use crate::error::{PROBLEM_JSON, Problem};
 
+/// The document's frame: what `routes!` does not add.
 #[derive(OpenApi)]
 #[openapi(
     info(
@@ -26,46 +31,166 @@ use crate::routes::{agents, estimate, health, jobs, metrics, nodes, session, tok
             must carry the server's Origin. Errors are RFC 9457 \
             application/problem+json."
     ),
-    paths(
-        health::healthz,
-        health::readyz,
-        metrics::metrics,
-        openapi_json,
-        jobs::create::create,
-        jobs::list::list,
-        jobs::get::get,
-        jobs::cancel::cancel,
-        jobs::metrics::metrics,
-        jobs::logs::logs,
-        jobs::events::events,
-        estimate::estimate,
-        nodes::list,
-        session::create,
-        session::delete,
-        tokens::create,
-        tokens::list,
-        tokens::revoke,
-        agents::register::register,
-        agents::heartbeat::heartbeat,
-    ),
-    components(schemas(
-        Job, JobState, Transition, NodeRecord, AssignmentRecord, StepRecord, RankMemoryRecord,
-        LogLine, JobEvent, Problem, DoesNotFit, Configuration, Alternative, Role, TokenRecord,
-    )),
+    components(schemas(JobEvent)),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
 )]
-pub struct ApiDoc;
+pub(crate) struct ApiDoc;
 
 struct BearerAuth;
 
 impl Modify for BearerAuth {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+    fn modify(&self, openapi: &mut Document) {
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
+    }
+}
+
+/// This API's OpenAPI document, as `GET /openapi.json` serves it.
+pub fn document() -> Document {
+    super::api().1
+}
+
+/// Answers that come from the extractors and middleware every operation of a kind passes
+/// through, rather than from its handler: (status, component name, why).
+const TOKEN_ANSWERS: [(&str, &str, &str); 4] = [
+    (
+        "401",
+        "Unauthorized",
+        "No bearer token (or console session), or one the server does not know",
+    ),
+    (
+        "403",
+        "Forbidden",
+        "The token's role may not do this (or a cookie-authenticated change came from another \
+         origin)",
+    ),
+    (
+        "429",
+        "TooManyFailedAuthentications",
+        "Too many failed authentications from this address: retry after `Retry-After` seconds",
+    ),
+    (
+        "503",
+        "Unavailable",
+        "The store does not answer, so the token cannot be checked",
+    ),
+];
+
+const BODY_ANSWERS: [(&str, &str, &str); 1] = [(
+    "413",
+    "BodyTooLarge",
+    "The body is larger than the server accepts",
+)];
+
+const JSON_BODY_ANSWERS: [(&str, &str, &str); 1] = [(
+    "415",
+    "NotJson",
+    "The body's `Content-Type` is not `application/json`",
+)];
+
+/// `doc` with the answers its operations share: those that take a token can be refused it
+/// (401, 403), rate-limited (429) or find the store away (503); those with a body can send
+/// too much (413), and those with a JSON body something else (415). Each is a problem+json response component;
+/// an operation that documents one of these statuses itself keeps its own.
+pub(crate) fn with_shared_responses(mut doc: Document) -> Document {
+    let components = doc.components.get_or_insert_with(Default::default);
+    components
+        .schemas
+        .entry(Problem::name().into_owned())
+        .or_insert_with(Problem::schema);
+    let shared = TOKEN_ANSWERS
+        .iter()
+        .chain(&BODY_ANSWERS)
+        .chain(&JSON_BODY_ANSWERS);
+    for (status, name, why) in shared {
+        components
+            .responses
+            .insert(name.to_string(), shared_response(status, why).into());
+    }
+    for item in doc.paths.paths.values_mut() {
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for op in operations.into_iter().flatten() {
+            if takes_token(op) {
+                add_refs(op, &TOKEN_ANSWERS);
+            }
+            if let Some(body) = &op.request_body {
+                let json = body.content.contains_key("application/json");
+                add_refs(op, &BODY_ANSWERS);
+                if json {
+                    add_refs(op, &JSON_BODY_ANSWERS);
+                }
+            }
+        }
+    }
+    doc
+}
+
+fn shared_response(status: &str, why: &str) -> Response {
+    let problem = Content::new(Some(Ref::from_schema_name("Problem")));
+    let response = ResponseBuilder::new()
+        .description(why)
+        .content(PROBLEM_JSON, problem);
+    let seconds = || {
+        ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .minimum(Some(1))
+    };
+    match status {
+        "401" => response.header(
+            "WWW-Authenticate",
+            HeaderBuilder::new()
+                .schema(String::schema())
+                .description(Some("`Bearer`"))
+                .build(),
+        ),
+        "429" => response.header(
+            "Retry-After",
+            HeaderBuilder::new()
+                .schema(seconds())
+                .description(Some("Seconds until this address may try again"))
+                .build(),
+        ),
+        _ => response,
+    }
+    .build()
+}
+
+/// Whether the operation needs a token: it has no security of its own (the document's
+/// bearer applies) or a non-empty one.
+fn takes_token(op: &Operation) -> bool {
+    op.security.as_ref().is_none_or(|requirements| {
+        requirements
+            .iter()
+            .any(|r| *r != SecurityRequirement::default())
+    })
+}
+
+fn add_refs(op: &mut Operation, answers: &[(&str, &str, &str)]) {
+    for (status, name, _) in answers {
+        op.responses
+            .responses
+            .entry(status.to_string())
+            .or_insert_with(|| RefOr::Ref(Ref::from_response_name(*name)));
+    }
+}
+
+/// The document, serialized once when the router is built.
+#[derive(Clone)]
+pub struct Served(Bytes);
+
+impl Served {
+    pub fn new(doc: &Document) -> Served {
+        Served(Bytes::from(doc.to_json().expect("a document serializes")))
     }
 }
 
@@ -76,6 +201,6 @@ impl Modify for BearerAuth {
     tag = "health",
     responses((status = 200, description = "OpenAPI 3.1 document", body = Object)),
 )]
-pub async fn openapi_json(_: Viewer) -> Json<utoipa::openapi::OpenApi> {
-    Json(ApiDoc::openapi())
+pub async fn openapi_json(_: Viewer, Extension(doc): Extension<Served>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], doc.0)
 }

@@ -27,6 +27,8 @@ use crate::scheduling::StoredPlan;
     responses(
         (status = 200, description = "`HeartbeatResponse`: assignments to start, (job, attempt) \
             pairs to stop", body = Object),
+        (status = 400, description = "The body is not a Heartbeat",
+            body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "The node was declared lost: register again",
             body = Problem, content_type = "application/problem+json"),
     ),

@@ -17,7 +17,8 @@ use crate::error::{ApiError, Problem};
     params(("id" = String, Path, description = "Job id")),
     responses(
         (status = 200, description = "Cancelled", body = Job),
-        (status = 403, body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "Not the job's owner or an admin, or not a submitter's \
+            token", body = Problem, content_type = "application/problem+json"),
         (status = 404, body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "The job had already ended",
             body = Problem, content_type = "application/problem+json"),

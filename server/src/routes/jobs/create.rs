@@ -15,13 +15,16 @@ use crate::app::{AppState, now_ms};
 use crate::auth::Submitter;
 use crate::domain::{Job, JobState};
 use crate::error::{ApiError, Problem};
+use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
 use crate::settings::Limits;
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct CreateParams {
     /// Higher runs first (default 0).
     #[serde(default)]
+    #[param(required = false, minimum = -2147483648, maximum = 2147483647)]
     pub priority: i32,
 }
 
@@ -50,12 +53,17 @@ const IDEMPOTENCY_KEY: &str = "idempotency-key";
     params(
         CreateParams,
         ("Idempotency-Key" = Option<String>, Header,
-            description = "Retries with the same key return the first job instead of a new one"),
+            description = "Retries with the same key return the first job instead of a new one",
+            min_length = 1, max_length = 255, pattern = "^[!-~]([ -~]*[!-~])?$"),
     ),
-    request_body(content = Object, description = "A job spec (native or DeepSpeed form)"),
+    request_body(content = JobSpecBody, content_type = "application/json"),
     responses(
-        (status = 201, description = "Queued", body = JobCreated),
-        (status = 200, description = "The job this Idempotency-Key created", body = JobCreated),
+        (status = 201, description = "Queued", body = JobCreated,
+            headers(("Location" = String, description = "The job's URL"))),
+        (status = 200, description = "The job this Idempotency-Key created", body = JobCreated,
+            headers(("Location" = String, description = "The job's URL"))),
+        (status = 400, description = "`priority` or `Idempotency-Key` is not what this takes",
+            body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Idempotency-Key reused with another spec",
             body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Invalid spec, an input file outside the data roots, past \

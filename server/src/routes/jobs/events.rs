@@ -6,11 +6,22 @@ use std::convert::Infallible;
 use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::Stream;
+use utoipa::ToSchema;
 
 use crate::app::{AppState, JobEvent};
 use crate::auth::Viewer;
 use crate::domain::{Job, JobState};
 use crate::error::{ApiError, Problem};
+
+/// One server-sent event of the stream (axum's `Event`s write it).
+#[derive(Debug, ToSchema)]
+pub struct JobEventMessage {
+    /// `state` or `step`.
+    #[schema(pattern = "^(state|step)$")]
+    pub event: String,
+    /// A JobEvent as JSON.
+    pub data: String,
+}
 
 /// Follow a job's state changes and steps.
 #[utoipa::path(
@@ -19,9 +30,8 @@ use crate::error::{ApiError, Problem};
     tag = "jobs",
     params(("id" = String, Path, description = "Job id")),
     responses(
-        (status = 200, description = "`text/event-stream`: `state` and `step` events whose \
-            data is a JobEvent; the stream ends after a terminal state", body = JobEvent,
-            content_type = "text/event-stream"),
+        (status = 200, description = "`state` and `step` events; the stream ends after a \
+            terminal state", body = JobEventMessage, content_type = "text/event-stream"),
         (status = 404, body = Problem, content_type = "application/problem+json"),
     ),
 )]

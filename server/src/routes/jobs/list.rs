@@ -17,8 +17,10 @@ const DEFAULT_LIMIT: u32 = 50;
 const MAX_LIMIT: u32 = 500;
 
 #[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListParams {
-    /// Only jobs in this state (queued, scheduled, running, succeeded, failed, cancelled).
+    /// Only jobs in this state.
+    #[param(value_type = Option<JobState>)]
     pub state: Option<String>,
     /// Only jobs with this name.
     pub name: Option<String>,
@@ -26,10 +28,12 @@ pub struct ListParams {
     pub owner: Option<String>,
     /// `created`, `name`, `state`, `owner` or `priority`, with a leading `-` for descending
     /// (default `-created`: newest first); ties go in submission order.
+    #[param(pattern = "^-?(created|name|state|owner|priority)$")]
     pub sort: Option<String>,
     /// `next_cursor` of the previous page.
     pub cursor: Option<String>,
-    /// Jobs per page, 1-500 (default 50).
+    /// Jobs per page (default 50).
+    #[param(minimum = 1, maximum = 500)]
     pub limit: Option<u32>,
 }
 
@@ -49,7 +53,8 @@ pub struct JobPage {
     params(ListParams),
     responses(
         (status = 200, body = JobPage),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "A query parameter is not one this takes (`field` names it)",
+            body = Problem, content_type = "application/problem+json"),
     ),
 )]
 pub async fn list(

@@ -28,15 +28,30 @@ const PAGE: u32 = 1000;
 const POLL: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct LogParams {
     /// Lines after this sequence number (default 0: from the start; when following, the
     /// `Last-Event-ID` header takes its place).
     pub after: Option<i64>,
-    /// Lines per page, 1-1000 (default 1000); ignored when following.
+    /// Lines per page (default 1000); ignored when following.
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<u32>,
-    /// Stream lines as server-sent events as they arrive.
+    /// Stream lines as server-sent events as they arrive, until the job has ended.
     #[serde(default)]
+    #[param(required = false)]
     pub follow: bool,
+}
+
+/// One server-sent event of a followed log (the stream axum's `Event`s write).
+#[derive(Debug, ToSchema)]
+pub struct LogEvent {
+    /// `log`, or `end` for the last.
+    #[schema(pattern = "^(log|end)$")]
+    pub event: String,
+    /// `log`: a LogLine as JSON; `end`: the job's final state.
+    pub data: String,
+    /// The last `log` event's seq: where a reconnect (`Last-Event-ID`) resumes.
+    pub id: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -53,9 +68,13 @@ pub struct LogPage {
     tag = "jobs",
     params(("id" = String, Path, description = "Job id"), LogParams),
     responses(
-        (status = 200, description = "A page of lines, or with `follow=true` `text/event-stream` \
-            of `log` events (data: a LogLine, id: its seq) and a final `end` event",
-            body = LogPage),
+        (status = 200, description = "A page of lines; with `follow=true` a stream of `log` \
+            events and a final `end` event", content(
+            (LogPage = "application/json"),
+            (LogEvent = "text/event-stream"),
+        )),
+        (status = 400, description = "A query parameter is not one this takes (`field` names it)",
+            body = Problem, content_type = "application/problem+json"),
         (status = 404, body = Problem, content_type = "application/problem+json"),
     ),
 )]

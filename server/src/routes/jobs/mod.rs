@@ -7,6 +7,7 @@ pub mod get;
 pub mod list;
 pub mod logs;
 pub mod metrics;
+pub mod spec;
 
 use crate::app::App;
 use crate::domain::Job;

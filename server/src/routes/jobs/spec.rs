@@ -1,0 +1,105 @@
+//! The job spec's schema as the API documents it for `POST /v1/jobs` and `POST /v1/estimate`:
+//! the top level of `scheduler::spec::JobSpec` in either form and `model` in full; each
+//! section's own fields and defaults are those of its type in `scheduler/src/spec/`.
+//!
+//! The schema never refuses a spec the server accepts (so a client or fuzzer trusting it
+//! loses nothing), but it cannot say everything the server checks: ranges that depend on
+//! other fields, and whether any registered device could hold a rank, give 422 too.
+
+use std::borrow::Cow;
+
+use serde_json::json;
+use utoipa::openapi::{RefOr, Schema};
+use utoipa::{PartialSchema, ToSchema};
+
+/// The body of `POST /v1/jobs` and `POST /v1/estimate`.
+pub struct JobSpecBody;
+
+impl PartialSchema for JobSpecBody {
+    fn schema() -> RefOr<Schema> {
+        let section = |what: &str| json!({"type": "object", "description": what});
+        let schema = json!({
+            "type": "object",
+            "description": "A job spec: native, or DeepSpeed form when `deepspeed` is present \
+                (then `precision`, `optimizer` and `zero` come from the DeepSpeed config, and \
+                `training` takes only `steps`, `seq_len` and `seed`). Unknown keys are refused.",
+            "required": ["model"],
+            "additionalProperties": false,
+            "properties": {
+                "name": {
+                    "type": ["string", "null"],
+                    "pattern": "^[A-Za-z0-9._-]{1,64}$",
+                },
+                "model": model(),
+                "training": section(
+                    "`scheduler::spec::Training`: steps, micro_batch_size, grad_accum_steps, \
+                     seq_len, lr, lr_schedule, warmup, grad_clip, seed"
+                ),
+                "precision": section(
+                    "`scheduler::spec::Precision`: dtype (fp32, fp16, bf16) and loss_scale"
+                ),
+                "optimizer": section(
+                    "`scheduler::spec::Optimizer`, by `type`: adamw (default), sgd, momentum, \
+                     lion, adafactor, adam8bit"
+                ),
+                "zero": section("`{\"stage\": 0-3 or \"auto\"}` (default auto)"),
+                "activation_checkpointing": {
+                    "description": "Recompute each block in backward (default auto)",
+                    "oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["auto"]}],
+                },
+                "world_size": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": u32::MAX,
+                    "description": "Data-parallel ranks (default 1)",
+                },
+                "data": section(
+                    "By `kind`: synthetic (default), text {path}, tokens {path, shuffle}; paths \
+                     as the agents' operator allows"
+                ),
+                "checkpoint": section("`{\"every_steps\": N}` (default 0: only the final export)"),
+                "deepspeed": section("A DeepSpeed config; keys zerotrain does not support are \
+                    returned in `unsupported_keys`"),
+            },
+        });
+        serde_json::from_value(schema).expect("the job spec's schema is a schema")
+    }
+}
+
+impl ToSchema for JobSpecBody {
+    fn name() -> Cow<'static, str> {
+        "JobSpec".into()
+    }
+}
+
+/// `model`: exactly one of `preset`, the five shape fields, or (estimates only) `params`.
+fn model() -> serde_json::Value {
+    let size = |max: u64| json!({"type": ["integer", "null"], "minimum": 1, "maximum": max});
+    json!({
+        "type": "object",
+        "description": "Exactly one of `preset`, an explicit shape (all five of vocab_size, \
+            context_length, n_layer, n_head, n_embd) or, for estimates only, `params`",
+        "additionalProperties": false,
+        "properties": {
+            "preset": {
+                "type": ["string", "null"],
+                "enum": ["gpt2-tiny", "gpt2-124M", "gpt2-350M", "gpt2-774M", "gpt2-1558M", null],
+            },
+            "vocab_size": size(1 << 20),
+            "context_length": size(1 << 20),
+            "n_layer": size(4096),
+            "n_head": size(4096),
+            "n_embd": size(1 << 20),
+            "params": {
+                "type": ["number", "null"],
+                "minimum": 1,
+                "maximum": 1e15,
+                "description": "A bare parameter count, for closed-form estimates",
+            },
+            "init_from": {
+                "type": ["string", "null"],
+                "description": "A safetensors file of Hugging Face GPT-2 weights to start from",
+            },
+        },
+    })
+}
