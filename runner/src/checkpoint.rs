@@ -21,7 +21,7 @@ use scheduler::spec::Dtype as Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::data::{DataRoots, Position};
+use crate::data::{DataRoots, Position, describe};
 use crate::loss_scale;
 
 /// Checkpoints kept on disk; older ones are removed once a newer one is in place.
@@ -299,7 +299,7 @@ pub fn max_hf_file_bytes(shape: &GptShape) -> u64 {
 /// `model.init_from`, opened only inside `roots`; a file larger than `max_hf_file_bytes` is
 /// refused before a byte of it is read.
 pub fn load_hf(roots: &DataRoots, path: &str, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
-    let what = format!("model.init_from {path:?}");
+    let what = describe("model.init_from", path);
     let fail = |reason: String| Error::Data {
         what: what.clone(),
         reason,

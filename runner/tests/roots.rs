@@ -43,14 +43,19 @@ impl Node {
     }
 
     fn open(&self, data: &Data) -> Result<DataLoader, Error> {
-        let layout = BatchLayout {
-            batch: 1,
-            seq_len: 4,
-            rank: 0,
-            world_size: 1,
-        };
-        DataLoader::new(data, &self.roots, layout, 1, 512, &Accountant::new(None))
+        open_with(&self.roots, data)
     }
+}
+
+/// A one-rank loader of 4-token batches over `data` inside `roots`.
+fn open_with(roots: &DataRoots, data: &Data) -> Result<DataLoader, Error> {
+    let layout = BatchLayout {
+        batch: 1,
+        seq_len: 4,
+        rank: 0,
+        world_size: 1,
+    };
+    DataLoader::new(data, roots, layout, 1, 512, &Accountant::new(None))
 }
 
 fn text(path: &str) -> Data {
@@ -190,13 +195,16 @@ fn only_regular_files_are_opened() {
         "/dev/zero via a link",
     );
     assert_outside(node.open(&text("/dev/zero")), "data.path", "/dev/zero");
-    // Anywhere (a user's own `zerotrain train`) still opens regular files only.
+    // Anywhere (a user's own `zerotrain train`) follows links, but still to regular files only.
     let anywhere = DataRoots::anywhere();
     let shape = Preset::Tiny.shape();
     let err = load_hf(&anywhere, "/dev/zero", &shape)
         .unwrap_err()
         .to_string();
     assert!(err.ends_with("not a regular file"), "{err}");
+    let link = node.base.path().join("link.txt");
+    symlink(node.root().join("corpus.txt"), &link).unwrap();
+    open_with(&anywhere, &text(link.to_str().unwrap())).unwrap();
 }
 
 #[test]

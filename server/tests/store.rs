@@ -16,7 +16,8 @@ use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
 use server::store::{
-    Backend, Decision, FreeDevice, JobFilter, JobSort, Revoked, Store, StoreError, token_hash,
+    Backend, Decision, FreeDevice, HeldRanks, JobFilter, JobSort, Revoked, Store, StoreError,
+    token_hash,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::SqlitePoolOptions;
@@ -196,6 +197,9 @@ suite! {
     #[tokio::test] the_database_refuses_a_second_holder_of_a_device,
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     two_replicas_never_place_a_job_or_a_device_twice,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    an_owner_s_queued_limit_holds_under_concurrent_submissions,
+    #[tokio::test] a_pass_sees_each_owner_s_held_ranks_and_old_attempts_are_found,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1882,4 +1886,96 @@ async fn two_admins_revoking_each_other_at_once_leave_one(db: TestDb) {
         });
         replica.close().await;
     }
+}
+
+async fn an_owner_s_queued_limit_holds_under_concurrent_submissions(db: TestDb) {
+    let replica = db.replica().await;
+    let attempts = (0..16).map(|i| {
+        let store = if i % 2 == 0 { &db.store } else { &replica };
+        async move {
+            store
+                .submit_job(&job(&format!("j{i}"), "alice", 0, 1), None, Some(5))
+                .await
+                .unwrap()
+        }
+    });
+    let admitted = futures::future::join_all(attempts)
+        .await
+        .into_iter()
+        .filter(Option::is_some)
+        .count();
+    assert_eq!(admitted, 5);
+    let queued = JobFilter {
+        state: Some(JobState::Queued),
+        owner: Some("alice".into()),
+        ..JobFilter::default()
+    };
+    assert_eq!(
+        db.store.list_jobs(&queued).await.unwrap().len(),
+        5,
+        "nothing half-written"
+    );
+    // Another owner is not held back; a known idempotency key still answers with its job.
+    let bob = job("b", "bob", 0, 1);
+    let first = db
+        .store
+        .submit_job(&bob, Some("k"), Some(1))
+        .await
+        .unwrap()
+        .unwrap();
+    let again = db
+        .store
+        .submit_job(&bob, Some("k"), Some(1))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.id, first.id);
+    replica.close().await;
+}
+
+async fn a_pass_sees_each_owner_s_held_ranks_and_old_attempts_are_found(db: TestDb) {
+    let s = &db.store;
+    node(s, "n", 4).await;
+    let wide = s
+        .insert_job(&job("wide", "alice", 0, 2), None)
+        .await
+        .unwrap();
+    let narrow = s
+        .insert_job(&job("narrow", "bob", 0, 1), None)
+        .await
+        .unwrap();
+    schedule_first_fit(s).await;
+    let seen = Arc::new(Mutex::new(HeldRanks::new()));
+    let seen_in = seen.clone();
+    s.schedule(move |_, _, held| {
+        *seen_in.lock().unwrap() = held.clone();
+        Vec::new()
+    })
+    .await
+    .unwrap();
+    let held = seen.lock().unwrap().clone();
+    assert_eq!(
+        held,
+        HeldRanks::from([("alice".into(), 2), ("bob".into(), 1)])
+    );
+    assert_eq!(s.placed_before(0).await.unwrap(), []);
+    let mut old = s.placed_before(now_ms() + 1000).await.unwrap();
+    old.sort();
+    let mut expected = vec![(wide.id.clone(), 1), (narrow.id.clone(), 1)];
+    expected.sort();
+    assert_eq!(old, expected);
+    // A job that ended holds nothing and is not timed any more.
+    s.transition(
+        &wide.id,
+        &[JobState::Scheduled],
+        JobState::Cancelled,
+        "test",
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        s.placed_before(now_ms() + 1000).await.unwrap(),
+        [(narrow.id.clone(), 1)]
+    );
 }

@@ -23,7 +23,8 @@ use crate::error::Error;
 use synthetic::Synthetic;
 use windows::Windows;
 
-pub use roots::{DataRoots, spec_inputs};
+pub use roots::DataRoots;
+pub(crate) use roots::describe;
 pub use synthetic::{MAX_SYNTHETIC_VOCAB, SUCCESSOR_PROBABILITIES, entropy_floor, synthetic_vocab};
 
 /// How one rank's batches are shaped and which slice of the world's batch it reads.

@@ -21,7 +21,7 @@ use scheduler::spec::{Data, JobSpec};
 use crate::error::Error;
 
 /// Where jobs may read. `anywhere()` (the default, for `zerotrain train` in a user's own
-/// process) resolves paths as given; the agent always runs with roots.
+/// process) resolves any path (regular files only still); the agent always runs with roots.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DataRoots {
     /// `None`: any path.
@@ -38,7 +38,7 @@ struct Root {
 }
 
 /// The fields of a job spec that name input files, with their values.
-pub fn spec_inputs(spec: &JobSpec) -> Vec<(&'static str, &str)> {
+fn spec_inputs(spec: &JobSpec) -> Vec<(&'static str, &str)> {
     let mut inputs = Vec::new();
     match &spec.data {
         Data::Synthetic => {}
@@ -163,7 +163,10 @@ impl DataRoots {
     /// field it came from, for errors.
     pub fn resolve(&self, field: &'static str, path: &str) -> Result<PathBuf, Error> {
         let Some(roots) = &self.roots else {
-            return Ok(PathBuf::from(path));
+            return Path::new(path).canonicalize().map_err(|e| Error::Data {
+                what: describe(field, path),
+                reason: format!("cannot open: {}", e.kind()),
+            });
         };
         let outside = Error::OutsideDataRoots { field };
         if !self.admits(path) {
@@ -183,7 +186,7 @@ impl DataRoots {
                     .is_some_and(|a| a != lexical && a.canonicalize().is_ok_and(|a| inside(&a)));
                 if missing_inside {
                     Err(Error::Data {
-                        what: format!("{field} {path:?}"),
+                        what: describe(field, path),
                         reason: "no such file under the data roots".into(),
                     })
                 } else {
@@ -197,8 +200,7 @@ impl DataRoots {
     /// `resolve`, then opens it: a regular file or an error.
     pub fn open(&self, field: &'static str, path: &str) -> Result<(PathBuf, File), Error> {
         let resolved = self.resolve(field, path)?;
-        let what = format!("{field} {path:?}");
-        let file = open_regular(&resolved, &what)?;
+        let file = open_regular(&resolved, &describe(field, path))?;
         Ok((resolved, file))
     }
 
@@ -208,7 +210,7 @@ impl DataRoots {
         if glob::Pattern::escape(pattern) == pattern {
             return Ok(vec![self.resolve(field, pattern)?]);
         }
-        let what = format!("{field} {pattern:?}");
+        let what = describe(field, pattern);
         let fail = |reason: String| Error::Data {
             what: what.clone(),
             reason,
@@ -243,6 +245,12 @@ impl DataRoots {
         files.sort();
         Ok(files)
     }
+}
+
+/// How errors name an input: its spec field and the path as the spec wrote it (never what it
+/// resolved to).
+pub(crate) fn describe(field: &str, path: &str) -> String {
+    format!("{field} {path:?}")
 }
 
 /// Opens a resolved path for reading if it is a regular file: checked before opening (no

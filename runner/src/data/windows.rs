@@ -14,7 +14,7 @@ use rand::Rng;
 use scheduler::memory::Category;
 
 use super::file::{TokenFile, data_error};
-use super::roots::DataRoots;
+use super::roots::{DataRoots, describe};
 use super::{BatchLayout, Position, Stream, rng, split_window};
 use crate::accounting::{Accountant, Buffer};
 use crate::error::Error;
@@ -42,7 +42,7 @@ impl Windows {
         vocab_size: usize,
         acct: &Accountant,
     ) -> Result<Self, Error> {
-        let what = format!("data.path {path:?}");
+        let what = describe("data.path", path);
         if vocab_size < 256 {
             return Err(data_error(
                 &what,
@@ -70,8 +70,8 @@ impl Windows {
             .enumerate()
             .map(|(i, path)| {
                 let what = match n {
-                    1 => format!("data.path {pattern:?}"),
-                    _ => format!("data.path {pattern:?}, file {} of {n}", i + 1),
+                    1 => describe("data.path", pattern),
+                    _ => format!("{}, file {} of {n}", describe("data.path", pattern), i + 1),
                 };
                 TokenFile::shard(path, what)
             })

@@ -152,7 +152,7 @@ pub(super) async fn placed_before(
 pub(super) async fn held_ranks(c: &mut Conn<'_>) -> Result<HashMap<String, u32>, StoreError> {
     let rows = on!(c, c => {
         sqlx::query_as::<_, (String, i64)>(
-            "SELECT owner, SUM(world_size) FROM jobs \
+            "SELECT owner, CAST(SUM(world_size) AS BIGINT) FROM jobs \
              WHERE state IN ('scheduled', 'running') GROUP BY owner",
         )
         .fetch_all(&mut **c)
