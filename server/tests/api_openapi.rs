@@ -302,3 +302,16 @@ async fn followed_logs_are_a_documented_event_stream() {
     assert_eq!(a.content_type(), "text/event-stream");
     assert!(a.text.contains("event: end\ndata: cancelled"), "{}", a.text);
 }
+
+/// The login form is optional (the token may come as a bearer token instead): a body that is
+/// not required, rather than a form that may be `null`.
+#[test]
+fn an_optional_body_is_not_required_rather_than_null() {
+    let doc = doc();
+    let body = &doc["paths"]["/v1/session"]["post"]["requestBody"];
+    assert_eq!(body["required"], false, "{body:#}");
+    assert_eq!(
+        body["content"]["application/x-www-form-urlencoded"]["schema"]["$ref"],
+        "#/components/schemas/LoginForm"
+    );
+}

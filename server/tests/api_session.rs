@@ -4,7 +4,8 @@
 mod api_helpers;
 
 use api_helpers::*;
-use axum::http::{Method, StatusCode, header};
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode, header};
 use serde_json::json;
 use server::settings::parse_public_url;
 
@@ -28,6 +29,35 @@ async fn login_sets_an_http_only_same_site_strict_cookie_with_a_max_age() {
     }
     // Plain HTTP: a Secure cookie would never come back.
     assert!(!cookie.contains("Secure"), "{cookie}");
+}
+
+/// A login form without a token, or an empty body whatever its `Content-Type` says, leaves the
+/// token to the `Authorization` header.
+#[tokio::test]
+async fn a_login_form_without_a_token_leaves_it_to_the_bearer_token() {
+    let app = TestApp::new().await;
+    let login = |body: &'static str, token: Option<&str>| {
+        let mut req = Request::post("/v1/session")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded");
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        app.send(req.body(Body::from(body)).unwrap())
+    };
+    let a = login("", Some(VIEWER)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.json()["name"], "watcher");
+    let a = login("next=%2Fjobs", Some(VIEWER)).await;
+    assert_eq!(a.status, StatusCode::SEE_OTHER, "{}", a.text);
+    assert_eq!(a.headers[header::LOCATION], "/jobs");
+    assert!(a.headers.contains_key(header::SET_COOKIE));
+    for body in ["", "next=%2Fjobs", "token=&next=%2Fjobs"] {
+        let a = login(body, None).await;
+        assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{body:?}: {}", a.text);
+    }
+    let a = login("AAA", Some(VIEWER)).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.text);
+    assert_eq!(a.json()["field"], "body");
 }
 
 #[tokio::test]

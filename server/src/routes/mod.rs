@@ -45,7 +45,7 @@ pub fn api() -> (Router<AppState>, OpenApi) {
         .routes(routes!(agents::register::register))
         .routes(routes!(agents::heartbeat::heartbeat))
         .split_for_parts();
-    (router, openapi::with_shared_responses(doc))
+    (router, openapi::finish(doc))
 }
 
 /// Every endpoint, serving its own document at `/openapi.json`; `app::router` adds the

@@ -8,9 +8,11 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::path::Operation;
+use utoipa::openapi::request_body::RequestBody;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::{
-    Content, ObjectBuilder, OpenApi as Document, Ref, RefOr, Response, ResponseBuilder, Type,
+    Content, ObjectBuilder, OpenApi as Document, Ref, RefOr, Required, Response, ResponseBuilder,
+    Schema, Type,
 };
 use utoipa::{Modify, OpenApi, PartialSchema, ToSchema};
 
@@ -92,11 +94,38 @@ const JSON_BODY_ANSWERS: [(&str, &str, &str); 1] = [(
     "The body's `Content-Type` is not `application/json`",
 )];
 
-/// `doc` with the answers its operations share: those that take a token can be refused it
-/// (401, 403), rate-limited (429) or find the store away (503); those with a body can send
-/// too much (413), and those with a JSON body something else (415). Each is a problem+json response component;
-/// an operation that documents one of these statuses itself keeps its own.
-pub(crate) fn with_shared_responses(mut doc: Document) -> Document {
+/// The router's document completed: the answers its operations share, and optional bodies
+/// said the OpenAPI way.
+pub(crate) fn finish(mut doc: Document) -> Document {
+    add_shared_responses(&mut doc);
+    for op in operations(&mut doc) {
+        if let Some(body) = &mut op.request_body {
+            optional_body_without_null(body);
+        }
+    }
+    doc
+}
+
+/// Every operation of `doc`.
+fn operations(doc: &mut Document) -> impl Iterator<Item = &mut Operation> {
+    doc.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+    })
+}
+
+/// The answers `doc`'s operations share: those that take a token can be refused it (401,
+/// 403), rate-limited (429) or find the store away (503); those with a body can send too much
+/// (413), and those with a JSON body something else (415). Each is a problem+json response
+/// component; an operation that documents one of these statuses itself keeps its own.
+fn add_shared_responses(doc: &mut Document) {
     let components = doc.components.get_or_insert_with(Default::default);
     components
         .schemas
@@ -111,28 +140,33 @@ pub(crate) fn with_shared_responses(mut doc: Document) -> Document {
             .responses
             .insert(name.to_string(), shared_response(status, why).into());
     }
-    for item in doc.paths.paths.values_mut() {
-        let operations = [
-            &mut item.get,
-            &mut item.put,
-            &mut item.post,
-            &mut item.delete,
-            &mut item.patch,
-        ];
-        for op in operations.into_iter().flatten() {
-            if takes_token(op) {
-                add_refs(op, &TOKEN_ANSWERS);
-            }
-            if let Some(body) = &op.request_body {
-                let json = body.content.contains_key("application/json");
-                add_refs(op, &BODY_ANSWERS);
-                if json {
-                    add_refs(op, &JSON_BODY_ANSWERS);
-                }
+    for op in operations(doc) {
+        if takes_token(op) {
+            add_refs(op, &TOKEN_ANSWERS);
+        }
+        if let Some(body) = &op.request_body {
+            let json = body.content.contains_key("application/json");
+            add_refs(op, &BODY_ANSWERS);
+            if json {
+                add_refs(op, &JSON_BODY_ANSWERS);
             }
         }
     }
-    doc
+}
+
+/// utoipa writes an `Option<T>` body as required, with a schema of `T` or `null`; but no body
+/// is not a `null` body (which a form cannot even say): it is a body that is not required.
+fn optional_body_without_null(body: &mut RequestBody) {
+    let is_null = |s: &RefOr<Schema>| matches!(s, RefOr::T(Schema::Object(o)) if o.schema_type == Type::Null.into());
+    for content in body.content.values_mut() {
+        let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+            continue;
+        };
+        if one_of.items.len() == 2 && one_of.items.iter().any(is_null) {
+            content.schema = one_of.items.iter().find(|s| !is_null(s)).cloned();
+            body.required = Some(Required::False);
+        }
+    }
 }
 
 fn shared_response(status: &str, why: &str) -> Response {

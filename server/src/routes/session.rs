@@ -17,11 +17,12 @@ use crate::domain::Role;
 use crate::error::{ApiError, Problem};
 use crate::session;
 
-/// The login page's form (`application/x-www-form-urlencoded`).
+/// The login page's form (`application/x-www-form-urlencoded`); other fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct LoginForm {
-    /// A viewer, submitter or admin token.
-    pub token: String,
+    /// A viewer, submitter or admin token (without one, the bearer token).
+    pub token: Option<String>,
     /// Where to go afterwards: a path on this server (default `/`).
     pub next: Option<String>,
 }
@@ -38,19 +39,24 @@ pub struct SessionInfo {
 /// Log in: exchange a bearer token for a console session cookie.
 ///
 /// The token comes as `Authorization: Bearer` (answer 201 with the session) or as the login
-/// page's form (answer 303 to `next`). The cookie is `HttpOnly`, `SameSite=Strict`, with a
+/// page's form (answer 303 to `next`; a form without a token falls back on the bearer token,
+/// and an empty body is no form). The cookie is `HttpOnly`, `SameSite=Strict`, with a
 /// `Max-Age` of the session's lifetime, and `Secure` and `__Host-` prefixed when the server's
 /// public URL is HTTPS. An `Origin` other than the server's is refused.
 #[utoipa::path(
     post,
     path = "/v1/session", operation_id = "create_session",
     tag = "session",
-    request_body(content = LoginForm, content_type = "application/x-www-form-urlencoded",
+    // The token comes as a bearer token or in the form.
+    security((), ("bearer" = [])),
+    request_body(content = Option<LoginForm>, content_type = "application/x-www-form-urlencoded",
         description = "The login form; API clients send the token as a bearer token instead"),
     responses(
         (status = 201, body = SessionInfo,
             headers(("set-cookie" = String, description = "The session cookie"))),
         (status = 303, description = "From the login form: to `next`, with the cookie set"),
+        (status = 400, description = "A form with fields other than these",
+            body = Problem, content_type = "application/problem+json"),
         (status = 401, body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "Not a person's token, or another origin",
             body = Problem, content_type = "application/problem+json"),
@@ -64,23 +70,29 @@ pub async fn create(
     // Login CSRF: a page elsewhere must not log this browser in as someone else.
     session::check_origin(&headers, &state.settings, false)?;
     let body = body?;
-    let form = headers.get(header::CONTENT_TYPE).is_some_and(|v| {
-        v.as_bytes()
-            .starts_with(b"application/x-www-form-urlencoded")
-    });
-    let (token, next) = if form {
-        let f: LoginForm =
-            serde_urlencoded::from_bytes(&body).map_err(|e| ApiError::BadRequest {
-                field: "token".into(),
-                reason: e.to_string(),
-            })?;
-        (f.token.trim().to_string(), Some(local_path(f.next)))
-    } else {
-        (bearer(&headers)?.to_string(), None)
+    // An empty body is no form: the token is then the bearer token, as without one.
+    let is_form = !body.is_empty()
+        && headers.get(header::CONTENT_TYPE).is_some_and(|v| {
+            v.as_bytes()
+                .starts_with(b"application/x-www-form-urlencoded")
+        });
+    let form: Option<LoginForm> = is_form
+        .then(|| serde_urlencoded::from_bytes(&body))
+        .transpose()
+        .map_err(|e| ApiError::BadRequest {
+            field: "body".into(),
+            reason: e.to_string(),
+        })?;
+    // A form without a token leaves it to the bearer token.
+    let token = match form
+        .as_ref()
+        .and_then(|f| f.token.as_deref())
+        .map(str::trim)
+    {
+        Some(token) if !token.is_empty() => token.to_string(),
+        _ => bearer(&headers)?.to_string(),
     };
-    if token.is_empty() {
-        return Err(ApiError::MissingToken);
-    }
+    let next = form.map(|f| local_path(f.next));
     let (caller, id, expires_at) = session::open(&state, &token).await?;
     let cookie = [(
         header::SET_COOKIE,

@@ -21,6 +21,7 @@ const MAX_NAME: usize = 64;
 #[serde(deny_unknown_fields)]
 pub struct CreateToken {
     /// 1-64 characters of `A-Z a-z 0-9 . _ -`, unique among tokens.
+    #[schema(pattern = "^[A-Za-z0-9._-]{1,64}$")]
     pub name: String,
     /// `viewer`, `submitter`, `admin` or `agent_join`.
     #[schema(value_type = Role)]
