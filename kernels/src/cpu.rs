@@ -47,6 +47,14 @@ pub enum Simd {
     Portable,
 }
 
+/// Whether this CPU runs the AVX-512 build of the inner loops (in pools that detect it).
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::simd::avx512_detected();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// A rayon pool of `threads` threads, each with denormals flushed; run kernels inside
 /// `pool.install(..)`.
 pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {

@@ -25,6 +25,13 @@ pub(crate) fn set_portable(portable: bool) {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn avx512() -> bool {
+    avx512_detected() && !PORTABLE.with(Cell::get)
+}
+
+/// Whether this CPU has the features the AVX-512 build is compiled for.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn avx512_detected() -> bool {
     use std::arch::is_x86_feature_detected as has;
     has!("avx512f")
         && has!("avx512bw")
@@ -32,7 +39,6 @@ pub(crate) fn avx512() -> bool {
         && has!("avx512dq")
         && has!("fma")
         && has!("f16c")
-        && !PORTABLE.with(Cell::get)
 }
 
 /// Runs `f`, compiled for AVX-512 when [`avx512`] says so. Pass an `#[inline(always)]`

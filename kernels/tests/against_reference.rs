@@ -12,6 +12,7 @@ use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, reference, re
 const LAYOUTS: [Layout; 2] = [Layout::KN, Layout::NK];
 
 fn matmul_forward_matches<X: Float>() {
+    common::note_unexercised_cpu_paths();
     let mut rng = Rng::new(1);
     // Odd sizes; the short scratch forces 16-wide tiles in every dimension. The second shape
     // spans several column panels and row blocks of the bf16 dot-product kernel.
@@ -54,6 +55,7 @@ fn matmul_forward_matches<X: Float>() {
 }
 
 fn matmul_backward_matches<X: Float>() {
+    common::note_unexercised_cpu_paths();
     let mut rng = Rng::new(2);
     for ((m, k, n), layout) in [(33, 40, 51), (61, 100, 130)]
         .into_iter()

@@ -54,6 +54,7 @@ fn bits<X: Float>(x: &[X]) -> Vec<u32> {
 }
 
 fn check_from_f32<X: Float>(scalar: impl Fn(f32) -> X) {
+    common::note_unexercised_cpu_paths();
     let src = f32_cases();
     let mut got = vec![X::ZERO; src.len()];
     from_f32(&src, &mut got);
@@ -72,6 +73,7 @@ fn check_from_f32<X: Float>(scalar: impl Fn(f32) -> X) {
 }
 
 fn check_to_f32<X: Float>(from_bits: impl Fn(u16) -> X) {
+    common::note_unexercised_cpu_paths();
     let src: Vec<X> = (0..=u16::MAX).map(from_bits).collect();
     let mut got = vec![0f32; src.len()];
     to_f32(&src, &mut got);
@@ -104,6 +106,7 @@ fn casts_round_to_nearest_even_like_half() {
 
 /// Bits of every vectorised cast of the test inputs, on the calling thread.
 fn vector_cast_bits() -> Vec<Vec<u32>> {
+    common::note_unexercised_cpu_paths();
     let src = f32_cases();
     let (mut b, mut h) = (vec![bf16::ZERO; src.len()], vec![f16::ZERO; src.len()]);
     from_f32(&src, &mut b);

@@ -19,6 +19,7 @@ fn bits<X: Float>(x: &[X]) -> Vec<u32> {
 }
 
 fn same_on_1_and_2_threads(run: impl Fn() -> Bits + Send + Sync) {
+    common::note_unexercised_cpu_paths();
     let one = cpu::thread_pool(1).unwrap().install(&run);
     let pool = cpu::thread_pool(2).unwrap();
     let two = pool.install(&run);

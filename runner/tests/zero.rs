@@ -241,16 +241,21 @@ fn resuming_on_another_world_size_and_stage_reshards_and_continues() {
         std::fs::write(b.path().join("checkpoints/latest"), "step-00000004").unwrap();
         let resumed = train(&with_checkpoints(after), Some(b.path()));
         assert_eq!(resumed.resumed_from, Some(4));
-        assert_eq!(resumed.losses[..4], whole.losses[..4]);
+        // Steps 1-4 of the resumed history are the manifest's; steps 5-10 it trained itself.
+        assert_eq!(resumed.losses.len(), 10);
+        for step in 4..10 {
+            let (got, want) = (resumed.losses[step], whole.losses[step]);
+            assert!(
+                (got - want).abs() < 1e-5,
+                "{before:?} → {after:?}: step {} loss {got} vs {want}",
+                step + 1
+            );
+        }
         let model = |dir: &Path| values(&std::fs::read(dir.join("model.safetensors")).unwrap());
         let rel = norm_relative(&model(b.path()), &model(a.path()));
         assert!(
             rel < 1e-5,
             "{before:?} → {after:?}: parameters differ by {rel:e} (norm-relative)"
-        );
-        assert!(
-            (resumed.final_loss - whole.final_loss).abs() < 1e-4,
-            "{before:?} → {after:?}"
         );
     }
 }

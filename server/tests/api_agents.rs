@@ -338,8 +338,14 @@ async fn a_node_token_only_beats_for_its_own_node() {
     assert_eq!(register.json()["field"], "devices");
 }
 
-/// The events of an SSE response as (event, data) pairs, read until the stream ends.
-async fn read_events(app: &TestApp, path: &str, until: usize) -> Vec<(String, serde_json::Value)> {
+/// A followed SSE response. The route subscribes its follower before it answers, so once
+/// `follow` returns, no later event can be missed.
+struct Events {
+    body: axum::body::BodyDataStream,
+    text: String,
+}
+
+async fn follow(app: &TestApp, path: &str) -> Events {
     let req = Request::builder()
         .uri(path)
         .header(header::AUTHORIZATION, format!("Bearer {VIEWER}"))
@@ -348,28 +354,38 @@ async fn read_events(app: &TestApp, path: &str, until: usize) -> Vec<(String, se
     let resp = app.router.clone().oneshot(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.headers()[header::CONTENT_TYPE], "text/event-stream");
-    let mut body = resp.into_body().into_data_stream();
-    let mut text = String::new();
-    let mut events = Vec::new();
-    while events.len() < until {
-        let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), body.next())
-            .await
-            .expect("an event")
-        else {
-            break;
-        };
-        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
-        while let Some(end) = text.find("\n\n") {
-            let block: String = text.drain(..end + 2).collect();
-            let name = block.lines().find_map(|l| l.strip_prefix("event: "));
-            let data = block.lines().find_map(|l| l.strip_prefix("data: "));
-            if let (Some(name), Some(data)) = (name, data) {
-                let data = serde_json::from_str(data).unwrap_or(json!(data));
-                events.push((name.to_string(), data));
-            }
-        }
+    Events {
+        body: resp.into_body().into_data_stream(),
+        text: String::new(),
     }
-    events
+}
+
+impl Events {
+    /// The next `n` events as (event, data) pairs, fewer if the stream ends first.
+    async fn take(&mut self, n: usize) -> Vec<(String, serde_json::Value)> {
+        let mut events = Vec::new();
+        while events.len() < n {
+            if let Some(end) = self.text.find("\n\n") {
+                let block: String = self.text.drain(..end + 2).collect();
+                let name = block.lines().find_map(|l| l.strip_prefix("event: "));
+                let data = block.lines().find_map(|l| l.strip_prefix("data: "));
+                if let (Some(name), Some(data)) = (name, data) {
+                    let data = serde_json::from_str(data).unwrap_or(json!(data));
+                    events.push((name.to_string(), data));
+                }
+                continue;
+            }
+            let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), self.body.next())
+                .await
+                .expect("an event")
+            else {
+                break;
+            };
+            self.text
+                .push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        }
+        events
+    }
 }
 
 #[tokio::test]
@@ -377,35 +393,29 @@ async fn events_stream_state_changes_and_steps_and_end_with_the_job() {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
     let id = app.submit_ok(&tiny_spec(1)).await;
-    let follower = {
-        let path = format!("/v1/jobs/{id}/events");
-        let app = &app;
-        async move { read_events(app, &path, usize::MAX).await }
+    let mut follower = follow(&app, &format!("/v1/jobs/{id}/events")).await;
+    // The current state first: the follower has read the job and is listening.
+    let mut events = follower.take(1).await;
+    app.schedule().await;
+    app.beat(&node, vec![], vec![]).await;
+    let started = Report::Started {
+        job_id: id.clone(),
+        attempt: 1,
+        resumed_from: None,
     };
-    let agent = async {
-        // Let the follower subscribe and send the current state first.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        app.schedule().await;
-        app.beat(&node, vec![], vec![]).await;
-        let started = Report::Started {
-            job_id: id.clone(),
-            attempt: 1,
-            resumed_from: None,
-        };
-        let finished = Report::Finished {
-            job_id: id.clone(),
-            attempt: 1,
-            final_loss: 7.0,
-        };
-        app.beat(
-            &node,
-            vec![started, step(&id, 1, 1, 8.0)],
-            vec![(id.clone(), 1)],
-        )
-        .await;
-        app.beat(&node, vec![finished], vec![]).await;
+    let finished = Report::Finished {
+        job_id: id.clone(),
+        attempt: 1,
+        final_loss: 7.0,
     };
-    let (events, ()) = tokio::join!(follower, agent);
+    app.beat(
+        &node,
+        vec![started, step(&id, 1, 1, 8.0)],
+        vec![(id.clone(), 1)],
+    )
+    .await;
+    app.beat(&node, vec![finished], vec![]).await;
+    events.extend(follower.take(usize::MAX).await);
     let seen: Vec<String> = events
         .iter()
         .map(|(name, data)| match name.as_str() {
@@ -433,21 +443,16 @@ async fn following_logs_streams_every_line_then_ends_with_the_job() {
     };
     app.beat(&node, vec![log("one"), log("two")], vec![(id.clone(), 1)])
         .await;
-    let follower = {
-        let path = format!("/v1/jobs/{id}/logs?follow=true");
-        let app = &app;
-        async move { read_events(app, &path, usize::MAX).await }
+    let mut follower = follow(&app, &format!("/v1/jobs/{id}/logs?follow=true")).await;
+    // The stored lines first; then the follower waits for more.
+    let mut events = follower.take(2).await;
+    let failed = Report::Failed {
+        job_id: id.clone(),
+        attempt: 1,
+        error: "boom".into(),
     };
-    let agent = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let failed = Report::Failed {
-            job_id: id.clone(),
-            attempt: 1,
-            error: "boom".into(),
-        };
-        app.beat(&node, vec![log("three"), failed], vec![]).await;
-    };
-    let (events, ()) = tokio::join!(follower, agent);
+    app.beat(&node, vec![log("three"), failed], vec![]).await;
+    events.extend(follower.take(usize::MAX).await);
     let lines: Vec<String> = events
         .iter()
         .map(|(name, data)| match name.as_str() {

@@ -183,15 +183,22 @@ async fn an_fp16_zero2_job_on_four_devices_trains_and_reports_its_memory() {
     assert_eq!(steps[0]["loss_scale"], 65536.0);
     let ranks = m["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 4);
+    // What admission planned and stored with the job, byte for byte.
+    let planned = &m["predicted_per_rank_bytes"];
     for r in ranks {
         for c in Category::ALL {
-            let (measured, predicted) = (
-                r["measured"][c.name()].as_u64().unwrap(),
-                r["predicted"][c.name()].as_u64().unwrap(),
+            let bytes = |of: &Value| of[c.name()].as_u64().unwrap();
+            assert_eq!(
+                bytes(&r["measured"]),
+                bytes(planned),
+                "rank {} {}: measured vs the admission plan",
+                r["rank"],
+                c.name()
             );
-            assert!(
-                measured.abs_diff(predicted) * 100 <= predicted,
-                "rank {} {}: {measured} vs {predicted}",
+            assert_eq!(
+                bytes(&r["predicted"]),
+                bytes(planned),
+                "rank {} {}: the runner's prediction vs the admission plan",
                 r["rank"],
                 c.name()
             );

@@ -1,10 +1,10 @@
-//! `zerotrain train` as a process: killed at random moments, even mid-checkpoint, it always
-//! leaves a loadable checkpoint and resumes from it.
+//! `zerotrain train` as a process: killed between checkpoints and in the middle of writing one,
+//! it always leaves a loadable checkpoint and resumes from it.
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use runner::checkpoint;
 use safetensors::SafeTensors;
@@ -39,37 +39,78 @@ fn interrupted_write_left_behind(out: &Path) -> bool {
         .any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".tmp"))
 }
 
+/// The step of the checkpoint `latest` names (from the name alone, as the writer may be
+/// replacing older directories meanwhile), 0 before the first.
+fn latest_step(out: &Path) -> u32 {
+    checkpoint::latest(out).unwrap().map_or(0, |dir| {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        name.strip_prefix("step-").unwrap().parse().unwrap()
+    })
+}
+
+/// Whether a checkpoint is being staged (`checkpoint::staging_dir`).
+fn staging(out: &Path) -> bool {
+    fs::read_dir(out.join("checkpoints")).unwrap().any(|e| {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        name.starts_with(".step-") && name.ends_with(".tmp")
+    })
+}
+
+/// Waits until `done` holds, failing if `child` exits first or a minute passes (a liveness
+/// bound far above the seconds a step of gpt2-tiny takes).
+fn wait_until(child: &mut Child, what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("zerotrain exited ({status}) before {what}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "never {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn killing_training_mid_checkpoint_leaves_the_previous_checkpoint_loadable() {
     let dir = tempfile::tempdir().unwrap();
     let spec = dir.path().join("spec.json");
     fs::write(&spec, SPEC).unwrap();
     let out = dir.path().join("out");
-    let (mut mid_write, mut last_step) = (0, 0);
+    let (mut mid_write, mut last_step, mut kills) = (0, 0, 0);
     for attempt in 0..60 {
-        let mut child = zerotrain(&spec, &out).spawn().unwrap();
-        // Wait for a first checkpoint, then kill at a moment that varies with the attempt.
-        std::thread::sleep(Duration::from_millis(150 + (attempt * 37 % 200)));
+        kills += 1;
+        let mut child = zerotrain(&spec, &out)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Once this process has published a checkpoint of its own (any staging directory
+        // left by the last kill is then gone), kill it: on odd attempts at once, between
+        // writes; on even ones as soon as it starts staging the next checkpoint.
+        let start = last_step;
+        wait_until(&mut child, "published a checkpoint", || {
+            latest_step(&out) > start
+        });
+        if attempt % 2 == 0 {
+            wait_until(&mut child, "staged a checkpoint", || staging(&out));
+        }
         child.kill().unwrap();
         child.wait().unwrap();
-        if checkpoint::latest(&out).unwrap().is_none() {
-            continue;
-        }
         mid_write += usize::from(interrupted_write_left_behind(&out));
         let step = assert_loadable(&out);
         assert!(
-            step >= last_step,
-            "checkpoints never go back: {step} after {last_step}"
+            step > last_step,
+            "each run published a checkpoint past {last_step}: {step}"
         );
         last_step = step;
         if mid_write >= 3 {
             break;
         }
     }
+    eprintln!("{mid_write} of {kills} kills landed during a checkpoint write");
     assert!(
         mid_write >= 3,
         "only {mid_write} kills landed during a checkpoint write"
     );
+    assert!(last_step < 300, "the kills left training unfinished");
     let done = zerotrain(&spec, &out).output().unwrap();
     assert!(
         done.status.success(),
@@ -147,17 +188,28 @@ fn a_killed_rank_makes_the_others_exit_with_an_error_naming_it() {
     let spec = dir.path().join("spec.json");
     fs::write(
         &spec,
-        r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 3, "training": {"steps": 100000}}"#,
+        r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 3, "training": {"steps": 100000},
+            "checkpoint": {"every_steps": 1}}"#,
     )
     .unwrap();
     let out = dir.path().join("out");
     let port = free_port();
+    // A timeout far beyond the liveness bound below: the others must notice the closed links,
+    // not a silence.
+    let comm_timeout = 600;
     let mut ranks: Vec<_> = (0..3)
-        .map(|r| tcp_rank(&spec, &out, r, port, 5).spawn().unwrap())
+        .map(|r| {
+            tcp_rank(&spec, &out, r, port, comm_timeout)
+                .spawn()
+                .unwrap()
+        })
         .collect();
-    std::thread::sleep(Duration::from_millis(1500));
+    // A published checkpoint means every rank has joined and trained a step.
+    wait_until(&mut ranks[0], "published a checkpoint", || {
+        latest_step(&out) > 0
+    });
     ranks[1].kill().unwrap();
-    let killed = std::time::Instant::now();
+    let killed = Instant::now();
     for rank in [0, 2] {
         let child = std::mem::replace(&mut ranks[rank], Command::new("true").spawn().unwrap());
         let result = child.wait_with_output().unwrap();
@@ -165,9 +217,10 @@ fn a_killed_rank_makes_the_others_exit_with_an_error_naming_it() {
         let stderr = String::from_utf8_lossy(&result.stderr);
         assert!(stderr.contains("peer rank 1"), "rank {rank}: {stderr}");
     }
+    eprintln!("the others exited {:?} after the kill", killed.elapsed());
     assert!(
-        killed.elapsed() < Duration::from_secs(5),
-        "took {:?}",
+        killed.elapsed() < Duration::from_secs(60),
+        "took {:?} (the communication timeout is {comm_timeout} s)",
         killed.elapsed()
     );
     ranks[1].wait().unwrap();

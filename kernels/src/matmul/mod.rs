@@ -232,6 +232,15 @@ enum Init<'a, B> {
     Read,
 }
 
+/// Whether products of two bf16 operands run on `vdpbf16ps` on this CPU (else on the widening
+/// sgemm path).
+pub fn has_bf16_dot_product() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return dpbf16::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major.
 fn product<A: Float, B: Float, C: Float, I: Float>(
     c: &mut [C],

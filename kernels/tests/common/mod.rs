@@ -1,7 +1,32 @@
 //! Shared test helpers: a seeded generator, dtype round trips and tolerances.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::io::Write;
+use std::sync::Once;
+
 use kernels::Float;
+
+/// Says, once per test binary and past the harness's capture (straight to stderr), which of
+/// the kernels' optional CPU paths this machine cannot exercise: the tests then checked only
+/// the baseline build against itself.
+pub fn note_unexercised_cpu_paths() {
+    static NOTE: Once = Once::new();
+    NOTE.call_once(|| {
+        let mut missing = Vec::new();
+        if !kernels::cpu::has_avx512() {
+            missing.push("AVX-512 (the AVX-512 build of the inner loops and casts)");
+        }
+        if !kernels::matmul::has_bf16_dot_product() {
+            missing.push("AVX512-BF16 (the vdpbf16ps bf16 matmul)");
+        }
+        for path in missing {
+            let _ = writeln!(
+                std::io::stderr(),
+                "note: this CPU lacks {path}: that path was not exercised"
+            );
+        }
+    });
+}
 
 /// SplitMix64: small, seeded, reproducible.
 pub struct Rng(u64);
