@@ -10,6 +10,7 @@ mod error;
 mod gpt;
 pub mod loss_scale;
 pub mod optimizer;
+pub mod process;
 pub mod schedule;
 pub mod train;
 pub mod zero;

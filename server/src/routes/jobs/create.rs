@@ -82,10 +82,8 @@ pub async fn create(
         ),
         None => None,
     };
-    let text = std::str::from_utf8(&body).map_err(|e| ApiError::InvalidSpec {
-        field: "spec".into(),
-        reason: format!("not UTF-8: {e}"),
-    })?;
+    let text = std::str::from_utf8(&body)
+        .map_err(|e| ApiError::spec("spec", format!("not UTF-8: {e}")))?;
     let parsed = JobSpec::parse(text, Purpose::Train)?;
     let nodes = state.store.nodes().await?;
     let plan = plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings))?;
