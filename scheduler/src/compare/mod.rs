@@ -185,10 +185,12 @@ impl Why<'_> {
                 None => "L is unknown for a bare parameter count and taken as 0".to_string(),
             };
             out.push(format!(
-                "DeepSpeed ZeRO-3 ({}): 4L + 18Ψ/N, {largest}; zerotrain's stage-3 model states \
-                 are {} = {} and it counts what it gathers (the embeddings and two blocks) in \
-                 buffers, {}",
+                "DeepSpeed ZeRO-3 ({}): 4L + 18Ψ/N, the same 18 bytes per parameter over N as its \
+                 ZeRO-2 ({} more than the paper's 16Ψ/N), and {largest}; zerotrain's stage-3 model \
+                 states are {} = {}, and what it gathers (the embeddings and two blocks) it counts \
+                 in buffers ({})",
                 human(ds3),
+                human(2 * psi / n),
                 self.formula(3),
                 human(z3.model_states()),
                 human(z3.buffers),
@@ -242,10 +244,14 @@ impl Why<'_> {
                     uncounted.push(format!("{what} ({} at stage 0)", human(bytes)));
                 }
             }
-            if !uncounted.is_empty() {
+            if let Some(last) = uncounted.pop() {
+                let list = if uncounted.is_empty() {
+                    last
+                } else {
+                    format!("{} or {last}", uncounted.join(", "))
+                };
                 out.push(format!(
-                    "none of the others counts {}, which zerotrain's per-rank totals include",
-                    uncounted.join(", ")
+                    "neither counts {list}, which zerotrain's per-rank totals include"
                 ));
             }
         }
