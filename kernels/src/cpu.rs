@@ -88,3 +88,9 @@ pub fn init_global_pool(threads: usize) -> bool {
         .build_global()
         .is_ok()
 }
+
+/// Threads of the pool kernels called from this thread run on (the global one outside
+/// `pool.install(..)`).
+pub fn pool_threads() -> usize {
+    rayon::current_num_threads()
+}

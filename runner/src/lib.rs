@@ -11,6 +11,7 @@ mod gpt;
 pub mod loss_scale;
 pub mod lr_schedule;
 pub mod optimizer;
+pub mod process;
 pub mod train;
 pub mod zero;
 

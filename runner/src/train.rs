@@ -22,8 +22,8 @@ use crate::checkpoint::{self, Manifest};
 use crate::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring};
 use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
 use crate::loss_scale::LossScaler;
-use crate::lr_schedule;
 use crate::zero::Engine;
+use crate::{lr_schedule, process};
 
 /// How a run is hosted.
 #[derive(Debug, Clone, Default)]
@@ -77,6 +77,21 @@ pub struct RankMemory {
     pub comm_bytes_sent: BTreeMap<Op, u64>,
 }
 
+/// The process's own view of a run: the operating system's peak resident set beside the
+/// memory model's total for the ranks it ran, with the process overhead counted once.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ProcessMemory {
+    /// `VmHWM` (or `getrusage`'s maximum) at the end of the run; `None` where the system does
+    /// not say.
+    pub peak_rss_bytes: Option<u64>,
+    /// Every rank's predicted total plus `overhead_bytes`.
+    pub predicted_bytes: u64,
+    /// The process overhead (`scheduler::memory::process`) for `threads`.
+    pub overhead_bytes: u64,
+    /// Threads that run GEMMs: the kernel pool's and one per rank.
+    pub threads: usize,
+}
+
 /// What `zerotrain train --json` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
@@ -92,6 +107,7 @@ pub struct Summary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resumed_from: Option<u32>,
     pub ranks: Vec<RankMemory>,
+    pub process: ProcessMemory,
 }
 
 /// Trains `spec` to completion with its `world_size` ranks as threads of this process (or,
@@ -129,8 +145,10 @@ pub fn run_ranks(
     let threads = opts
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    process::return_freed_memory();
     // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
     kernels::cpu::init_global_pool(threads);
+    let gemm_threads = kernels::cpu::pool_threads() + comms.len();
     let mut progress = Some(progress);
     let results: Vec<Result<RankRun, Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -154,7 +172,7 @@ pub fn run_ranks(
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    summarise(results)
+    summarise(results, &setup, gemm_threads)
 }
 
 /// What one rank did.
@@ -170,7 +188,11 @@ struct RankRun {
 
 /// One summary from every rank's run; if any failed, the error that started it (a rank whose
 /// neighbour failed reports only that).
-fn summarise(results: Vec<Result<RankRun, Error>>) -> Result<Summary, Error> {
+fn summarise(
+    results: Vec<Result<RankRun, Error>>,
+    setup: &Setup,
+    threads: usize,
+) -> Result<Summary, Error> {
     let mut runs = Vec::with_capacity(results.len());
     let mut errors = Vec::new();
     for r in results {
@@ -187,6 +209,17 @@ fn summarise(results: Vec<Result<RankRun, Error>>) -> Result<Summary, Error> {
         return Err(errors.swap_remove(root));
     }
     let first = &runs[0];
+    let overhead = memory::process::overhead_bytes(threads);
+    let process = ProcessMemory {
+        peak_rss_bytes: process::peak_rss_bytes(),
+        predicted_bytes: runs
+            .iter()
+            .map(|r| memory::rank_breakdown(setup, r.memory.rank).total())
+            .sum::<u64>()
+            + overhead,
+        overhead_bytes: overhead,
+        threads,
+    };
     // The ranks agree on each step's loss, so rank 0's history is everyone's.
     let losses = first.losses.clone();
     let step_seconds_median = median(&first.seconds);
@@ -200,6 +233,7 @@ fn summarise(results: Vec<Result<RankRun, Error>>) -> Result<Summary, Error> {
         resumed_from: first.resumed_from,
         losses,
         ranks: runs.into_iter().map(|r| r.memory).collect(),
+        process,
     })
 }
 

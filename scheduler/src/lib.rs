@@ -2,6 +2,7 @@
 //! training, and the planner that turns a spec into a configuration that fits. No I/O, no async.
 
 pub mod bytes;
+pub mod compare;
 mod error;
 pub mod inventory;
 pub mod memory;
@@ -11,4 +12,4 @@ pub mod plan;
 pub mod report;
 pub mod spec;
 
-pub use error::Error;
+pub use error::{Error, FieldError};

@@ -38,7 +38,10 @@ impl Candidate {
             micro_batch_size: micro,
             grad_accum_steps: accum,
             setup,
-            base: estimate.per_rank,
+            base: Breakdown {
+                overhead: 0,
+                ..estimate.per_rank
+            },
             comm: estimate.comm,
         }
     }

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use crate::Error;
+use crate::compare::Comparison;
 use crate::inventory::Inventory;
 use crate::memory::{self, Breakdown, Comm, DeviceKind, Setup};
 use crate::plan::{self, Plan};
@@ -24,6 +25,9 @@ pub struct Report {
     /// DeepSpeed keys zerotrain ignored.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub unsupported_keys: Vec<String>,
+    /// DeepSpeed's and accelerate's figures for the same job, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compare: Option<Comparison>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -96,6 +100,15 @@ impl Report {
             stages,
             plan,
             unsupported_keys,
+            compare: None,
         })
+    }
+
+    /// This report with the other estimators' figures for `spec` (the spec it was made from).
+    pub fn with_comparison(self, spec: &JobSpec) -> Report {
+        Report {
+            compare: Some(Comparison::new(spec, &self.stages)),
+            ..self
+        }
     }
 }

@@ -133,7 +133,8 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
         b.buffers,
         256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + SYNTHETIC_LOADER
     );
-    assert_eq!(b.overhead, 0);
+    // A CPU process of the threads planning assumes: 16 MiB + 16 × 2 MiB.
+    assert_eq!(b.overhead, 48 << 20);
 }
 
 #[test]
@@ -229,7 +230,22 @@ fn cuda_devices_add_their_runtime_overhead() {
     );
     let cpu = memory::estimate(&s, DeviceKind::Cpu).per_rank;
     let gpu = memory::estimate(&s, DeviceKind::Cuda).per_rank;
-    assert_eq!(gpu.total() - cpu.total(), memory::CUDA_OVERHEAD_BYTES);
+    assert_eq!(gpu.model_states(), cpu.model_states());
+    assert_eq!(gpu.overhead, memory::CUDA_OVERHEAD_BYTES);
+    assert_eq!(
+        cpu.overhead,
+        memory::process::overhead_bytes(memory::process::PLANNING_THREADS)
+    );
+}
+
+#[test]
+fn a_cpu_process_pays_a_baseline_and_a_packing_buffer_per_gemm_thread() {
+    use memory::process::{BASELINE_BYTES, PACKING_BYTES_PER_THREAD, overhead_bytes};
+    assert_eq!(overhead_bytes(0), BASELINE_BYTES);
+    assert_eq!(
+        overhead_bytes(6) - overhead_bytes(2),
+        4 * PACKING_BYTES_PER_THREAD
+    );
 }
 
 #[test]

@@ -8,6 +8,11 @@ use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
 const GB: u64 = 1_000_000_000;
 
+/// A CPU process's overhead, which a CPU rank's need includes.
+fn cpu_overhead() -> u64 {
+    DeviceKind::Cpu.overhead_bytes()
+}
+
 fn spec(json: &str) -> JobSpec {
     JobSpec::parse(json, Purpose::Estimate).unwrap().spec
 }
@@ -41,19 +46,20 @@ fn explains_in_numbers_when_a_fixed_stage_does_not_fit() {
     assert_eq!(
         no.to_string(),
         "needs 41.3 GB per rank at stage 2 on 4 devices; largest device has 40.0 GB; \
-         stage 3 needs 30.0 GB (fits)"
+         stage 3 needs 30.1 GB (fits)"
     );
-    assert_eq!(no.closest_need_bytes, 41_250_000_000);
+    assert_eq!(no.closest_need_bytes, 41_250_000_000 + cpu_overhead());
 }
 
 #[test]
 fn auto_stage_escalates_to_the_lowest_stage_that_fits() {
     let p = fits(&paper("\"auto\""), &cpus(4, 40 * GB));
     assert_eq!(p.chosen.zero_stage, ZeroStage::Parameters);
-    assert_eq!(p.per_rank_bytes.total(), 30 * GB);
+    assert_eq!(p.per_rank_bytes.model_states(), 30 * GB);
+    assert_eq!(p.per_rank_bytes.overhead, cpu_overhead());
     let p = fits(&paper("\"auto\""), &cpus(4, 45 * GB));
     assert_eq!(p.chosen.zero_stage, ZeroStage::Gradients);
-    let p = fits(&paper("\"auto\""), &cpus(4, 120 * GB));
+    let p = fits(&paper("\"auto\""), &cpus(4, 121 * GB));
     assert_eq!(p.chosen.zero_stage, ZeroStage::Ddp);
 }
 
@@ -150,7 +156,7 @@ fn counts_devices_and_explains_when_too_few_are_large_enough() {
     assert_eq!(no.fitting_devices, 2);
     assert_eq!(
         no.to_string(),
-        "needs 30.0 GB per rank at stage 3 on 4 devices; only 2 devices have that much"
+        "needs 30.1 GB per rank at stage 3 on 4 devices; only 2 devices have that much"
     );
 }
 
@@ -172,7 +178,8 @@ fn refuses_more_ranks_than_devices() {
 fn cuda_devices_pay_their_runtime_overhead() {
     let json = &paper("3");
     let exactly = 30 * GB;
-    assert_eq!(fits(json, &cpus(4, exactly)).per_rank_bytes.overhead, 0);
+    let p = fits(json, &cpus(4, exactly + cpu_overhead()));
+    assert_eq!(p.per_rank_bytes.overhead, cpu_overhead());
     let gpus = Inventory::uniform(4, exactly, DeviceKind::Cuda);
     let no = refused(json, &gpus);
     assert_eq!(no.closest_need_bytes, exactly + CUDA_OVERHEAD_BYTES);
@@ -202,7 +209,7 @@ fn mixed_device_kinds_use_whichever_devices_fit() {
                 devices: vec![
                     Device {
                         kind: DeviceKind::Cpu,
-                        memory_bytes: 30 * GB
+                        memory_bytes: 30 * GB + cpu_overhead()
                     };
                     4
                 ],

@@ -5,13 +5,13 @@ use std::num::NonZeroU32;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use proptest::prelude::*;
-use scheduler::Error;
 use scheduler::model::{GptShape, Preset};
 use scheduler::spec::{
     AdaFactor, Adam8bit, AdamW, Auto, Data, Dtype, DynamicLossScale, JobSpec, Lion, LossScale,
     LrSchedule, ModelSource, Momentum, Optimizer, Parsed, Purpose, ScalerSemantics, Sgd,
     WarmupType, ZeroStage,
 };
+use scheduler::{Error, FieldError};
 use serde_json::{Value, json};
 
 fn nz(n: u32) -> NonZeroU32 {
@@ -332,9 +332,9 @@ const INVALID: &[Invalid] = &[
         "unknown variant `adam`",
     ),
     train(
-        r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"betas": [0.9, 0.999]}}"#,
-        "optimizer.type",
-        "missing field `type`",
+        r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"betas": [0.9, 1.5]}}"#,
+        "optimizer.betas[1]",
+        "1.5 must be in [0, 1)",
     ),
     train(
         r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"type": "adamw", "betas": [0.9, 1.0]}}"#,
@@ -546,7 +546,11 @@ fn invalid_specs_are_refused_naming_the_field_and_the_reason() {
         let problem = match outcome {
             Err(_) => "panicked".to_string(),
             Ok(Ok(parsed)) => format!("was accepted as {:?}", parsed.spec),
-            Ok(Err(Error::InvalidSpec { field, reason })) => {
+            Ok(Err(Error::InvalidSpec(errors))) => {
+                let [FieldError { field, reason }] = errors.as_slice() else {
+                    failures.push(format!("row {i} {}\n    gave {errors:?}", row.json));
+                    continue;
+                };
                 if field == row.field && reason.contains(row.reason) {
                     continue;
                 }
@@ -568,6 +572,100 @@ fn invalid_specs_are_refused_naming_the_field_and_the_reason() {
     );
 }
 
+/// The fields a spec's refusal names, in order.
+fn refused_fields(json: &str, purpose: Purpose) -> Vec<String> {
+    match JobSpec::parse(json, purpose) {
+        Err(Error::InvalidSpec(errors)) => errors.into_iter().map(|e| e.field).collect(),
+        other => panic!("expected a refusal of {json}, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_spec_with_three_independent_mistakes_names_all_three() {
+    let fields = refused_fields(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 0},
+            "optimizer": {"type": "adamw", "betas": [0.9, 1.0]}, "world_size": 0}"#,
+        Purpose::Train,
+    );
+    let mut sorted = fields.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        ["optimizer.betas[1]", "training.seq_len", "world_size"],
+        "{fields:?}"
+    );
+}
+
+#[test]
+fn every_mistake_within_one_block_is_named() {
+    // Two that fail to read, then (in a block that reads) three that fail their checks.
+    assert_eq!(
+        refused_fields(
+            r#"{"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 0, "steps": 0}}"#,
+            Purpose::Train
+        ),
+        ["training.seq_len", "training.steps"]
+    );
+    assert_eq!(
+        refused_fields(
+            r#"{"model": {"preset": "gpt2-tiny"},
+                "training": {"lr": -1, "grad_clip": -2, "warmup_steps": 60, "steps": 50}}"#,
+            Purpose::Train
+        ),
+        ["training.lr", "training.grad_clip", "training.warmup_steps"]
+    );
+    assert_eq!(
+        refused_fields(
+            r#"{"model": {"vocab_size": 0, "context_length": 128, "n_layer": 9999, "n_head": 4, "n_embd": 64}}"#,
+            Purpose::Train
+        ),
+        ["model.vocab_size", "model.n_layer"]
+    );
+}
+
+#[test]
+fn checks_that_involve_a_block_in_error_are_not_run_on_its_defaults() {
+    // world_size 0 cannot be read: the batch is not checked against world size 1, which it
+    // would disagree with.
+    assert_eq!(
+        refused_fields(
+            r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 0,
+                "training": {"batch_size": 32, "micro_batch_size": 4}}"#,
+            Purpose::Train
+        ),
+        ["world_size"]
+    );
+    // An unknown preset: the sequence length is not checked against a stand-in model, but the
+    // other blocks are still read and checked.
+    assert_eq!(
+        refused_fields(
+            r#"{"model": {"preset": "gpt2-huge"}, "training": {"seq_len": 100000},
+                "optimizer": {"type": "lion", "betas": [2, 0.5]}, "epochs": 3}"#,
+            Purpose::Train
+        ),
+        ["epochs", "model.preset", "optimizer.betas[0]"]
+    );
+}
+
+#[test]
+fn an_optimizer_without_type_is_adamw_with_the_fields_given() {
+    let spec =
+        parse(r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"betas": [0.8, 0.95]}}"#).spec;
+    assert_eq!(
+        spec.optimizer,
+        Optimizer::Adamw(AdamW {
+            betas: [0.8, 0.95],
+            ..AdamW::default()
+        })
+    );
+    // Its fields are still AdamW's: a Lion-only field is refused.
+    let fields = refused_fields(
+        r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"momentum": 0.9}}"#,
+        Purpose::Train,
+    );
+    assert_eq!(fields, ["optimizer"]);
+}
+
 #[test]
 fn spec_error_displays_as_field_colon_reason() {
     let err = JobSpec::parse(
@@ -577,10 +675,10 @@ fn spec_error_displays_as_field_colon_reason() {
     .unwrap_err();
     assert_eq!(
         err,
-        Error::InvalidSpec {
+        Error::InvalidSpec(vec![FieldError {
             field: "training.seq_len".into(),
             reason: "2048 exceeds model.context_length 1024".into(),
-        }
+        }])
     );
     assert_eq!(
         err.to_string(),

@@ -150,6 +150,10 @@ pub struct RankMemoryRecord {
     pub predicted: Breakdown,
     #[schema(value_type = Object)]
     pub comm_bytes_sent: BTreeMap<Op, u64>,
+    /// The peak resident set of the process that ran the rank, when it finished: the same for
+    /// ranks that are threads of one process. Absent if the agent did not report it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_peak_rss_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]

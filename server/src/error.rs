@@ -5,6 +5,7 @@
 use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use scheduler::FieldError;
 use scheduler::plan::{Candidate, NoFit};
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -36,8 +37,9 @@ pub enum ApiError {
     /// A query parameter or body that is not what the endpoint takes; `field` names it.
     #[error("{field}: {reason}")]
     BadRequest { field: String, reason: String },
-    #[error("{field}: {reason}")]
-    InvalidSpec { field: String, reason: String },
+    /// Every mistake found in a job spec (never empty); the first is the error's message.
+    #[error("{}", .0[0])]
+    InvalidSpec(Vec<FieldError>),
     #[error("{0}")]
     DoesNotFit(Box<NoFit>),
     #[error("the Idempotency-Key was used for job {job_id} with a different spec")]
@@ -85,11 +87,22 @@ pub struct Problem {
     pub title: String,
     pub status: u16,
     pub detail: String,
-    /// The request field at fault, as a path (`training.seq_len`).
+    /// The request field at fault, as a path (`training.seq_len`); for a spec with several
+    /// mistakes, the first of `errors`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// A job spec's mistakes, every one found (`field` and `detail` repeat the first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errors: Option<Vec<ProblemField>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub does_not_fit: Option<DoesNotFit>,
+}
+
+/// One mistake: the field's path and why it is wrong.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ProblemField {
+    pub field: String,
+    pub reason: String,
 }
 
 /// Why no registered device could ever hold a rank of the job, in bytes.
@@ -135,6 +148,16 @@ impl From<&Candidate> for Configuration {
     }
 }
 
+impl ApiError {
+    /// A job spec with one mistake, at `field`.
+    pub fn spec(field: &str, reason: String) -> ApiError {
+        ApiError::InvalidSpec(vec![FieldError {
+            field: field.into(),
+            reason,
+        }])
+    }
+}
+
 /// The detail of a 5xx, for the request log.
 #[derive(Debug, Clone)]
 pub struct InternalDetail(pub String);
@@ -176,7 +199,7 @@ impl ApiError {
             ApiError::NotOwner => (S::FORBIDDEN, "not-owner", "Not the job's owner"),
             ApiError::NotFound { .. } => (S::NOT_FOUND, "not-found", "Not found"),
             ApiError::BadRequest { .. } => (S::BAD_REQUEST, "bad-request", "Bad request"),
-            ApiError::InvalidSpec { .. } => {
+            ApiError::InvalidSpec(_) => {
                 (S::UNPROCESSABLE_ENTITY, "invalid-spec", "Invalid job spec")
             }
             ApiError::DoesNotFit(_) => (
@@ -231,9 +254,20 @@ impl ApiError {
             truncated(self.to_string())
         };
         let field = match self {
-            ApiError::BadRequest { field, .. } | ApiError::InvalidSpec { field, .. } => {
-                Some(truncated(field.clone()))
-            }
+            ApiError::BadRequest { field, .. } => Some(truncated(field.clone())),
+            ApiError::InvalidSpec(errors) => errors.first().map(|e| truncated(e.field.clone())),
+            _ => None,
+        };
+        let errors = match self {
+            ApiError::InvalidSpec(errors) => Some(
+                errors
+                    .iter()
+                    .map(|e| ProblemField {
+                        field: truncated(e.field.clone()),
+                        reason: truncated(e.reason.clone()),
+                    })
+                    .collect(),
+            ),
             _ => None,
         };
         let does_not_fit = match self {
@@ -257,6 +291,7 @@ impl ApiError {
             status: status.as_u16(),
             detail,
             field,
+            errors,
             does_not_fit,
         }
     }
@@ -265,14 +300,9 @@ impl ApiError {
 impl From<scheduler::Error> for ApiError {
     fn from(e: scheduler::Error) -> Self {
         match e {
-            scheduler::Error::InvalidSpec { field, reason } => {
-                ApiError::InvalidSpec { field, reason }
-            }
+            scheduler::Error::InvalidSpec(errors) => ApiError::InvalidSpec(errors),
             scheduler::Error::DoesNotFit(no) => ApiError::DoesNotFit(no),
-            e @ scheduler::Error::InvalidSize { .. } => ApiError::InvalidSpec {
-                field: "spec".into(),
-                reason: e.to_string(),
-            },
+            e @ scheduler::Error::InvalidSize { .. } => ApiError::spec("spec", e.to_string()),
         }
     }
 }
@@ -382,6 +412,7 @@ pub async fn problem_for_bare_errors(response: Response) -> Response {
         status: status.as_u16(),
         detail: status.canonical_reason().unwrap_or("Error").into(),
         field: None,
+        errors: None,
         does_not_fit: None,
     };
     let mut out = problem_response(&problem);

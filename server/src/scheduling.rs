@@ -475,7 +475,10 @@ mod tests {
         let mut j = job("j", 0, 1, 1, 10);
         j.plan["per_rank_bytes"]["overhead"] = serde_json::json!(DeviceKind::Cuda.overhead_bytes());
         let plan = StoredPlan::of(&j).unwrap();
-        assert_eq!(plan.need_on(DeviceKind::Cpu), 10 * GB);
+        assert_eq!(
+            plan.need_on(DeviceKind::Cpu),
+            10 * GB + DeviceKind::Cpu.overhead_bytes()
+        );
         assert_eq!(
             plan.need_on(DeviceKind::Cuda),
             10 * GB + DeviceKind::Cuda.overhead_bytes()

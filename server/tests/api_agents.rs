@@ -46,6 +46,7 @@ fn memory(job: &str, rank: usize) -> Report {
         measured: b,
         predicted: b,
         comm_bytes_sent: BTreeMap::from([(Op::ReduceScatter, 4096), (Op::AllGather, 2048)]),
+        process_peak_rss_bytes: Some(123_456_789),
     }
 }
 
@@ -121,6 +122,7 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
     assert_eq!(m["ranks"].as_array().unwrap().len(), 4);
     assert_eq!(m["ranks"][3]["measured"]["optimizer"], 3000);
     assert_eq!(m["ranks"][3]["predicted"]["total"], 5300);
+    assert_eq!(m["ranks"][3]["process_peak_rss_bytes"], 123_456_789);
     assert_eq!(
         m["predicted_per_rank_bytes"],
         app.job(&id).await["plan"]["per_rank_bytes"]

@@ -332,3 +332,80 @@ async fn estimate_takes_a_bare_parameter_count() {
     assert_eq!(a.status, StatusCode::OK, "{}", a.text);
     assert_eq!(a.json()["parameters"], 7_500_000_000u64);
 }
+
+#[tokio::test]
+async fn estimate_with_compare_adds_the_other_estimators_and_why_they_differ() {
+    let app = TestApp::new().await;
+    app.register("n", 8, 80 * GIB).await;
+    let mut spec =
+        json!({"model": {"preset": "gpt2-124M"}, "precision": {"dtype": "bf16"}, "world_size": 8});
+    let plain = app
+        .call(Method::POST, "/v1/estimate", Some(VIEWER), Some(&spec))
+        .await
+        .json();
+    assert!(plain.get("compare").is_none(), "only when asked");
+    spec["compare"] = json!(true);
+    let a = app
+        .call(Method::POST, "/v1/estimate", Some(VIEWER), Some(&spec))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let got = a.json();
+    let psi = 124_439_808u64;
+    let c = &got["compare"];
+    assert_eq!(c["world_size"], 8);
+    // DeepSpeed's ZeRO-2: 2Ψ + int(18Ψ/N); accelerate: 8Ψ under mixed precision.
+    assert_eq!(c["stages"][2]["deepspeed_bytes"], 2 * psi + 18 * psi / 8);
+    assert_eq!(c["stages"][0]["accelerate_bytes"], 8 * psi);
+    assert_eq!(
+        c["stages"][3]["zerotrain_bytes"],
+        got["stages"][3]["per_rank_bytes"]["total"]
+    );
+    assert!(c["reasons"].as_array().unwrap().len() >= 4, "{c}");
+
+    spec["compare"] = json!("yes");
+    let bad = app
+        .call(Method::POST, "/v1/estimate", Some(VIEWER), Some(&spec))
+        .await;
+    assert_eq!(bad.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(bad.json()["field"], "compare");
+}
+
+#[tokio::test]
+async fn a_spec_with_three_independent_mistakes_gets_one_422_naming_all_three() {
+    let app = TestApp::new().await;
+    app.register("n", 2, 2 * GIB).await;
+    let spec = json!({
+        "model": {"preset": "gpt2-tiny"},
+        "training": {"seq_len": 0},
+        "optimizer": {"betas": [0.9, 1.5]},
+        "precision": {"dtype": "fp8"},
+    });
+    let a = app.submit(&spec).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let p = a.json();
+    let fields: Vec<&str> = p["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        ["precision.dtype", "training.seq_len", "optimizer.betas[1]"]
+    );
+    // The first also as `field` and `detail`, for clients that read one.
+    assert_eq!(p["field"], "precision.dtype");
+    assert!(
+        p["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("precision.dtype: unknown variant `fp8`")
+    );
+    assert!(
+        app.get("/v1/jobs").await.json()["jobs"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "nothing stored"
+    );
+}

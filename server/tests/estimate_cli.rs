@@ -67,3 +67,36 @@ fn estimate_reports_a_missing_file() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("reading no-such-spec.json"));
 }
+
+#[test]
+fn estimate_names_every_mistake_of_a_spec_one_line_each() {
+    let out = zerotrain(&["estimate", "three-mistakes.json"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        [
+            "error: training.seq_len: 2048 exceeds model.context_length 1024",
+            "error: training.lr: -1 must be a finite number ≥ 0",
+            "error: optimizer.betas[1]: 1.5 must be in [0, 1)",
+        ]
+    );
+}
+
+#[test]
+fn estimate_compare_prints_the_three_estimators_side_by_side_with_the_reasons() {
+    let out = stdout(&zerotrain(&[
+        "estimate",
+        "gpt2-124m-bf16-adamw.json",
+        "--devices",
+        "8",
+        "--compare",
+    ]));
+    let table = out
+        .split("compared with other estimators")
+        .nth(1)
+        .expect("a comparison section");
+    assert!(table.contains("DeepSpeed 0.19.8") && table.contains("accelerate 1.15"));
+    assert!(table.contains("why they differ:"));
+    insta::assert_snapshot!(out);
+}

@@ -1358,11 +1358,13 @@ async fn rank_memory_is_replaced_per_rank(db: TestDb) {
     use runner::comm::Op;
     let s = &db.store;
     let j = submit(s, "a", 0, 2).await;
+    // Rank 1's agent reports its process's peak resident set, rank 0's does not.
     let record = |rank: u32, base: u64| RankMemoryRecord {
         rank,
         measured: breakdown(base),
         predicted: breakdown(base + 10),
         comm_bytes_sent: BTreeMap::from([(Op::AllGather, base * 3), (Op::ReduceScatter, base)]),
+        process_peak_rss_bytes: (rank == 1).then_some(base << 24),
     };
     s.set_rank_memory(&j.id, &record(1, 100)).await.unwrap();
     s.set_rank_memory(&j.id, &record(0, 100)).await.unwrap();
@@ -1469,6 +1471,7 @@ async fn reports_for_an_unknown_job_fail_naming_it(db: TestDb) {
         measured: breakdown(1),
         predicted: breakdown(1),
         comm_bytes_sent: BTreeMap::new(),
+        process_peak_rss_bytes: None,
     };
     assert!(unknown(s.set_rank_memory("nope", &memory).await));
 }

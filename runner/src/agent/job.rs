@@ -54,6 +54,7 @@ pub(super) fn start(
                         measured: r.measured_peak_bytes,
                         predicted: r.predicted_bytes,
                         comm_bytes_sent: r.comm_bytes_sent.clone(),
+                        process_peak_rss_bytes: summary.process.peak_rss_bytes,
                     });
                 }
                 log(format!(

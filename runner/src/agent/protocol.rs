@@ -101,6 +101,9 @@ pub enum Report {
         measured: Breakdown,
         predicted: Breakdown,
         comm_bytes_sent: BTreeMap<Op, u64>,
+        /// The peak resident set of the process the rank ran in (the agent's), when it ended.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        process_peak_rss_bytes: Option<u64>,
     },
     Log {
         job_id: String,

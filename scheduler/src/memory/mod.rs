@@ -5,6 +5,7 @@
 
 mod comm;
 mod optimizer;
+pub mod process;
 
 pub use comm::Comm;
 
@@ -29,7 +30,8 @@ pub enum Category {
     /// Logits, token ids, communication scratch, unit gradient buffers, gathered stage-3 units,
     /// the data loader's buffers.
     Buffers,
-    /// Per-device runtime cost (a CUDA context); 0 on CPU devices.
+    /// Runtime cost outside the trainer's buffers: a CUDA context per GPU, or on CPU devices
+    /// the process itself (`process`), paid by the first rank of each process.
     Overhead,
 }
 
@@ -70,9 +72,11 @@ pub enum DeviceKind {
 pub const CUDA_OVERHEAD_BYTES: u64 = 1 << 30;
 
 impl DeviceKind {
+    /// What a rank pays beside its buffers, planned for before the node is known: a CUDA
+    /// context, or a CPU process of `process::PLANNING_THREADS` threads.
     pub fn overhead_bytes(self) -> u64 {
         match self {
-            DeviceKind::Cpu => 0,
+            DeviceKind::Cpu => process::overhead_bytes(process::PLANNING_THREADS),
             DeviceKind::Cuda => CUDA_OVERHEAD_BYTES,
         }
     }
@@ -289,6 +293,19 @@ fn loader_bytes(setup: &Setup, shape: &GptShape) -> u64 {
     }
 }
 
+/// Model-state bytes per parameter, unsharded: parameters and gradients in the compute dtype,
+/// and the fp32 master copy (mixed precision) with the optimizer's per-element state under
+/// `optimizer` (8-bit Adam's block scales and Adafactor's factored statistics aside).
+pub fn bytes_per_parameter(dtype: Dtype, optimizer: &Optimizer) -> Breakdown {
+    let master = if dtype.has_master_weights() { 4 } else { 0 };
+    Breakdown {
+        params: dtype.bytes(),
+        grads: dtype.bytes(),
+        optimizer: master + optimizer::per_element_bytes(optimizer),
+        ..Breakdown::default()
+    }
+}
+
 /// A bare parameter count Ψ: model states only (nothing is known of activations or units).
 /// Shards hold exactly Ψ/N elements, as in the ZeRO paper; bytes are rounded up cumulatively
 /// (each category ends where the rounded-up running total ends), so the total is the exact
@@ -296,21 +313,15 @@ fn loader_bytes(setup: &Setup, shape: &GptShape) -> u64 {
 fn closed_form(setup: &Setup, psi: u64) -> Breakdown {
     let n = setup.world_size as u128;
     let stage = setup.stage;
-    let master = if setup.dtype.has_master_weights() {
-        4
-    } else {
-        0
-    };
-    let per_element = master + optimizer::per_element_bytes(&setup.optimizer);
+    let per_param = bytes_per_parameter(setup.dtype, &setup.optimizer);
     // Numerators over the common denominator N.
     let over_n = |bytes_per_param: u64, sharded: bool| {
         u128::from(bytes_per_param) * u128::from(psi) * if sharded { 1 } else { n }
     };
-    let x = setup.dtype.bytes();
     let exact = [
-        over_n(x, stage.shards_params()),
-        over_n(x, stage.shards_grads()),
-        over_n(per_element, stage.shards_optimizer()),
+        over_n(per_param.params, stage.shards_params()),
+        over_n(per_param.grads, stage.shards_grads()),
+        over_n(per_param.optimizer, stage.shards_optimizer()),
     ];
     let mut rounded = [0u64; 3];
     let (mut running, mut previous) = (0u128, 0u128);

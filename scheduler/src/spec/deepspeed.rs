@@ -369,13 +369,17 @@ impl Section {
         match self.map.remove(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => from_value(v).map(Some).map_err(|e| match e {
-                Error::InvalidSpec { field, reason } => {
-                    let field = match field.as_str() {
-                        "spec" => self.field(key),
-                        index if index.starts_with('[') => format!("{}{index}", self.field(key)),
-                        inner => format!("{}.{inner}", self.field(key)),
-                    };
-                    Error::InvalidSpec { field, reason }
+                Error::InvalidSpec(mut errors) => {
+                    for e in &mut errors {
+                        e.field = match e.field.as_str() {
+                            "spec" => self.field(key),
+                            index if index.starts_with('[') => {
+                                format!("{}{index}", self.field(key))
+                            }
+                            inner => format!("{}.{inner}", self.field(key)),
+                        };
+                    }
+                    Error::InvalidSpec(errors)
                 }
                 other => other,
             }),

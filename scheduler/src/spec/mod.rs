@@ -2,6 +2,7 @@
 //! Unknown fields are rejected; every field but `model` has a default (see each type).
 //! A DeepSpeed config is accepted too (`deepspeed` module).
 
+mod blocks;
 mod data;
 mod deepspeed;
 mod model;
@@ -20,7 +21,7 @@ use std::num::NonZeroU32;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::error::{Error, ensure};
+use crate::error::{Error, Problems};
 
 /// A value the planner may choose (`"auto"`) or a fixed one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,42 +193,84 @@ pub struct Parsed {
 impl JobSpec {
     /// Parses and validates a native job spec or a DeepSpeed-form job (`{"deepspeed": …}`).
     pub fn parse(json: &str, purpose: Purpose) -> Result<Parsed, Error> {
-        let value: serde_json::Value = serde_json::from_str(json)
-            .map_err(|e| Error::spec("spec", format!("not valid JSON: {e}")))?;
-        let parsed = if value.get("deepspeed").is_some() {
-            deepspeed::translate(value)?
-        } else {
-            Parsed {
-                spec: from_value(value)?,
-                unsupported_keys: Vec::new(),
-            }
-        };
-        parsed.spec.validate(purpose)?;
-        Ok(parsed)
+        JobSpec::parse_value(read_json(json)?, purpose)
     }
 
-    /// Checks ranges and cross-field consistency, naming the offending field.
+    /// [`JobSpec::parse`] for JSON already read. A native spec's mistakes are all reported at
+    /// once; a DeepSpeed config's from the first that stops its translation.
+    pub fn parse_value(mut value: serde_json::Value, purpose: Purpose) -> Result<Parsed, Error> {
+        if value.get("deepspeed").is_some() {
+            let parsed = deepspeed::translate(value)?;
+            parsed.spec.validate(purpose)?;
+            return Ok(parsed);
+        }
+        let serde_json::Value::Object(map) = &mut value else {
+            return Err(Error::spec("spec", "must be a JSON object"));
+        };
+        // `optimizer` without `type` is AdamW (the default optimizer) with the fields given.
+        if let Some(serde_json::Value::Object(opt)) = map.get_mut("optimizer") {
+            opt.entry("type").or_insert_with(|| "adamw".into());
+        }
+        let mut problems = Problems::default();
+        let (failed, spec) = blocks::read(map, &mut problems);
+        if let Some(spec) = &spec {
+            spec.check(purpose, &|block| !failed.contains(block), &mut problems);
+        }
+        problems.finish()?;
+        Ok(Parsed {
+            spec: spec.expect("a spec read without mistakes"),
+            unsupported_keys: Vec::new(),
+        })
+    }
+
+    /// Checks ranges and cross-field consistency, naming every offending field.
     pub fn validate(&self, purpose: Purpose) -> Result<(), Error> {
-        if let Some(name) = &self.name {
-            ensure(
+        let mut problems = Problems::default();
+        self.check(purpose, &|_| true, &mut problems);
+        problems.finish()
+    }
+
+    /// Records the mistakes of the top-level members for which `read` holds (the others were
+    /// not read, so checks that involve them are skipped rather than run on defaults).
+    fn check(&self, purpose: Purpose, read: &dyn Fn(&str) -> bool, p: &mut Problems) {
+        if let Some(name) = self.name.as_ref().filter(|_| read("name")) {
+            p.ensure(
                 (1..=64).contains(&name.len())
                     && name
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
                 "name",
                 || format!("{name:?} must be 1-64 characters of letters, digits, '.', '_' or '-'"),
-            )?;
+            );
         }
-        let arch = self.model.validate(purpose)?;
-        self.training.validate(&arch, self.world_size)?;
-        self.precision.validate()?;
-        self.optimizer.validate()?;
-        self.data.validate(&arch)
+        let arch = if read("model") {
+            self.model.validate(purpose, p)
+        } else {
+            None
+        };
+        if read("training") {
+            let world = read("world_size").then_some(self.world_size);
+            self.training.validate(arch.as_ref(), world, p);
+        }
+        if read("precision") {
+            self.precision.validate(p);
+        }
+        if read("optimizer") {
+            self.optimizer.validate(p);
+        }
+        if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
+            p.note(self.data.validate(arch));
+        }
     }
 
     pub fn architecture(&self) -> Architecture {
         self.model.source.architecture()
     }
+}
+
+/// The JSON of a spec, or why it is not JSON.
+pub fn read_json(json: &str) -> Result<serde_json::Value, Error> {
+    serde_json::from_str(json).map_err(|e| Error::spec("spec", format!("not valid JSON: {e}")))
 }
 
 /// Deserializes `value` as `T`, reporting the path of the first offending field.

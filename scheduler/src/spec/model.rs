@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::Purpose;
-use crate::error::{Error, ensure};
+use crate::error::{Error, Problems};
 use crate::model::{GptShape, Preset};
 
 /// The largest bare parameter count accepted (1e15, a petaparameter; exact in f64).
@@ -59,31 +59,34 @@ impl ModelSource {
 }
 
 impl ModelSpec {
-    pub(super) fn validate(&self, purpose: Purpose) -> Result<Architecture, Error> {
+    /// The architecture, unless the model is in error (then its mistakes are recorded).
+    pub(super) fn validate(&self, purpose: Purpose, p: &mut Problems) -> Option<Architecture> {
+        let before = p.count();
         let arch = self.source.architecture();
         match (arch, purpose) {
             (Architecture::Params(_), Purpose::Train) => {
-                return Err(Error::spec(
+                p.note::<()>(Err(Error::spec(
                     "model.params",
                     "a bare parameter count can be estimated but not trained; give a preset or a shape",
-                ));
+                )));
             }
             (Architecture::Params(_), Purpose::Estimate) => {}
-            (Architecture::Gpt(s), _) => validate_shape(&s)?,
+            (Architecture::Gpt(s), _) => validate_shape(&s, p),
         }
         if let Some(path) = &self.init_from {
-            ensure(!path.trim().is_empty(), "model.init_from", || {
+            p.ensure(!path.trim().is_empty(), "model.init_from", || {
                 "must be a path to a .safetensors file".into()
-            })?;
-            ensure(arch.gpt().is_some(), "model.init_from", || {
+            });
+            p.ensure(arch.gpt().is_some(), "model.init_from", || {
                 "needs a preset or a shape, not a bare parameter count".into()
-            })?;
+            });
         }
-        Ok(arch)
+        (p.count() == before).then_some(arch)
     }
 }
 
-fn validate_shape(s: &GptShape) -> Result<(), Error> {
+fn validate_shape(s: &GptShape, p: &mut Problems) {
+    let before = p.count();
     // Caps keep a layout (one unit per layer) and every byte count small enough to compute.
     for (field, v, max) in [
         ("vocab_size", s.vocab_size, 1 << 20),
@@ -92,23 +95,26 @@ fn validate_shape(s: &GptShape) -> Result<(), Error> {
         ("n_head", s.n_head, 4096),
         ("n_embd", s.n_embd, 1 << 20),
     ] {
-        ensure(v > 0, &format!("model.{field}"), || {
-            "must be positive".into()
-        })?;
-        ensure(v <= max, &format!("model.{field}"), || {
-            format!("{v} is larger than zerotrain supports ({max})")
-        })?;
+        let field = format!("model.{field}");
+        if p.ensure(v > 0, &field, || "must be positive".into()) {
+            p.ensure(v <= max, &field, || {
+                format!("{v} is larger than zerotrain supports ({max})")
+            });
+        }
     }
-    ensure(s.n_embd.is_multiple_of(s.n_head), "model.n_embd", || {
+    if p.count() > before {
+        return;
+    }
+    p.ensure(s.n_embd.is_multiple_of(s.n_head), "model.n_embd", || {
         format!("{} is not divisible by model.n_head {}", s.n_embd, s.n_head)
-    })?;
+    });
     // Closed form of `GptShape::parameter_count` (which lays out every block), checked first so
     // that no later sum of bytes can overflow: (V + T)·C + L·(12C² + 13C) + 2C.
     let [v, t, l, c] = [s.vocab_size, s.context_length, s.n_layer, s.n_embd].map(|x| x as f64);
     let params = (v + t) * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
-    ensure(params <= MAX_PARAMS, "model", || {
+    p.ensure(params <= MAX_PARAMS, "model", || {
         format!("this shape has {params:.3e} parameters, which exceeds 1e15")
-    })
+    });
 }
 
 /// The wire form: exactly one of `preset`, the five shape fields, or `params`.

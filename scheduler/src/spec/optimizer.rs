@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, ensure};
+use crate::error::Problems;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
@@ -156,70 +156,72 @@ impl Optimizer {
         }
     }
 
-    pub(super) fn validate(&self) -> Result<(), Error> {
+    pub(super) fn validate(&self, p: &mut Problems) {
         let wd = self.weight_decay();
-        ensure(
+        p.ensure(
             wd.is_finite() && wd >= 0.0,
             "optimizer.weight_decay",
             || format!("{wd} must be a finite number ≥ 0"),
-        )?;
-        let betas = |b: [f64; 2]| {
+        );
+        let betas = |b: [f64; 2], p: &mut Problems| {
             for (i, v) in b.into_iter().enumerate() {
-                ensure(
+                p.ensure(
                     (0.0..1.0).contains(&v),
                     &format!("optimizer.betas[{i}]"),
                     || format!("{v} must be in [0, 1)"),
-                )?;
+                );
             }
-            Ok(())
         };
-        let eps = |e: f64| {
-            ensure(e.is_finite() && e > 0.0, "optimizer.eps", || {
+        let eps = |e: f64, p: &mut Problems| {
+            p.ensure(e.is_finite() && e > 0.0, "optimizer.eps", || {
                 format!("{e} must be positive")
-            })
+            });
         };
         match *self {
-            Optimizer::Sgd(_) => Ok(()),
+            Optimizer::Sgd(_) => {}
             Optimizer::Momentum(m) => {
-                ensure(
+                if p.ensure(
                     (0.0..1.0).contains(&m.momentum),
                     "optimizer.momentum",
                     || format!("{} must be in [0, 1)", m.momentum),
-                )?;
-                ensure(
-                    !m.nesterov || m.momentum > 0.0,
-                    "optimizer.nesterov",
-                    || "nesterov needs a positive momentum".into(),
-                )
+                ) {
+                    p.ensure(
+                        !m.nesterov || m.momentum > 0.0,
+                        "optimizer.nesterov",
+                        || "nesterov needs a positive momentum".into(),
+                    );
+                }
             }
-            Optimizer::Adamw(a) => betas(a.betas).and_then(|_| eps(a.eps)),
-            Optimizer::Lion(l) => betas(l.betas),
+            Optimizer::Adamw(a) => {
+                betas(a.betas, p);
+                eps(a.eps, p);
+            }
+            Optimizer::Lion(l) => betas(l.betas, p),
             Optimizer::Adafactor(a) => {
-                eps(a.eps)?;
-                ensure(a.clip_threshold > 0.0, "optimizer.clip_threshold", || {
+                eps(a.eps, p);
+                p.ensure(a.clip_threshold > 0.0, "optimizer.clip_threshold", || {
                     format!("{} must be positive", a.clip_threshold)
-                })?;
-                ensure(
+                });
+                p.ensure(
                     (-1.0..0.0).contains(&a.decay_rate),
                     "optimizer.decay_rate",
                     || format!("{} must be in [-1, 0)", a.decay_rate),
-                )?;
-                match a.beta1 {
-                    Some(b) => ensure((0.0..1.0).contains(&b), "optimizer.beta1", || {
+                );
+                if let Some(b) = a.beta1 {
+                    p.ensure((0.0..1.0).contains(&b), "optimizer.beta1", || {
                         format!("{b} must be in [0, 1)")
-                    }),
-                    None => Ok(()),
+                    });
                 }
             }
             Optimizer::Adam8bit(a) => {
-                betas(a.betas)?;
-                eps(a.eps)?;
+                betas(a.betas, p);
+                eps(a.eps, p);
                 let b = a.block_size;
-                ensure(
+                p.ensure(
                     b.is_power_of_two() && (64..=1 << 16).contains(&b),
                     "optimizer.block_size",
                     || format!("{b} must be a power of two between 64 and 65536"),
-                )
+                );
             }
         }
     }

@@ -3,7 +3,7 @@
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::error::{Error, ensure};
+use crate::error::Problems;
 
 /// Compute dtype. fp16 and bf16 keep fp32 master weights in the optimizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -50,20 +50,20 @@ impl Precision {
         })
     }
 
-    pub(super) fn validate(&self) -> Result<(), Error> {
+    pub(super) fn validate(&self, p: &mut Problems) {
         let Some(scale) = self.loss_scale else {
-            return Ok(());
+            return;
         };
-        ensure(self.dtype == Dtype::Fp16, "precision.loss_scale", || {
+        p.ensure(self.dtype == Dtype::Fp16, "precision.loss_scale", || {
             format!("only fp16 takes a loss scale, not {:?}", self.dtype).to_lowercase()
-        })?;
+        });
         match scale {
             LossScale::Static(s) => {
-                ensure(s.is_finite() && s > 0.0, "precision.loss_scale", || {
+                p.ensure(s.is_finite() && s > 0.0, "precision.loss_scale", || {
                     format!("static scale {s} must be a positive number")
-                })
+                });
             }
-            LossScale::Dynamic(d) => d.validate(),
+            LossScale::Dynamic(d) => d.validate(p),
         }
     }
 }
@@ -150,33 +150,35 @@ impl DynamicLossScale {
         }
     }
 
-    fn validate(&self) -> Result<(), Error> {
+    fn validate(&self, p: &mut Problems) {
         let f = |name: &str| format!("precision.loss_scale.{name}");
-        ensure(self.init.is_finite() && self.init > 0.0, &f("init"), || {
+        let init_ok = p.ensure(self.init.is_finite() && self.init > 0.0, &f("init"), || {
             format!("{} must be a positive number", self.init)
-        })?;
-        ensure(
+        });
+        p.ensure(
             self.growth_factor > 1.0 && self.growth_factor.is_finite(),
             &f("growth_factor"),
             || format!("{} must be greater than 1", self.growth_factor),
-        )?;
-        ensure(
+        );
+        p.ensure(
             self.backoff_factor > 0.0 && self.backoff_factor < 1.0,
             &f("backoff_factor"),
             || format!("{} must be between 0 and 1", self.backoff_factor),
-        )?;
-        ensure(self.growth_interval > 0, &f("growth_interval"), || {
+        );
+        p.ensure(self.growth_interval > 0, &f("growth_interval"), || {
             "must be positive".into()
-        })?;
-        ensure(self.hysteresis > 0, &f("hysteresis"), || {
+        });
+        p.ensure(self.hysteresis > 0, &f("hysteresis"), || {
             "must be positive".into()
-        })?;
-        ensure(self.min > 0.0 && self.min <= self.init, &f("min"), || {
-            format!(
-                "{} must be positive and at most init {}",
-                self.min, self.init
-            )
-        })
+        });
+        if init_ok {
+            p.ensure(self.min > 0.0 && self.min <= self.init, &f("min"), || {
+                format!(
+                    "{} must be positive and at most init {}",
+                    self.min, self.init
+                )
+            });
+        }
     }
 }
 

@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 use serde::{Deserialize, Serialize};
 
 use super::{Architecture, Auto};
-use crate::error::{Error, ensure};
+use crate::error::Problems;
 
 /// The micro-batch `"auto"` starts from when no `batch_size` is given.
 pub const DEFAULT_MICRO_BATCH: u32 = 4;
@@ -101,35 +101,83 @@ impl Training {
         self.decay_steps.unwrap_or(self.steps).get()
     }
 
-    pub(super) fn validate(&self, arch: &Architecture, world: NonZeroU32) -> Result<(), Error> {
-        if let Architecture::Gpt(s) = arch {
+    /// Records the mistakes of these fields; checks against the model and the world size run
+    /// only when those were read without mistakes (`Some`).
+    pub(super) fn validate(
+        &self,
+        arch: Option<&Architecture>,
+        world: Option<NonZeroU32>,
+        p: &mut Problems,
+    ) {
+        if let Some(Architecture::Gpt(s)) = arch {
             let t = self.seq_len.get() as usize;
-            ensure(t <= s.context_length, "training.seq_len", || {
+            p.ensure(t <= s.context_length, "training.seq_len", || {
                 format!("{t} exceeds model.context_length {}", s.context_length)
-            })?;
+            });
         }
-        // In u64: micro × accumulation × world can exceed u32 (and must then be refused).
+        if let Some(world) = world {
+            self.validate_batch(world, p);
+        }
+        let mut finite = Vec::new();
+        for (field, v) in [
+            ("training.lr", self.lr),
+            ("training.min_lr", self.min_lr),
+            ("training.warmup_start_lr", self.warmup_start_lr),
+            ("training.grad_clip", self.grad_clip),
+        ] {
+            if p.ensure(v.is_finite() && v >= 0.0, field, || {
+                format!("{v} must be a finite number ≥ 0")
+            }) {
+                finite.push(field);
+            }
+        }
+        let lr_ok = finite.contains(&"training.lr")
+            && p.ensure(self.lr > 0.0, "training.lr", || "must be positive".into());
+        for (field, v) in [
+            ("training.min_lr", self.min_lr),
+            ("training.warmup_start_lr", self.warmup_start_lr),
+        ] {
+            if lr_ok && finite.contains(&field) {
+                p.ensure(v <= self.lr, field, || {
+                    format!("{v} exceeds training.lr {}", self.lr)
+                });
+            }
+        }
+        if self.lr_schedule != LrSchedule::Constant {
+            let horizon = self.decay_horizon();
+            p.ensure(self.warmup_steps < horizon, "training.warmup_steps", || {
+                format!(
+                    "{} must be less than the decay horizon {horizon} (training.decay_steps, else training.steps)",
+                    self.warmup_steps
+                )
+            });
+        }
+    }
+
+    /// The batch geometry against `world` ranks. In u64: micro × accumulation × world can
+    /// exceed u32 (and must then be refused).
+    fn validate_batch(&self, world: NonZeroU32, p: &mut Problems) {
         let accum = u64::from(self.grad_accum_steps.get());
         let w = u64::from(world.get());
         match (self.batch_size, self.micro_batch_size) {
             (Some(b), micro) => {
                 let b = u64::from(b.get());
-                ensure(b % w == 0, "training.batch_size", || {
+                let divisible = p.ensure(b % w == 0, "training.batch_size", || {
                     format!("{b} is not divisible by world_size {world}")
-                })?;
-                if let Auto::Fixed(m) = micro {
+                });
+                if let (true, Auto::Fixed(m)) = (divisible, micro) {
                     let implied = u64::from(m.get()) * accum * w;
-                    ensure(b == implied, "training.batch_size", || {
+                    p.ensure(b == implied, "training.batch_size", || {
                         format!(
                             "{b} disagrees with micro_batch_size {m} × grad_accum_steps {accum} × world_size {world} = {implied}"
                         )
-                    })?;
+                    });
                 }
             }
             (None, micro) => {
                 let m = u64::from(micro.fixed().map_or(DEFAULT_MICRO_BATCH, NonZeroU32::get));
                 let implied = m * accum * w;
-                ensure(
+                p.ensure(
                     implied <= u64::from(u32::MAX),
                     "training.grad_accum_steps",
                     || {
@@ -138,37 +186,8 @@ impl Training {
                             u32::MAX
                         )
                     },
-                )?;
+                );
             }
         }
-        for (field, v) in [
-            ("training.lr", self.lr),
-            ("training.min_lr", self.min_lr),
-            ("training.warmup_start_lr", self.warmup_start_lr),
-            ("training.grad_clip", self.grad_clip),
-        ] {
-            ensure(v.is_finite() && v >= 0.0, field, || {
-                format!("{v} must be a finite number ≥ 0")
-            })?;
-        }
-        ensure(self.lr > 0.0, "training.lr", || "must be positive".into())?;
-        for (field, v) in [
-            ("training.min_lr", self.min_lr),
-            ("training.warmup_start_lr", self.warmup_start_lr),
-        ] {
-            ensure(v <= self.lr, field, || {
-                format!("{v} exceeds training.lr {}", self.lr)
-            })?;
-        }
-        if self.lr_schedule != LrSchedule::Constant {
-            let horizon = self.decay_horizon();
-            ensure(self.warmup_steps < horizon, "training.warmup_steps", || {
-                format!(
-                    "{} must be less than the decay horizon {horizon} (training.decay_steps, else training.steps)",
-                    self.warmup_steps
-                )
-            })?;
-        }
-        Ok(())
     }
 }

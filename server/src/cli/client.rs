@@ -6,6 +6,7 @@
 use anyhow::{Context, anyhow, bail};
 use futures::{Stream, StreamExt};
 use reqwest::{Method, RequestBuilder, Response};
+use scheduler::FieldError;
 use serde::de::DeserializeOwned;
 
 use crate::settings::default_data_dir;
@@ -79,6 +80,15 @@ impl Client {
         let status = resp.status();
         let body = resp.text().await.unwrap_or_default();
         Err(match serde_json::from_str::<serde_json::Value>(&body) {
+            // A spec's mistakes, which the CLI prints one per line.
+            Ok(p) if p["errors"].is_array() => {
+                match serde_json::from_value::<Vec<FieldError>>(p["errors"].clone()) {
+                    Ok(errors) if !errors.is_empty() => {
+                        anyhow::Error::new(scheduler::Error::InvalidSpec(errors))
+                    }
+                    _ => anyhow!("{status}: {body}"),
+                }
+            }
             Ok(p) if p.get("detail").is_some() => {
                 let title = p["title"].as_str().unwrap_or("error");
                 let detail = p["detail"].as_str().unwrap_or_default();

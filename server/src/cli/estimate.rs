@@ -1,4 +1,4 @@
-//! `zerotrain estimate SPEC.json [--devices N] [--device-memory 80GiB] [--json]`
+//! `zerotrain estimate SPEC.json [--devices N] [--device-memory 80GiB] [--compare] [--json]`
 
 use std::fmt::Write as _;
 use std::num::NonZeroU32;
@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use scheduler::bytes::{human, parse_size};
+use scheduler::compare::{ACCELERATE_VERSION, Comparison, DEEPSPEED_VERSION};
 use scheduler::inventory::Inventory;
 use scheduler::memory::{Category, DeviceKind};
 use scheduler::report::{PlanOutcome, Report};
@@ -24,6 +25,10 @@ pub struct Args {
     /// Kind of device: `cuda` reserves its runtime overhead, `cpu` none.
     #[arg(long, value_enum, default_value_t = Kind::Cuda)]
     device_kind: Kind,
+    /// Add what DeepSpeed's and accelerate's estimators give for the same model and world size,
+    /// and why each differs.
+    #[arg(long)]
+    compare: bool,
     /// Print the report as JSON (integers are bytes).
     #[arg(long)]
     json: bool,
@@ -49,7 +54,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let devices = parsed.spec.world_size.get() as usize;
     let inventory = Inventory::uniform(devices, args.device_memory, kind);
-    let report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
+    let mut report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
+    if args.compare {
+        report = report.with_comparison(&parsed.spec);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -121,6 +129,9 @@ fn table(r: &Report, device_memory: u64) -> String {
             let _ = writeln!(out, "plan: does not fit: {reason}");
         }
     }
+    if let Some(c) = &r.compare {
+        comparison(&mut out, c);
+    }
     if !r.unsupported_keys.is_empty() {
         let _ = writeln!(
             out,
@@ -129,6 +140,38 @@ fn table(r: &Report, device_memory: u64) -> String {
         );
     }
     out
+}
+
+/// The three estimators side by side, per rank, and why they differ.
+fn comparison(out: &mut String, c: &Comparison) {
+    let _ = writeln!(
+        out,
+        "\ncompared with other estimators (per rank, N = {}):",
+        c.world_size
+    );
+    let deepspeed = format!("DeepSpeed {DEEPSPEED_VERSION}");
+    let accelerate = format!("accelerate {ACCELERATE_VERSION}");
+    let _ = writeln!(
+        out,
+        "{:<6}{:>12}{:>14}{:>18}{:>18}",
+        "stage", "zerotrain", "model states", deepspeed, accelerate
+    );
+    let cell = |b: Option<u64>| b.map_or("-".to_string(), human);
+    for s in &c.stages {
+        let _ = writeln!(
+            out,
+            "{:<6}{:>12}{:>14}{:>18}{:>18}",
+            s.stage,
+            human(s.zerotrain_bytes),
+            human(s.zerotrain_model_states_bytes),
+            cell(s.deepspeed_bytes),
+            cell(s.accelerate_bytes),
+        );
+    }
+    let _ = writeln!(out, "why they differ:");
+    for reason in &c.reasons {
+        let _ = writeln!(out, "  - {reason}");
+    }
 }
 
 /// 124439808 → "124,439,808".

@@ -69,7 +69,15 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            match e.downcast_ref::<scheduler::Error>() {
+                // One line per mistake of a spec.
+                Some(scheduler::Error::InvalidSpec(errors)) => {
+                    for m in errors {
+                        eprintln!("error: {m}");
+                    }
+                }
+                _ => eprintln!("error: {e:#}"),
+            }
             ExitCode::FAILURE
         }
     }

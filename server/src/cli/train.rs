@@ -104,5 +104,13 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             println!("  {:<12}{:>12} / {}", c.name(), human(m), human(p));
         }
     }
+    let p = &summary.process;
+    println!(
+        "process peak resident set {} / predicted {} (the ranks and {} of process overhead for {} threads)",
+        p.peak_rss_bytes.map_or("unknown".into(), human),
+        human(p.predicted_bytes),
+        human(p.overhead_bytes),
+        p.threads
+    );
     Ok(())
 }

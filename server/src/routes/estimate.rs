@@ -8,7 +8,7 @@ use axum::extract::rejection::BytesRejection;
 use scheduler::memory::DeviceKind;
 use scheduler::plan;
 use scheduler::report::Report;
-use scheduler::spec::{JobSpec, Purpose};
+use scheduler::spec::{self, JobSpec, Purpose};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -43,8 +43,10 @@ pub struct NodeFit {
 
 /// Estimate a job's memory and plan it on the registered devices.
 ///
-/// Takes what `POST /v1/jobs` takes; a bare parameter count (`model.parameters`) is allowed.
-/// The stage table includes the overhead of the largest registered device's kind.
+/// Takes what `POST /v1/jobs` takes; a bare parameter count (`model.params`) is allowed.
+/// The stage table includes the overhead of the largest registered device's kind. With
+/// `"compare": true` beside the spec's fields, the answer adds `compare`: DeepSpeed's and
+/// accelerate's estimates for the same model and world size, and why each differs.
 #[utoipa::path(
     post,
     path = "/v1/estimate", operation_id = "estimate",
@@ -61,11 +63,20 @@ pub async fn estimate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Estimate>, ApiError> {
     let body = body?;
-    let text = std::str::from_utf8(&body).map_err(|e| ApiError::InvalidSpec {
-        field: "spec".into(),
-        reason: format!("not UTF-8: {e}"),
-    })?;
-    let parsed = JobSpec::parse(text, Purpose::Estimate)?;
+    let text = std::str::from_utf8(&body)
+        .map_err(|e| ApiError::spec("spec", format!("not UTF-8: {e}")))?;
+    let mut value = spec::read_json(text)?;
+    let compare = match value.as_object_mut().and_then(|m| m.remove("compare")) {
+        None => false,
+        Some(serde_json::Value::Bool(b)) => b,
+        Some(other) => {
+            return Err(ApiError::spec(
+                "compare",
+                format!("must be true or false, not {other}"),
+            ));
+        }
+    };
+    let parsed = JobSpec::parse_value(value, Purpose::Estimate)?;
     let records = state.store.nodes().await?;
     let inventory = planning_inventory(&records, &state.settings);
     let kind = inventory
@@ -77,7 +88,10 @@ pub async fn estimate(
         .filter(|n| !n.lost)
         .map(|n| node_fit(&parsed.spec, n, &state.settings))
         .collect::<Result<Vec<_>, _>>()?;
-    let report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
+    let mut report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
+    if compare {
+        report = report.with_comparison(&parsed.spec);
+    }
     let report = serde_json::to_value(&report).map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok(Json(Estimate { report, nodes }))
 }

@@ -85,9 +85,10 @@ pub(super) async fn set_rank_memory(
     let result: Result<(), StoreError> = on!(c, c => {
         sqlx::query(
             "INSERT INTO rank_memory (job_id, rank, measured, predicted, comm_bytes_sent, \
-             updated_at) VALUES ($1, $2, $3, $4, $5, $6) \
+             process_peak_rss_bytes, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7) \
              ON CONFLICT (job_id, rank) DO UPDATE SET measured = excluded.measured, \
              predicted = excluded.predicted, comm_bytes_sent = excluded.comm_bytes_sent, \
+             process_peak_rss_bytes = excluded.process_peak_rss_bytes, \
              updated_at = excluded.updated_at",
         )
         .bind(job_id)
@@ -95,6 +96,7 @@ pub(super) async fn set_rank_memory(
         .bind(to_json(&m.measured))
         .bind(to_json(&m.predicted))
         .bind(to_json(&m.comm_bytes_sent))
+        .bind(m.process_peak_rss_bytes.map(|b| i64::try_from(b).unwrap_or(i64::MAX)))
         .bind(now)
         .execute(&mut **c)
         .await
@@ -109,21 +111,22 @@ pub(super) async fn rank_memory(
     job_id: &str,
 ) -> Result<Vec<RankMemoryRecord>, StoreError> {
     let rows = on!(c, c => {
-        sqlx::query_as::<_, (i64, String, String, String)>(
-            "SELECT rank, measured, predicted, comm_bytes_sent FROM rank_memory \
-             WHERE job_id = $1 ORDER BY rank",
+        sqlx::query_as::<_, (i64, String, String, String, Option<i64>)>(
+            "SELECT rank, measured, predicted, comm_bytes_sent, process_peak_rss_bytes \
+             FROM rank_memory WHERE job_id = $1 ORDER BY rank",
         )
         .bind(job_id)
         .fetch_all(&mut **c)
         .await?
     });
     rows.into_iter()
-        .map(|(rank, measured, predicted, comm)| {
+        .map(|(rank, measured, predicted, comm, rss)| {
             Ok(RankMemoryRecord {
                 rank: to_u32(rank, "rank")?,
                 measured: json(&measured, "measured memory")?,
                 predicted: json(&predicted, "predicted memory")?,
                 comm_bytes_sent: json(&comm, "communication bytes")?,
+                process_peak_rss_bytes: rss.and_then(|b| u64::try_from(b).ok()),
             })
         })
         .collect()

@@ -75,6 +75,7 @@ pub(super) async fn apply(
                 measured,
                 predicted,
                 comm_bytes_sent,
+                process_peak_rss_bytes,
                 ..
             } => {
                 let rank = u32::try_from(rank).unwrap_or(u32::MAX);
@@ -92,6 +93,7 @@ pub(super) async fn apply(
                     measured,
                     predicted,
                     comm_bytes_sent,
+                    process_peak_rss_bytes,
                 };
                 app.store.set_rank_memory(&job.id, &record).await?;
             }

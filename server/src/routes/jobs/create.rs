@@ -94,16 +94,11 @@ pub async fn create(
         ),
         None => None,
     };
-    let text = std::str::from_utf8(&body).map_err(|e| ApiError::InvalidSpec {
-        field: "spec".into(),
-        reason: format!("not UTF-8: {e}"),
-    })?;
+    let text = std::str::from_utf8(&body)
+        .map_err(|e| ApiError::spec("spec", format!("not UTF-8: {e}")))?;
     let parsed = JobSpec::parse(text, Purpose::Train)?;
     if let Some(field) = state.data_roots.refused_input(&parsed.spec) {
-        return Err(ApiError::InvalidSpec {
-            field: field.into(),
-            reason: "outside the data roots".into(),
-        });
+        return Err(ApiError::spec(field, "outside the data roots".to_string()));
     }
     within_limits(&parsed.spec, &state.settings.limits)?;
     let nodes = state.store.nodes().await?;
@@ -152,23 +147,23 @@ pub async fn create(
 fn within_limits(spec: &JobSpec, limits: &Limits) -> Result<(), ApiError> {
     let steps = spec.training.steps.get();
     if steps > limits.max_steps {
-        return Err(ApiError::InvalidSpec {
-            field: "training.steps".into(),
-            reason: format!(
+        return Err(ApiError::spec(
+            "training.steps",
+            format!(
                 "{steps} is more than this server's maximum of {}",
                 limits.max_steps
             ),
-        });
+        ));
     }
     let ranks = spec.world_size.get();
     if ranks > limits.running_ranks_per_owner {
-        return Err(ApiError::InvalidSpec {
-            field: "world_size".into(),
-            reason: format!(
+        return Err(ApiError::spec(
+            "world_size",
+            format!(
                 "{ranks} ranks are more than the {} one owner may run at once",
                 limits.running_ranks_per_owner
             ),
-        });
+        ));
     }
     Ok(())
 }

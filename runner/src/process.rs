@@ -1,0 +1,80 @@
+//! The trainer's process as the operating system sees it: its peak resident set, to set beside
+//! the memory model's prediction for every rank it runs plus the process overhead, and the
+//! allocator setting that lets the resident set follow what the accountant frees.
+
+/// Large buffers come from `mmap` and go back to the system when freed. glibc otherwise raises
+/// its mmap threshold after the first large free (up to 32 MiB), after which freed buffers stay
+/// resident in the heap and the process's peak grows past what was ever live at once.
+pub fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tunables; 128 KiB is glibc's initial threshold,
+    // here fixed so it no longer moves.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+    }
+}
+
+/// The most bytes this process has had resident at once (`VmHWM`), if the system says.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok();
+    status
+        .as_deref()
+        .and_then(vm_hwm_bytes)
+        .or_else(max_rss_bytes)
+}
+
+/// `VmHWM:   2193408 kB` → bytes.
+fn vm_hwm_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// `getrusage`'s `ru_maxrss`: KiB on Linux and the BSDs, bytes on macOS.
+fn max_rss_bytes() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        // SAFETY: getrusage writes one rusage into the zeroed struct it is given.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+            return None;
+        }
+        let max = u64::try_from(usage.ru_maxrss).ok()?;
+        Some(if cfg!(target_os = "macos") {
+            max
+        } else {
+            max * 1024
+        })
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_high_water_mark_in_bytes() {
+        let status =
+            "Name:\tzerotrain\nVmPeak:\t 3000000 kB\nVmHWM:\t 2193408 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(vm_hwm_bytes(status), Some(2_193_408 * 1024));
+        assert_eq!(vm_hwm_bytes("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn the_peak_covers_memory_this_process_touched() {
+        let before = peak_rss_bytes().expect("a peak on this system");
+        let mut block = vec![0u8; 64 << 20];
+        block.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let after = peak_rss_bytes().unwrap();
+        assert!(std::hint::black_box(&block)[4096] == 1);
+        assert!(after >= before.max(64 << 20), "{before} → {after}");
+    }
+}

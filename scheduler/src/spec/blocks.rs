@@ -1,0 +1,93 @@
+//! Reading a native spec block by block, so that one answer names every mistake: serde stops
+//! at the first error of a document, so each top-level member is read on its own (beside a
+//! stand-in model, the one required member), and within it, after each mistake, the offending
+//! member is dropped and the rest read again.
+
+use std::collections::BTreeSet;
+
+use serde_json::{Map, Value, json};
+
+use super::{JobSpec, from_value};
+use crate::error::{Error, FieldError, Problems};
+
+/// The top-level members of `spec` that are in error, after recording every mistake found in
+/// them, and the spec read from the rest (failed members left to their defaults, a failed
+/// `model` replaced by a stand-in): `None` when not even that reads.
+pub(super) fn read(
+    spec: &Map<String, Value>,
+    p: &mut Problems,
+) -> (BTreeSet<String>, Option<JobSpec>) {
+    let mut failed = BTreeSet::new();
+    if !spec.contains_key("model") {
+        p.note::<()>(Err(Error::spec("model", "missing field `model`")));
+        failed.insert("model".to_string());
+    }
+    for (key, value) in spec {
+        let mut alone = Map::new();
+        if key != "model" {
+            alone.insert("model".into(), stand_in_model());
+        }
+        alone.insert(key.clone(), value.clone());
+        let errors = mistakes(Value::Object(alone));
+        if !errors.is_empty() {
+            failed.insert(key.clone());
+            p.note::<()>(Err(Error::InvalidSpec(errors)));
+        }
+    }
+    let mut rest = spec.clone();
+    rest.retain(|k, _| !failed.contains(k));
+    if failed.contains("model") {
+        rest.insert("model".into(), stand_in_model());
+    }
+    (failed, p.note(from_value(Value::Object(rest))))
+}
+
+/// A model every block can be read beside; never validated in place of a user's.
+fn stand_in_model() -> Value {
+    json!({"preset": "gpt2-tiny"})
+}
+
+/// Every mistake in `doc`, reading it again without each offending member until it reads. A
+/// mistake at the member just dropped or at a block holding it ends the search: it may be the
+/// drop's consequence (a required member missing, a shape left incomplete), not the user's.
+fn mistakes(mut doc: Value) -> Vec<FieldError> {
+    let mut found: Vec<FieldError> = Vec::new();
+    loop {
+        let Err(Error::InvalidSpec(mut errors)) = from_value::<JobSpec>(doc.clone()) else {
+            return found;
+        };
+        let e = errors.remove(0);
+        if let Some(last) = found.last() {
+            let dropped = member_path(&last.field);
+            if dropped == e.field || dropped.starts_with(&format!("{}.", e.field)) {
+                return found;
+            }
+        }
+        let removed = remove(&mut doc, &member_path(&e.field));
+        found.push(e);
+        if !removed {
+            return found;
+        }
+    }
+}
+
+/// The object member a field path lies in: `optimizer.betas[1]` → `optimizer.betas`.
+fn member_path(field: &str) -> String {
+    field.split('[').next().unwrap_or(field).to_string()
+}
+
+/// Removes the member at the dotted `path`; false if there is none.
+fn remove(doc: &mut Value, path: &str) -> bool {
+    let mut keys: Vec<&str> = path.split('.').collect();
+    let Some(last) = keys.pop() else {
+        return false;
+    };
+    let mut at = doc;
+    for k in keys {
+        match at.get_mut(k) {
+            Some(v) => at = v,
+            None => return false,
+        }
+    }
+    at.as_object_mut().and_then(|m| m.remove(last)).is_some()
+}
