@@ -291,19 +291,22 @@ fn a_root_holding_the_data_dir_or_the_database_is_refused() {
         other => panic!("{roots:?}: {other:?}"),
     };
     assert!(refused(&[base.path().into()], &[]).contains("holds the service's tokens"));
-    assert!(refused(&[data_dir.clone()], &[]).contains("holds the service's tokens"));
+    assert!(refused(std::slice::from_ref(&data_dir), &[]).contains("holds the service's tokens"));
     // Through a symlink to it, too.
     let link = base.path().join("link");
     symlink(&data_dir, &link).unwrap();
     refused(&[link], &[]);
     let db_dir = base.path().join("db");
     std::fs::create_dir_all(&db_dir).unwrap();
-    refused(&[db_dir.clone()], &[db_dir.join("zerotrain.db")]);
+    refused(
+        std::slice::from_ref(&db_dir),
+        &[db_dir.join("zerotrain.db")],
+    );
     refused(&[base.path().join("missing")], &[]);
     // A root inside the data dir (the default) or beside it is fine.
     let beside = base.path().join("corpora");
     std::fs::create_dir_all(&beside).unwrap();
-    let roots = DataRoots::for_data_dir(&[beside.clone()], &data_dir, &[]).unwrap();
+    let roots = DataRoots::for_data_dir(std::slice::from_ref(&beside), &data_dir, &[]).unwrap();
     assert_eq!(roots.dirs(), [beside.canonicalize().unwrap().as_path()]);
     DataRoots::for_data_dir(&[], &data_dir, &[]).unwrap();
     assert!(data_dir.join("datasets").is_dir(), "the default is created");

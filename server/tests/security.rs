@@ -290,7 +290,7 @@ async fn a_job_past_its_wall_time_fails_with_that_reason_and_its_agent_is_told_t
     let within = server::scheduling::end_overdue(&app.state, now_ms() + 3_500_000).await;
     assert_eq!(within.unwrap(), Vec::<String>::new());
     let past = server::scheduling::end_overdue(&app.state, now_ms() + 3_700_000).await;
-    assert_eq!(past.unwrap(), [id.clone()]);
+    assert_eq!(past.unwrap(), std::slice::from_ref(&id));
     let job = app.job(&id).await;
     assert_eq!(job["state"], "failed");
     assert_eq!(job["reason"], "exceeded max_wall_time of 1h");

@@ -90,7 +90,7 @@ impl<X: Float + Wire> Engine<X> {
             .iter()
             .map(|t| placement(&t.name, &units, &layout).map_err(&fail))
             .collect::<Result<Vec<_>, _>>()?;
-        for old_rank in 0..old_world {
+        for (old_rank, old_layout) in old_layouts.iter().enumerate() {
             checkpoint::read_rank(dir, old_rank, |file| {
                 for (t, target) in tensors.iter_mut().zip(&targets) {
                     let view = file
@@ -101,7 +101,7 @@ impl<X: Float + Wire> Engine<X> {
                         None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
                         None => {}
                         Some((_, new)) => {
-                            let (_, old) = placement(&t.name, &old_units, &old_layouts[old_rank])?
+                            let (_, old) = placement(&t.name, &old_units, old_layout)?
                                 .expect("placed in both layouts");
                             let (start, end) = (new.start.max(old.start), new.end.min(old.end));
                             if start < end {
