@@ -2,7 +2,13 @@
 //! launched through cudarc. cudarc loads the driver and NVRTC at run time, so this compiles
 //! on machines without CUDA; there a missing library is an [`Error`], never a panic.
 
+mod device;
+pub mod layers;
+pub mod norm;
+pub mod optim;
 mod program;
+
+pub use device::{Device, DeviceFloat};
 
 pub use program::{Image, PROGRAMS, Program, Target, compile, nvrtc_present};
 
@@ -24,6 +30,8 @@ pub enum Error {
         status: cudarc::nvrtc::result::NvrtcError,
         log: String,
     },
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
     #[error("NVRTC: {0:?}")]
     Nvrtc(cudarc::nvrtc::result::NvrtcError),
 }
