@@ -1,7 +1,8 @@
 //! Every CUDA kernel against the CPU kernel of the same name, on random inputs, per dtype.
 //! Outputs the kernels overwrite start as NaN, so an element a kernel skips fails the test.
-//! Without a CUDA driver each test prints "skipped: no CUDA driver found: …" and passes: the
-//! GPU check runs them where a GPU is.
+//! Without a CUDA driver each test prints "skipped: no CUDA driver found: …" and passes, unless
+//! `ZEROTRAIN_REQUIRE_GPU=1` (set by `scripts/gpu-check`): then it fails, so a GPU run cannot
+//! skip silently.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -13,6 +14,7 @@ use common::*;
 use cudarc::driver::CudaSlice;
 use kernels::attention::{AttentionDims, attention_backward, attention_forward};
 use kernels::cuda::{self, Device, DeviceFloat, Error, layers};
+use kernels::matmul::{self, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
 use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, residual};
 
@@ -22,6 +24,9 @@ fn device() -> Option<&'static Device> {
     match DEVICE.get_or_init(|| Device::new(0)) {
         Ok(d) => Some(d),
         Err(e @ Error::NoDriver) => {
+            if std::env::var_os("ZEROTRAIN_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                panic!("ZEROTRAIN_REQUIRE_GPU=1 but {e}");
+            }
             let _ = writeln!(std::io::stderr(), "skipped: {e}");
             None
         }
@@ -179,6 +184,146 @@ fn layernorm_matches_cpu<X: DeviceFloat>() {
         rtol::<X>(),
     );
     close("layernorm_backward dbias", &down(d, &db), &wb, rtol::<X>());
+}
+
+/// One dense layer forward and backward on cuBLASLt and on the CPU: `out` and `dinp` start as
+/// NaN (overwritten), `dweight` and `dbias` as random values (accumulated into). `Y` is the
+/// dtype of `out` and `dout` (X, or f32 for logits); `out_rtol` the tolerance of `out`.
+fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
+    d: &Device,
+    seed: u64,
+    (m, k, n): (usize, usize, usize),
+    layout: Layout,
+    with_bias: bool,
+    out_rtol: f64,
+) {
+    let what = format!("({m}, {k}, {n}) {layout:?} out {}", Y::NAME);
+    let mut rng = Rng::new(seed);
+    let inp = random::<X>(&mut rng, m * k, 1.0);
+    let w = random::<X>(&mut rng, k * n, 0.5);
+    let bias = random::<X>(&mut rng, n, 1.0);
+    let bias_y: Vec<Y> = bias.iter().map(|b| Y::from_f32(b.to_f32())).collect();
+    let mut scratch = vec![0f32; matmul::scratch_len(m, k, n)];
+
+    let mut out = up(d, &nan::<Y>(m * n));
+    let bias_dev = up(d, &bias_y);
+    let (inp_dev, w_dev) = (up(d, &inp), up(d, &w));
+    cuda::matmul::matmul_forward(
+        d,
+        &mut out,
+        &inp_dev,
+        &w_dev,
+        with_bias.then_some(&bias_dev),
+        layout,
+        (m, k, n),
+    )
+    .unwrap();
+    let mut want = vec![Y::ZERO; m * n];
+    let cpu_bias = with_bias.then_some(&bias[..]);
+    matmul::matmul_forward(
+        &mut want,
+        &inp,
+        &w,
+        cpu_bias,
+        layout,
+        (m, k, n),
+        &mut scratch,
+    );
+    close(
+        &format!("matmul_forward {what}"),
+        &down(d, &out),
+        &want,
+        out_rtol,
+    );
+
+    let dout = random::<Y>(&mut rng, m * n, 1.0);
+    let (dw0, db0) = (
+        random::<X>(&mut rng, k * n, 1.0),
+        random::<X>(&mut rng, n, 1.0),
+    );
+    let (mut dinp, mut dw, mut db) = (up(d, &nan::<X>(m * k)), up(d, &dw0), up(d, &db0));
+    cuda::matmul::matmul_backward(
+        d,
+        &mut dinp,
+        &mut dw,
+        with_bias.then_some(&mut db),
+        &up(d, &dout),
+        &inp_dev,
+        &w_dev,
+        layout,
+        (m, k, n),
+    )
+    .unwrap();
+    let (mut want_dx, mut want_dw, mut want_db) = (vec![X::ZERO; m * k], dw0, db0.clone());
+    matmul::matmul_backward(
+        &mut want_dx,
+        &mut want_dw,
+        with_bias.then_some(&mut want_db[..]),
+        &dout,
+        &inp,
+        &w,
+        layout,
+        (m, k, n),
+        &mut scratch,
+    );
+    close(
+        &format!("matmul_backward dinp {what}"),
+        &down(d, &dinp),
+        &want_dx,
+        rtol::<X>(),
+    );
+    close(
+        &format!("matmul_backward dweight {what}"),
+        &down(d, &dw),
+        &want_dw,
+        rtol::<X>(),
+    );
+    let db = down(d, &db);
+    if with_bias {
+        close(
+            &format!("matmul_backward dbias {what}"),
+            &db,
+            &want_db,
+            rtol::<X>(),
+        );
+    } else {
+        assert_eq!(to_f64(&db), to_f64(&db0), "dbias untouched without a bias");
+    }
+}
+
+/// The trainer's layer shapes scaled down, plus depths and widths that are no multiple of 8
+/// (leading dimensions cuBLASLt's fastest kernels do not take): both layouts, with and
+/// without a bias, 16-bit and f32 outputs.
+fn dense_layers_match_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    for (i, (shape, layout, bias)) in [
+        ((64, 48, 144), Layout::KN, true), // c_attn: C → 3C
+        ((64, 192, 48), Layout::KN, true), // mlp proj: 4C → C
+        ((37, 33, 101), Layout::KN, true), // odd everything
+        ((5, 7, 3), Layout::KN, false),
+        ((64, 48, 1000), Layout::NK, false), // LM head x·Wᵀ
+        ((37, 33, 101), Layout::NK, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        dense_matches_cpu::<X, X>(d, 20 + i as u64, shape, layout, bias, rtol::<X>());
+        // f32 out and dout (logits, dlogits): products of X values are exact in f32.
+        dense_matches_cpu::<X, f32>(d, 40 + i as u64, shape, layout, bias, rtol::<f32>());
+    }
+}
+
+/// The LM head's shape with a real vocabulary: f32 dlogits against 16-bit weights are cast in
+/// row blocks of the staging buffer, three of them here (the last one short).
+fn lm_head_matches_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    let (m, k, v): (usize, usize, usize) = (700, 64, 50257);
+    let rows_per_block = cuda::matmul::STAGING_BYTES / (v * size_of::<X>()) / 8 * 8;
+    assert!(
+        X::NAME == "f32" || m.div_ceil(rows_per_block) == 3,
+        "three staging blocks"
+    );
+    dense_matches_cpu::<X, f32>(d, 60, (m, k, v), Layout::NK, false, rtol::<f32>());
 }
 
 fn attention_matches_cpu<X: DeviceFloat>() {
@@ -598,6 +743,8 @@ per_dtype! {
     encoder_parity => encoder_matches_cpu;
     layernorm_parity => layernorm_matches_cpu;
     attention_parity => attention_matches_cpu;
+    dense_layer_parity => dense_layers_match_cpu;
+    lm_head_parity => lm_head_matches_cpu;
     elementwise_layer_parity => elementwise_layers_match_cpu;
     norm_parity => norms_match_cpu;
     elementwise_optimizer_parity => elementwise_optimizers_match_cpu;

@@ -9,6 +9,7 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
 };
 
+use super::matmul::Blas;
 use super::{Error, PROGRAMS, Target, compile};
 use crate::Float;
 
@@ -16,15 +17,17 @@ use crate::Float;
 pub trait DeviceFloat: Float + DeviceRepr + ValidAsZeroBits {}
 impl<X: Float + DeviceRepr + ValidAsZeroBits> DeviceFloat for X {}
 
-/// An opened GPU with every kernel program loaded.
+/// An opened GPU with every kernel program loaded and cuBLASLt ready.
 pub struct Device {
     stream: Arc<CudaStream>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
+    blas: Blas,
 }
 
 impl Device {
-    /// Open GPU `ordinal` and compile every program as a cubin for its architecture (no JIT).
-    /// A machine without the driver gets [`Error::NoDriver`]: cudarc would panic.
+    /// Open GPU `ordinal`, compile every program as a cubin for its architecture (no JIT) and
+    /// allocate cuBLASLt's buffers ([`super::matmul::resident_bytes`]). A machine without the
+    /// driver gets [`Error::NoDriver`]: cudarc would panic.
     pub fn new(ordinal: usize) -> Result<Self, Error> {
         // SAFETY: only tries to dlopen libcuda's candidate names.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -40,8 +43,10 @@ impl Device {
             let module = ctx.load_module(compile(program, target)?.into())?;
             modules.insert(program.name, module);
         }
+        let stream = ctx.default_stream();
         Ok(Self {
-            stream: ctx.default_stream(),
+            blas: Blas::new(&stream)?,
+            stream,
             modules,
         })
     }
@@ -64,6 +69,10 @@ impl Device {
     /// A zeroed device buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, Error> {
         Ok(self.stream.alloc_zeros(n)?)
+    }
+
+    pub(crate) fn blas(&self) -> &Blas {
+        &self.blas
     }
 
     /// Kernel `name` of `program`.

@@ -40,6 +40,7 @@ pub const PROGRAMS: &[Program] = &[
     program!("encoder.cu"),
     program!("gelu.cu"),
     program!("layernorm.cu"),
+    program!("matmul.cu"),
     program!("norm.cu"),
     program!("optim.cu"),
     program!("residual.cu"),
