@@ -5,6 +5,8 @@
 //! optimizer states). It is written under a temporary name, every file fsynced, then renamed
 //! into place, and only then does the `checkpoints/latest` pointer (itself replaced by an
 //! fsynced rename) move to it: a crash at any point leaves the previous checkpoint loadable.
+//! Who removes old checkpoints depends on the host: a run on its own keeps the two newest; an
+//! agent removes one only once the server has recorded (committed) a newer one.
 //!
 //! On completion the model is exported as Hugging Face GPT-2: `model.safetensors` (fp32,
 //! `transformer.`-prefixed names, LM head tied) and `config.json`.
@@ -24,8 +26,9 @@ use crate::Error;
 use crate::data::{DataRoots, Position, describe};
 use crate::loss_scale;
 
-/// Checkpoints kept on disk; older ones are removed once a newer one is in place.
-const KEEP: usize = 2;
+/// Checkpoints a run on its own keeps on disk; older ones are removed once a newer one is in
+/// place.
+pub const KEEP: usize = 2;
 
 /// Everything besides the ranks' buffers that a resumed run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,6 +100,11 @@ fn step_name(step: u32) -> String {
     format!("step-{step:08}")
 }
 
+/// Where the checkpoint of `step` is published under `out`.
+pub fn step_dir(out: &Path, step: u32) -> PathBuf {
+    out.join("checkpoints").join(step_name(step))
+}
+
 /// Starts assembling a checkpoint in `tmp` (rank 0, before the ranks write).
 pub fn begin(tmp: &Path) -> Result<(), Error> {
     if tmp.exists() {
@@ -129,8 +137,7 @@ pub fn publish(out: &Path, tmp: &Path, manifest: &Manifest) -> Result<(), Error>
     let pointer_tmp = root.join(".latest.tmp");
     write_synced(&pointer_tmp, name.as_bytes())?;
     fs::rename(&pointer_tmp, &pointer).map_err(|e| io(&pointer, e))?;
-    sync_dir(&root)?;
-    prune(&root, &name)
+    sync_dir(&root)
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), Error> {
@@ -140,26 +147,59 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), Error> {
         .map_err(|e| io(path, e))
 }
 
-/// Removes all but the newest `KEEP` checkpoints, and leftovers of interrupted writes.
-fn prune(root: &Path, latest: &str) -> Result<(), Error> {
-    let mut steps: Vec<String> = fs::read_dir(root)
-        .map_err(|e| io(root, e))?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with("step-") || (n.starts_with(".step-") && n.ends_with(".tmp")))
-        .collect();
-    steps.sort();
-    let keep: Vec<&String> = steps
-        .iter()
-        .filter(|n| n.starts_with("step-"))
-        .rev()
-        .take(KEEP)
-        .collect();
-    for n in &steps {
-        if !keep.contains(&n) && n != latest {
-            fs::remove_dir_all(root.join(n)).map_err(|e| io(&root.join(n), e))?;
-        }
+/// Removes all but the newest `keep` checkpoints under `out`, and leftovers of interrupted
+/// writes.
+pub fn keep_newest(out: &Path, keep: usize) -> Result<(), Error> {
+    let root = out.join("checkpoints");
+    let mut published = step_dirs(&root)?;
+    published.sort_unstable();
+    let oldest_kept = published
+        .len()
+        .checked_sub(keep)
+        .map_or(published.first(), |i| published.get(i))
+        .copied();
+    remove_steps(&root, |step| oldest_kept.is_none_or(|kept| step < kept))?;
+    for leftover in names(&root)?
+        .into_iter()
+        .filter(|n| n.starts_with(".step-") && n.ends_with(".tmp"))
+    {
+        let path = root.join(leftover);
+        fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
     }
     Ok(())
+}
+
+/// Removes the checkpoints under `out` of steps before `step` (an agent, once the server has
+/// committed the checkpoint of `step`: nothing will resume from an older one).
+pub fn remove_before(out: &Path, step: u32) -> Result<(), Error> {
+    remove_steps(&out.join("checkpoints"), |s| s < step)
+}
+
+fn remove_steps(root: &Path, remove: impl Fn(u32) -> bool) -> Result<(), Error> {
+    for step in step_dirs(root)?.into_iter().filter(|&s| remove(s)) {
+        let dir = root.join(step_name(step));
+        fs::remove_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    }
+    Ok(())
+}
+
+/// The steps of the checkpoints published in `root`.
+fn step_dirs(root: &Path) -> Result<Vec<u32>, Error> {
+    Ok(names(root)?
+        .iter()
+        .filter_map(|n| n.strip_prefix("step-")?.parse().ok())
+        .collect())
+}
+
+/// The entries of `root`, none if it does not exist.
+fn names(root: &Path) -> Result<Vec<String>, Error> {
+    match fs::read_dir(root) {
+        Ok(entries) => Ok(entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io(root, e)),
+    }
 }
 
 /// The checkpoint `checkpoints/latest` points to, if any.
@@ -218,6 +258,10 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
     Ok(())
 }
 
+/// The files of the final export.
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const CONFIG_FILE: &str = "config.json";
+
 /// Writes `model.safetensors` and `config.json` in Hugging Face GPT-2 form from each unit's
 /// fp32 values.
 pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Error> {
@@ -233,8 +277,8 @@ pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Er
             tensors.push((name, view));
         }
     }
-    let model = out.join("model.safetensors");
-    let tmp = out.join(".model.safetensors.tmp");
+    let model = out.join(MODEL_FILE);
+    let tmp = out.join(format!(".{MODEL_FILE}.tmp"));
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(tensors, Some(metadata), &tmp).map_err(|e| io(&tmp, e))?;
     File::open(&tmp)
@@ -262,7 +306,7 @@ pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Er
         "eos_token_id": 50256,
         "torch_dtype": "float32"
     });
-    let path = out.join("config.json");
+    let path = out.join(CONFIG_FILE);
     let text = serde_json::to_vec_pretty(&config).map_err(|e| io(&path, e))?;
     write_synced(&path, &text)?;
     sync_dir(out)

@@ -43,6 +43,23 @@ pub struct Options {
     /// Where the spec's input files may be read (default: anywhere, for a run in a user's own
     /// process; the agent passes its node's data roots).
     pub data_roots: DataRoots,
+    /// Which checkpoint the run resumes from.
+    pub resume: Resume,
+    /// Keep every checkpoint under `out_dir` (an agent removes one only once the server has
+    /// committed a newer one); otherwise the newest `checkpoint::KEEP` are kept.
+    pub keep_all_checkpoints: bool,
+}
+
+/// Where a run's starting state comes from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Resume {
+    /// The checkpoint `out_dir/checkpoints/latest` points to, if there is one.
+    #[default]
+    Latest,
+    /// This checkpoint directory.
+    From(std::path::PathBuf),
+    /// No checkpoint: step 0 (or `model.init_from`).
+    Fresh,
 }
 
 /// One rank of a job whose ranks are separate processes, possibly on several hosts.
@@ -265,9 +282,10 @@ fn train_rank<X: Float + Wire>(
     let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
     let mut losses = Vec::with_capacity(t.steps.get() as usize);
     let out = opts.out_dir.as_deref();
-    let resume = match out {
-        Some(out) => checkpoint::latest(out)?,
-        None => None,
+    let resume = match (&opts.resume, out) {
+        (Resume::Latest, Some(out)) => checkpoint::latest(out)?,
+        (Resume::From(dir), _) => Some(dir.clone()),
+        (Resume::Latest, None) | (Resume::Fresh, _) => None,
     };
     let sequences_per_batch = setup.micro_batch * setup.world_size;
     let resumed_from = match resume {
@@ -350,6 +368,9 @@ fn train_rank<X: Float + Wire>(
                 losses: losses.clone(),
             };
             engine.save_checkpoint(out, &manifest)?;
+            if rank == 0 && !opts.keep_all_checkpoints {
+                checkpoint::keep_newest(out, checkpoint::KEEP)?;
+            }
         }
         if let Some(report) = progress.as_mut() {
             report(Progress {

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use runner::checkpoint;
 use runner::data::DataRoots;
-use runner::train::{Options, Summary, run};
+use runner::train::{Options, Resume, Summary, run};
 use safetensors::SafeTensors;
 use scheduler::model::Preset;
 use scheduler::spec::{JobSpec, Purpose};
@@ -221,4 +221,54 @@ fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_sha
         err.contains("larger than a weights file of this model can be"),
         "{err}"
     );
+}
+
+#[test]
+fn a_run_resumes_from_the_checkpoint_it_is_given_not_the_newest_on_disk() {
+    let json = r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 10},
+        "checkpoint": {"every_steps": 2}}"#;
+    let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
+    let out = tempfile::tempdir().unwrap();
+    let run_with = |resume: Resume, dir: &Path| {
+        let opts = Options {
+            out_dir: Some(dir.to_path_buf()),
+            resume,
+            keep_all_checkpoints: true,
+            ..Options::default()
+        };
+        run(&spec, &opts, &mut |_| {}).unwrap()
+    };
+    let whole = run_with(Resume::Latest, out.path());
+    let steps = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        names.sort();
+        names
+    };
+    let all = [
+        "step-00000002",
+        "step-00000004",
+        "step-00000006",
+        "step-00000008",
+    ];
+    assert_eq!(steps(out.path()), all, "every checkpoint kept");
+
+    // Another folder, resuming from step 4 of the first although its own newest is step 8.
+    let other = tempfile::tempdir().unwrap();
+    run_with(Resume::Latest, other.path());
+    let step4 = checkpoint::step_dir(out.path(), 4);
+    let resumed = run_with(Resume::From(step4), other.path());
+    assert_eq!(resumed.resumed_from, Some(4));
+    assert_eq!(resumed.losses, whole.losses);
+    let fresh = run_with(Resume::Fresh, other.path());
+    assert_eq!(
+        fresh.resumed_from, None,
+        "a fresh run ignores what is on disk"
+    );
+
+    checkpoint::remove_before(out.path(), 6).unwrap();
+    assert_eq!(steps(out.path()), all[2..]);
 }

@@ -6,6 +6,8 @@
 //!
 //!     cargo bench -p server --bench http [-- --requests 2000 --concurrency 16]
 
+mod support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,21 +27,10 @@ struct Args {
 }
 
 fn args() -> Args {
-    let mut a = Args {
-        requests: 2000,
-        concurrency: 16,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().and_then(|v| v.parse().ok());
-        match flag.as_str() {
-            "--requests" => a.requests = value().expect("--requests N"),
-            "--concurrency" => a.concurrency = value().expect("--concurrency N"),
-            // `cargo bench` passes --bench; anything else is not ours either.
-            _ => {}
-        }
+    Args {
+        requests: support::flag("--requests").unwrap_or(2000),
+        concurrency: support::flag("--concurrency").unwrap_or(16),
     }
-    a
 }
 
 /// What one phase measured.

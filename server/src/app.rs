@@ -51,6 +51,11 @@ pub struct App {
     pub events: broadcast::Sender<JobEvent>,
     /// Starts a scheduling pass now (a job arrived or devices freed up).
     pub wake_scheduler: Notify,
+    /// Wakes agents' waiting heartbeats: `Some(node)` when that node has a new assignment,
+    /// `None` when any node may have one or must stop an attempt (a job was requeued,
+    /// cancelled or failed, or a rendezvous address became known). Waiting heartbeats also
+    /// look again every scheduling interval, for what another replica did.
+    pub agent_wake: broadcast::Sender<Option<String>>,
     /// Whether the last scheduling pass left devices free. While none are, a new job cannot
     /// start, and waking the scheduler for it would only make passes (which hold the store's
     /// scheduling lock) run back to back while jobs pour in.
@@ -59,6 +64,8 @@ pub struct App {
     pub shutdown: watch::Sender<bool>,
     /// Failed authentications by client address.
     pub auth_throttle: AuthThrottle,
+    /// When this server started (nodes are not declared lost in its first heartbeat timeout).
+    pub started: Instant,
 }
 
 #[derive(Clone)]
@@ -128,9 +135,11 @@ impl AppState {
             metrics: Metrics::default(),
             events: broadcast::channel(1024).0,
             wake_scheduler: Notify::new(),
+            agent_wake: broadcast::channel(1024).0,
             devices_free: AtomicBool::new(true),
             shutdown: watch::channel(false).0,
             auth_throttle,
+            started: Instant::now(),
         })))
     }
 }
@@ -185,6 +194,19 @@ impl App {
         if job.state.is_terminal() || queued_and_may_fit {
             self.wake_scheduler.notify_one();
         }
+        // Its ranks elsewhere must stop (placements wake their nodes themselves).
+        if matches!(
+            job.state,
+            JobState::Queued | JobState::Cancelled | JobState::Failed
+        ) {
+            self.wake_agents(None);
+        }
+    }
+
+    /// Wakes the waiting heartbeat of `node` (`None`: of every node).
+    pub fn wake_agents(&self, node: Option<&str>) {
+        // Nobody waiting is not an error.
+        let _ = self.agent_wake.send(node.map(str::to_string));
     }
 
     pub fn publish(&self, event: JobEvent) {

@@ -1,6 +1,7 @@
 //! zerotrain's service: the HTTP API, the store, the scheduling loop and the command line.
 
 pub mod app;
+pub mod artifacts;
 pub mod auth;
 pub mod cli;
 pub mod console;

@@ -11,6 +11,7 @@ use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec,
     Opts, Registry, TextEncoder,
 };
+use runner::agent::protocol::RefusalReason;
 use runner::comm::Op;
 use scheduler::memory::{Breakdown, Category};
 
@@ -120,6 +121,10 @@ metrics! {
         /// Seconds to answer an HTTP request (to its response headers), by matched route.
         pub http_request_duration_seconds: HistogramVec, labels = ["route", "method"],
             buckets = prometheus::exponential_buckets(0.0001, 2.0, 16).expect("valid buckets");
+        /// Agents' heartbeats waiting at the server for an assignment or a fence now.
+        pub agent_heartbeats_waiting: Gauge;
+        /// Reports from agents the server did not apply, by reason.
+        pub agent_reports_refused_total: IntCounterVec, labels = ["reason"];
     }
 }
 
@@ -164,8 +169,15 @@ struct JobSeries {
 impl Default for Metrics {
     fn default() -> Self {
         let registry = Registry::new();
+        let server = ServerMetrics::new(&registry);
+        // Every reason is exported from the start, at 0.
+        for reason in RefusalReason::ALL {
+            server
+                .agent_reports_refused_total
+                .with_label_values(&[reason.as_str()]);
+        }
         Metrics {
-            server: ServerMetrics::new(&registry),
+            server,
             training: TrainingMetrics::new(&registry),
             registry,
             job_series: Mutex::default(),
@@ -182,6 +194,14 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding cannot fail");
         String::from_utf8(out).expect("the text format is UTF-8")
+    }
+
+    /// Counts `n` reports refused for `reason`.
+    pub fn refused(&self, reason: RefusalReason, n: usize) {
+        self.server
+            .agent_reports_refused_total
+            .with_label_values(&[reason.as_str()])
+            .inc_by(n as u64);
     }
 
     pub fn set_job_counts(&self, counts: &[(JobState, i64)]) {

@@ -242,6 +242,15 @@ pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
             state.announce(&job);
         }
     }
+    let mut nodes: Vec<&str> = decisions
+        .iter()
+        .flat_map(|d| d.slots.iter().map(|(node, _)| node.as_str()))
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    for node in nodes {
+        state.wake_agents(Some(node));
+    }
     housekeeping(state).await?;
     state
         .metrics
@@ -251,8 +260,13 @@ pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
     Ok(decisions)
 }
 
-/// Declares nodes silent past the heartbeat timeout lost; their jobs go back to the queue.
+/// Declares nodes silent past the heartbeat timeout lost; their jobs go back to the queue. A
+/// server that started less than a timeout ago declares none: its own downtime (a crash, a
+/// restart) is not its nodes' silence, and they get one timeout to reach it again.
 async fn reap(state: &AppState) -> Result<(), StoreError> {
+    if state.started.elapsed() < state.settings.heartbeat_timeout {
+        return Ok(());
+    }
     let timeout = i64::try_from(state.settings.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
     for id in state.store.reap_lost_nodes(now_ms() - timeout).await? {
         if let Some(job) = state.store.get_job(&id).await? {

@@ -4,17 +4,21 @@
 mod api_helpers;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
 use api_helpers::*;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use futures::StreamExt;
-use runner::agent::protocol::{RankSlot, RankTransport, Report};
+use runner::agent::protocol::{
+    Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report,
+};
 use runner::comm::Op;
 use scheduler::memory::Breakdown;
 use scheduler::spec::{Auto, JobSpec, Purpose, ZeroStage};
 use serde_json::json;
+use server::domain::JobState;
 use tower::ServiceExt;
 
 fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
@@ -299,9 +303,11 @@ async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() 
     assert_eq!(job["state"], "queued");
     assert_eq!(job["attempt"], 2);
 
-    let a = app.beat_raw(&lost, vec![], vec![(id.clone(), 1)]).await;
+    let late_step = vec![step(&id, 1, 3, 1.0)];
+    let a = app.beat_raw(&lost, late_step, vec![(id.clone(), 1)]).await;
     assert_eq!(a.status, StatusCode::GONE, "{}", a.text);
     assert_eq!(a.json()["type"], "urn:zerotrain:problem:node-lost");
+    assert_eq!(app.refused("node_lost").await, 1);
 
     // Another node takes attempt 2; the lost node's late reports of attempt 1 change nothing.
     let other = app.register("other", 1, 2 * GIB).await;
@@ -316,6 +322,20 @@ async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() 
     let reply = app.beat(&other, vec![late], vec![(id.clone(), 1)]).await;
     assert_eq!(app.job(&id).await["state"], "scheduled");
     assert_eq!(reply.cancel, [(id.clone(), 1)], "attempt 1 must stop");
+}
+
+#[tokio::test]
+async fn a_server_that_just_started_gives_silent_nodes_one_timeout_to_come_back() {
+    let app = TestApp::with(|s| s.heartbeat_timeout = Duration::from_secs(600)).await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    // Silent for twice the timeout, as across a long server restart.
+    let long_ago = server::app::now_ms() - 1_200_000;
+    assert!(app.state.store.heartbeat(&node.0, long_ago).await.unwrap());
+    app.schedule().await;
+    assert_eq!(app.job(&id).await["state"], "scheduled");
+    assert!(app.beat(&node, vec![], vec![]).await.assignments.len() == 1);
 }
 
 #[tokio::test]
@@ -463,4 +483,270 @@ async fn following_logs_streams_every_line_then_ends_with_the_job() {
         })
         .collect();
     assert_eq!(lines, ["one", "two", "three", "end: failed"]);
+}
+
+fn refusals(reply: &HeartbeatResponse) -> Vec<(usize, RefusalReason)> {
+    reply.refused.iter().map(|r| (r.index, r.reason)).collect()
+}
+
+#[tokio::test]
+async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_counted() {
+    let app = TestApp::new().await;
+    let owner = app.register("owner", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    assert_eq!(app.schedule().await, 1);
+    // A second node, registered with the same join token, holds nothing of the job.
+    let intruder = app.register("intruder", 1, 2 * GIB).await;
+    let started = Report::Started {
+        job_id: id.clone(),
+        attempt: 1,
+        resumed_from: None,
+    };
+    app.beat(&owner, vec![started], vec![(id.clone(), 1)]).await;
+    assert_eq!(app.job(&id).await["state"], "running");
+
+    let before = app.refused("not_assigned").await;
+    let forged = vec![
+        step(&id, 1, 1, 0.5),
+        Report::Log {
+            job_id: id.clone(),
+            attempt: 1,
+            line: "forged".into(),
+        },
+        Report::Checkpoint {
+            job_id: id.clone(),
+            attempt: 1,
+            step: 1,
+            path: "/etc".into(),
+        },
+        memory(&id, 0),
+        Report::Failed {
+            job_id: id.clone(),
+            attempt: 1,
+            error: "forged".into(),
+        },
+        Report::Finished {
+            job_id: id.clone(),
+            attempt: 1,
+            final_loss: 0.0,
+        },
+        Report::Failed {
+            job_id: "no-such-job".into(),
+            attempt: 1,
+            error: "forged".into(),
+        },
+    ];
+    let reply = app.beat(&intruder, forged, vec![]).await;
+    let mut expected: Vec<_> = (0..6).map(|i| (i, RefusalReason::NotAssigned)).collect();
+    expected.push((6, RefusalReason::UnknownJob));
+    assert_eq!(refusals(&reply), expected);
+    assert_eq!(app.refused("not_assigned").await, before + 6);
+    assert_eq!(app.refused("unknown_job").await, 1);
+
+    let job = app.job(&id).await;
+    assert_eq!(job["state"], "running", "{job}");
+    let m = app.get(&format!("/v1/jobs/{id}/metrics")).await.json();
+    assert_eq!(m["steps"], json!([]), "{m}");
+    assert_eq!(m["ranks"], json!([]), "{m}");
+    let logs = app.get(&format!("/v1/jobs/{id}/logs")).await.json();
+    assert_eq!(logs["lines"], json!([]), "{logs}");
+    assert!(app.state.store.checkpoints(&id).await.unwrap().is_empty());
+
+    // The owner's own reports still go through.
+    let reply = app
+        .beat(&owner, vec![step(&id, 1, 1, 0.5)], vec![(id.clone(), 1)])
+        .await;
+    assert!(reply.refused.is_empty(), "{reply:?}");
+}
+
+#[tokio::test]
+async fn a_node_without_rank_0_cannot_report_for_the_whole_job() {
+    let app = TestApp::new().await;
+    let a = app.register("a", 1, 2 * GIB).await;
+    let b = app.register("b", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(2)).await;
+    assert_eq!(app.schedule().await, 1);
+    let lead_is_a = !app.beat(&a, vec![], vec![]).await.assignments.is_empty();
+    let follower = if lead_is_a { b } else { a };
+    let whole_job = vec![
+        Report::Started {
+            job_id: id.clone(),
+            attempt: 1,
+            resumed_from: None,
+        },
+        step(&id, 1, 1, 0.5),
+        memory(&id, 1),
+    ];
+    let reply = app.beat(&follower, whole_job, vec![]).await;
+    let not_rank_0 = RefusalReason::NotRank0;
+    assert_eq!(refusals(&reply), [(0, not_rank_0), (1, not_rank_0)]);
+    assert_eq!(app.job(&id).await["state"], "scheduled");
+}
+
+#[tokio::test]
+async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_from_what_was_committed()
+ {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    let a = app.beat(&node, vec![], vec![]).await.assignments.remove(0);
+    let job_dir = app.dir.path().join("jobs").join(&id);
+    assert_eq!(
+        a.attempt_dir,
+        job_dir.join("attempts/1").display().to_string()
+    );
+    assert_eq!(a.resume_from, None);
+    let checkpoint = |attempt, step| Report::Checkpoint {
+        job_id: id.clone(),
+        attempt,
+        step,
+        path: format!("{}/checkpoints/step-{step:08}", a.attempt_dir),
+    };
+    let started = Report::Started {
+        job_id: id.clone(),
+        attempt: 1,
+        resumed_from: None,
+    };
+    let running = vec![(id.clone(), 1)];
+    let reply = app
+        .beat(&node, vec![started, checkpoint(1, 10)], running.clone())
+        .await;
+    assert!(reply.refused.is_empty(), "{reply:?}");
+
+    // The job goes back to the queue (as when its node is lost): attempt 1 is over.
+    let requeued = app
+        .state
+        .transition(&id, &[JobState::Running], JobState::Queued, "requeued")
+        .await
+        .unwrap();
+    assert!(requeued.is_some());
+    std::fs::create_dir_all(&a.attempt_dir).unwrap();
+    std::fs::write(
+        Path::new(&a.attempt_dir).join("model.safetensors"),
+        "zombie",
+    )
+    .unwrap();
+    let late = vec![
+        checkpoint(1, 20),
+        step(&id, 1, 15, 1.0),
+        Report::Finished {
+            job_id: id.clone(),
+            attempt: 1,
+            final_loss: 1.0,
+        },
+    ];
+    let reply = app.beat(&node, late, running).await;
+    let over = RefusalReason::AttemptOver;
+    assert_eq!(refusals(&reply), [(0, over), (1, over), (2, over)]);
+    assert_eq!(reply.cancel, [(id.clone(), 1)], "its ranks must stop");
+    assert_eq!(app.refused("attempt_over").await, 3);
+    assert!(!job_dir.join("model.safetensors").exists(), "not promoted");
+
+    // Attempt 2 resumes from the checkpoint the server committed, not the zombie's newer one.
+    app.schedule().await;
+    let b = app.beat(&node, vec![], vec![]).await.assignments.remove(0);
+    assert_eq!(b.attempt, 2);
+    assert_eq!(
+        b.attempt_dir,
+        job_dir.join("attempts/2").display().to_string()
+    );
+    let committed = job_dir.join("attempts/1/checkpoints/step-00000010");
+    assert_eq!(b.resume_from, Some(committed.display().to_string()));
+
+    // Attempt 2's export is moved into the job's folder when it succeeds.
+    std::fs::create_dir_all(&b.attempt_dir).unwrap();
+    for (name, text) in [("model.safetensors", "weights"), ("config.json", "{}")] {
+        std::fs::write(Path::new(&b.attempt_dir).join(name), text).unwrap();
+    }
+    let finished = Report::Finished {
+        job_id: id.clone(),
+        attempt: 2,
+        final_loss: 1.0,
+    };
+    let reply = app.beat(&node, vec![finished], vec![]).await;
+    assert!(reply.refused.is_empty(), "{reply:?}");
+    assert_eq!(app.job(&id).await["state"], "succeeded");
+    let model = std::fs::read_to_string(job_dir.join("model.safetensors")).unwrap();
+    assert_eq!(model, "weights");
+    assert!(job_dir.join("config.json").exists());
+}
+
+/// Returns once a heartbeat is waiting at the server (after it looked for work and found none).
+async fn until_a_heartbeat_waits(app: &TestApp) {
+    while app.state.metrics.server.agent_heartbeats_waiting.get() < 1.0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_waiting_heartbeat_returns_as_soon_as_a_job_is_placed_on_its_node() {
+    // The wait asked for is far longer than the test is given: only a wake returns it.
+    let app = TestApp::with(|s| {
+        s.request_timeout = Duration::from_secs(7200);
+        s.heartbeat_timeout = Duration::from_secs(7200);
+        s.scheduling_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let waiting = Heartbeat {
+        reports: vec![],
+        running: vec![],
+        wait_ms: 3_600_000,
+    };
+    let limit = Duration::from_secs(60);
+    let place = async {
+        until_a_heartbeat_waits(&app).await;
+        let id = app.submit_ok(&tiny_spec(1)).await;
+        assert_eq!(app.schedule().await, 1);
+        id
+    };
+    let (a, id) = tokio::join!(
+        tokio::time::timeout(limit, app.send_beat(&node, &waiting)),
+        place
+    );
+    let a = a.expect("the placement wakes the waiting heartbeat");
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let reply: HeartbeatResponse = serde_json::from_str(&a.text).unwrap();
+    assert_eq!(reply.assignments[0].job_id, id);
+
+    // A cancellation wakes it too: the attempt running there must stop.
+    let running = Heartbeat {
+        running: vec![(id.clone(), 1)],
+        ..waiting
+    };
+    let cancel = async {
+        until_a_heartbeat_waits(&app).await;
+        let path = format!("/v1/jobs/{id}/cancel");
+        let a = app.call(Method::POST, &path, Some(SUBMITTER), None).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    };
+    let (a, ()) = tokio::join!(
+        tokio::time::timeout(limit, app.send_beat(&node, &running)),
+        cancel
+    );
+    let a = a.expect("the cancellation wakes the waiting heartbeat");
+    let reply: HeartbeatResponse = serde_json::from_str(&a.text).unwrap();
+    assert_eq!(reply.cancel, [(id, 1)]);
+}
+
+#[tokio::test]
+async fn a_heartbeat_with_nothing_to_say_waits_as_long_as_asked() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let beat = Heartbeat {
+        reports: vec![],
+        running: vec![],
+        wait_ms: 300,
+    };
+    let start = std::time::Instant::now();
+    let a = app.send_beat(&node, &beat).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert!(
+        start.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        start.elapsed()
+    );
+    let reply: HeartbeatResponse = serde_json::from_str(&a.text).unwrap();
+    assert!(reply.assignments.is_empty() && reply.cancel.is_empty());
 }

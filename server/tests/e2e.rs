@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use live::Mode;
+use runner::agent::AgentMetrics;
 use runner::train::{Options, run};
 use scheduler::memory::Category;
 use scheduler::spec::{JobSpec, Purpose};
@@ -21,7 +23,7 @@ struct Service {
     server: Server,
     join: String,
     http: reqwest::Client,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 async fn service() -> Service {
@@ -30,7 +32,7 @@ async fn service() -> Service {
         server: live.server,
         join: live.join,
         http: reqwest::Client::new(),
-        _dir: live.dir,
+        dir: live.dir,
     }
 }
 
@@ -86,16 +88,25 @@ where
 }
 
 impl Service {
-    async fn get(&self, path: &str) -> Value {
+    /// `method path` as the admin; fails unless it succeeds.
+    async fn call(&self, method: reqwest::Method, path: &str) -> reqwest::Response {
         let r = self
             .http
-            .get(format!("{}{path}", self.server.url()))
+            .request(method.clone(), format!("{}{path}", self.server.url()))
             .bearer_auth(ADMIN)
             .send()
             .await
             .unwrap();
-        assert!(r.status().is_success(), "GET {path}: {}", r.status());
-        r.json().await.unwrap()
+        assert!(r.status().is_success(), "{method} {path}: {}", r.status());
+        r
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        self.call(reqwest::Method::GET, path)
+            .await
+            .json()
+            .await
+            .unwrap()
     }
 
     async fn submit(&self, spec: Value) -> (u16, Value) {
@@ -209,16 +220,8 @@ async fn an_fp16_zero2_job_on_four_devices_trains_and_reports_its_memory() {
             );
         }
     }
-    let metrics = s
-        .http
-        .get(format!("{}/metrics", s.server.url()))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = s.call(reqwest::Method::GET, "/metrics").await;
+    let metrics = metrics.text().await.unwrap();
     for series in [
         "zerotrain_training_loss",
         "zerotrain_training_loss_scale",
@@ -377,15 +380,150 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
     );
 }
 
+/// The newest checkpoint step written under `attempt_dir`, committed or not.
+fn newest_on_disk(attempt_dir: &std::path::Path) -> Option<u32> {
+    std::fs::read_dir(attempt_dir.join("checkpoints"))
+        .ok()?
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse()
+                .ok()
+        })
+        .max()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
+    let s = service().await;
+    let store = &s.server.state().store;
+    let counter = |m: &AgentMetrics| {
+        (
+            m.registrations.get(),
+            m.attempts_fenced.get(),
+            m.jobs_running.get(),
+        )
+    };
+    // Registration waits out a server that is down, backing off and trying again.
+    let proxy = live::proxy(s.server.url(), Mode::Down).await;
+    let zombie = Arc::new(AgentMetrics::new());
+    let (stop_zombie, zombie_thread) = live::agent_at(
+        &s.server,
+        &proxy.url,
+        &s.join,
+        "zombie",
+        1,
+        1 << 30,
+        zombie.clone(),
+    );
+    let second = Duration::from_secs(1);
+    poll(20 * second, Duration::from_millis(10), || async {
+        let failures = zombie.registration_failures.get();
+        (failures >= 2)
+            .then_some(())
+            .ok_or(format!("{failures} failures"))
+    })
+    .await;
+    proxy.set(Mode::Up);
+    s.wait_nodes(1).await;
+
+    let spec = json!({"model": {"preset": "gpt2-tiny"}, "training": {"steps": 1000000,
+        "micro_batch_size": 2}, "checkpoint": {"every_steps": 10}});
+    let (status, created) = s.submit(spec).await;
+    assert_eq!(status, 201, "{created}");
+    let id = job_id(&created);
+    // Once the server has committed a checkpoint, the node's network goes quiet.
+    poll(120 * second, Duration::from_millis(10), || async {
+        let n = store.checkpoints(&id).await.unwrap().len();
+        (n > 0)
+            .then_some(())
+            .ok_or("no checkpoint committed".to_string())
+    })
+    .await;
+    proxy.set(Mode::Paused);
+    // Past the heartbeat timeout its node is lost and the job requeued, while the agent, cut
+    // off, trains on and writes checkpoints the server never hears of.
+    s.wait_state(&id, "queued", 30 * second).await;
+    let committed = store.checkpoints(&id).await.unwrap();
+    assert!(committed.iter().all(|c| c.attempt == 1), "{committed:?}");
+    let committed = committed.iter().map(|c| c.step).max().unwrap();
+    let zombie_dir = s.dir.path().join("jobs").join(&id).join("attempts/1");
+    poll(60 * second, Duration::from_millis(10), || async {
+        let newest = newest_on_disk(&zombie_dir);
+        (newest > Some(committed))
+            .then_some(())
+            .ok_or(format!("newest on disk {newest:?}, committed {committed}"))
+    })
+    .await;
+
+    // Another node takes attempt 2 and resumes from the committed checkpoint only.
+    let (stop_rescuer, rescuer) = agent(&s, "rescuer", 1, 1 << 30);
+    s.wait_state(&id, "running", 60 * second).await;
+    let job = s.get(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(job["attempt"], 2, "{job}");
+    let started = job["transitions"].as_array().unwrap().last().unwrap()["reason"].clone();
+    assert_eq!(
+        started,
+        format!("started on rescuer, resumed from step {committed}"),
+        "{job}"
+    );
+
+    // The cut-off agent hears again: the server no longer knows its node. It stops its ranks
+    // at once (its reports refused), registers again and takes the next job, since the
+    // rescuer's one device is busy.
+    let refused = |text: &str| -> u64 {
+        let series = "zerotrain_agent_reports_refused_total{reason=\"node_lost\"} ";
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.parse().ok())
+            .unwrap()
+    };
+    assert_eq!(counter(&zombie), (1, 0, 1));
+    proxy.set(Mode::Up);
+    poll(60 * second, Duration::from_millis(10), || async {
+        let c = counter(&zombie);
+        (c == (2, 1, 0)).then_some(()).ok_or(format!("{c:?}"))
+    })
+    .await;
+    let prometheus = s.call(reqwest::Method::GET, "/metrics").await;
+    assert!(refused(&prometheus.text().await.unwrap()) > 0);
+    let recorded = store.checkpoints(&id).await.unwrap();
+    assert!(
+        recorded
+            .iter()
+            .all(|c| c.attempt == 2 || c.step <= committed),
+        "nothing attempt 1 wrote after the cut counts: {recorded:?}"
+    );
+    let (status, created) = s
+        .submit(json!({"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2}}))
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let next = s.finished(&job_id(&created), 60 * second).await;
+    assert_eq!(next["state"], "succeeded", "{next}");
+    assert_eq!(
+        next["transitions"][1]["reason"], "placed on zombie[0]",
+        "{next}"
+    );
+
+    s.call(reqwest::Method::POST, &format!("/v1/jobs/{id}/cancel"))
+        .await;
+    for (stop, thread) in [(stop_zombie, zombie_thread), (stop_rescuer, rescuer)] {
+        stop.store(true, Ordering::Relaxed);
+        thread.join().unwrap();
+    }
+}
+
+/// A loopback address no one listens on now (for a process to bind).
+fn free_loopback_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_serves_its_own_metrics() {
     let s = service().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_loopback_addr();
     let mut agent = agent_process(&s, "watched", 3, &["--metrics-addr", &addr]);
     s.wait_nodes(1).await;
     let text = poll(
@@ -445,9 +583,11 @@ async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap().to_string();
+    let metrics_addr = free_loopback_addr();
     let mut up = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args(["up", "--port", "0", "--data-dir", &data])
         .args(["--cpu-devices", "2", "--device-memory", "1GiB"])
+        .args(["--metrics-addr", &metrics_addr])
         .env_remove("ZEROTRAIN_TOKEN")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -486,6 +626,22 @@ async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
         },
     )
     .await;
+
+    // The local agent serves its own metrics, as a standalone one does.
+    let agent_metrics = reqwest::get(format!("http://{metrics_addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        agent_metrics.contains("zerotrain_agent_registrations_total 1"),
+        "{agent_metrics}"
+    );
+    assert!(
+        agent_metrics.contains("zerotrain_agent_device_memory_bytes{device=\"1\"} 1073741824"),
+        "{agent_metrics}"
+    );
 
     let spec = dir.path().join("job.json");
     std::fs::write(

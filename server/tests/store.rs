@@ -1426,18 +1426,23 @@ async fn log_lines_are_numbered_per_job_and_paged_after_a_sequence_number(db: Te
 async fn checkpoints_are_listed_by_step(db: TestDb) {
     let s = &db.store;
     let j = submit(s, "a", 0, 1).await;
-    s.add_checkpoint(&j.id, 1, 100, "/ckpt/step-100")
+    let add = |attempt, step, path: &'static str| s.add_checkpoint(&j.id, attempt, step, path);
+    assert!(add(1, 100, "/ckpt/step-100").await.unwrap());
+    assert!(add(1, 50, "/ckpt/step-50").await.unwrap());
+    assert!(
+        !add(2, 150, "/ckpt/a2/step-150").await.unwrap(),
+        "not yet attempt 2"
+    );
+    assert!(add(1, 100, "/ckpt/step-100b").await.unwrap());
+    s.transition(&j.id, &[JobState::Queued], JobState::Queued, "requeued")
         .await
+        .unwrap()
         .unwrap();
-    s.add_checkpoint(&j.id, 1, 50, "/ckpt/step-50")
-        .await
-        .unwrap();
-    s.add_checkpoint(&j.id, 2, 150, "/ckpt/step-150")
-        .await
-        .unwrap();
-    s.add_checkpoint(&j.id, 1, 100, "/ckpt/step-100b")
-        .await
-        .unwrap();
+    assert!(
+        !add(1, 200, "/ckpt/step-200").await.unwrap(),
+        "attempt 1 is over: its checkpoints are not committed"
+    );
+    assert!(add(2, 150, "/ckpt/a2/step-150").await.unwrap());
     let got: Vec<(u32, u32, String)> = s
         .checkpoints(&j.id)
         .await
@@ -1450,7 +1455,7 @@ async fn checkpoints_are_listed_by_step(db: TestDb) {
         vec![
             (1, 50, "/ckpt/step-50".to_string()),
             (1, 100, "/ckpt/step-100b".to_string()),
-            (2, 150, "/ckpt/step-150".to_string())
+            (2, 150, "/ckpt/a2/step-150".to_string())
         ]
     );
 }
@@ -1465,7 +1470,7 @@ async fn reports_for_an_unknown_job_fail_naming_it(db: TestDb) {
     assert!(unknown(
         s.append_logs("nope", &[(0, "x".into())]).await.map(|_| ())
     ));
-    assert!(unknown(s.add_checkpoint("nope", 1, 1, "/x").await));
+    assert!(!s.add_checkpoint("nope", 1, 1, "/x").await.unwrap());
     let memory = RankMemoryRecord {
         rank: 0,
         measured: breakdown(1),

@@ -3,6 +3,7 @@
 //! steps, logs, checkpoints, memory and the outcome.
 
 use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
@@ -10,16 +11,19 @@ use std::time::Duration;
 
 use scheduler::spec::{JobSpec, Purpose};
 
+use super::AgentConfig;
 use super::protocol::{Assignment, RankTransport, Report};
-use super::{AgentConfig, Outbox};
+use super::session::Outbox;
 use crate::Error;
+use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
-use crate::train::{Options, Progress, Summary, run_ranks};
+use crate::train::{Options, Progress, Resume, Summary, run_ranks};
 
 /// How long ranks wait for each other (the rendezvous included).
 const COMM_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Starts `a` on a thread of its own; it reports through `outbox` until it ends.
+/// Starts `a` on a thread of its own; it reports through `outbox` until it ends, and then
+/// says so.
 pub(super) fn start(
     a: Assignment,
     cfg: &AgentConfig,
@@ -29,7 +33,7 @@ pub(super) fn start(
     let cfg = cfg.clone();
     std::thread::spawn(move || {
         let (job_id, attempt) = (a.job_id.clone(), a.attempt);
-        let send = |r: Report| outbox.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+        let send = |r: Report| outbox.report(r);
         let ranks: Vec<usize> = a.ranks.iter().map(|r| r.rank).collect();
         // Each line names the ranks it speaks for (this node's), so readers can filter by rank.
         let tag = rank_tag(&ranks);
@@ -83,6 +87,7 @@ pub(super) fn start(
                 });
             }
         }
+        outbox.ended((job_id, attempt));
     })
 }
 
@@ -110,14 +115,21 @@ fn train(
         .filter_map(|r| cfg.devices.get(r.device))
         .map(|d| d.memory_bytes)
         .min();
+    let attempt_dir = PathBuf::from(&a.attempt_dir);
     let opts = Options {
         device_memory: budget,
         threads: cfg.threads,
-        out_dir: Some(a.out_dir.clone().into()),
+        out_dir: Some(attempt_dir.clone()),
         comm_timeout: Some(COMM_TIMEOUT),
         distributed: None,
         cancel: Some(cancel),
         data_roots: cfg.data_roots.clone(),
+        // Only what the server committed, never what an earlier attempt left on disk.
+        resume: a
+            .resume_from
+            .as_ref()
+            .map_or(Resume::Fresh, |p| Resume::From(p.into())),
+        keep_all_checkpoints: true,
     };
     let (job_id, attempt) = (a.job_id.clone(), a.attempt);
     let mut started = false;
@@ -148,12 +160,13 @@ fn train(
             step_seconds: p.step_seconds,
         });
         if p.checkpointed {
-            let path = format!("{}/checkpoints/step-{:08}", a.out_dir, p.step);
+            // Sent after every rank wrote it and it was published: fully written.
+            let path = checkpoint::step_dir(Path::new(&attempt_dir), p.step);
             send(Report::Checkpoint {
                 job_id: job_id.clone(),
                 attempt,
                 step: p.step,
-                path,
+                path: path.display().to_string(),
             });
         }
         if p.step == 1 || p.step.is_multiple_of(10) || p.step == p.steps {

@@ -8,6 +8,13 @@ pub struct AgentMetrics {
     pub heartbeats: IntCounter,
     /// Heartbeats that failed (their reports are sent again with the next).
     pub heartbeat_failures: IntCounter,
+    /// Registrations the server accepted: more than one after it had declared the node lost.
+    pub registrations: IntCounter,
+    /// Registrations that failed and were tried again.
+    pub registration_failures: IntCounter,
+    /// Attempts whose ranks were stopped because the server said they were over (or no
+    /// longer knew the node).
+    pub attempts_fenced: IntCounter,
     /// Jobs with ranks running on this node.
     pub jobs_running: IntGauge,
     /// Optimizer steps this node's rank-0 runs finished.
@@ -30,6 +37,18 @@ impl AgentMetrics {
         let heartbeat_failures = counter(
             "heartbeat_failures_total",
             "Heartbeats that failed; their reports go with the next.",
+        );
+        let registrations = counter(
+            "registrations_total",
+            "Registrations the server accepted; more than one after the node was declared lost.",
+        );
+        let registration_failures = counter(
+            "registration_failures_total",
+            "Registrations that failed and were tried again.",
+        );
+        let attempts_fenced = counter(
+            "attempts_fenced_total",
+            "Attempts whose ranks stopped because the server said they were over.",
         );
         let steps = counter(
             "steps_total",
@@ -58,6 +77,9 @@ impl AgentMetrics {
             registry,
             heartbeats,
             heartbeat_failures,
+            registrations,
+            registration_failures,
+            attempts_fenced,
             jobs_running,
             steps,
             device_memory_bytes,

@@ -1,25 +1,28 @@
-//! The runner agent: registers this node's devices with the server, heartbeats, runs the ranks
-//! it is assigned (each job on threads of its own) and reports their progress. Synchronous:
-//! one thread heartbeats, every job runs its ranks on its own threads, and kernels share the
-//! process's rayon pool.
+//! The runner agent: registers this node's devices with the server, keeps a heartbeat
+//! waiting at the server (a long-poll, so assignments arrive as soon as they are made), runs
+//! the ranks it is assigned (each job on threads of its own), reports their progress, and
+//! stops an attempt the moment the server says it is over. A node the server declared lost
+//! stops all its work and registers again. Synchronous: one thread runs the loop, each
+//! request goes out on a thread of its own, and kernels share the process's rayon pool.
 
+mod client;
 mod job;
 mod metrics;
 pub mod protocol;
+mod session;
 
 pub use metrics::AgentMetrics;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use scheduler::inventory::Device;
 
 use crate::Error;
 use crate::data::DataRoots;
-use protocol::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse, Report};
+use client::Client;
+use protocol::RegisterRequest;
+use session::{Ended, Session};
 
 /// Where to find the server and what this node offers.
 #[derive(Debug, Clone)]
@@ -38,16 +41,12 @@ pub struct AgentConfig {
     pub data_roots: DataRoots,
 }
 
-/// Reports waiting for the next heartbeat, shared with the jobs' threads.
-type Outbox = Arc<Mutex<Vec<Report>>>;
+/// Longest an HTTP call may take, a long-poll's wait included.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 
-struct Running {
-    cancel: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
-}
-
-/// Runs the agent until `stop` is set: registers, then heartbeats every interval the server
-/// asks for. A failed heartbeat is retried with the same reports at the next beat.
+/// Runs the agent until `stop` is set: registers (trying again with backoff until the server
+/// answers), then heartbeats; when the server has declared the node lost, stops every rank
+/// it ran and registers again.
 pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Result<(), Error> {
     for (i, d) in cfg.devices.iter().enumerate() {
         metrics
@@ -55,86 +54,30 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Resu
             .with_label_values(&[&i.to_string()])
             .set(d.memory_bytes as i64);
     }
-    let http: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .into();
-    let registered: RegisterResponse = post(
-        &http,
-        &format!("{}/v1/agents/register", cfg.server),
-        &cfg.join_token,
-        &RegisterRequest {
-            name: cfg.name.clone(),
-            devices: cfg.devices.clone(),
-            host: cfg.host.clone(),
-        },
-    )?;
-    let beat_url = format!("{}/v1/agents/{}/heartbeat", cfg.server, registered.node_id);
-    let interval = Duration::from_millis(registered.heartbeat_interval_ms);
-    let outbox: Outbox = Arc::default();
-    let mut running: HashMap<(String, u32), Running> = HashMap::new();
-    let mut unsent: Vec<Report> = Vec::new();
-    while !stop.load(Ordering::Relaxed) {
-        running.retain(|_, r| !r.thread.is_finished());
-        metrics.jobs_running.set(running.len() as i64);
-        unsent.append(&mut outbox.lock().unwrap_or_else(|p| p.into_inner()));
-        let beat = Heartbeat {
-            reports: unsent.clone(),
-            running: running.keys().cloned().collect(),
-        };
-        match post::<_, HeartbeatResponse>(&http, &beat_url, &registered.agent_token, &beat) {
-            Ok(reply) => {
-                metrics.heartbeats.inc();
-                metrics.steps.inc_by(
-                    unsent
-                        .iter()
-                        .filter(|r| matches!(r, Report::Step { .. }))
-                        .count() as u64,
-                );
-                unsent.clear();
-                for a in reply.assignments {
-                    let key = (a.job_id.clone(), a.attempt);
-                    if running.contains_key(&key) {
-                        continue;
-                    }
-                    let cancel = Arc::new(AtomicBool::new(false));
-                    let thread = job::start(a, cfg, cancel.clone(), outbox.clone());
-                    running.insert(key, Running { cancel, thread });
-                }
-                for key in reply.cancel {
-                    if let Some(r) = running.get(&key) {
-                        r.cancel.store(true, Ordering::Relaxed);
-                    }
-                }
-            }
-            Err(e) => {
-                metrics.heartbeat_failures.inc();
-                eprintln!("agent {}: heartbeat failed, retrying: {e}", cfg.name);
-            }
-        }
-        std::thread::sleep(interval);
-    }
-    for r in running.values() {
-        r.cancel.store(true, Ordering::Relaxed);
-    }
-    Ok(())
-}
-
-fn post<B: serde::Serialize, R: serde::de::DeserializeOwned>(
-    http: &ureq::Agent,
-    url: &str,
-    token: &str,
-    body: &B,
-) -> Result<R, Error> {
-    let fail = |e: ureq::Error| Error::Server {
-        url: url.to_string(),
-        reason: e.to_string(),
+    let client = Client::new(&cfg.server, HTTP_TIMEOUT);
+    let request = RegisterRequest {
+        name: cfg.name.clone(),
+        devices: cfg.devices.clone(),
+        host: cfg.host.clone(),
     };
-    http.post(url)
-        .header("Authorization", &format!("Bearer {token}"))
-        .send_json(body)
-        .map_err(fail)?
-        .body_mut()
-        .read_json()
-        .map_err(fail)
+    loop {
+        let registered = client.register(&cfg.join_token, &request, stop, |e, again| {
+            metrics.registration_failures.inc();
+            eprintln!(
+                "agent {}: registering failed ({e}); trying again in {again:.1?}",
+                cfg.name
+            );
+        })?;
+        let Some(registered) = registered else {
+            return Ok(());
+        };
+        metrics.registrations.inc();
+        match Session::new(cfg, &client, metrics, registered).run(stop) {
+            Ended::Stopped => return Ok(()),
+            Ended::Lost => eprintln!(
+                "agent {}: the server no longer knows this node; its ranks stopped, registering again",
+                cfg.name
+            ),
+        }
+    }
 }

@@ -2,10 +2,19 @@
 //!
 //! - `POST /v1/agents/register` (join token): an agent announces its devices and the address
 //!   its ranks listen on; the server answers with the node's id and an agent token.
-//! - `POST /v1/agents/{node}/heartbeat` (agent token), every `heartbeat_interval`: the agent
-//!   reports what happened since the last beat (steps, logs, memory, checkpoints, finished or
-//!   failed ranks); the reply carries new assignments and cancellations. A node silent for
-//!   the server's heartbeat timeout is lost: its jobs go back to the queue.
+//! - `POST /v1/agents/{node}/heartbeat` (agent token): the agent reports what happened since
+//!   the last beat (steps, logs, memory, checkpoints, finished or failed ranks); the reply
+//!   carries new assignments, the attempts here that are over, and the reports it refused. With
+//!   `wait_ms` the server holds the reply until it has an assignment or a fence for the node
+//!   (a long-poll), so an agent always has one beat waiting and hears of a placement at once.
+//!   A node silent for the server's heartbeat timeout is lost: its jobs go back to the queue
+//!   and its beats are answered 410 until it registers again.
+//!
+//! Fencing: the server applies a report only for a (job, attempt) this node holds ranks of
+//! and that is still the job's current attempt. Each attempt writes under its own
+//! `attempt_dir`; a checkpoint is reported once fully written and counts (is *committed*)
+//! only if the server recorded it, and a new attempt resumes from the newest committed one
+//! (`resume_from`), never from whatever an earlier attempt left on disk.
 
 use std::collections::BTreeMap;
 
@@ -44,8 +53,14 @@ pub struct Assignment {
     /// The ranks this node runs, and the device index of each.
     pub ranks: Vec<RankSlot>,
     pub transport: RankTransport,
-    /// Where the job's checkpoints and export live (shared by every node that runs it).
+    /// The job's folder (shared by every node that runs it): the export of the attempt that
+    /// succeeds is moved here.
     pub out_dir: String,
+    /// This attempt's own folder, `out_dir/attempts/N`: its checkpoints and export go here.
+    pub attempt_dir: String,
+    /// The newest checkpoint the server recorded as committed (by an earlier attempt): the
+    /// attempt resumes from it, and from nothing else.
+    pub resume_from: Option<String>,
 }
 
 /// How the job's ranks reach each other.
@@ -110,6 +125,7 @@ pub enum Report {
         attempt: u32,
         line: String,
     },
+    /// A checkpoint of `step`, fully written (sent only once it is published).
     Checkpoint {
         job_id: String,
         attempt: u32,
@@ -131,16 +147,124 @@ pub enum Report {
     Cancelled { job_id: String, attempt: u32 },
 }
 
+impl Report {
+    /// The (job, attempt) the report speaks for.
+    pub fn key(&self) -> (&str, u32) {
+        match self {
+            Report::Rendezvous {
+                job_id, attempt, ..
+            }
+            | Report::Started {
+                job_id, attempt, ..
+            }
+            | Report::Step {
+                job_id, attempt, ..
+            }
+            | Report::Memory {
+                job_id, attempt, ..
+            }
+            | Report::Log {
+                job_id, attempt, ..
+            }
+            | Report::Checkpoint {
+                job_id, attempt, ..
+            }
+            | Report::Finished {
+                job_id, attempt, ..
+            }
+            | Report::Failed {
+                job_id, attempt, ..
+            }
+            | Report::Cancelled { job_id, attempt } => (job_id, *attempt),
+        }
+    }
+
+    /// Whether the report is about the job itself rather than one rank: only the node running
+    /// rank 0 sends these.
+    pub fn from_rank_0_only(&self) -> bool {
+        matches!(
+            self,
+            Report::Rendezvous { .. }
+                | Report::Started { .. }
+                | Report::Step { .. }
+                | Report::Checkpoint { .. }
+        )
+    }
+
+    /// Whether the server should hear of it now rather than with the next beat: everything but
+    /// the steady stream of steps, log lines and memory figures.
+    pub fn is_urgent(&self) -> bool {
+        !matches!(
+            self,
+            Report::Step { .. } | Report::Log { .. } | Report::Memory { .. }
+        )
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub reports: Vec<Report>,
-    /// Jobs (id, attempt) with ranks running here now.
+    /// Jobs (id, attempt) with ranks running here now (and any the server offered again that
+    /// this node has already run, so it stops offering them).
     pub running: Vec<(String, u32)>,
+    /// Hold the reply up to this many milliseconds until there is an assignment or a fence for
+    /// this node; 0 (the default) answers at once. The server caps it.
+    #[serde(default)]
+    pub wait_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct HeartbeatResponse {
     pub assignments: Vec<Assignment>,
-    /// Jobs (id, attempt) whose ranks here must stop.
+    /// Attempts (job id, attempt) of `running` that are over (the job was cancelled, ended, or
+    /// requeued to a later attempt): their ranks here must stop at once.
     pub cancel: Vec<(String, u32)>,
+    /// The reports of the beat the server did not apply.
+    #[serde(default)]
+    pub refused: Vec<Refusal>,
+}
+
+/// A report the server did not apply: its index in the beat's `reports`, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    pub index: usize,
+    pub reason: RefusalReason,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalReason {
+    /// There is no such job.
+    UnknownJob,
+    /// This node holds no rank of that (job, attempt).
+    NotAssigned,
+    /// The job has moved on to a later attempt (it was requeued): this one is fenced off.
+    AttemptOver,
+    /// A report about the whole job (rendezvous, start, step, checkpoint) from a node that does
+    /// not run its rank 0.
+    #[serde(rename = "not_rank_0")]
+    NotRank0,
+    /// The node was declared lost: the whole beat was answered 410.
+    NodeLost,
+}
+
+impl RefusalReason {
+    pub const ALL: [RefusalReason; 5] = [
+        RefusalReason::UnknownJob,
+        RefusalReason::NotAssigned,
+        RefusalReason::AttemptOver,
+        RefusalReason::NotRank0,
+        RefusalReason::NodeLost,
+    ];
+
+    /// The name on the wire (and the `reason` label of the refused-reports counter).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalReason::UnknownJob => "unknown_job",
+            RefusalReason::NotAssigned => "not_assigned",
+            RefusalReason::AttemptOver => "attempt_over",
+            RefusalReason::NotRank0 => "not_rank_0",
+            RefusalReason::NodeLost => "node_lost",
+        }
+    }
 }

@@ -60,10 +60,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let metrics = Arc::new(AgentMetrics::new());
-    let listener = std::net::TcpListener::bind(args.metrics_addr)
-        .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
-    let metrics_url = format!("http://{}/metrics", listener.local_addr()?);
-    serve_metrics(listener, metrics.clone())?;
+    let metrics_url = serve_metrics(args.metrics_addr, metrics.clone())?;
     let cfg = config(args)?;
     eprintln!(
         "agent {}: offering {} device(s) to {}; metrics at {metrics_url}; data roots {}",
@@ -76,11 +73,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Serves `metrics` at `/metrics` on a thread of its own.
-fn serve_metrics(
-    listener: std::net::TcpListener,
+/// Serves `metrics` at `/metrics` on `addr` on a thread of its own; returns their URL.
+pub(super) fn serve_metrics(
+    addr: SocketAddr,
     metrics: Arc<AgentMetrics>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<String> {
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("serving metrics on {addr}"))?;
+    let url = format!("http://{}/metrics", listener.local_addr()?);
     listener.set_nonblocking(true)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -97,7 +97,7 @@ fn serve_metrics(
             }
         })
     });
-    Ok(())
+    Ok(url)
 }
 
 fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {

@@ -69,9 +69,9 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             .rank
             .zip(args.master)
             .map(|(rank, master)| Distributed { rank, master }),
-        cancel: None,
         // The user's own process reads what the user can.
         data_roots: DataRoots::anywhere(),
+        ..Options::default()
     };
     let summary = run(&spec, &opts, &mut |p| {
         bar.set_position(u64::from(p.step));

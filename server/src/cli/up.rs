@@ -1,8 +1,10 @@
 //! `zerotrain up [--port 8080] [--data-dir DIR] [--cpu-devices N --device-memory SIZE]`: the
 //! whole service on this machine — the server with SQLite under the data directory, and one
-//! local agent offering virtual CPU devices. Prints the URL and the admin token (also written
-//! to `DIR/admin-token`, where the other commands find it).
+//! local agent offering virtual CPU devices, serving its `/metrics` at `--metrics-addr` as a
+//! standalone agent does. Prints the URL and the admin token (also written to
+//! `DIR/admin-token`, where the other commands find it).
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -13,7 +15,7 @@ use scheduler::memory::DeviceKind;
 
 use runner::agent::AgentMetrics;
 
-use super::serve;
+use super::{agent, serve};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -28,6 +30,9 @@ pub struct Args {
     /// Kernel threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the local agent serves its own Prometheus `/metrics` (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    metrics_addr: SocketAddr,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -38,8 +43,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let (server, tokens) = serve::start(settings).await?;
         let data_roots = server.state().data_roots.clone();
+        let metrics = Arc::new(AgentMetrics::new());
+        let metrics_url = agent::serve_metrics(args.metrics_addr, metrics.clone())?;
         eprintln!(
-            "local agent: {} CPU device(s) of {}; jobs read files only under {}",
+            "local agent: {} CPU device(s) of {}; jobs read files only under {}; metrics at {metrics_url}",
             args.cpu_devices,
             human(args.device_memory),
             super::agent::roots_list(&data_roots)
@@ -59,11 +66,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             data_roots,
         };
         let flag = stop.clone();
-        let agent =
-            std::thread::spawn(move || runner::agent::run(&cfg, &flag, &AgentMetrics::new()));
+        let local = std::thread::spawn(move || runner::agent::run(&cfg, &flag, &metrics));
         server.run_until(serve::stop_requested()).await?;
         stop.store(true, Ordering::Relaxed);
-        agent
+        local
             .join()
             .map_err(|_| anyhow::anyhow!("the local agent panicked"))??;
         Ok(())

@@ -366,6 +366,15 @@ impl Store {
         .await
     }
 
+    /// The (attempt, rank) pairs of job `job_id` that node `node_id` was ever assigned.
+    pub async fn node_ranks(
+        &self,
+        job_id: &str,
+        node_id: &str,
+    ) -> Result<Vec<(u32, u32)>, StoreError> {
+        nodes::node_ranks(&mut self.pool.acquire().await?.conn(), job_id, node_id).await
+    }
+
     /// All ranks of the job's current attempt, by rank (also after the attempt ended).
     pub async fn assignments_for_job(
         &self,
@@ -428,14 +437,16 @@ impl Store {
         reports::logs(&mut self.pool.acquire().await?.conn(), job_id, after, limit).await
     }
 
-    /// Records a checkpoint (the same attempt and step again replaces the path).
+    /// Records (commits) a checkpoint if `attempt` is still the job's current attempt; false,
+    /// writing nothing, when it is not or the job does not exist. The same attempt and step
+    /// again replaces the path.
     pub async fn add_checkpoint(
         &self,
         job_id: &str,
         attempt: u32,
         step: u32,
         path: &str,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         reports::add_checkpoint(
             &mut self.pool.acquire().await?.conn(),
             job_id,

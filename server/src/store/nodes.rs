@@ -8,7 +8,7 @@ use super::backend::{Arg, Conn, insert_rows, lock_scheduling, on};
 use super::jobs;
 use super::rows::{
     A_ASSIGNMENT_COLUMNS, AssignmentRow, J_JOB_COLUMNS, JobRow, NODE_DEVICE_COLUMNS, NodeDeviceRow,
-    kind_name, new_id, nodes_from_rows,
+    kind_name, new_id, nodes_from_rows, to_u32,
 };
 use crate::domain::{AssignmentRecord, Job, JobState, NodeRecord};
 
@@ -238,6 +238,26 @@ pub(super) async fn assignments_for_job(
         sqlx::query_as::<_, AssignmentRow>(&sql).bind(job_id).fetch_all(&mut **c).await?
     });
     rows.into_iter().map(AssignmentRecord::try_from).collect()
+}
+
+pub(super) async fn node_ranks(
+    c: &mut Conn<'_>,
+    job_id: &str,
+    node_id: &str,
+) -> Result<Vec<(u32, u32)>, StoreError> {
+    let rows = on!(c, c => {
+        sqlx::query_as::<_, (i64, i64)>(
+            "SELECT attempt, rank FROM assignments WHERE job_id = $1 AND node_id = $2 \
+             ORDER BY attempt, rank",
+        )
+        .bind(job_id)
+        .bind(node_id)
+        .fetch_all(&mut **c)
+        .await?
+    });
+    rows.into_iter()
+        .map(|(attempt, rank)| Ok((to_u32(attempt, "attempt")?, to_u32(rank, "rank")?)))
+        .collect()
 }
 
 pub(super) async fn set_master(

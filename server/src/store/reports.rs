@@ -195,10 +195,13 @@ pub(super) async fn add_checkpoint(
     step: u32,
     path: &str,
     now: i64,
-) -> Result<(), StoreError> {
-    let result: Result<(), StoreError> = on!(c, c => {
+) -> Result<bool, StoreError> {
+    // Recorded only while `attempt` is the job's current one, checked in the same statement: a
+    // requeue committed meanwhile wins.
+    let result: Result<u64, StoreError> = on!(c, c => {
         sqlx::query(
-            "INSERT INTO checkpoints (job_id, attempt, step, path, at) VALUES ($1, $2, $3, $4, $5) \
+            "INSERT INTO checkpoints (job_id, attempt, step, path, at) \
+             SELECT id, attempt, $3, $4, $5 FROM jobs WHERE id = $1 AND attempt = $2 \
              ON CONFLICT (job_id, attempt, step) DO UPDATE SET path = excluded.path, at = excluded.at",
         )
         .bind(job_id)
@@ -208,10 +211,10 @@ pub(super) async fn add_checkpoint(
         .bind(now)
         .execute(&mut **c)
         .await
-        .map(|_| ())
+        .map(|r| r.rows_affected())
         .map_err(StoreError::from)
     });
-    result.map_err(unknown_job_on_fk(job_id))
+    Ok(result? > 0)
 }
 
 pub(super) async fn checkpoints(

@@ -204,11 +204,20 @@ impl TestApp {
 
     pub async fn beat_raw(
         &self,
-        (id, token): &(String, String),
+        node: &(String, String),
         reports: Vec<Report>,
         running: Vec<(String, u32)>,
     ) -> Answer {
-        let beat = serde_json::to_value(Heartbeat { reports, running }).unwrap();
+        let beat = Heartbeat {
+            reports,
+            running,
+            wait_ms: 0,
+        };
+        self.send_beat(node, &beat).await
+    }
+
+    pub async fn send_beat(&self, (id, token): &(String, String), beat: &Heartbeat) -> Answer {
+        let beat = serde_json::to_value(beat).unwrap();
         self.call(
             Method::POST,
             &format!("/v1/agents/{id}/heartbeat"),
@@ -216,6 +225,17 @@ impl TestApp {
             Some(&beat),
         )
         .await
+    }
+
+    /// The server's count of refused agent reports for `reason`.
+    pub async fn refused(&self, reason: &str) -> u64 {
+        let prom = self.get("/metrics").await.text;
+        let series = format!("zerotrain_agent_reports_refused_total{{reason=\"{reason}\"}} ");
+        prom.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .unwrap_or_else(|| panic!("no {series} in\n{prom}"))
+            .parse()
+            .unwrap()
     }
 
     /// Runs one scheduling pass now.

@@ -1,15 +1,23 @@
-//! `POST /v1/agents/{node}/heartbeat`: the node is alive; its reports are applied; the reply
-//! carries the assignments it should start and the runs it should stop.
+//! `POST /v1/agents/{node}/heartbeat`: the node is alive; its reports are applied (those it
+//! may make); the reply carries the assignments it should start, the attempts it runs that are
+//! over, and the reports refused. With `wait_ms` the reply waits until there is an assignment
+//! or a fence for the node, or the wait is up (a long-poll).
 
 use std::num::NonZeroU32;
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
-use runner::agent::protocol::{Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport};
+use runner::agent::protocol::{
+    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason,
+};
 use scheduler::spec::{Auto, JobSpec, ZeroStage};
+use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Instant;
 
 use crate::app::{AppState, now_ms};
+use crate::artifacts;
 use crate::auth::AgentNode;
 use crate::domain::{Job, JobState, NodeRecord};
 use crate::error::{ApiError, Problem};
@@ -22,11 +30,11 @@ use crate::scheduling::StoredPlan;
     tag = "agents",
     params(("node" = String, Path, description = "The node id registration returned")),
     request_body(content = Object,
-        description = "`Heartbeat`: reports since the last beat and the (job, attempt) pairs \
-            running here"),
+        description = "`Heartbeat`: reports since the last beat, the (job, attempt) pairs \
+            running here, and `wait_ms`, how long the reply may wait for work"),
     responses(
         (status = 200, description = "`HeartbeatResponse`: assignments to start, (job, attempt) \
-            pairs to stop", body = Object),
+            pairs to stop, reports refused", body = Object),
         (status = 400, description = "The body is not a Heartbeat",
             body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "The node was declared lost: register again",
@@ -40,26 +48,92 @@ pub async fn heartbeat(
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
     let Json(beat) = body?;
     if !state.store.heartbeat(&node.id, now_ms()).await? {
+        state
+            .metrics
+            .refused(RefusalReason::NodeLost, beat.reports.len());
         return Err(ApiError::NodeLost { id: node.id });
     }
-    super::reports::apply(&state, &node, beat.reports).await?;
-    let assignments = assignments(&state, &node, &beat.running).await?;
+    let refused = super::reports::apply(&state, &node, beat.reports).await?;
+    let deadline = Instant::now() + wait(&state, beat.wait_ms);
+    // Subscribed before looking, so a placement made meanwhile is not missed.
+    let mut wake = state.agent_wake.subscribe();
+    let mut stop = state.shutdown.subscribe();
+    loop {
+        let assignments = assignments(&state, &node, &beat.running).await?;
+        let cancel = over(&state, &beat.running).await?;
+        let now = Instant::now();
+        if !assignments.is_empty() || !cancel.is_empty() || now >= deadline || *stop.borrow() {
+            return Ok(Json(HeartbeatResponse {
+                assignments,
+                cancel,
+                refused,
+            }));
+        }
+        // Another replica's placements wake nobody here: look again now and then.
+        let look_again = deadline.min(now + state.settings.scheduling_interval);
+        let _waiting = Waiting::count(&state);
+        tokio::select! {
+            () = woken(&mut wake, &node.id) => {}
+            () = tokio::time::sleep_until(look_again) => {}
+            _ = stop.changed() => {}
+        }
+    }
+}
+
+/// Counts a heartbeat as waiting until dropped (also when its client goes away).
+struct Waiting<'a>(&'a prometheus::Gauge);
+
+impl Waiting<'_> {
+    fn count(state: &AppState) -> Waiting<'_> {
+        let gauge = &state.metrics.server.agent_heartbeats_waiting;
+        gauge.inc();
+        Waiting(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// How long a heartbeat asking for `wait_ms` may wait: well inside the request timeout and
+/// the heartbeat timeout (the node counts as alive from the start of its heartbeat).
+fn wait(state: &AppState, wait_ms: u64) -> Duration {
+    let s = &state.settings;
+    Duration::from_millis(wait_ms)
+        .min(s.request_timeout / 2)
+        .min(s.heartbeat_timeout / 2)
+}
+
+/// Returns once a wake for `node` (or for every node) arrives.
+async fn woken(wake: &mut tokio::sync::broadcast::Receiver<Option<String>>, node: &str) {
+    loop {
+        match wake.recv().await {
+            Ok(Some(n)) if n != node => continue,
+            // Missed wakes may have been for this node.
+            Ok(_) | Err(RecvError::Lagged(_)) => return,
+            Err(RecvError::Closed) => std::future::pending().await,
+        }
+    }
+}
+
+/// The attempts of `running` that are over: the job is gone, ended, back in the queue, or at
+/// a later attempt.
+async fn over(state: &AppState, running: &[(String, u32)]) -> Result<Vec<(String, u32)>, ApiError> {
     let mut cancel = Vec::new();
-    for (id, attempt) in beat.running {
-        let stop = match state.store.get_job(&id).await? {
+    for (id, attempt) in running {
+        let stop = match state.store.get_job(id).await? {
             None => true,
             Some(job) => {
-                job.attempt != attempt || job.state.is_terminal() || job.state == JobState::Queued
+                job.attempt != *attempt || job.state.is_terminal() || job.state == JobState::Queued
             }
         };
         if stop {
-            cancel.push((id, attempt));
+            cancel.push((id.clone(), *attempt));
         }
     }
-    Ok(Json(HeartbeatResponse {
-        assignments,
-        cancel,
-    }))
+    Ok(cancel)
 }
 
 /// This node's part of every scheduled job it is not running yet. A job spanning nodes runs
@@ -117,6 +191,15 @@ async fn assignments(
                 continue;
             }
         };
+        // The newest checkpoint an earlier attempt committed: the server recorded it.
+        let resume_from = state
+            .store
+            .checkpoints(&job.id)
+            .await?
+            .into_iter()
+            .rev()
+            .find(|c| c.attempt < job.attempt)
+            .map(|c| c.path);
         out.push(Assignment {
             spec,
             job_id: job.id.clone(),
@@ -124,6 +207,10 @@ async fn assignments(
             ranks,
             transport,
             out_dir: state.settings.job_dir(&job.id).display().to_string(),
+            attempt_dir: artifacts::attempt_dir(&state.settings, &job.id, job.attempt)
+                .display()
+                .to_string(),
+            resume_from,
         });
     }
     Ok(out)

@@ -1,12 +1,15 @@
 //! What a heartbeat's reports do: steps, memory, logs and checkpoints are stored (and feed the
 //! metrics and event streams); `Started`, `Finished` from rank 0's node and `Failed` move the
-//! job. Reports of an attempt that is no longer the job's current one are dropped.
+//! job. A report is applied only for a (job, attempt) this node holds ranks of that is still
+//! the job's current attempt, and one about the whole job only from rank 0's node; the others
+//! are refused, counted, and named in the reply.
 
 use std::collections::HashMap;
 
-use runner::agent::protocol::Report;
+use runner::agent::protocol::{Refusal, RefusalReason, Report};
 
 use crate::app::{App, JobEvent, now_ms};
+use crate::artifacts;
 use crate::domain::{Job, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord};
 use crate::error::ApiError;
 
@@ -20,31 +23,74 @@ struct Pending {
     logs: HashMap<String, Vec<(i64, String)>>,
 }
 
+/// A job as the beat sees it: the job, and the (attempt, rank) pairs this node was assigned.
+struct View {
+    job: Option<Job>,
+    ranks: Vec<(u32, u32)>,
+}
+
+impl View {
+    /// Whether the node may report `report`, of `attempt`.
+    fn admits(&self, attempt: u32, report: &Report) -> Result<&Job, RefusalReason> {
+        let job = self.job.as_ref().ok_or(RefusalReason::UnknownJob)?;
+        let mut ranks = self
+            .ranks
+            .iter()
+            .filter(|(a, _)| *a == attempt)
+            .map(|(_, r)| *r)
+            .peekable();
+        if ranks.peek().is_none() {
+            return Err(RefusalReason::NotAssigned);
+        }
+        if job.attempt != attempt {
+            return Err(RefusalReason::AttemptOver);
+        }
+        if report.from_rank_0_only() && !ranks.any(|r| r == 0) {
+            return Err(RefusalReason::NotRank0);
+        }
+        Ok(job)
+    }
+
+    fn runs_rank_0(&self, attempt: u32) -> bool {
+        self.ranks.contains(&(attempt, 0))
+    }
+}
+
+/// Applies what `node` may report of `reports`; returns the others, refused.
 pub(super) async fn apply(
     app: &App,
     node: &NodeRecord,
     reports: Vec<Report>,
-) -> Result<(), ApiError> {
+) -> Result<Vec<Refusal>, ApiError> {
     let now = now_ms();
-    let mut jobs: HashMap<String, Option<Job>> = HashMap::new();
+    let mut views: HashMap<String, View> = HashMap::new();
     let mut pending = Pending::default();
-    for report in reports {
-        let (job_id, attempt) = ids(&report);
-        let job = match jobs.get(job_id) {
-            Some(job) => job.clone(),
-            None => {
-                let job = app.store.get_job(job_id).await?;
-                jobs.insert(job_id.to_string(), job.clone());
-                job
+    let mut refused = Vec::new();
+    for (index, report) in reports.into_iter().enumerate() {
+        let (job_id, attempt) = report.key();
+        if !views.contains_key(job_id) {
+            let view = View {
+                job: app.store.get_job(job_id).await?,
+                ranks: app.store.node_ranks(job_id, &node.id).await?,
+            };
+            views.insert(job_id.to_string(), view);
+        }
+        let view = &views[job_id];
+        let job = match view.admits(attempt, &report) {
+            Ok(job) => job.clone(),
+            Err(reason) => {
+                tracing::debug!(job = job_id, attempt, node = %node.id, ?reason, "report refused");
+                app.metrics.refused(reason, 1);
+                refused.push(Refusal { index, reason });
+                continue;
             }
         };
-        let Some(job) = job.filter(|j| j.attempt == attempt) else {
-            tracing::debug!(job = job_id, attempt, "dropping a report of a past attempt");
-            continue;
-        };
+        let runs_rank_0 = view.runs_rank_0(attempt);
         match report {
             Report::Rendezvous { master, .. } => {
                 app.store.set_master(&job.id, attempt, &master).await?;
+                // The job's other nodes get their assignments now.
+                app.wake_agents(None);
             }
             Report::Step {
                 step,
@@ -100,10 +146,19 @@ pub(super) async fn apply(
             Report::Log { line, .. } => {
                 pending.logs.entry(job.id).or_default().push((now, line));
             }
-            Report::Checkpoint { step, path, .. } => {
-                app.store
+            Report::Checkpoint { step, .. } => {
+                let path = artifacts::checkpoint_dir(&app.settings, &job.id, attempt, step);
+                let path = path.display().to_string();
+                if !app
+                    .store
                     .add_checkpoint(&job.id, attempt, step, &path)
-                    .await?;
+                    .await?
+                {
+                    // Requeued since this beat read the job.
+                    let reason = RefusalReason::AttemptOver;
+                    app.metrics.refused(reason, 1);
+                    refused.push(Refusal { index, reason });
+                }
             }
             Report::Started { resumed_from, .. } => {
                 pending.flush(app).await?;
@@ -120,23 +175,20 @@ pub(super) async fn apply(
                         &reason,
                     )
                     .await?;
-                refresh(&mut jobs, moved);
+                refresh(&mut views, moved);
             }
             Report::Finished { final_loss, .. } => {
                 // The job is done when rank 0 is; other nodes' ranks finish with it.
-                let runs_rank_0 = app
-                    .store
-                    .assignments_for_job(&job.id)
-                    .await?
-                    .iter()
-                    .any(|a| a.attempt == attempt && a.rank == 0 && a.node_id == node.id);
                 if runs_rank_0 {
                     pending.flush(app).await?;
                     let reason = format!("finished: final loss {final_loss:.4}");
                     let moved = app
                         .transition_attempt(&job.id, attempt, &LIVE, JobState::Succeeded, &reason)
                         .await?;
-                    refresh(&mut jobs, moved);
+                    if moved.is_some() {
+                        artifacts::promote_export(&app.settings, &job.id, attempt).await;
+                    }
+                    refresh(&mut views, moved);
                 }
             }
             Report::Failed { error, .. } => {
@@ -145,13 +197,14 @@ pub(super) async fn apply(
                 let moved = app
                     .transition_attempt(&job.id, attempt, &LIVE, JobState::Failed, &reason)
                     .await?;
-                refresh(&mut jobs, moved);
+                refresh(&mut views, moved);
             }
             // The job was cancelled here first; the ranks stopping changes nothing.
             Report::Cancelled { .. } => {}
         }
     }
-    pending.flush(app).await
+    pending.flush(app).await?;
+    Ok(refused)
 }
 
 impl Pending {
@@ -184,38 +237,10 @@ impl Pending {
 }
 
 /// Keeps the beat's view of a job current after it moved.
-fn refresh(jobs: &mut HashMap<String, Option<Job>>, moved: Option<Job>) {
-    if let Some(job) = moved {
-        jobs.insert(job.id.clone(), Some(job));
-    }
-}
-
-fn ids(report: &Report) -> (&str, u32) {
-    match report {
-        Report::Rendezvous {
-            job_id, attempt, ..
-        }
-        | Report::Started {
-            job_id, attempt, ..
-        }
-        | Report::Step {
-            job_id, attempt, ..
-        }
-        | Report::Memory {
-            job_id, attempt, ..
-        }
-        | Report::Log {
-            job_id, attempt, ..
-        }
-        | Report::Checkpoint {
-            job_id, attempt, ..
-        }
-        | Report::Finished {
-            job_id, attempt, ..
-        }
-        | Report::Failed {
-            job_id, attempt, ..
-        }
-        | Report::Cancelled { job_id, attempt } => (job_id, *attempt),
+fn refresh(views: &mut HashMap<String, View>, moved: Option<Job>) {
+    if let Some(job) = moved
+        && let Some(view) = views.get_mut(&job.id)
+    {
+        view.job = Some(job);
     }
 }
