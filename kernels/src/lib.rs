@@ -16,6 +16,8 @@
 pub mod attention;
 pub mod cpu;
 pub mod crossentropy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod encoder;
 pub mod float;
 pub mod gelu;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use scheduler::memory::{Breakdown, Category};
 
 use crate::Error;
+use crate::device::{Cpu, Device, Elem};
 
 /// One rank's ledger of live and peak bytes per category. Cloning shares the ledger.
 #[derive(Clone, Debug, Default)]
@@ -35,12 +36,49 @@ impl Accountant {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A zeroed buffer of `len` elements charged to `category`.
+    /// A zeroed host buffer of `len` elements charged to `category`.
     pub fn alloc<T: Copy + Default>(
         &self,
         category: Category,
         len: usize,
     ) -> Result<Buffer<T>, Error> {
+        let bytes = self.charge::<T>(category, len)?;
+        Ok(Buffer {
+            data: vec![T::default(); len],
+            bytes,
+            category,
+            ledger: self.clone(),
+        })
+    }
+
+    /// A zeroed buffer of `len` elements on `dev`, charged to `category` as on the host.
+    pub fn alloc_on<D: Device, T: Elem>(
+        &self,
+        dev: &D,
+        category: Category,
+        len: usize,
+    ) -> Result<Buffer<T, D>, Error> {
+        let bytes = self.charge::<T>(category, len)?;
+        match dev.zeros(len) {
+            Ok(data) => Ok(Buffer {
+                data,
+                bytes,
+                category,
+                ledger: self.clone(),
+            }),
+            Err(e) => {
+                self.release(category, bytes);
+                Err(e)
+            }
+        }
+    }
+
+    fn release(&self, category: Category, bytes: u64) {
+        *self.ledger().current.get_mut(category) -= bytes;
+    }
+
+    /// Records `len` more `T`s of `category`, or refuses them past the budget.
+    fn charge<T>(&self, category: Category, len: usize) -> Result<u64, Error> {
         let bytes = (len * size_of::<T>()) as u64;
         {
             let mut l = self.ledger();
@@ -60,11 +98,7 @@ impl Accountant {
             let peak = l.peak.get_mut(category);
             *peak = (*peak).max(now);
         }
-        Ok(Buffer {
-            data: vec![T::default(); len],
-            category,
-            ledger: self.clone(),
-        })
+        Ok(bytes)
     }
 
     /// Bytes live now, by category.
@@ -78,12 +112,47 @@ impl Accountant {
     }
 }
 
-/// Memory charged to an `Accountant`; released when dropped.
-#[derive(Debug)]
-pub struct Buffer<T> {
-    data: Vec<T>,
+/// Memory charged to an `Accountant`, on the host or on device `D`; released when dropped.
+pub struct Buffer<T, D: Device = Cpu> {
+    data: D::Buf<T>,
+    bytes: u64,
     category: Category,
     ledger: Accountant,
+}
+
+impl<T, D: Device> Buffer<T, D> {
+    /// All of it, to read.
+    #[inline]
+    pub fn view(&self) -> D::View<'_, T> {
+        D::view(&self.data)
+    }
+
+    /// All of it, to write.
+    #[inline]
+    pub fn view_mut(&mut self) -> D::ViewMut<'_, T> {
+        D::view_mut(&mut self.data)
+    }
+
+    /// Elements `r`, to read.
+    #[inline]
+    pub fn at(&self, r: std::ops::Range<usize>) -> D::View<'_, T> {
+        D::slice(D::view(&self.data), r)
+    }
+
+    /// Elements `r`, to write.
+    #[inline]
+    pub fn at_mut(&mut self, r: std::ops::Range<usize>) -> D::ViewMut<'_, T> {
+        D::slice_mut(D::view_mut(&mut self.data), r)
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Buffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("data", &self.data)
+            .field("category", &self.category)
+            .finish()
+    }
 }
 
 impl<T> Deref for Buffer<T> {
@@ -99,10 +168,9 @@ impl<T> DerefMut for Buffer<T> {
     }
 }
 
-impl<T> Drop for Buffer<T> {
+impl<T, D: Device> Drop for Buffer<T, D> {
     fn drop(&mut self) {
-        let bytes = (self.data.len() * size_of::<T>()) as u64;
-        *self.ledger.ledger().current.get_mut(self.category) -= bytes;
+        self.ledger.release(self.category, self.bytes);
     }
 }
 

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;
+pub mod device;
 mod error;
 mod gpt;
 pub mod loss_scale;

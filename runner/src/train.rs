@@ -329,7 +329,7 @@ fn train_rank<X: Float + Wire>(
         }
         None => {
             if let Some(path) = &spec.model.init_from {
-                engine.load_weights(&checkpoint::load_hf(roots, path, &shape)?);
+                engine.load_weights(&checkpoint::load_hf(roots, path, &shape)?)?;
             }
             None
         }

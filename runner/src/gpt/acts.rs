@@ -1,62 +1,63 @@
 //! The activations and buffers of one micro-batch, allocated exactly as
 //! `scheduler::model::ActivationTensor` describes them, so the memory model counts them.
 
-use kernels::Float;
 use scheduler::memory::Category;
 use scheduler::model::{ActivationTensor as A, GptShape, MATMUL_SCRATCH_F32};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
+use crate::device::{Device, Elem, Num};
 
 /// What one block's forward keeps for its backward (its output is in `Acts::res3`).
-pub struct BlockActs<X> {
-    pub ln1: Buffer<X>,
-    pub ln1_mean: Buffer<f32>,
-    pub ln1_rstd: Buffer<f32>,
-    pub qkv: Buffer<X>,
-    pub att: Buffer<X>,
-    pub atty: Buffer<X>,
-    pub res2: Buffer<X>,
-    pub ln2: Buffer<X>,
-    pub ln2_mean: Buffer<f32>,
-    pub ln2_rstd: Buffer<f32>,
-    pub fch: Buffer<X>,
-    pub fch_gelu: Buffer<X>,
+pub struct BlockActs<X, D: Device> {
+    pub ln1: Buffer<X, D>,
+    pub ln1_mean: Buffer<f32, D>,
+    pub ln1_rstd: Buffer<f32, D>,
+    pub qkv: Buffer<X, D>,
+    pub att: Buffer<X, D>,
+    pub atty: Buffer<X, D>,
+    pub res2: Buffer<X, D>,
+    pub ln2: Buffer<X, D>,
+    pub ln2_mean: Buffer<f32, D>,
+    pub ln2_rstd: Buffer<f32, D>,
+    pub fch: Buffer<X, D>,
+    pub fch_gelu: Buffer<X, D>,
 }
 
-pub struct Acts<X> {
+pub struct Acts<X, D: Device> {
     /// Block 0's input.
-    pub encoded: Buffer<X>,
+    pub encoded: Buffer<X, D>,
     /// One per layer, or under activation checkpointing one that every block recomputes into.
-    pub blocks: Vec<BlockActs<X>>,
+    pub blocks: Vec<BlockActs<X, D>>,
     /// Each block's output (always kept: checkpointing restarts from them).
-    pub res3: Vec<Buffer<X>>,
-    pub lnf: Buffer<X>,
-    pub lnf_mean: Buffer<f32>,
-    pub lnf_rstd: Buffer<f32>,
+    pub res3: Vec<Buffer<X, D>>,
+    pub lnf: Buffer<X, D>,
+    pub lnf_mean: Buffer<f32, D>,
+    pub lnf_rstd: Buffer<f32, D>,
     /// Backward scratch: gradient of the residual stream, of a C-wide and a 4C-wide tensor,
     /// and of the attention scores.
-    pub dres: Buffer<X>,
-    pub dchan: Buffer<X>,
-    pub dwide: Buffer<X>,
-    pub datt: Buffer<f32>,
-    pub logits: Buffer<f32>,
-    pub losses: Buffer<f32>,
-    pub inputs: Buffer<u32>,
-    pub targets: Buffer<u32>,
+    pub dres: Buffer<X, D>,
+    pub dchan: Buffer<X, D>,
+    pub dwide: Buffer<X, D>,
+    pub datt: Buffer<f32, D>,
+    pub logits: Buffer<f32, D>,
+    pub losses: Buffer<f32, D>,
+    pub inputs: Buffer<u32, D>,
+    pub targets: Buffer<u32, D>,
     /// Where the matmuls widen fp16/bf16 tiles (empty for fp32).
-    pub matmul_scratch: Buffer<f32>,
+    pub matmul_scratch: Buffer<f32, D>,
 }
 
-struct Alloc<'a> {
+struct Alloc<'a, D> {
+    dev: &'a D,
     acct: &'a Accountant,
     shape: &'a GptShape,
     b: usize,
     t: usize,
 }
 
-impl Alloc<'_> {
-    fn take<T: Copy + Default>(&self, tensor: A, compute_bytes: usize) -> Result<Buffer<T>, Error> {
+impl<D: Device> Alloc<'_, D> {
+    fn take<T: Elem>(&self, tensor: A, compute_bytes: usize) -> Result<Buffer<T, D>, Error> {
         debug_assert_eq!(
             size_of::<T>() as u64,
             tensor.element().bytes(compute_bytes as u64)
@@ -67,19 +68,26 @@ impl Alloc<'_> {
             Category::Activations
         };
         self.acct
-            .alloc(category, tensor.len(self.shape, self.b, self.t))
+            .alloc_on(self.dev, category, tensor.len(self.shape, self.b, self.t))
     }
 }
 
-impl<X: Float> Acts<X> {
+impl<X: Num, D: Device> Acts<X, D> {
     pub fn new(
+        dev: &D,
         acct: &Accountant,
         shape: &GptShape,
         b: usize,
         t: usize,
         checkpointing: bool,
-    ) -> Result<Acts<X>, Error> {
-        let a = Alloc { acct, shape, b, t };
+    ) -> Result<Acts<X, D>, Error> {
+        let a = Alloc {
+            dev,
+            acct,
+            shape,
+            b,
+            t,
+        };
         let x = X::BYTES;
         let saved = if checkpointing { 1 } else { shape.n_layer };
         let blocks = (0..saved)
@@ -122,7 +130,7 @@ impl<X: Float> Acts<X> {
             losses: a.take(A::Losses, x)?,
             inputs: a.take(A::Inputs, x)?,
             targets: a.take(A::Targets, x)?,
-            matmul_scratch: acct.alloc(Category::Buffers, scratch)?,
+            matmul_scratch: acct.alloc_on(dev, Category::Buffers, scratch)?,
         })
     }
 }

@@ -9,6 +9,8 @@ pub use pass::{block_backward, block_forward, embed_backward, embed_forward, hea
 
 use scheduler::model::{GptShape, TensorKind};
 
+use crate::device::{Device, split, split_mut};
+
 /// Sizes of one micro-batch of one model: B, T, C, NH, V, L.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchDims {
@@ -47,7 +49,7 @@ impl BatchDims {
     }
 }
 
-/// The tensors of a block, in state-dict order, as slices `S` (`&[X]` or `&mut [X]`) of the
+/// The tensors of a block, in state-dict order, as views `S` (shared or exclusive) of the
 /// block's unit buffer. Weights are Hugging Face Conv1D layout, used as x·W + b.
 pub struct Block<S> {
     pub ln1_w: S,
@@ -102,53 +104,43 @@ impl<S> Block<S> {
     }
 }
 
-impl<'a, X> Block<&'a [X]> {
-    pub fn new(unit: &'a [X], shape: &GptShape) -> Self {
-        Block::from_parts(split(unit, lens(&TensorKind::BLOCK, shape)))
-    }
+/// Block `unit`'s tensors, to read.
+pub fn block<'a, D: Device, X>(unit: D::View<'a, X>, shape: &GptShape) -> Block<D::View<'a, X>> {
+    Block::from_parts(split::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)))
 }
 
-impl<'a, X> Block<&'a mut [X]> {
-    pub fn new_mut(unit: &'a mut [X], shape: &GptShape) -> Self {
-        Block::from_parts(split_mut(unit, lens(&TensorKind::BLOCK, shape)))
-    }
+/// Block `unit`'s tensors, to write (its gradient).
+pub fn block_mut<'a, D: Device, X>(
+    unit: D::ViewMut<'a, X>,
+    shape: &GptShape,
+) -> Block<D::ViewMut<'a, X>> {
+    Block::from_parts(split_mut::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)))
 }
 
 /// `(wte (V, C), wpe (maxT, C))` of the embeddings unit.
-pub fn embeddings<'a, X>(unit: &'a [X], shape: &GptShape) -> [&'a [X]; 2] {
-    split(unit, lens(&TensorKind::EMBEDDINGS, shape))
+pub fn embeddings<'a, D: Device, X>(unit: D::View<'a, X>, shape: &GptShape) -> [D::View<'a, X>; 2] {
+    split::<D, X, 2>(unit, lens(&TensorKind::EMBEDDINGS, shape))
 }
 
-pub fn embeddings_mut<'a, X>(unit: &'a mut [X], shape: &GptShape) -> [&'a mut [X]; 2] {
-    split_mut(unit, lens(&TensorKind::EMBEDDINGS, shape))
+pub fn embeddings_mut<'a, D: Device, X>(
+    unit: D::ViewMut<'a, X>,
+    shape: &GptShape,
+) -> [D::ViewMut<'a, X>; 2] {
+    split_mut::<D, X, 2>(unit, lens(&TensorKind::EMBEDDINGS, shape))
 }
 
 /// `(weight, bias)` of the final LayerNorm unit.
-pub fn final_norm<'a, X>(unit: &'a [X], shape: &GptShape) -> [&'a [X]; 2] {
-    split(unit, lens(&TensorKind::FINAL_NORM, shape))
+pub fn final_norm<'a, D: Device, X>(unit: D::View<'a, X>, shape: &GptShape) -> [D::View<'a, X>; 2] {
+    split::<D, X, 2>(unit, lens(&TensorKind::FINAL_NORM, shape))
 }
 
-pub fn final_norm_mut<'a, X>(unit: &'a mut [X], shape: &GptShape) -> [&'a mut [X]; 2] {
-    split_mut(unit, lens(&TensorKind::FINAL_NORM, shape))
+pub fn final_norm_mut<'a, D: Device, X>(
+    unit: D::ViewMut<'a, X>,
+    shape: &GptShape,
+) -> [D::ViewMut<'a, X>; 2] {
+    split_mut::<D, X, 2>(unit, lens(&TensorKind::FINAL_NORM, shape))
 }
 
 fn lens<const N: usize>(kinds: &[TensorKind; N], shape: &GptShape) -> [usize; N] {
     kinds.map(|k| k.dims(shape).numel())
-}
-
-/// Consecutive slices of the given lengths from the front of `buf` (the rest is padding).
-fn split<T, const N: usize>(mut buf: &[T], lens: [usize; N]) -> [&[T]; N] {
-    lens.map(|n| {
-        let (head, tail) = buf.split_at(n);
-        buf = tail;
-        head
-    })
-}
-
-fn split_mut<T, const N: usize>(mut buf: &mut [T], lens: [usize; N]) -> [&mut [T]; N] {
-    lens.map(|n| {
-        let (head, tail) = std::mem::take(&mut buf).split_at_mut(n);
-        buf = tail;
-        head
-    })
 }

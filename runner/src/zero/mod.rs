@@ -10,9 +10,7 @@
 //! - stage 3: parameters sharded too: each unit is all-gathered before its forward and again
 //!   before its backward.
 
-use kernels::Float;
 use kernels::norm::sum_squares;
-use kernels::residual::residual_accumulate;
 use scheduler::memory::{self, Category, Setup};
 use scheduler::model::{GptShape, Units};
 
@@ -20,7 +18,8 @@ use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::comm::{Communicator, Wire};
 use crate::data::DataLoader;
-use crate::gpt::{self, Acts, BatchDims, Block};
+use crate::device::{Cpu, Device, Elem, Num};
+use crate::gpt::{self, Acts, BatchDims};
 use crate::loss_scale::LossScaler;
 use crate::optimizer::{OptimizerState, Slices, Step};
 
@@ -34,18 +33,18 @@ use layout::{Part, ShardLayout};
 const EMB: usize = 0;
 
 /// The model's buffers on this rank.
-struct Buffers<X> {
+struct Buffers<X, D: Device> {
     /// Per unit: the elements the layout holds of `Part::Params`.
-    params: Vec<Buffer<X>>,
+    params: Vec<Buffer<X, D>>,
     /// Per unit: the elements the layout holds of `Part::Grads`.
-    grads: Vec<Buffer<X>>,
+    grads: Vec<Buffer<X, D>>,
     /// Stages 2-3: the full gradient of the embeddings and of the other unit in backward.
-    unit_grads: Option<[Buffer<X>; 2]>,
+    unit_grads: Option<[Buffer<X, D>; 2]>,
     /// Stage 3: the gathered embeddings and two block-sized units (alternating).
-    gathered: Option<[Buffer<X>; 3]>,
+    gathered: Option<[Buffer<X, D>; 3]>,
 }
 
-impl<X: Float> Buffers<X> {
+impl<X, D: Device> Buffers<X, D> {
     fn gathered_slot(u: usize) -> usize {
         if u == EMB { 0 } else { 1 + u % 2 }
     }
@@ -55,18 +54,18 @@ impl<X: Float> Buffers<X> {
     }
 
     /// Unit `u`'s whole parameters (gathered first at stage 3).
-    fn param(&self, u: usize, len: usize) -> &[X] {
+    fn param(&self, u: usize, len: usize) -> D::View<'_, X> {
         match &self.gathered {
-            Some(g) => &g[Self::gathered_slot(u)][..len],
-            None => &self.params[u][..len],
+            Some(g) => g[Self::gathered_slot(u)].at(0..len),
+            None => self.params[u].view(),
         }
     }
 
     /// Where backward adds unit `u`'s whole gradient.
-    fn grad(&mut self, u: usize) -> &mut [X] {
+    fn grad(&mut self, u: usize) -> D::ViewMut<'_, X> {
         match &mut self.unit_grads {
-            Some(g) => &mut g[Self::grad_slot(u)],
-            None => &mut self.grads[u],
+            Some(g) => g[Self::grad_slot(u)].view_mut(),
+            None => self.grads[u].view_mut(),
         }
     }
 }
@@ -83,7 +82,9 @@ pub struct StepReport {
     pub grad_norm: Option<f64>,
 }
 
-pub struct Engine<X: Float> {
+/// One rank's trainer on device `D`.
+pub struct Engine<X: Num, D: Device = Cpu> {
+    dev: D,
     shape: GptShape,
     units: Units,
     layout: ShardLayout,
@@ -92,20 +93,19 @@ pub struct Engine<X: Float> {
     grad_accum: usize,
     /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
     reduces_norm: bool,
-    bufs: Buffers<X>,
+    bufs: Buffers<X, D>,
     /// Mixed precision: fp32 master weights of each unit's `Part::State` range.
-    master: Option<Vec<Buffer<f32>>>,
+    master: Option<Vec<Buffer<f32, D>>>,
     optimizer: OptimizerState,
-    acts: Acts<X>,
+    acts: Acts<X, D>,
     comm: Communicator,
     acct: Accountant,
     /// Optimizer updates applied so far (skipped steps do not count, as in PyTorch).
     applied: u64,
 }
 
-impl<X: Float + Wire> Engine<X> {
-    /// Allocates every buffer through `acct` and initialises the weights, GPT-2 style, from
-    /// `seed`: the same values whatever the stage or world size.
+impl<X: Num + Wire> Engine<X> {
+    /// [`Engine::on`] the CPU.
     pub fn new(
         setup: &Setup,
         shape: GptShape,
@@ -113,13 +113,29 @@ impl<X: Float + Wire> Engine<X> {
         comm: Communicator,
         acct: Accountant,
     ) -> Result<Engine<X>, Error> {
+        Engine::on(Cpu, setup, shape, seed, comm, acct)
+    }
+}
+
+impl<X: Num + Wire, D: Device> Engine<X, D> {
+    /// Allocates every buffer on `dev` through `acct` and initialises the weights, GPT-2
+    /// style, from `seed`: the same values whatever the device, stage or world size.
+    pub fn on(
+        dev: D,
+        setup: &Setup,
+        shape: GptShape,
+        seed: u64,
+        comm: Communicator,
+        acct: Accountant,
+    ) -> Result<Engine<X, D>, Error> {
         let units = Units::new(&shape, comm.world_size());
         let layout = ShardLayout::new(setup.stage, &units, comm.rank());
-        let params = alloc_held(&acct, &layout, Category::Params, Part::Params)?;
-        let grads = alloc_held(&acct, &layout, Category::Grads, Part::Grads)?;
+        let params = alloc_held(&dev, &acct, &layout, Category::Params, Part::Params)?;
+        let grads = alloc_held(&dev, &acct, &layout, Category::Grads, Part::Grads)?;
         let mixed = X::as_f32(&[]).is_none();
         let master = if mixed {
             Some(alloc_held(
+                &dev,
                 &acct,
                 &layout,
                 Category::Optimizer,
@@ -140,17 +156,17 @@ impl<X: Float + Wire> Engine<X> {
         );
         let unit_grads = if layout.sharded(Part::Grads) {
             Some([
-                acct.alloc(Category::Buffers, emb)?,
-                acct.alloc(Category::Buffers, other)?,
+                acct.alloc_on(&dev, Category::Buffers, emb)?,
+                acct.alloc_on(&dev, Category::Buffers, other)?,
             ])
         } else {
             None
         };
         let gathered = if layout.sharded(Part::Params) {
             Some([
-                acct.alloc(Category::Buffers, emb)?,
-                acct.alloc(Category::Buffers, other)?,
-                acct.alloc(Category::Buffers, other)?,
+                acct.alloc_on(&dev, Category::Buffers, emb)?,
+                acct.alloc_on(&dev, Category::Buffers, other)?,
+                acct.alloc_on(&dev, Category::Buffers, other)?,
             ])
         } else {
             None
@@ -162,8 +178,9 @@ impl<X: Float + Wire> Engine<X> {
             comm.set_scratch(acct.alloc(Category::Buffers, (ring / 8) as usize)?);
         }
         let dims = BatchDims::new(&shape, setup.micro_batch, setup.seq_len);
-        let acts = Acts::new(&acct, &shape, dims.b, dims.t, setup.checkpointing)?;
+        let acts = Acts::new(&dev, &acct, &shape, dims.b, dims.t, setup.checkpointing)?;
         let mut engine = Engine {
+            dev,
             shape,
             units,
             layout,
@@ -184,7 +201,7 @@ impl<X: Float + Wire> Engine<X> {
             acct,
             applied: 0,
         };
-        engine.init_weights(seed);
+        engine.init_weights(seed)?;
         Ok(engine)
     }
 
@@ -216,9 +233,12 @@ impl<X: Float + Wire> Engine<X> {
         let Some(gathered) = &mut self.bufs.gathered else {
             return Ok(());
         };
-        let buf = &mut gathered[Buffers::<X>::gathered_slot(u)][..len];
-        buf[self.layout.held(Part::Params, u)].copy_from_slice(&self.bufs.params[u]);
-        self.comm.all_gather(buf)
+        let buf = &mut gathered[Buffers::<X, D>::gathered_slot(u)];
+        let held = self.layout.held(Part::Params, u);
+        self.dev
+            .copy(buf.at_mut(held), self.bufs.params[u].view())?;
+        self.dev
+            .on_host(buf.at_mut(0..len), |b| self.comm.all_gather(b))?
     }
 
     /// The first of the three points where stages differ: backward has finished unit `u`'s
@@ -230,14 +250,14 @@ impl<X: Float + Wire> Engine<X> {
         let Some(unit_grads) = &mut self.bufs.unit_grads else {
             return Ok(());
         };
-        let buf = &mut unit_grads[Buffers::<X>::grad_slot(u)][..len];
-        self.comm.reduce_scatter(buf)?;
-        residual_accumulate(
-            &mut self.bufs.grads[u],
-            &buf[self.layout.held(Part::Grads, u)],
-        );
-        buf.fill(X::ZERO);
-        Ok(())
+        let buf = &mut unit_grads[Buffers::<X, D>::grad_slot(u)];
+        let comm = &mut self.comm;
+        self.dev
+            .on_host(buf.at_mut(0..len), |b| comm.reduce_scatter(b))??;
+        let held = self.layout.held(Part::Grads, u);
+        self.dev
+            .residual_accumulate(self.bufs.grads[u].view_mut(), buf.at(held))?;
+        self.dev.fill_zero(buf.at_mut(0..len))
     }
 
     /// The second: every micro-batch's gradient has been added up. Whole gradients are
@@ -248,12 +268,15 @@ impl<X: Float + Wire> Engine<X> {
             return Ok(());
         }
         let sharded_state = self.layout.sharded(Part::State);
+        let (dev, comm) = (&self.dev, &mut self.comm);
         self.bufs.grads.iter_mut().try_for_each(|g| {
-            if sharded_state {
-                self.comm.reduce_scatter(g)
-            } else {
-                self.comm.all_reduce(g)
-            }
+            dev.on_host(g.view_mut(), |g| {
+                if sharded_state {
+                    comm.reduce_scatter(g)
+                } else {
+                    comm.all_reduce(g)
+                }
+            })?
         })
     }
 
@@ -263,10 +286,11 @@ impl<X: Float + Wire> Engine<X> {
         if !self.layout.sharded(Part::State) || self.layout.sharded(Part::Params) {
             return Ok(());
         }
+        let (dev, comm) = (&self.dev, &mut self.comm);
         self.bufs
             .params
             .iter_mut()
-            .try_for_each(|p| self.comm.all_gather(p))
+            .try_for_each(|p| dev.on_host(p.view_mut(), |p| comm.all_gather(p))?)
     }
 
     fn unit_len(&self, u: usize) -> usize {
@@ -280,16 +304,18 @@ impl<X: Float + Wire> Engine<X> {
         let ckpt = self.checkpointing;
         let slot = move |l: usize| if ckpt { 0 } else { l };
         self.fetch(EMB)?;
+        let dev = &self.dev;
         gpt::embed_forward(
+            dev,
             self.bufs.param(EMB, self.unit_len(EMB)),
             &shape,
             &d,
             &mut self.acts,
-        );
+        )?;
         for l in 0..l_n {
             self.fetch(l + 1)?;
-            let p = Block::new(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
-            gpt::block_forward(&p, &mut self.acts, l, slot(l), &d);
+            let p = gpt::block::<D, X>(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
+            gpt::block_forward(&self.dev, &p, &mut self.acts, l, slot(l), &d)?;
         }
         self.fetch(norm)?;
         self.fetch(EMB)?;
@@ -303,20 +329,21 @@ impl<X: Float + Wire> Engine<X> {
             } = &mut self.bufs;
             let (p_norm, p_emb) = match gathered {
                 Some(g) => (
-                    &g[Buffers::<X>::gathered_slot(norm)][..norm_len],
-                    &g[0][..emb_len],
+                    g[Buffers::<X, D>::gathered_slot(norm)].at(0..norm_len),
+                    g[0].at(0..emb_len),
                 ),
-                None => (&params[norm][..], &params[EMB][..]),
+                None => (params[norm].view(), params[EMB].view()),
             };
             let (g_norm, g_emb) = match unit_grads {
-                Some([emb, other]) => (&mut other[..], &mut emb[..]),
+                Some([emb, other]) => (other.view_mut(), emb.view_mut()),
                 None => {
                     let [g_emb, g_norm] =
                         grads.get_disjoint_mut([EMB, norm]).expect("distinct units");
-                    (&mut g_norm[..], &mut g_emb[..])
+                    (g_norm.view_mut(), g_emb.view_mut())
                 }
             };
             gpt::head(
+                &self.dev,
                 p_norm,
                 p_emb,
                 g_norm,
@@ -325,15 +352,15 @@ impl<X: Float + Wire> Engine<X> {
                 &shape,
                 &d,
                 dloss,
-            )
+            )?
         };
         self.after_unit_backward(norm)?;
         for l in (0..l_n).rev() {
             self.fetch(l + 1)?;
             let len = self.unit_len(l + 1);
             if self.checkpointing {
-                let p = Block::new(self.bufs.param(l + 1, len), &shape);
-                gpt::block_forward(&p, &mut self.acts, l, 0, &d);
+                let p = gpt::block::<D, X>(self.bufs.param(l + 1, len), &shape);
+                gpt::block_forward(&self.dev, &p, &mut self.acts, l, 0, &d)?;
             }
             let Buffers {
                 params,
@@ -342,28 +369,31 @@ impl<X: Float + Wire> Engine<X> {
                 gathered,
             } = &mut self.bufs;
             let p = match gathered {
-                Some(g) => &g[Buffers::<X>::gathered_slot(l + 1)][..len],
-                None => &params[l + 1][..],
+                Some(g) => g[Buffers::<X, D>::gathered_slot(l + 1)].at(0..len),
+                None => params[l + 1].view(),
             };
             let g = match unit_grads {
-                Some([_, other]) => &mut other[..len],
-                None => &mut grads[l + 1][..],
+                Some([_, other]) => other.at_mut(0..len),
+                None => grads[l + 1].view_mut(),
             };
             gpt::block_backward(
-                &Block::new(p, &shape),
-                Block::new_mut(g, &shape),
+                &self.dev,
+                &gpt::block::<D, X>(p, &shape),
+                gpt::block_mut::<D, X>(g, &shape),
                 &mut self.acts,
                 l,
                 slot(l),
                 &d,
-            );
+            )?;
             self.after_unit_backward(l + 1)?;
         }
-        gpt::embed_backward(self.bufs.grad(EMB), &shape, &d, &self.acts);
+        gpt::embed_backward(&self.dev, self.bufs.grad(EMB), &shape, &d, &self.acts)?;
         self.after_unit_backward(EMB)?;
         Ok(loss)
     }
+}
 
+impl<X: Num + Wire> Engine<X> {
     /// One optimizer step: `grad_accum` micro-batches from `data`, the gradient reductions, the
     /// global norm (found-inf and clipping), the loss scaler's verdict, and the update.
     pub fn step(
@@ -374,7 +404,7 @@ impl<X: Float + Wire> Engine<X> {
         clip: f64,
     ) -> Result<StepReport, Error> {
         for g in &mut self.bufs.grads {
-            g.fill(X::ZERO);
+            self.dev.fill_zero(g.view_mut())?;
         }
         let scale = scaler.scale();
         let tokens = self.dims.tokens() * self.grad_accum * self.comm.world_size();
@@ -483,15 +513,16 @@ impl<X: Float + Wire> Engine<X> {
 }
 
 /// One buffer per unit of the elements `part` holds, charged to `category`.
-fn alloc_held<T: Copy + Default>(
+fn alloc_held<D: Device, T: Elem>(
+    dev: &D,
     acct: &Accountant,
     layout: &ShardLayout,
     category: Category,
     part: Part,
-) -> Result<Vec<Buffer<T>>, Error> {
+) -> Result<Vec<Buffer<T, D>>, Error> {
     layout
         .held_lens(part)
-        .map(|len| acct.alloc(category, len))
+        .map(|len| acct.alloc_on(dev, category, len))
         .collect()
 }
 

@@ -3,7 +3,6 @@
 
 use std::ops::Range;
 
-use kernels::Float;
 use scheduler::model::Units;
 use scheduler::spec::ZeroStage;
 
@@ -12,8 +11,9 @@ use super::layout::{Part, ShardLayout};
 use crate::Error;
 use crate::checkpoint::{self, StateTensor};
 use crate::comm::Wire;
+use crate::device::Num;
 
-impl<X: Float + Wire> Engine<X> {
+impl<X: Num + Wire> Engine<X> {
     /// Writes this rank's part of a checkpoint; rank 0 then publishes it (every rank waits).
     pub fn save_checkpoint(
         &mut self,
@@ -35,7 +35,7 @@ impl<X: Float + Wire> Engine<X> {
     }
 }
 
-impl<X: Float + Wire> Engine<X> {
+impl<X: Num + Wire> Engine<X> {
     /// This rank's persistent buffers, named for checkpoints: parameters, master weights and
     /// optimizer states (gradients and activations are rebuilt every step).
     pub fn state(&mut self) -> Vec<StateTensor<'_>> {
@@ -67,7 +67,7 @@ impl<X: Float + Wire> Engine<X> {
     }
 }
 
-impl<X: Float + Wire> Engine<X> {
+impl<X: Num + Wire> Engine<X> {
     /// Fills this rank's state from a checkpoint written by `old_world` ranks at `old_stage`:
     /// every element of each buffer is taken from whichever old rank held it.
     pub fn load_resharded(

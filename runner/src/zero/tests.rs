@@ -7,7 +7,7 @@ use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
 /// A single-rank stage-0 engine for `json` (seeded by `seed`) with micro-batch `b` of the
 /// spec's sequence length, and its data.
-fn engine<X: Float + Wire>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataLoader) {
+fn engine<X: Num + Wire>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataLoader) {
     let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
     let t = spec.training.seq_len.get() as usize;
     let setup = Setup::new(&spec, ZeroStage::Ddp, false, b as u32, 1);
@@ -71,10 +71,10 @@ fn reference_loss(
     use kernels::matmul::Layout::{KN, NK};
     use kernels::reference as r;
     let (n, c) = (d.tokens(), d.c);
-    let [wte, wpe] = gpt::embeddings(&units[EMB], shape);
+    let [wte, wpe] = gpt::embeddings::<Cpu, f64>(&units[EMB], shape);
     let mut x = r::encoder_forward(inputs, wte, wpe, d.t, c);
     for l in 0..d.l {
-        let p = Block::new(&units[l + 1][..], shape);
+        let p = gpt::block::<Cpu, f64>(&units[l + 1], shape);
         let (ln1, _, _) = r::layernorm_forward(&x, p.ln1_w, p.ln1_b);
         let qkv = r::matmul_forward(&ln1, p.attn_w, Some(p.attn_b), KN, (n, c, 3 * c));
         let (atty, _) = r::attention_forward(&qkv, d.attention());
@@ -91,7 +91,7 @@ fn reference_loss(
         );
         x = r::residual_forward(&res2, &mlp);
     }
-    let [w, b] = gpt::final_norm(&units[d.l + 1], shape);
+    let [w, b] = gpt::final_norm::<Cpu, f64>(&units[d.l + 1], shape);
     let (lnf, _, _) = r::layernorm_forward(&x, w, b);
     let logits = r::matmul_forward(&lnf, wte, None, NK, (n, c, d.v));
     r::crossentropy_forward(&logits, targets, d.v)

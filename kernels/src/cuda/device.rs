@@ -1,0 +1,152 @@
+//! One GPU: its context, the stream every kernel runs on, and the kernel modules, compiled by
+//! NVRTC for the GPU's own architecture when the device is opened.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
+};
+
+use super::matmul::Blas;
+use super::{Error, PROGRAMS, Target, compile};
+use crate::Float;
+
+/// A storage dtype the kernels take: `f32`, `half::f16`, `half::bf16`.
+pub trait DeviceFloat: Float + DeviceRepr + ValidAsZeroBits {}
+impl<X: Float + DeviceRepr + ValidAsZeroBits> DeviceFloat for X {}
+
+/// An opened GPU with every kernel program loaded and cuBLASLt ready.
+pub struct Device {
+    stream: Arc<CudaStream>,
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    blas: Blas,
+}
+
+impl Device {
+    /// Open GPU `ordinal`, compile every program as a cubin for its architecture (no JIT) and
+    /// allocate cuBLASLt's buffers ([`super::matmul::resident_bytes`]). A machine without the
+    /// driver gets [`Error::NoDriver`]: cudarc would panic.
+    pub fn new(ordinal: usize) -> Result<Self, Error> {
+        // SAFETY: only tries to dlopen libcuda's candidate names.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::NoDriver);
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let target = Target::Cubin {
+            sm: (major * 10 + minor) as u32,
+        };
+        let mut modules = HashMap::new();
+        for program in PROGRAMS {
+            let module = ctx.load_module(compile(program, target)?.into())?;
+            modules.insert(program.name, module);
+        }
+        let stream = ctx.default_stream();
+        Ok(Self {
+            blas: Blas::new(&stream)?,
+            stream,
+            modules,
+        })
+    }
+
+    /// The stream every kernel of this device runs on, in call order.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Copy a host slice to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, Error> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// Copy a device buffer back (waits for the stream).
+    pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>, Error> {
+        Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    /// A zeroed device buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, Error> {
+        Ok(self.stream.alloc_zeros(n)?)
+    }
+
+    pub(crate) fn blas(&self) -> &Blas {
+        &self.blas
+    }
+
+    /// Kernel `name` of `program`.
+    pub(crate) fn function(&self, program: &str, name: &str) -> Result<CudaFunction, Error> {
+        let module = self
+            .modules
+            .get(program)
+            .unwrap_or_else(|| panic!("{program} is not in PROGRAMS"));
+        Ok(module.load_function(name)?)
+    }
+}
+
+/// Threads per block of the elementwise and row kernels.
+pub(crate) const THREADS: u32 = 256;
+
+/// A grid-stride launch over `n` elements: enough blocks to fill the GPU, no more.
+pub(crate) fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_536) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block of `THREADS` per row (grid x) and per `y` (grid y).
+pub(crate) fn rows(x: usize, y: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The raw pointer of an optional output (null for `None`, which the kernel skips), and the
+/// guard that records the write once dropped after the launch.
+pub(crate) fn optional_ptr<'a, T>(
+    out: &'a mut Option<&mut CudaSlice<T>>,
+    stream: &'a CudaStream,
+) -> (u64, Option<SyncOnDrop<'a>>) {
+    match out {
+        Some(s) => {
+            let (p, sync) = s.device_ptr_mut(stream);
+            (p, Some(sync))
+        }
+        None => (0, None),
+    }
+}
+
+/// The raw pointer of an optional input (null for `None`) and its read guard.
+pub(crate) fn input_ptr<'a, T>(
+    input: Option<&'a CudaSlice<T>>,
+    stream: &'a CudaStream,
+) -> (u64, Option<SyncOnDrop<'a>>) {
+    match input {
+        Some(s) => {
+            let (p, sync) = s.device_ptr(stream);
+            (p, Some(sync))
+        }
+        None => (0, None),
+    }
+}
+
+/// `launch!(dev, "file.cu", name, cfg; args…)`: launch kernel `name` of a program on the
+/// device's stream. Arguments must be places (`&n`, `out`), not temporaries: the launch
+/// holds pointers to them.
+macro_rules! launch {
+    ($dev:expr, $program:literal, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let f = $dev.function($program, &$name)?;
+        let mut b = $dev.stream().launch_builder(&f);
+        $( cudarc::driver::PushKernelArg::arg(&mut b, $arg); )*
+        // SAFETY: callers push the arguments of the kernel's C signature in order, of the
+        // matching types (`long` = i64, `int` = i32), after checking the buffer lengths.
+        unsafe { b.launch($cfg) }?;
+    }};
+}
+pub(crate) use launch;

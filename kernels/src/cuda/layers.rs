@@ -1,0 +1,298 @@
+//! The forward and backward layer passes on the GPU, with the shapes and semantics of the CPU
+//! functions of the same names (`crate::encoder`, `crate::layernorm`, …). All launch on the
+//! device's stream and return once queued.
+
+use cudarc::driver::CudaSlice;
+
+use super::device::{THREADS, elementwise, launch, rows};
+use super::{Device, DeviceFloat, Error};
+use crate::attention::{AttentionDims, MAX_T};
+use crate::layernorm::EPS;
+
+fn len(n: usize) -> i64 {
+    n as i64
+}
+
+/// `out = round(src)` for a 16-bit `X`: the trainer's compute copies.
+pub fn cast_from_f32<X: DeviceFloat>(
+    dev: &Device,
+    dst: &mut CudaSlice<X>,
+    src: &CudaSlice<f32>,
+) -> Result<(), Error> {
+    assert_eq!(dst.len(), src.len(), "cast length mismatch");
+    let n = len(src.len());
+    launch!(dev, "casts.cu", format!("cast_from_f32_{}", X::NAME), elementwise(src.len()); dst, src, &n);
+    Ok(())
+}
+
+/// `dst = src as f32` for a 16-bit `X`.
+pub fn cast_to_f32<X: DeviceFloat>(
+    dev: &Device,
+    dst: &mut CudaSlice<f32>,
+    src: &CudaSlice<X>,
+) -> Result<(), Error> {
+    assert_eq!(dst.len(), src.len(), "cast length mismatch");
+    let n = len(src.len());
+    launch!(dev, "casts.cu", format!("cast_to_f32_{}", X::NAME), elementwise(src.len()); dst, src, &n);
+    Ok(())
+}
+
+/// `out (B, T, C) = wte[tokens] + wpe[0..T]`; a token outside the vocabulary gives NaN rows.
+pub fn encoder_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaSlice<X>,
+    tokens: &CudaSlice<u32>,
+    wte: &CudaSlice<X>,
+    wpe: &CudaSlice<X>,
+    t: usize,
+    c: usize,
+) -> Result<(), Error> {
+    let bt = tokens.len();
+    assert_eq!(out.len(), bt * c, "out must be (B, T, C)");
+    assert!(
+        t > 0 && bt.is_multiple_of(t) && wpe.len() >= t * c,
+        "wpe must cover T positions"
+    );
+    let (bt, t, c, v) = (len(bt), len(t), len(c), len(wte.len() / c));
+    let cfg = elementwise(out.len());
+    launch!(dev, "encoder.cu", format!("encoder_forward_{}", X::NAME), cfg;
+        out, tokens, wte, wpe, &bt, &t, &c, &v);
+    Ok(())
+}
+
+/// Backward: `dwte[v] += Σ dout` over the positions holding token v, `dwpe[t] += Σ_b dout[b, t]`.
+/// `tokens` is the host copy of the batch: positions are grouped by token on the host (as the
+/// CPU back end does), so each row of dwte is summed by one block in position order.
+pub fn encoder_backward<X: DeviceFloat>(
+    dev: &Device,
+    dwte: &mut CudaSlice<X>,
+    dwpe: &mut CudaSlice<X>,
+    dout: &CudaSlice<X>,
+    tokens: &[u32],
+    t: usize,
+    c: usize,
+) -> Result<(), Error> {
+    let bt = tokens.len();
+    assert_eq!(dout.len(), bt * c, "dout must be (B, T, C)");
+    assert!(
+        t > 0 && bt.is_multiple_of(t) && dwpe.len() >= t * c,
+        "dwpe must cover T positions"
+    );
+    let v = dwte.len() / c;
+    if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
+        panic!("token {bad} outside the vocabulary of {v}");
+    }
+    let mut order: Vec<u32> = (0..bt as u32).collect();
+    order.sort_by_key(|&i| tokens[i as usize]);
+    let mut starts: Vec<u32> = (0..bt)
+        .filter(|&i| i == 0 || tokens[order[i] as usize] != tokens[order[i - 1] as usize])
+        .map(|i| i as u32)
+        .collect();
+    let runs = starts.len();
+    starts.push(bt as u32);
+    let (d_tokens, d_order, d_starts) = (
+        dev.upload(tokens)?,
+        dev.upload(&order)?,
+        dev.upload(&starts)?,
+    );
+    let (n, tl, cl) = (len(bt), len(t), len(c));
+    launch!(dev, "encoder.cu", format!("encoder_backward_wpe_{}", X::NAME), elementwise(t * c);
+        dwpe, dout, &n, &tl, &cl);
+    let cfg = rows(c.div_ceil(THREADS as usize), runs);
+    launch!(dev, "encoder.cu", format!("encoder_backward_wte_{}", X::NAME), cfg;
+        dwte, dout, &d_tokens, &d_order, &d_starts, &cl);
+    Ok(())
+}
+
+/// `out (N, C) = (inp - mean)·rstd·weight + bias`, writing `mean (N)` and `rstd (N)`.
+pub fn layernorm_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaSlice<X>,
+    mean: &mut CudaSlice<f32>,
+    rstd: &mut CudaSlice<f32>,
+    inp: &CudaSlice<X>,
+    weight: &CudaSlice<X>,
+    bias: &CudaSlice<X>,
+) -> Result<(), Error> {
+    let c = weight.len();
+    let n = check_rows(inp.len(), c, mean.len(), rstd.len());
+    assert!(
+        out.len() == inp.len() && bias.len() == c,
+        "out must be (N, C), bias (C)"
+    );
+    let (cl, eps) = (len(c), EPS);
+    launch!(dev, "layernorm.cu", format!("layernorm_forward_{}", X::NAME), rows(n, 1);
+        out, mean, rstd, inp, weight, bias, &cl, &eps);
+    Ok(())
+}
+
+/// Backward: `dinp += ∂L/∂inp`, `dweight += Σ dout·norm`, `dbias += Σ dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward<X: DeviceFloat>(
+    dev: &Device,
+    dinp: &mut CudaSlice<X>,
+    dweight: &mut CudaSlice<X>,
+    dbias: &mut CudaSlice<X>,
+    dout: &CudaSlice<X>,
+    inp: &CudaSlice<X>,
+    weight: &CudaSlice<X>,
+    mean: &CudaSlice<f32>,
+    rstd: &CudaSlice<f32>,
+) -> Result<(), Error> {
+    let c = weight.len();
+    let n = check_rows(inp.len(), c, mean.len(), rstd.len());
+    assert!(
+        dinp.len() == inp.len() && dout.len() == inp.len(),
+        "dinp, dout must be (N, C)"
+    );
+    assert!(
+        dweight.len() == c && dbias.len() == c,
+        "dweight, dbias must be (C)"
+    );
+    let (nl, cl) = (len(n), len(c));
+    launch!(dev, "layernorm.cu", format!("layernorm_backward_rows_{}", X::NAME), rows(n, 1);
+        dinp, dout, inp, weight, mean, rstd, &cl);
+    launch!(dev, "layernorm.cu", format!("layernorm_backward_columns_{}", X::NAME), elementwise(c);
+        dweight, dbias, dout, inp, mean, rstd, &nl, &cl);
+    Ok(())
+}
+
+fn check_rows(len: usize, c: usize, nm: usize, nr: usize) -> usize {
+    assert!(
+        c > 0 && len.is_multiple_of(c),
+        "inp must be (N, C) with C = weight.len()"
+    );
+    assert!(nm == len / c && nr == len / c, "mean and rstd must be (N)");
+    len / c
+}
+
+fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i32, i32, i32) {
+    let AttentionDims { b, t, c, nh } = *d;
+    assert!(
+        nh > 0 && c.is_multiple_of(nh) && c / nh <= THREADS as usize,
+        "head size C/NH must divide C and be <= {THREADS}"
+    );
+    assert!(t <= MAX_T, "T = {t} exceeds MAX_T = {MAX_T}");
+    assert!(
+        qkv == b * t * 3 * c && out == b * t * c,
+        "qkv must be (B, T, 3C), out (B, T, C)"
+    );
+    assert_eq!(att, b * nh * t * t, "att must be (B, NH, T, T)");
+    (t as i32, c as i32, nh as i32)
+}
+
+/// Forward: `out (B, T, C)` and the probabilities `att (B, NH, T, T)` from `qkv (B, T, 3C)`.
+pub fn attention_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaSlice<X>,
+    att: &mut CudaSlice<X>,
+    qkv: &CudaSlice<X>,
+    d: AttentionDims,
+) -> Result<(), Error> {
+    let (t, c, nh) = check_attention(&d, qkv.len(), out.len(), att.len());
+    launch!(dev, "attention.cu", format!("attention_forward_{}", X::NAME), rows(d.t, d.b * d.nh);
+        out, att, qkv, &t, &c, &nh);
+    Ok(())
+}
+
+/// Backward: `dqkv (B, T, 3C)` (overwritten); `datt (B, NH, T, T)` f32 scratch, left holding
+/// ∂L/∂scores.
+pub fn attention_backward<X: DeviceFloat>(
+    dev: &Device,
+    dqkv: &mut CudaSlice<X>,
+    datt: &mut CudaSlice<f32>,
+    dout: &CudaSlice<X>,
+    qkv: &CudaSlice<X>,
+    att: &CudaSlice<X>,
+    d: AttentionDims,
+) -> Result<(), Error> {
+    let (t, c, nh) = check_attention(&d, qkv.len(), dout.len(), att.len());
+    assert!(
+        dqkv.len() == qkv.len() && datt.len() == att.len(),
+        "dqkv must be (B, T, 3C), datt (B, NH, T, T)"
+    );
+    let grid = rows(d.t, d.b * d.nh);
+    launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), grid;
+        &mut *dqkv, &mut *datt, dout, qkv, att, &t, &c, &nh);
+    launch!(dev, "attention.cu", format!("attention_backward_key_{}", X::NAME), grid;
+        dqkv, &*datt, dout, qkv, att, &t, &c, &nh);
+    Ok(())
+}
+
+/// `out = gelu(inp)`.
+pub fn gelu_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaSlice<X>,
+    inp: &CudaSlice<X>,
+) -> Result<(), Error> {
+    assert_eq!(out.len(), inp.len(), "out and inp must have the same shape");
+    let n = len(inp.len());
+    launch!(dev, "gelu.cu", format!("gelu_forward_{}", X::NAME), elementwise(inp.len()); out, inp, &n);
+    Ok(())
+}
+
+/// In place: `grad = grad · gelu'(inp)`.
+pub fn gelu_backward<X: DeviceFloat>(
+    dev: &Device,
+    grad: &mut CudaSlice<X>,
+    inp: &CudaSlice<X>,
+) -> Result<(), Error> {
+    assert_eq!(
+        grad.len(),
+        inp.len(),
+        "grad and inp must have the same shape"
+    );
+    let n = len(inp.len());
+    launch!(dev, "gelu.cu", format!("gelu_backward_{}", X::NAME), elementwise(inp.len()); grad, inp, &n);
+    Ok(())
+}
+
+/// `out = a + b`.
+pub fn residual_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaSlice<X>,
+    a: &CudaSlice<X>,
+    b: &CudaSlice<X>,
+) -> Result<(), Error> {
+    assert!(
+        out.len() == a.len() && a.len() == b.len(),
+        "out, a and b must have the same shape"
+    );
+    let n = len(a.len());
+    launch!(dev, "residual.cu", format!("residual_forward_{}", X::NAME), elementwise(a.len()); out, a, b, &n);
+    Ok(())
+}
+
+/// `a += b`.
+pub fn residual_accumulate<X: DeviceFloat>(
+    dev: &Device,
+    a: &mut CudaSlice<X>,
+    b: &CudaSlice<X>,
+) -> Result<(), Error> {
+    assert_eq!(a.len(), b.len(), "a and b must have the same shape");
+    let n = len(b.len());
+    launch!(dev, "residual.cu", format!("residual_accumulate_{}", X::NAME), elementwise(b.len()); a, b, &n);
+    Ok(())
+}
+
+/// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`; with
+/// `dloss = Some(s)` the logits become `(softmax - onehot)·s`. One block of 1024 per row.
+pub fn crossentropy_forward(
+    dev: &Device,
+    losses: &mut CudaSlice<f32>,
+    logits: &mut CudaSlice<f32>,
+    targets: &CudaSlice<u32>,
+    v: usize,
+    dloss: Option<f32>,
+) -> Result<(), Error> {
+    assert!(
+        v > 0 && logits.len() == losses.len() * v,
+        "logits must be (N, V), losses (N)"
+    );
+    assert_eq!(targets.len(), losses.len(), "targets must be (N)");
+    let mut cfg = rows(losses.len(), 1);
+    cfg.block_dim.0 = 1024;
+    let (vl, has, s) = (len(v), dloss.is_some() as i32, dloss.unwrap_or(0.0));
+    launch!(dev, "crossentropy.cu", "crossentropy_forward", cfg; losses, logits, targets, &vl, &has, &s);
+    Ok(())
+}

@@ -1,0 +1,44 @@
+//! The CUDA back end (feature `cuda`): cuBLASLt GEMMs and NVRTC-compiled kernels from
+//! `kernels/cuda/*.cu`, launched through cudarc. cudarc loads the driver and NVRTC at run time, so this compiles
+//! on machines without CUDA; there a missing library is an [`Error`], never a panic.
+
+mod device;
+pub mod layers;
+pub mod matmul;
+pub mod norm;
+pub mod optim;
+mod program;
+
+pub use device::{Device, DeviceFloat};
+
+pub use program::{Image, PROGRAMS, Program, Target, compile, nvrtc_present};
+
+/// Errors of the CUDA back end.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("no CUDA driver found: libcuda.so is not on the loader path")]
+    NoDriver,
+    #[error(
+        "NVRTC not found: libnvrtc.so.13 is not on the loader path (pip's nvidia-cuda-nvrtc puts it in nvidia/cu13/lib; add that to LD_LIBRARY_PATH)"
+    )]
+    NoNvrtc,
+    #[error(
+        "cuBLASLt not found: libcublasLt.so.13 is not on the loader path (pip's nvidia-cublas puts it in nvidia/cu13/lib; add that to LD_LIBRARY_PATH)"
+    )]
+    NoCublasLt,
+    #[error("kernel source {0} contains a NUL byte")]
+    Source(String),
+    #[error("NVRTC failed to compile {program} ({status:?}, options {options}):\n{log}")]
+    Compile {
+        program: String,
+        options: String,
+        status: cudarc::nvrtc::result::NvrtcError,
+        log: String,
+    },
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("cuBLASLt: {0}")]
+    Cublas(#[from] cudarc::cublaslt::result::CublasError),
+    #[error("NVRTC: {0:?}")]
+    Nvrtc(cudarc::nvrtc::result::NvrtcError),
+}

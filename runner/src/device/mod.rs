@@ -1,0 +1,197 @@
+//! The device the trainer runs on: where its buffers live and which kernels run on them. The
+//! passes and the engine are written once over [`Device`]; [`Cpu`] is the `kernels` crate's
+//! CPU kernels on host memory (the same calls as before the trait, so the same bits and speed).
+//! A CUDA device over `kernels::cuda` is the next implementation (issue 9).
+//!
+//! A buffer is a flat allocation ([`Device::Buf`]); kernels take views of it, shared
+//! ([`Device::View`]) or exclusive ([`Device::ViewMut`]), which split like slices so a unit's
+//! buffer can be cut into its named tensors (`gpt::Block`).
+
+use std::ops::Range;
+
+use kernels::Float;
+use kernels::attention::AttentionDims;
+use kernels::matmul::Layout;
+
+use crate::Error;
+
+mod cpu;
+
+pub use cpu::Cpu;
+
+/// An element type a device buffer can hold.
+pub trait Elem: bytemuck::Pod + Default + Send + Sync {}
+impl<T: bytemuck::Pod + Default + Send + Sync> Elem for T {}
+
+/// A compute dtype (`f32`, `f16`, `bf16`) on every device.
+pub trait Num: Float + Elem {}
+impl<X: Float + Elem> Num for X {}
+
+/// Where the trainer's buffers live and its kernels run. Kernels have the shapes and
+/// semantics of the `kernels` functions of the same names; they may run asynchronously, and
+/// every host transfer waits for what was queued before it.
+#[allow(clippy::too_many_arguments)]
+pub trait Device: Sized + 'static {
+    /// An allocation of `T`s on the device.
+    type Buf<T>;
+    type View<'a, T: 'a>;
+    type ViewMut<'a, T: 'a>;
+
+    /// A zeroed buffer of `len` elements (callers charge it to an `Accountant`).
+    fn zeros<T: Elem>(&self, len: usize) -> Result<Self::Buf<T>, Error>;
+    fn view<T>(buf: &Self::Buf<T>) -> Self::View<'_, T>;
+    fn view_mut<T>(buf: &mut Self::Buf<T>) -> Self::ViewMut<'_, T>;
+    /// The same elements again, for as long as the original.
+    fn share<'a, T: 'a>(v: &Self::View<'a, T>) -> Self::View<'a, T>;
+    fn slice<'a, T: 'a>(v: Self::View<'a, T>, r: Range<usize>) -> Self::View<'a, T>;
+    fn slice_mut<'a, T: 'a>(v: Self::ViewMut<'a, T>, r: Range<usize>) -> Self::ViewMut<'a, T>;
+    fn split_at<'a, T: 'a>(
+        v: Self::View<'a, T>,
+        mid: usize,
+    ) -> (Self::View<'a, T>, Self::View<'a, T>);
+    fn split_at_mut<'a, T: 'a>(
+        v: Self::ViewMut<'a, T>,
+        mid: usize,
+    ) -> (Self::ViewMut<'a, T>, Self::ViewMut<'a, T>);
+
+    /// Lets `f` read and write `v` as host memory (the CPU hands it over; a GPU copies it out
+    /// and back): collectives, checkpoints and weight initialisation.
+    fn on_host<T: Elem, R>(
+        &self,
+        v: Self::ViewMut<'_, T>,
+        f: impl FnOnce(&mut [T]) -> R,
+    ) -> Result<R, Error>;
+    /// `v` copied to the host (the losses, the export).
+    fn to_host<T: Elem>(&self, v: Self::View<'_, T>) -> Result<Vec<T>, Error>;
+
+    fn fill_zero<T: Elem>(&self, v: Self::ViewMut<'_, T>) -> Result<(), Error>;
+    fn copy<T: Elem>(&self, dst: Self::ViewMut<'_, T>, src: Self::View<'_, T>)
+    -> Result<(), Error>;
+
+    fn encoder_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        tokens: Self::View<'_, u32>,
+        wte: Self::View<'_, X>,
+        wpe: Self::View<'_, X>,
+        t: usize,
+        c: usize,
+    ) -> Result<(), Error>;
+    fn encoder_backward<X: Num>(
+        &self,
+        dwte: Self::ViewMut<'_, X>,
+        dwpe: Self::ViewMut<'_, X>,
+        dout: Self::View<'_, X>,
+        tokens: Self::View<'_, u32>,
+        t: usize,
+        c: usize,
+    ) -> Result<(), Error>;
+    fn layernorm_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        mean: Self::ViewMut<'_, f32>,
+        rstd: Self::ViewMut<'_, f32>,
+        inp: Self::View<'_, X>,
+        weight: Self::View<'_, X>,
+        bias: Self::View<'_, X>,
+    ) -> Result<(), Error>;
+    fn layernorm_backward<X: Num>(
+        &self,
+        dinp: Self::ViewMut<'_, X>,
+        dweight: Self::ViewMut<'_, X>,
+        dbias: Self::ViewMut<'_, X>,
+        dout: Self::View<'_, X>,
+        inp: Self::View<'_, X>,
+        weight: Self::View<'_, X>,
+        mean: Self::View<'_, f32>,
+        rstd: Self::View<'_, f32>,
+    ) -> Result<(), Error>;
+    /// `scratch` is the CPU's f32 widening buffer (`kernels::matmul::scratch_len`).
+    fn matmul_forward<X: Num, Y: Num>(
+        &self,
+        out: Self::ViewMut<'_, Y>,
+        inp: Self::View<'_, X>,
+        weight: Self::View<'_, X>,
+        bias: Option<Self::View<'_, X>>,
+        layout: Layout,
+        mkn: (usize, usize, usize),
+        scratch: Self::ViewMut<'_, f32>,
+    ) -> Result<(), Error>;
+    fn matmul_backward<X: Num, G: Num>(
+        &self,
+        dinp: Self::ViewMut<'_, X>,
+        dweight: Self::ViewMut<'_, X>,
+        dbias: Option<Self::ViewMut<'_, X>>,
+        dout: Self::View<'_, G>,
+        inp: Self::View<'_, X>,
+        weight: Self::View<'_, X>,
+        layout: Layout,
+        mkn: (usize, usize, usize),
+        scratch: Self::ViewMut<'_, f32>,
+    ) -> Result<(), Error>;
+    fn attention_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        att: Self::ViewMut<'_, X>,
+        qkv: Self::View<'_, X>,
+        d: AttentionDims,
+    ) -> Result<(), Error>;
+    fn attention_backward<X: Num>(
+        &self,
+        dqkv: Self::ViewMut<'_, X>,
+        datt: Self::ViewMut<'_, f32>,
+        dout: Self::View<'_, X>,
+        qkv: Self::View<'_, X>,
+        att: Self::View<'_, X>,
+        d: AttentionDims,
+    ) -> Result<(), Error>;
+    fn gelu_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        inp: Self::View<'_, X>,
+    ) -> Result<(), Error>;
+    fn gelu_backward<X: Num>(
+        &self,
+        grad: Self::ViewMut<'_, X>,
+        inp: Self::View<'_, X>,
+    ) -> Result<(), Error>;
+    fn residual_accumulate<X: Num>(
+        &self,
+        acc: Self::ViewMut<'_, X>,
+        x: Self::View<'_, X>,
+    ) -> Result<(), Error>;
+    fn crossentropy_forward(
+        &self,
+        losses: Self::ViewMut<'_, f32>,
+        logits: Self::ViewMut<'_, f32>,
+        targets: Self::View<'_, u32>,
+        v: usize,
+        dloss: Option<f32>,
+    ) -> Result<(), Error>;
+}
+
+/// `N` consecutive views of the given lengths from the front of `v` (the rest is padding).
+pub fn split<'a, D: Device, T, const N: usize>(
+    v: D::View<'a, T>,
+    lens: [usize; N],
+) -> [D::View<'a, T>; N] {
+    let mut rest = Some(v);
+    lens.map(|n| {
+        let (head, tail) = D::split_at(rest.take().expect("one view left"), n);
+        rest = Some(tail);
+        head
+    })
+}
+
+/// As [`split`], exclusive.
+pub fn split_mut<'a, D: Device, T, const N: usize>(
+    v: D::ViewMut<'a, T>,
+    lens: [usize; N],
+) -> [D::ViewMut<'a, T>; N] {
+    let mut rest = Some(v);
+    lens.map(|n| {
+        let (head, tail) = D::split_at_mut(rest.take().expect("one view left"), n);
+        rest = Some(tail);
+        head
+    })
+}
