@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use live::Mode;
+use live::{Mode, free_loopback_addr};
 use runner::agent::AgentMetrics;
 use runner::train::{Options, run};
 use scheduler::memory::Category;
@@ -515,11 +515,6 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
 }
 
 /// A loopback address no one listens on now (for a process to bind).
-fn free_loopback_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_serves_its_own_metrics() {
     let s = service().await;
@@ -580,52 +575,12 @@ async fn the_python_client_submits_waits_reads_and_cancels() {
 /// (which finds the admin token in the data directory), and SIGTERM for a clean stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
-    use std::io::BufRead;
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().to_str().unwrap().to_string();
-    let metrics_addr = free_loopback_addr();
-    let mut up = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args(["up", "--port", "0", "--data-dir", &data])
-        .args(["--cpu-devices", "2", "--device-memory", "1GiB"])
-        .args(["--metrics-addr", &metrics_addr])
-        .env_remove("ZEROTRAIN_TOKEN")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Read stderr to its end on a thread of its own, so `up` never blocks on a full pipe.
-    let (url_tx, url_rx) = std::sync::mpsc::channel();
-    let stderr = up.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut lines = Vec::new();
-        for line in std::io::BufReader::new(stderr).lines() {
-            let line = line.unwrap();
-            if let Some(url) = line.strip_prefix("zerotrain serving at ") {
-                url_tx.send(url.to_string()).unwrap();
-            }
-            lines.push(line);
-        }
-        lines
-    });
-    let url = url_rx.recv_timeout(Duration::from_secs(30)).unwrap();
-    let admin = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
-    let http = reqwest::Client::new();
-    poll(
-        Duration::from_secs(20),
-        Duration::from_millis(50),
-        || async {
-            let r = http
-                .get(format!("{url}/readyz"))
-                .bearer_auth(admin.trim())
-                .send()
-                .await
-                .unwrap();
-            (r.status() == 200)
-                .then_some(())
-                .ok_or(format!("not ready: {}", r.status()))
-        },
-    )
-    .await;
+    let up = live::Up::start(&[]).await;
+    let (url, metrics_addr, data) = (
+        up.url.clone(),
+        up.metrics_addr.clone(),
+        up.dir.path().to_str().unwrap().to_string(),
+    );
 
     // The local agent serves its own metrics, as a standalone one does.
     let agent_metrics = reqwest::get(format!("http://{metrics_addr}/metrics"))
@@ -643,7 +598,7 @@ async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
         "{agent_metrics}"
     );
 
-    let spec = dir.path().join("job.json");
+    let spec = up.dir.path().join("job.json");
     std::fs::write(
         &spec,
         json!({"model": {"preset": "gpt2-tiny"}, "world_size": 2, "zero": {"stage": 1},
@@ -665,17 +620,7 @@ async fn zerotrain_up_runs_a_submitted_job_and_stops_cleanly_on_sigterm() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("succeeded"), "{text}");
 
-    let term = Command::new("kill")
-        .args(["-TERM", &up.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
-    let status = poll(Duration::from_secs(15), Duration::from_millis(50), || {
-        let exited = up.try_wait().unwrap();
-        async move { exited.ok_or("still running after SIGTERM".to_string()) }
-    })
-    .await;
-    let lines = reader.join().unwrap();
+    let (status, lines) = up.stop().await;
     assert!(status.success(), "{status}: {}", lines.join("\n"));
     let console = format!("console: {url}/ (log in with a token)");
     assert!(lines.contains(&console), "{console:?} in {lines:#?}");

@@ -1,13 +1,16 @@
 //! A live service for end-to-end tests: the real server (`app::build`) on a free port over
 //! SQLite in a temporary directory, its tokens bootstrapped, runner agents on threads of the
-//! test process, and a proxy that cuts an agent off from the server and brings it back.
+//! test process, and a proxy that cuts an agent off from the server and brings it back; or
+//! `zerotrain up`, the README's main command, as a process.
 
 #![allow(dead_code)] // each test binary uses its own part of the helpers
 
+use std::io::BufRead;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::Request;
 use axum::http::{StatusCode, header};
@@ -150,4 +153,105 @@ pub async fn proxy(upstream: String, mode: Mode) -> Proxy {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     Proxy { url, mode: tx }
+}
+
+/// A free loopback address (`127.0.0.1:PORT`) for a process to listen on.
+pub fn free_loopback_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// `zerotrain up` as a user runs it: its own data directory, a free port, a local agent of
+/// `--cpu-devices 2 --device-memory 1GiB` serving its `/metrics` at `metrics_addr`.
+pub struct Up {
+    pub url: String,
+    /// The admin token `up` wrote to its data directory.
+    pub admin: String,
+    pub metrics_addr: String,
+    pub dir: tempfile::TempDir,
+    child: Child,
+    /// Reads `up`'s stderr to its end (so `up` never blocks on a full pipe); yields the lines.
+    stderr: JoinHandle<Vec<String>>,
+}
+
+impl Up {
+    /// Starts `up` with `env` set and waits until it answers `/readyz`.
+    pub async fn start(env: &[(&str, &str)]) -> Up {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics_addr = free_loopback_addr();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+            .arg("up")
+            .args(["--port", "0", "--data-dir", dir.path().to_str().unwrap()])
+            .args(["--cpu-devices", "2", "--device-memory", "1GiB"])
+            .args(["--metrics-addr", &metrics_addr])
+            .env_remove("ZEROTRAIN_TOKEN")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (url_tx, url_rx) = std::sync::mpsc::channel();
+        let pipe = child.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut lines = Vec::new();
+            for line in std::io::BufReader::new(pipe).lines() {
+                let line = line.unwrap();
+                if let Some(url) = line.strip_prefix("zerotrain serving at ") {
+                    url_tx.send(url.to_string()).unwrap();
+                }
+                lines.push(line);
+            }
+            lines
+        });
+        let url = url_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        let admin = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
+        let up = Up {
+            url,
+            admin: admin.trim().to_string(),
+            metrics_addr,
+            dir,
+            child,
+            stderr,
+        };
+        let http = reqwest::Client::new();
+        let start = Instant::now();
+        loop {
+            let r = http
+                .get(format!("{}/readyz", up.url))
+                .bearer_auth(&up.admin)
+                .send()
+                .await
+                .unwrap();
+            if r.status() == StatusCode::OK {
+                return up;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "not ready: {}",
+                r.status()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM, then `up`'s exit status (within 15 s) and everything it wrote to stderr.
+    pub async fn stop(mut self) -> (ExitStatus, Vec<String>) {
+        let term = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(term.success());
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "still running after SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        (status, self.stderr.join().unwrap())
+    }
 }
