@@ -307,7 +307,7 @@ fn train_rank<X: Float + Wire>(
             let old_stage = ZeroStage::from_index(m.zero_stage.into())
                 .ok_or_else(|| fail(format!("unknown stage {}", m.zero_stage)))?;
             if (m.world_size, old_stage) == (setup.world_size, setup.stage) {
-                checkpoint::load_rank(&dir, rank, &mut engine.state())?;
+                engine.load_rank(&dir)?;
             } else {
                 engine.load_resharded(&dir, m.world_size, old_stage)?;
             }

@@ -12,6 +12,7 @@ use std::ops::Range;
 use kernels::Float;
 use kernels::attention::AttentionDims;
 use kernels::matmul::Layout;
+use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
 
 use crate::Error;
 
@@ -53,6 +54,16 @@ pub trait Device: Sized + 'static {
         v: Self::ViewMut<'a, T>,
         mid: usize,
     ) -> (Self::ViewMut<'a, T>, Self::ViewMut<'a, T>);
+    /// `v`, to read only.
+    fn freeze<'a, T: 'a>(v: Self::ViewMut<'a, T>) -> Self::View<'a, T>;
+    /// `v` as the f32s it is, when `X` is f32 (fp32 parameters are their own master).
+    fn as_f32_mut<'a, X: Num + 'a>(v: Self::ViewMut<'a, X>) -> Option<Self::ViewMut<'a, f32>>;
+    /// The bytes of `v` (checkpoints store state as bytes).
+    fn bytes_mut<'a, T: Elem + 'a>(v: Self::ViewMut<'a, T>) -> Self::ViewMut<'a, u8>;
+    /// The same elements again, for as long as `v` is borrowed.
+    fn reborrow_ref<'b, 'a: 'b, T: 'a>(v: &'b Self::View<'a, T>) -> Self::View<'b, T>;
+    /// The same elements again, exclusively, for as long as `v` is borrowed.
+    fn reborrow<'b, 'a: 'b, T: 'a>(v: &'b mut Self::ViewMut<'a, T>) -> Self::ViewMut<'b, T>;
 
     /// Lets `f` read and write `v` as host memory (the CPU hands it over; a GPU copies it out
     /// and back): collectives, checkpoints and weight initialisation.
@@ -168,6 +179,125 @@ pub trait Device: Sized + 'static {
         v: usize,
         dloss: Option<f32>,
     ) -> Result<(), Error>;
+
+    /// `Σ x²` in f64, on the host (the global norm's share of one buffer).
+    fn sum_squares<X: Num>(&self, x: Self::View<'_, X>) -> Result<f64, Error>;
+
+    // The optimizer updates of `kernels::optim`, gradients in the parameters' dtype.
+    fn decay(&self, master: Self::ViewMut<'_, f32>, factor: f32) -> Result<(), Error>;
+    fn sgd_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        lr: f32,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn momentum_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        buf: Self::ViewMut<'_, f32>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &Momentum,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn lion_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        m: Self::ViewMut<'_, f32>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &Lion,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn adamw_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        m: Self::ViewMut<'_, f32>,
+        v: Self::ViewMut<'_, f32>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &AdamW,
+        step: u64,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn adam8bit_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        state: Adam8bitState<'_, Self>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &AdamW,
+        step: u64,
+        grad_scale: f32,
+        block: usize,
+    ) -> Result<(), Error>;
+    fn adafactor_sq_sums<X: Num>(
+        &self,
+        grad: Self::View<'_, X>,
+        start: usize,
+        grad_scale: f32,
+        hp: &Adafactor,
+        row_sums: Self::ViewMut<'_, f64>,
+        col_sums: Self::ViewMut<'_, f64>,
+    ) -> Result<(), Error>;
+    fn adafactor_update_stats(
+        &self,
+        row: Self::ViewMut<'_, f32>,
+        col: Self::ViewMut<'_, f32>,
+        row_sums: Self::View<'_, f64>,
+        col_sums: Self::View<'_, f64>,
+        hp: &Adafactor,
+        step: u64,
+    ) -> Result<(), Error>;
+    fn adafactor_vector_ema<X: Num>(
+        &self,
+        v: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        grad_scale: f32,
+        hp: &Adafactor,
+        step: u64,
+        rms_sum: Self::ViewMut<'_, f64>,
+    ) -> Result<(), Error>;
+    fn adafactor_rms_sum<X: Num>(
+        &self,
+        grad: Self::View<'_, X>,
+        grad_scale: f32,
+        moment: Moment<'_, Self>,
+        rms_sum: Self::ViewMut<'_, f64>,
+    ) -> Result<(), Error>;
+    fn adafactor_apply<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        exp_avg: Option<Self::ViewMut<'_, f32>>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        moment: Moment<'_, Self>,
+        rms_sum: Self::View<'_, f64>,
+        hp: &Adafactor,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+}
+
+/// 8-bit Adam's quantised moments and their per-block scales.
+pub struct Adam8bitState<'a, D: Device> {
+    pub m: D::ViewMut<'a, u8>,
+    pub v: D::ViewMut<'a, u8>,
+    pub absmax_m: D::ViewMut<'a, f32>,
+    pub absmax_v: D::ViewMut<'a, f32>,
+}
+
+/// The second-moment statistics an Adafactor update is scaled by (`kernels::optim::Moment`).
+pub enum Moment<'a, D: Device> {
+    /// Row and column EMAs of a matrix; the range starts at element `start` of it.
+    Factored {
+        row: D::View<'a, f32>,
+        col: D::View<'a, f32>,
+        start: usize,
+    },
+    /// The range's slice of a vector's EMA; `numel` is the whole vector's length.
+    Full { v: D::View<'a, f32>, numel: usize },
 }
 
 /// `N` consecutive views of the given lengths from the front of `v` (the rest is padding).
