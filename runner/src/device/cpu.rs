@@ -10,6 +10,8 @@ use kernels::optim::{self as k, Adafactor, AdamW, Lion, Momentum};
 use kernels::{attention, crossentropy, encoder, gelu, layernorm, matmul, norm, residual};
 
 use super::{Adam8bitState, Device, Elem, Moment, Num};
+use scheduler::memory::DeviceKind;
+
 use crate::Error;
 
 /// Host memory and the CPU kernels (their thread pool is `kernels::cpu`'s).
@@ -17,6 +19,7 @@ use crate::Error;
 pub struct Cpu;
 
 impl Device for Cpu {
+    const KIND: DeviceKind = DeviceKind::Cpu;
     type Buf<T> = Vec<T>;
     type View<'a, T: 'a> = &'a [T];
     type ViewMut<'a, T: 'a> = &'a mut [T];

@@ -1,7 +1,7 @@
 //! The device the trainer runs on: where its buffers live and which kernels run on them. The
 //! passes and the engine are written once over [`Device`]; [`Cpu`] is the `kernels` crate's
-//! CPU kernels on host memory (the same calls as before the trait, so the same bits and speed).
-//! A CUDA device over `kernels::cuda` is the next implementation (issue 9).
+//! CPU kernels on host memory (the same calls as before the trait, so the same bits and speed);
+//! [`Cuda`] (feature `cuda`) is a GPU through `kernels::cuda`.
 //!
 //! A buffer is a flat allocation ([`Device::Buf`]); kernels take views of it, shared
 //! ([`Device::View`]) or exclusive ([`Device::ViewMut`]), which split like slices so a unit's
@@ -14,15 +14,41 @@ use kernels::attention::AttentionDims;
 use kernels::matmul::Layout;
 use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
 
+use scheduler::memory::DeviceKind;
+
 use crate::Error;
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 pub use cpu::Cpu;
+#[cfg(feature = "cuda")]
+pub use cuda::Cuda;
 
 /// An element type a device buffer can hold.
+#[cfg(not(feature = "cuda"))]
 pub trait Elem: bytemuck::Pod + Default + Send + Sync {}
+#[cfg(not(feature = "cuda"))]
 impl<T: bytemuck::Pod + Default + Send + Sync> Elem for T {}
+
+/// An element type a device buffer can hold (on the GPU too).
+#[cfg(feature = "cuda")]
+pub trait Elem:
+    bytemuck::Pod + Default + Send + Sync + kernels::cuda::DeviceRepr + kernels::cuda::ValidAsZeroBits
+{
+}
+#[cfg(feature = "cuda")]
+impl<
+    T: bytemuck::Pod
+        + Default
+        + Send
+        + Sync
+        + kernels::cuda::DeviceRepr
+        + kernels::cuda::ValidAsZeroBits,
+> Elem for T
+{
+}
 
 /// A compute dtype (`f32`, `f16`, `bf16`) on every device.
 pub trait Num: Float + Elem {}
@@ -33,6 +59,8 @@ impl<X: Float + Elem> Num for X {}
 /// every host transfer waits for what was queued before it.
 #[allow(clippy::too_many_arguments)]
 pub trait Device: Sized + 'static {
+    /// What the memory model calls this kind of device.
+    const KIND: DeviceKind;
     /// An allocation of `T`s on the device.
     type Buf<T>;
     type View<'a, T: 'a>;
@@ -298,6 +326,47 @@ pub enum Moment<'a, D: Device> {
     },
     /// The range's slice of a vector's EMA; `numel` is the whole vector's length.
     Full { v: D::View<'a, f32>, numel: usize },
+}
+
+/// The device a run trains on: `cpu`, or `cuda[:N]` (GPU N, default 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Target {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl Target {
+    pub fn kind(self) -> DeviceKind {
+        match self {
+            Target::Cpu => DeviceKind::Cpu,
+            Target::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Target, String> {
+        match s {
+            "cpu" => Ok(Target::Cpu),
+            "cuda" => Ok(Target::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Target::Cuda)
+                .ok_or_else(|| format!("unknown device {s:?}: expected cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Cpu => f.write_str("cpu"),
+            Target::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 /// `N` consecutive views of the given lengths from the front of `v` (the rest is padding).
