@@ -76,7 +76,7 @@ fn casts_match_half_bit_for_bit<X: DeviceFloat>() {
     ]);
     src.push(f32::from_bits(0x7f80_0001)); // signalling NaN: quieted, payload kept
     let mut x = up(d, &nan::<X>(src.len()));
-    layers::cast_from_f32(d, &mut x, &up(d, &src)).unwrap();
+    layers::cast_from_f32(d, &mut x.as_view_mut(), &up(d, &src).as_view()).unwrap();
     let got: Vec<u32> = down(d, &x).iter().map(|v| v.to_f32().to_bits()).collect();
     let want: Vec<u32> = src
         .iter()
@@ -84,7 +84,7 @@ fn casts_match_half_bit_for_bit<X: DeviceFloat>() {
         .collect();
     assert_eq!(got, want, "cast_from_f32 ({})", X::NAME);
     let mut back = up(d, &vec![f32::NAN; src.len()]);
-    layers::cast_to_f32(d, &mut back, &x).unwrap();
+    layers::cast_to_f32(d, &mut back.as_view_mut(), &x.as_view()).unwrap();
     let got: Vec<u32> = down(d, &back).iter().map(|v| v.to_bits()).collect();
     assert_eq!(got, want, "cast_to_f32 ({})", X::NAME);
 }
@@ -101,10 +101,10 @@ fn encoder_matches_cpu<X: DeviceFloat>() {
     let mut out = up(d, &nan::<X>(b * t * c));
     layers::encoder_forward(
         d,
-        &mut out,
-        &up(d, &tokens),
-        &up(d, &wte),
-        &up(d, &wpe),
+        &mut out.as_view_mut(),
+        &up(d, &tokens).as_view(),
+        &up(d, &wte).as_view(),
+        &up(d, &wpe).as_view(),
         t,
         c,
     )
@@ -119,7 +119,16 @@ fn encoder_matches_cpu<X: DeviceFloat>() {
         random::<X>(&mut rng, t * c, 1.0),
     );
     let (mut dwte, mut dwpe) = (up(d, &dwte0), up(d, &dwpe0));
-    layers::encoder_backward(d, &mut dwte, &mut dwpe, &up(d, &dout), &tokens, t, c).unwrap();
+    layers::encoder_backward(
+        d,
+        &mut dwte.as_view_mut(),
+        &mut dwpe.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &tokens,
+        t,
+        c,
+    )
+    .unwrap();
     let (mut want_te, mut want_pe) = (dwte0, dwpe0);
     encoder::encoder_backward(&mut want_te, &mut want_pe, &dout, &tokens, t, c);
     close(
@@ -148,7 +157,16 @@ fn layernorm_matches_cpu<X: DeviceFloat>() {
         up(d, &nan::<f32>(n)),
     );
     let (di, dw_, db_) = (up(d, &inp), up(d, &w), up(d, &bias));
-    layers::layernorm_forward(d, &mut out, &mut mean, &mut rstd, &di, &dw_, &db_).unwrap();
+    layers::layernorm_forward(
+        d,
+        &mut out.as_view_mut(),
+        &mut mean.as_view_mut(),
+        &mut rstd.as_view_mut(),
+        &di.as_view(),
+        &dw_.as_view(),
+        &db_.as_view(),
+    )
+    .unwrap();
     let (mut o, mut m, mut r) = (vec![X::ZERO; n * c], vec![0f32; n], vec![0f32; n]);
     layernorm::layernorm_forward(&mut o, &mut m, &mut r, &inp, &w, &bias);
     close("layernorm_forward out", &down(d, &out), &o, rtol::<X>());
@@ -164,14 +182,14 @@ fn layernorm_matches_cpu<X: DeviceFloat>() {
     let (mut dinp, mut dw, mut db) = (up(d, &dinp0), up(d, &dw0), up(d, &db0));
     layers::layernorm_backward(
         d,
-        &mut dinp,
-        &mut dw,
-        &mut db,
-        &up(d, &dout),
-        &di,
-        &dw_,
-        &mean,
-        &rstd,
+        &mut dinp.as_view_mut(),
+        &mut dw.as_view_mut(),
+        &mut db.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &di.as_view(),
+        &dw_.as_view(),
+        &mean.as_view(),
+        &rstd.as_view(),
     )
     .unwrap();
     let (mut wi, mut ww, mut wb) = (dinp0, dw0, db0);
@@ -210,10 +228,10 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
     let (inp_dev, w_dev) = (up(d, &inp), up(d, &w));
     cuda::matmul::matmul_forward(
         d,
-        &mut out,
-        &inp_dev,
-        &w_dev,
-        with_bias.then_some(&bias_dev),
+        &mut out.as_view_mut(),
+        &inp_dev.as_view(),
+        &w_dev.as_view(),
+        with_bias.then_some(&bias_dev.as_view()),
         layout,
         (m, k, n),
     )
@@ -244,12 +262,12 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
     let (mut dinp, mut dw, mut db) = (up(d, &nan::<X>(m * k)), up(d, &dw0), up(d, &db0));
     cuda::matmul::matmul_backward(
         d,
-        &mut dinp,
-        &mut dw,
-        with_bias.then_some(&mut db),
-        &up(d, &dout),
-        &inp_dev,
-        &w_dev,
+        &mut dinp.as_view_mut(),
+        &mut dw.as_view_mut(),
+        with_bias.then_some(&mut db.as_view_mut()),
+        &up(d, &dout).as_view(),
+        &inp_dev.as_view(),
+        &w_dev.as_view(),
         layout,
         (m, k, n),
     )
@@ -342,7 +360,14 @@ fn attention_matches_cpu<X: DeviceFloat>() {
         up(d, &nan::<X>(b * nh * t * t)),
     );
     let dq = up(d, &qkv);
-    layers::attention_forward(d, &mut out, &mut att, &dq, dims).unwrap();
+    layers::attention_forward(
+        d,
+        &mut out.as_view_mut(),
+        &mut att.as_view_mut(),
+        &dq.as_view(),
+        dims,
+    )
+    .unwrap();
     let (mut o, mut a) = (vec![X::ZERO; b * t * c], vec![X::ZERO; b * nh * t * t]);
     attention_forward(&mut o, &mut a, &qkv, dims);
     close("attention_forward out", &down(d, &out), &o, rtol::<X>());
@@ -352,11 +377,11 @@ fn attention_matches_cpu<X: DeviceFloat>() {
     let (mut dqkv, mut datt) = (up(d, &nan::<X>(qkv.len())), up(d, &nan::<f32>(a.len())));
     layers::attention_backward(
         d,
-        &mut dqkv,
-        &mut datt,
-        &up(d, &dout),
-        &dq,
-        &up(d, &a),
+        &mut dqkv.as_view_mut(),
+        &mut datt.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &dq.as_view(),
+        &up(d, &a).as_view(),
         dims,
     )
     .unwrap();
@@ -373,22 +398,22 @@ fn elementwise_layers_match_cpu<X: DeviceFloat>() {
     let (a, b) = (random::<X>(&mut rng, n, 4.0), random::<X>(&mut rng, n, 4.0));
     let (da, db) = (up(d, &a), up(d, &b));
     let mut out = up(d, &nan::<X>(n));
-    layers::gelu_forward(d, &mut out, &da).unwrap();
+    layers::gelu_forward(d, &mut out.as_view_mut(), &da.as_view()).unwrap();
     let mut want = vec![X::ZERO; n];
     gelu::gelu_forward(&mut want, &a);
     close("gelu_forward", &down(d, &out), &want, rtol::<X>());
     let mut g = up(d, &b);
-    layers::gelu_backward(d, &mut g, &da).unwrap();
+    layers::gelu_backward(d, &mut g.as_view_mut(), &da.as_view()).unwrap();
     let mut want = b.clone();
     gelu::gelu_backward(&mut want, &a);
     close("gelu_backward", &down(d, &g), &want, rtol::<X>());
     let mut out = up(d, &nan::<X>(n));
-    layers::residual_forward(d, &mut out, &da, &db).unwrap();
+    layers::residual_forward(d, &mut out.as_view_mut(), &da.as_view(), &db.as_view()).unwrap();
     let mut want = vec![X::ZERO; n];
     residual::residual_forward(&mut want, &a, &b);
     close("residual_forward", &down(d, &out), &want, rtol::<X>());
     let mut acc = up(d, &a);
-    layers::residual_accumulate(d, &mut acc, &db).unwrap();
+    layers::residual_accumulate(d, &mut acc.as_view_mut(), &db.as_view()).unwrap();
     let mut want = a.clone();
     residual::residual_accumulate(&mut want, &b);
     close("residual_accumulate", &down(d, &acc), &want, rtol::<X>());
@@ -404,7 +429,15 @@ fn crossentropy_matches_cpu_with_and_without_dlogits() {
     let dt = up(d, &targets);
     for dloss in [None, Some(0.25f32)] {
         let (mut losses, mut lg) = (up(d, &nan::<f32>(n)), up(d, &logits));
-        layers::crossentropy_forward(d, &mut losses, &mut lg, &dt, v, dloss).unwrap();
+        layers::crossentropy_forward(
+            d,
+            &mut losses.as_view_mut(),
+            &mut lg.as_view_mut(),
+            &dt.as_view(),
+            v,
+            dloss,
+        )
+        .unwrap();
         let (mut wl, mut wg) = (vec![0f32; n], logits.clone());
         crossentropy::crossentropy_forward(&mut wl, &mut wg, &targets, v, dloss);
         close(
@@ -432,7 +465,13 @@ fn norms_match_cpu<X: DeviceFloat>() {
         up(d, &vec![f64::NAN; cuda::norm::sum_squares_parts_len()]),
     );
     let dg = up(d, &g);
-    cuda::norm::sum_squares(d, &mut total, &mut parts, &dg).unwrap();
+    cuda::norm::sum_squares(
+        d,
+        &mut total.as_view_mut(),
+        &mut parts.as_view_mut(),
+        &dg.as_view(),
+    )
+    .unwrap();
     let (got, want) = (down(d, &total)[0], norm::sum_squares(&g));
     assert!(
         (got - want).abs() <= 1e-12 * want,
@@ -441,14 +480,14 @@ fn norms_match_cpu<X: DeviceFloat>() {
     );
 
     let (mut flag, mut dg) = (up(d, &[0i32]), up(d, &g));
-    cuda::norm::unscale(d, &mut dg, 0.5, &mut flag).unwrap();
+    cuda::norm::unscale(d, &mut dg.as_view_mut(), 0.5, &mut flag.as_view_mut()).unwrap();
     let want: Vec<X> = g.iter().map(|x| X::from_f32(x.to_f32() * 0.5)).collect();
     close("unscale", &down(d, &dg), &want, 0.0);
     assert_eq!(down(d, &flag), [0], "finite gradients raise no flag");
     let mut with_inf = g.clone();
     with_inf[n / 2] = X::from_f32(f32::INFINITY);
     let mut dg = up(d, &with_inf);
-    cuda::norm::unscale(d, &mut dg, 0.5, &mut flag).unwrap();
+    cuda::norm::unscale(d, &mut dg.as_view_mut(), 0.5, &mut flag.as_view_mut()).unwrap();
     assert_eq!(
         down(d, &flag),
         [1],
@@ -502,7 +541,15 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         );
     };
     let (mut m, mut out) = (up(d, &master), up(d, &nan::<X>(n)));
-    cuda::optim::sgd_step(d, &mut m, &dg, Some(&mut out), 0.1, 0.5).unwrap();
+    cuda::optim::sgd_step(
+        d,
+        &mut m.as_view_mut(),
+        &dg.as_view(),
+        Some(&mut out.as_view_mut()),
+        0.1,
+        0.5,
+    )
+    .unwrap();
     let (mut wm, mut wo) = (master.clone(), vec![X::ZERO; n]);
     optim::sgd_step(&mut wm, &grad, Some(&mut wo), 0.1, 0.5);
     check("sgd", &m, &out, &wm, &wo);
@@ -513,7 +560,16 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         nesterov: true,
     };
     let (mut m, mut buf, mut out) = (up(d, &master), up(d, &state), up(d, &nan::<X>(n)));
-    cuda::optim::momentum_step(d, &mut m, &dg, &mut buf, Some(&mut out), &hp, 0.5).unwrap();
+    cuda::optim::momentum_step(
+        d,
+        &mut m.as_view_mut(),
+        &dg.as_view(),
+        &mut buf.as_view_mut(),
+        Some(&mut out.as_view_mut()),
+        &hp,
+        0.5,
+    )
+    .unwrap();
     let (mut wm, mut wb, mut wo) = (master.clone(), state.clone(), vec![X::ZERO; n]);
     optim::momentum_step(&mut wm, &grad, &mut wb, Some(&mut wo), &hp, 0.5);
     check("momentum", &m, &out, &wm, &wo);
@@ -532,11 +588,11 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
     );
     cuda::optim::adamw_step(
         d,
-        &mut m,
-        &dg,
-        &mut s1,
-        &mut s2,
-        Some(&mut out),
+        &mut m.as_view_mut(),
+        &dg.as_view(),
+        &mut s1.as_view_mut(),
+        &mut s2.as_view_mut(),
+        Some(&mut out.as_view_mut()),
         &hp,
         3,
         0.5,
@@ -554,14 +610,23 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         ..Lion::default()
     };
     let (mut m, mut s1) = (up(d, &master), up(d, &state));
-    cuda::optim::lion_step::<X, X>(d, &mut m, &dg, &mut s1, None, &hp, 0.5).unwrap();
+    cuda::optim::lion_step::<X, X>(
+        d,
+        &mut m.as_view_mut(),
+        &dg.as_view(),
+        &mut s1.as_view_mut(),
+        None,
+        &hp,
+        0.5,
+    )
+    .unwrap();
     let (mut wm, mut w1) = (master.clone(), state.clone());
     optim::lion_step::<X, X>(&mut wm, &grad, &mut w1, None, &hp, 0.5);
     close("lion master", &down(d, &m), &wm, 1e-6);
     close("lion m", &down(d, &s1), &w1, 1e-6);
 
     let mut m = up(d, &master);
-    cuda::optim::decay(d, &mut m, 0.99).unwrap();
+    cuda::optim::decay(d, &mut m.as_view_mut(), 0.99).unwrap();
     let mut wm = master.clone();
     optim::decay(&mut wm, 0.99);
     close("decay", &down(d, &m), &wm, 0.0);
@@ -593,13 +658,13 @@ fn adam8bit_matches_cpu<X: DeviceFloat>() {
     for step in 1..=3 {
         cuda::optim::adam8bit_step(
             d,
-            &mut m,
-            &dg,
-            &mut qm,
-            &mut qv,
-            &mut am,
-            &mut av,
-            Some(&mut out),
+            &mut m.as_view_mut(),
+            &dg.as_view(),
+            &mut qm.as_view_mut(),
+            &mut qv.as_view_mut(),
+            &mut am.as_view_mut(),
+            &mut av.as_view_mut(),
+            Some(&mut out.as_view_mut()),
             &codes,
             &hp,
             step,
@@ -648,32 +713,69 @@ fn adafactor_matches_cpu<X: DeviceFloat>() {
     );
     let cut = n / 2 + 7;
     let (g0, g1) = (up(d, &grad[..cut]), up(d, &grad[cut..]));
-    cuda::optim::adafactor_sq_sums(d, &g0, 0, 0.5, &hp, &mut rs, &mut cs).unwrap();
-    cuda::optim::adafactor_sq_sums(d, &g1, cut, 0.5, &hp, &mut rs, &mut cs).unwrap();
+    cuda::optim::adafactor_sq_sums(
+        d,
+        &g0.as_view(),
+        0,
+        0.5,
+        &hp,
+        &mut rs.as_view_mut(),
+        &mut cs.as_view_mut(),
+    )
+    .unwrap();
+    cuda::optim::adafactor_sq_sums(
+        d,
+        &g1.as_view(),
+        cut,
+        0.5,
+        &hp,
+        &mut rs.as_view_mut(),
+        &mut cs.as_view_mut(),
+    )
+    .unwrap();
     let (mut row, mut col) = (up(d, &vec![0.01f32; rows]), up(d, &vec![0.02f32; cols]));
-    cuda::optim::adafactor_update_stats(d, &mut row, &mut col, &rs, &cs, &hp, step).unwrap();
+    cuda::optim::adafactor_update_stats(
+        d,
+        &mut row.as_view_mut(),
+        &mut col.as_view_mut(),
+        &rs.as_view(),
+        &cs.as_view(),
+        &hp,
+        step,
+    )
+    .unwrap();
     let (mut rms, mut mean) = (d.zeros::<f64>(optim::LIMBS).unwrap(), up(d, &[f32::NAN]));
     let dg = up(d, &grad);
-    cuda::optim::adafactor_rms_sum(d, &dg, 0.5, &row, &col, &mut mean, 0, &mut rms).unwrap();
+    cuda::optim::adafactor_rms_sum(
+        d,
+        &dg.as_view(),
+        0.5,
+        &row.as_view(),
+        &col.as_view(),
+        &mut mean.as_view_mut(),
+        0,
+        &mut rms.as_view_mut(),
+    )
+    .unwrap();
     let (mut m, mut ea, mut out) = (
         up(d, &master),
         d.zeros::<f32>(n).unwrap(),
         up(d, &nan::<X>(n)),
     );
     let moment = cuda::optim::Moment::Factored {
-        row: &row,
-        col: &col,
-        row_mean: &mut mean,
+        row: &row.as_view(),
+        col: &col.as_view(),
+        row_mean: &mut mean.as_view_mut(),
         start: 0,
     };
     cuda::optim::adafactor_apply(
         d,
-        &mut m,
-        &dg,
-        Some(&mut ea),
-        Some(&mut out),
+        &mut m.as_view_mut(),
+        &dg.as_view(),
+        Some(&mut ea.as_view_mut()),
+        Some(&mut out.as_view_mut()),
         moment,
-        &rms,
+        &rms.as_view(),
         &hp,
         0.5,
     )
@@ -717,10 +819,32 @@ fn adafactor_matches_cpu<X: DeviceFloat>() {
         d.zeros::<f64>(optim::LIMBS).unwrap(),
         up(d, &master),
     );
-    cuda::optim::adafactor_vector_ema(d, &mut v, &dg, 0.5, &hp, step, &mut rms).unwrap();
-    let moment = cuda::optim::Moment::Full { v: &v, numel: n };
-    cuda::optim::adafactor_apply::<X, X>(d, &mut m, &dg, None, None, moment, &rms, &hp, 0.5)
-        .unwrap();
+    cuda::optim::adafactor_vector_ema(
+        d,
+        &mut v.as_view_mut(),
+        &dg.as_view(),
+        0.5,
+        &hp,
+        step,
+        &mut rms.as_view_mut(),
+    )
+    .unwrap();
+    let moment = cuda::optim::Moment::Full {
+        v: &v.as_view(),
+        numel: n,
+    };
+    cuda::optim::adafactor_apply::<X, X>(
+        d,
+        &mut m.as_view_mut(),
+        &dg.as_view(),
+        None,
+        None,
+        moment,
+        &rms.as_view(),
+        &hp,
+        0.5,
+    )
+    .unwrap();
     let (mut wm, mut wv) = (master.clone(), vec![0.01f32; n]);
     optim::adafactor_step_vector::<X, X>(&mut wm, &grad, &mut wv, None, None, &hp, step, 0.5);
     close("adafactor v", &down(d, &v), &wv, 0.0);

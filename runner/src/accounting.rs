@@ -121,6 +121,19 @@ pub struct Buffer<T, D: Device = Cpu> {
 }
 
 impl<T, D: Device> Buffer<T, D> {
+    /// Elements held.
+    #[inline]
+    pub fn len(&self) -> usize {
+        (self.bytes as usize)
+            .checked_div(size_of::<T>())
+            .unwrap_or(0)
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// All of it, to read.
     #[inline]
     pub fn view(&self) -> D::View<'_, T> {

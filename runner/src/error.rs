@@ -7,6 +7,10 @@ use scheduler::memory::Category;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The device the run asked for cannot be used: no CUDA driver, a build without the
+    /// `cuda` feature, a failed GPU call.
+    #[error("{0}")]
+    Device(String),
     /// A data file (or glob pattern) under the data roots that cannot be used: missing,
     /// unreadable, not a regular file, bad header, truncated, or too short for one batch.
     /// `what` is the spec field and the path as the spec wrote it (and for a glob, which of

@@ -4,7 +4,6 @@
 
 use std::ops::Range;
 
-use kernels::Float;
 use kernels::optim as k;
 use scheduler::memory::Category;
 use scheduler::model::{TensorDims, Unit};
@@ -14,6 +13,7 @@ use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::checkpoint::StateTensor;
 use crate::comm::Communicator;
+use crate::device::{Adam8bitState, Cpu, Device, Num};
 use safetensors::Dtype;
 
 mod adafactor;
@@ -21,14 +21,14 @@ mod adafactor;
 use adafactor::Adafactor;
 
 /// What the optimizer updates in one unit: this rank's `held` range of it.
-pub struct Slices<'a, X> {
+pub struct Slices<'a, X: 'a, D: Device = Cpu> {
     pub unit: &'a Unit,
     pub held: Range<usize>,
     /// fp32 master weights of `held` (the parameters themselves in fp32 training).
-    pub master: &'a mut [f32],
-    pub grads: &'a [X],
+    pub master: D::ViewMut<'a, f32>,
+    pub grads: D::View<'a, X>,
     /// The compute copy to refresh, in mixed precision.
-    pub param_out: Option<&'a mut [X]>,
+    pub param_out: Option<D::ViewMut<'a, X>>,
 }
 
 /// Learning rate, step number (from 1) and the factor gradients are multiplied by.
@@ -39,30 +39,30 @@ pub struct Step {
     pub grad_scale: f32,
 }
 
-pub struct OptimizerState {
+pub struct OptimizerState<D: Device = Cpu> {
     spec: Optimizer,
-    states: States,
+    states: States<D>,
 }
 
-enum States {
+enum States<D: Device> {
     /// Optimizers whose states are elementwise: one per unit.
-    Elementwise(Vec<UnitState>),
-    Adafactor(Adafactor),
+    Elementwise(Vec<UnitState<D>>),
+    Adafactor(Adafactor<D>),
 }
 
-enum UnitState {
+enum UnitState<D: Device> {
     Stateless,
     /// Momentum's buffer or Lion's m.
-    One(Buffer<f32>),
+    One(Buffer<f32, D>),
     Adam {
-        m: Buffer<f32>,
-        v: Buffer<f32>,
+        m: Buffer<f32, D>,
+        v: Buffer<f32, D>,
     },
     Adam8bit {
-        m: Buffer<u8>,
-        v: Buffer<u8>,
-        absmax_m: Buffer<f32>,
-        absmax_v: Buffer<f32>,
+        m: Buffer<u8, D>,
+        v: Buffer<u8, D>,
+        absmax_m: Buffer<f32, D>,
+        absmax_v: Buffer<f32, D>,
     },
 }
 
@@ -79,21 +79,22 @@ fn pieces<'u>(
     })
 }
 
-fn f32s(name: String, b: &mut Buffer<f32>) -> StateTensor<'_> {
+fn f32s<D: Device>(name: String, b: &mut Buffer<f32, D>) -> StateTensor<'_, D> {
     StateTensor {
         name,
         dtype: Dtype::F32,
-        bytes: bytemuck::cast_slice_mut(&mut b[..]),
+        bytes: D::bytes_mut(b.view_mut()),
     }
 }
 
-impl OptimizerState {
+impl<D: Device> OptimizerState<D> {
     pub fn new(
+        dev: &D,
         spec: Optimizer,
         held: &[(&Unit, Range<usize>)],
         acct: &Accountant,
-    ) -> Result<OptimizerState, Error> {
-        let f32s = |n: usize| acct.alloc::<f32>(Category::Optimizer, n);
+    ) -> Result<OptimizerState<D>, Error> {
+        let f32s = |n: usize| acct.alloc_on::<D, f32>(dev, Category::Optimizer, n);
         let unit_state = |n: usize| {
             Ok(match spec {
                 Optimizer::Sgd(_) => UnitState::Stateless,
@@ -105,8 +106,8 @@ impl OptimizerState {
                 Optimizer::Adam8bit(a) => {
                     let blocks = k::adam8bit_blocks(n, a.block_size as usize);
                     UnitState::Adam8bit {
-                        m: acct.alloc(Category::Optimizer, n)?,
-                        v: acct.alloc(Category::Optimizer, n)?,
+                        m: acct.alloc_on(dev, Category::Optimizer, n)?,
+                        v: acct.alloc_on(dev, Category::Optimizer, n)?,
                         absmax_m: f32s(blocks)?,
                         absmax_v: f32s(blocks)?,
                     }
@@ -115,7 +116,7 @@ impl OptimizerState {
             })
         };
         let states = match spec {
-            Optimizer::Adafactor(a) => States::Adafactor(Adafactor::new(a, held, acct)?),
+            Optimizer::Adafactor(a) => States::Adafactor(Adafactor::new(dev, a, held, acct)?),
             _ => States::Elementwise(
                 held.iter()
                     .map(|(_, range)| unit_state(range.len()))
@@ -126,7 +127,7 @@ impl OptimizerState {
     }
 
     /// Every state buffer, named for checkpoints (Adafactor's reduction buffers are scratch).
-    pub fn state(&mut self) -> Vec<StateTensor<'_>> {
+    pub fn state(&mut self) -> Vec<StateTensor<'_, D>> {
         let mut out = Vec::new();
         let units = match &mut self.states {
             States::Adafactor(a) => {
@@ -152,12 +153,12 @@ impl OptimizerState {
                     out.push(StateTensor {
                         name: format!("u{u}.m8"),
                         dtype: Dtype::U8,
-                        bytes: &mut m[..],
+                        bytes: m.view_mut(),
                     });
                     out.push(StateTensor {
                         name: format!("u{u}.v8"),
                         dtype: Dtype::U8,
-                        bytes: &mut v[..],
+                        bytes: v.view_mut(),
                     });
                     out.push(f32s(format!("u{u}.absmax_m"), absmax_m));
                     out.push(f32s(format!("u{u}.absmax_v"), absmax_v));
@@ -169,9 +170,10 @@ impl OptimizerState {
 
     /// Applies one update to every unit's held range. `shards` holds the other ranks when the
     /// held ranges are shards: Adafactor sums its statistics over every shard through it.
-    pub fn step<X: Float>(
+    pub fn step<X: Num>(
         &mut self,
-        slices: &mut [Slices<'_, X>],
+        dev: &D,
+        slices: &mut [Slices<'_, X, D>],
         s: Step,
         shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {
@@ -181,26 +183,28 @@ impl OptimizerState {
                 for (i, dims, r) in pieces(sl.unit, &sl.held) {
                     if matches!(dims, TensorDims::Matrix(..)) {
                         let at = sl.unit.tensors[i].offset + r.start - sl.held.start;
-                        k::decay(&mut sl.master[at..at + r.len()], 1.0 - s.lr * wd);
+                        let master = D::slice_mut(D::reborrow(&mut sl.master), at..at + r.len());
+                        dev.decay(master, 1.0 - s.lr * wd)?;
                     }
                 }
             }
         }
         let units = match &mut self.states {
-            States::Adafactor(a) => return a.step(slices, s, shards),
+            States::Adafactor(a) => return a.step(dev, slices, s, shards),
             States::Elementwise(units) => units,
         };
         for (state, sl) in units.iter_mut().zip(slices.iter_mut()) {
-            let (p, g, out) = (&mut *sl.master, sl.grads, sl.param_out.as_deref_mut());
+            let (p, g) = (D::reborrow(&mut sl.master), D::share(&sl.grads));
+            let out = sl.param_out.as_mut().map(D::reborrow);
             match (state, self.spec) {
-                (UnitState::Stateless, _) => k::sgd_step(p, g, out, s.lr, s.grad_scale),
+                (UnitState::Stateless, _) => dev.sgd_step(p, g, out, s.lr, s.grad_scale)?,
                 (UnitState::One(buf), Optimizer::Momentum(m)) => {
                     let hp = k::Momentum {
                         lr: s.lr,
                         momentum: m.momentum as f32,
                         nesterov: m.nesterov,
                     };
-                    k::momentum_step(p, g, buf, out, &hp, s.grad_scale)
+                    dev.momentum_step(p, g, buf.view_mut(), out, &hp, s.grad_scale)?
                 }
                 (UnitState::One(m), Optimizer::Lion(l)) => {
                     let hp = k::Lion {
@@ -208,11 +212,20 @@ impl OptimizerState {
                         beta1: l.betas[0] as f32,
                         beta2: l.betas[1] as f32,
                     };
-                    k::lion_step(p, g, m, out, &hp, s.grad_scale)
+                    dev.lion_step(p, g, m.view_mut(), out, &hp, s.grad_scale)?
                 }
                 (UnitState::Adam { m, v }, Optimizer::Adamw(a)) => {
                     let hp = adam_hp(s.lr, a.betas, a.eps);
-                    k::adamw_step(p, g, m, v, out, &hp, s.t, s.grad_scale)
+                    dev.adamw_step(
+                        p,
+                        g,
+                        m.view_mut(),
+                        v.view_mut(),
+                        out,
+                        &hp,
+                        s.t,
+                        s.grad_scale,
+                    )?
                 }
                 (
                     UnitState::Adam8bit {
@@ -224,20 +237,14 @@ impl OptimizerState {
                     Optimizer::Adam8bit(a),
                 ) => {
                     let hp = adam_hp(s.lr, a.betas, a.eps);
+                    let state = Adam8bitState {
+                        m: m.view_mut(),
+                        v: v.view_mut(),
+                        absmax_m: absmax_m.view_mut(),
+                        absmax_v: absmax_v.view_mut(),
+                    };
                     let block = a.block_size as usize;
-                    k::adam8bit_step(
-                        p,
-                        g,
-                        m,
-                        v,
-                        absmax_m,
-                        absmax_v,
-                        out,
-                        &hp,
-                        s.t,
-                        s.grad_scale,
-                        block,
-                    )
+                    dev.adam8bit_step(p, g, state, out, &hp, s.t, s.grad_scale, block)?
                 }
                 _ => unreachable!("optimizer state is built for its spec"),
             }

@@ -8,9 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
-use kernels::Float;
 use scheduler::inventory::Inventory;
-use scheduler::memory::{self, Breakdown, DeviceKind, Setup};
+use scheduler::memory::{self, Breakdown, Setup};
 use scheduler::model::GptShape;
 use scheduler::plan;
 use scheduler::spec::{Architecture, Dtype, JobSpec, ZeroStage};
@@ -21,6 +20,7 @@ use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
 use crate::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring};
 use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
+use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
 use crate::zero::Engine;
 use crate::{lr_schedule, process};
@@ -30,6 +30,8 @@ use crate::{lr_schedule, process};
 pub struct Options {
     /// Each rank's device budget; the plan must fit it and the accountant enforces it.
     pub device_memory: Option<u64>,
+    /// The device every rank of this process trains on.
+    pub device: Target,
     /// Kernel threads (default: all cores); only the first run in a process sets it.
     pub threads: Option<usize>,
     /// Where checkpoints and the final Hugging Face export go (none: nothing is written).
@@ -157,7 +159,7 @@ pub fn run_ranks(
     };
     let world = spec.world_size.get() as usize;
     let budget = opts.device_memory.unwrap_or(u64::MAX);
-    let inventory = Inventory::uniform(world, budget, DeviceKind::Cpu);
+    let inventory = Inventory::uniform(world, budget, opts.device.kind());
     let setup = plan::plan(spec, &inventory)?.chosen.setup;
     let threads = opts
         .threads
@@ -177,9 +179,9 @@ pub fn run_ranks(
                     kernels::cpu::flush_denormals();
                     let args = (spec, setup, shape, comm, opts, report);
                     match spec.precision.dtype {
-                        Dtype::Fp32 => train_rank::<f32>(args),
-                        Dtype::Fp16 => train_rank::<f16>(args),
-                        Dtype::Bf16 => train_rank::<bf16>(args),
+                        Dtype::Fp32 => on_device::<f32>(args),
+                        Dtype::Fp16 => on_device::<f16>(args),
+                        Dtype::Bf16 => on_device::<bf16>(args),
                     }
                 })
             })
@@ -263,13 +265,27 @@ type RankArgs<'a, 'p> = (
     Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
 );
 
-fn train_rank<X: Float + Wire>(
+/// [`train_rank`] on the device the options name.
+fn on_device<X: Num + Wire>(args: RankArgs<'_, '_>) -> Result<RankRun, Error> {
+    match args.4.device {
+        Target::Cpu => train_rank::<X, _>(Cpu, args),
+        #[cfg(feature = "cuda")]
+        Target::Cuda(n) => train_rank::<X, _>(crate::device::Cuda::new(n)?, args),
+        #[cfg(not(feature = "cuda"))]
+        Target::Cuda(_) => Err(Error::Device(
+            "this zerotrain was built without CUDA support (cargo feature `cuda`)".into(),
+        )),
+    }
+}
+
+fn train_rank<X: Num + Wire, D: Device>(
+    dev: D,
     (spec, setup, shape, comm, opts, mut progress): RankArgs<'_, '_>,
 ) -> Result<RankRun, Error> {
     let t = &spec.training;
     let rank = comm.rank();
     let acct = Accountant::new(opts.device_memory);
-    let mut engine = Engine::<X>::new(setup, shape, t.seed, comm, acct.clone())?;
+    let mut engine = Engine::<X, D>::on(dev, setup, shape, t.seed, comm, acct.clone())?;
     let layout = BatchLayout {
         batch: setup.micro_batch,
         seq_len: setup.seq_len,
@@ -307,7 +323,7 @@ fn train_rank<X: Float + Wire>(
             let old_stage = ZeroStage::from_index(m.zero_stage.into())
                 .ok_or_else(|| fail(format!("unknown stage {}", m.zero_stage)))?;
             if (m.world_size, old_stage) == (setup.world_size, setup.stage) {
-                checkpoint::load_rank(&dir, rank, &mut engine.state())?;
+                engine.load_rank(&dir)?;
             } else {
                 engine.load_resharded(&dir, m.world_size, old_stage)?;
             }
@@ -402,7 +418,7 @@ fn train_rank<X: Float + Wire>(
         memory: RankMemory {
             rank,
             measured_peak_bytes: acct.peak(),
-            predicted_bytes: memory::rank_breakdown(setup, rank),
+            predicted_bytes: memory::rank_breakdown_on(setup, rank, D::KIND),
             comm_bytes_sent,
         },
     })

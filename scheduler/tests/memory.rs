@@ -239,6 +239,34 @@ fn cuda_devices_add_their_runtime_overhead() {
 }
 
 #[test]
+fn a_gpu_holds_no_matmul_scratch_and_pays_for_its_gemm_buffers_in_overhead() {
+    for (dtype, scratch) in [
+        (Dtype::Fp32, 0),
+        (Dtype::Bf16, 4 * MATMUL_SCRATCH_F32 as u64),
+        (Dtype::Fp16, 4 * MATMUL_SCRATCH_F32 as u64),
+    ] {
+        let gpt = Architecture::Gpt(Preset::Tiny.shape());
+        let s = setup(gpt, dtype, adamw(), ZeroStage::Ddp, 1);
+        let cpu = memory::estimate(&s, DeviceKind::Cpu).per_rank;
+        let gpu = memory::estimate(&s, DeviceKind::Cuda).per_rank;
+        assert_eq!(cpu.buffers - gpu.buffers, scratch, "{dtype:?}");
+        assert_eq!(
+            memory::rank_breakdown_on(&s, 0, DeviceKind::Cuda).buffers,
+            gpu.buffers
+        );
+        assert_eq!(
+            (gpu.params, gpu.grads, gpu.optimizer, gpu.activations),
+            (cpu.params, cpu.grads, cpu.optimizer, cpu.activations)
+        );
+    }
+    assert_eq!(
+        memory::CUDA_OVERHEAD_BYTES,
+        memory::CUDA_CONTEXT_BYTES + memory::CUDA_GEMM_RESIDENT_BYTES
+    );
+    assert_eq!(memory::CUDA_GEMM_RESIDENT_BYTES, 64 << 20);
+}
+
+#[test]
 fn a_cpu_process_pays_a_baseline_and_a_packing_buffer_per_gemm_thread() {
     use memory::process::{BASELINE_BYTES, PACKING_BYTES_PER_THREAD, overhead_bytes};
     assert_eq!(overhead_bytes(0), BASELINE_BYTES);

@@ -225,3 +225,47 @@ fn a_killed_rank_makes_the_others_exit_with_an_error_naming_it() {
     );
     ranks[1].wait().unwrap();
 }
+
+#[test]
+fn training_on_cuda_without_a_driver_fails_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    fs::write(&spec, SPEC).unwrap();
+    let out = dir.path().join("out");
+    // This test is for machines without a GPU; where a driver is present it proves nothing.
+    let driver = [
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/usr/lib64/libcuda.so.1",
+    ]
+    .iter()
+    .any(|p| Path::new(p).exists());
+    if driver && cfg!(feature = "cuda") {
+        eprintln!("skipped: a CUDA driver is installed here");
+        return;
+    }
+    let result = zerotrain(&spec, &out)
+        .args(["--device", "cuda:0"])
+        .output()
+        .unwrap();
+    assert!(!result.status.success(), "training without a GPU must fail");
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    let want = if cfg!(feature = "cuda") {
+        "no CUDA driver found: "
+    } else {
+        "built without CUDA support"
+    };
+    assert!(stderr.contains(want), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        !out.join("checkpoints").exists(),
+        "nothing trained, nothing written"
+    );
+
+    let bad = zerotrain(&spec, &out)
+        .args(["--device", "tpu"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("expected cpu, cuda or cuda:N"), "{stderr}");
+}

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
 };
 
 use super::matmul::Blas;
@@ -61,8 +61,8 @@ impl Device {
         Ok(self.stream.clone_htod(host)?)
     }
 
-    /// Copy a device buffer back (waits for the stream).
-    pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>, Error> {
+    /// Copy a device buffer or view back (waits for the stream).
+    pub fn download<T: DeviceRepr>(&self, dev: &impl DevicePtr<T>) -> Result<Vec<T>, Error> {
         Ok(self.stream.clone_dtoh(dev)?)
     }
 
@@ -110,7 +110,7 @@ pub(crate) fn rows(x: usize, y: usize) -> LaunchConfig {
 /// The raw pointer of an optional output (null for `None`, which the kernel skips), and the
 /// guard that records the write once dropped after the launch.
 pub(crate) fn optional_ptr<'a, T>(
-    out: &'a mut Option<&mut CudaSlice<T>>,
+    out: &'a mut Option<&mut CudaViewMut<'_, T>>,
     stream: &'a CudaStream,
 ) -> (u64, Option<SyncOnDrop<'a>>) {
     match out {
@@ -123,8 +123,8 @@ pub(crate) fn optional_ptr<'a, T>(
 }
 
 /// The raw pointer of an optional input (null for `None`) and its read guard.
-pub(crate) fn input_ptr<'a, T>(
-    input: Option<&'a CudaSlice<T>>,
+pub(crate) fn input_ptr<'a, T, P: DevicePtr<T>>(
+    input: Option<&'a P>,
     stream: &'a CudaStream,
 ) -> (u64, Option<SyncOnDrop<'a>>) {
     match input {

@@ -2,7 +2,7 @@
 //! functions of the same names (`crate::encoder`, `crate::layernorm`, …). All launch on the
 //! device's stream and return once queued.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaView, CudaViewMut};
 
 use super::device::{THREADS, elementwise, launch, rows};
 use super::{Device, DeviceFloat, Error};
@@ -16,8 +16,8 @@ fn len(n: usize) -> i64 {
 /// `out = round(src)` for a 16-bit `X`: the trainer's compute copies.
 pub fn cast_from_f32<X: DeviceFloat>(
     dev: &Device,
-    dst: &mut CudaSlice<X>,
-    src: &CudaSlice<f32>,
+    dst: &mut CudaViewMut<'_, X>,
+    src: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
     assert_eq!(dst.len(), src.len(), "cast length mismatch");
     let n = len(src.len());
@@ -28,8 +28,8 @@ pub fn cast_from_f32<X: DeviceFloat>(
 /// `dst = src as f32` for a 16-bit `X`.
 pub fn cast_to_f32<X: DeviceFloat>(
     dev: &Device,
-    dst: &mut CudaSlice<f32>,
-    src: &CudaSlice<X>,
+    dst: &mut CudaViewMut<'_, f32>,
+    src: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     assert_eq!(dst.len(), src.len(), "cast length mismatch");
     let n = len(src.len());
@@ -40,10 +40,10 @@ pub fn cast_to_f32<X: DeviceFloat>(
 /// `out (B, T, C) = wte[tokens] + wpe[0..T]`; a token outside the vocabulary gives NaN rows.
 pub fn encoder_forward<X: DeviceFloat>(
     dev: &Device,
-    out: &mut CudaSlice<X>,
-    tokens: &CudaSlice<u32>,
-    wte: &CudaSlice<X>,
-    wpe: &CudaSlice<X>,
+    out: &mut CudaViewMut<'_, X>,
+    tokens: &CudaView<'_, u32>,
+    wte: &CudaView<'_, X>,
+    wpe: &CudaView<'_, X>,
     t: usize,
     c: usize,
 ) -> Result<(), Error> {
@@ -65,9 +65,9 @@ pub fn encoder_forward<X: DeviceFloat>(
 /// CPU back end does), so each row of dwte is summed by one block in position order.
 pub fn encoder_backward<X: DeviceFloat>(
     dev: &Device,
-    dwte: &mut CudaSlice<X>,
-    dwpe: &mut CudaSlice<X>,
-    dout: &CudaSlice<X>,
+    dwte: &mut CudaViewMut<'_, X>,
+    dwpe: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, X>,
     tokens: &[u32],
     t: usize,
     c: usize,
@@ -107,12 +107,12 @@ pub fn encoder_backward<X: DeviceFloat>(
 /// `out (N, C) = (inp - mean)·rstd·weight + bias`, writing `mean (N)` and `rstd (N)`.
 pub fn layernorm_forward<X: DeviceFloat>(
     dev: &Device,
-    out: &mut CudaSlice<X>,
-    mean: &mut CudaSlice<f32>,
-    rstd: &mut CudaSlice<f32>,
-    inp: &CudaSlice<X>,
-    weight: &CudaSlice<X>,
-    bias: &CudaSlice<X>,
+    out: &mut CudaViewMut<'_, X>,
+    mean: &mut CudaViewMut<'_, f32>,
+    rstd: &mut CudaViewMut<'_, f32>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    bias: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     let c = weight.len();
     let n = check_rows(inp.len(), c, mean.len(), rstd.len());
@@ -130,14 +130,14 @@ pub fn layernorm_forward<X: DeviceFloat>(
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward<X: DeviceFloat>(
     dev: &Device,
-    dinp: &mut CudaSlice<X>,
-    dweight: &mut CudaSlice<X>,
-    dbias: &mut CudaSlice<X>,
-    dout: &CudaSlice<X>,
-    inp: &CudaSlice<X>,
-    weight: &CudaSlice<X>,
-    mean: &CudaSlice<f32>,
-    rstd: &CudaSlice<f32>,
+    dinp: &mut CudaViewMut<'_, X>,
+    dweight: &mut CudaViewMut<'_, X>,
+    dbias: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, X>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    mean: &CudaView<'_, f32>,
+    rstd: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
     let c = weight.len();
     let n = check_rows(inp.len(), c, mean.len(), rstd.len());
@@ -184,9 +184,9 @@ fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i3
 /// Forward: `out (B, T, C)` and the probabilities `att (B, NH, T, T)` from `qkv (B, T, 3C)`.
 pub fn attention_forward<X: DeviceFloat>(
     dev: &Device,
-    out: &mut CudaSlice<X>,
-    att: &mut CudaSlice<X>,
-    qkv: &CudaSlice<X>,
+    out: &mut CudaViewMut<'_, X>,
+    att: &mut CudaViewMut<'_, X>,
+    qkv: &CudaView<'_, X>,
     d: AttentionDims,
 ) -> Result<(), Error> {
     let (t, c, nh) = check_attention(&d, qkv.len(), out.len(), att.len());
@@ -199,11 +199,11 @@ pub fn attention_forward<X: DeviceFloat>(
 /// ∂L/∂scores.
 pub fn attention_backward<X: DeviceFloat>(
     dev: &Device,
-    dqkv: &mut CudaSlice<X>,
-    datt: &mut CudaSlice<f32>,
-    dout: &CudaSlice<X>,
-    qkv: &CudaSlice<X>,
-    att: &CudaSlice<X>,
+    dqkv: &mut CudaViewMut<'_, X>,
+    datt: &mut CudaViewMut<'_, f32>,
+    dout: &CudaView<'_, X>,
+    qkv: &CudaView<'_, X>,
+    att: &CudaView<'_, X>,
     d: AttentionDims,
 ) -> Result<(), Error> {
     let (t, c, nh) = check_attention(&d, qkv.len(), dout.len(), att.len());
@@ -214,16 +214,17 @@ pub fn attention_backward<X: DeviceFloat>(
     let grid = rows(d.t, d.b * d.nh);
     launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), grid;
         &mut *dqkv, &mut *datt, dout, qkv, att, &t, &c, &nh);
+    let datt = datt.as_view();
     launch!(dev, "attention.cu", format!("attention_backward_key_{}", X::NAME), grid;
-        dqkv, &*datt, dout, qkv, att, &t, &c, &nh);
+        dqkv, &datt, dout, qkv, att, &t, &c, &nh);
     Ok(())
 }
 
 /// `out = gelu(inp)`.
 pub fn gelu_forward<X: DeviceFloat>(
     dev: &Device,
-    out: &mut CudaSlice<X>,
-    inp: &CudaSlice<X>,
+    out: &mut CudaViewMut<'_, X>,
+    inp: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     assert_eq!(out.len(), inp.len(), "out and inp must have the same shape");
     let n = len(inp.len());
@@ -234,8 +235,8 @@ pub fn gelu_forward<X: DeviceFloat>(
 /// In place: `grad = grad · gelu'(inp)`.
 pub fn gelu_backward<X: DeviceFloat>(
     dev: &Device,
-    grad: &mut CudaSlice<X>,
-    inp: &CudaSlice<X>,
+    grad: &mut CudaViewMut<'_, X>,
+    inp: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     assert_eq!(
         grad.len(),
@@ -250,9 +251,9 @@ pub fn gelu_backward<X: DeviceFloat>(
 /// `out = a + b`.
 pub fn residual_forward<X: DeviceFloat>(
     dev: &Device,
-    out: &mut CudaSlice<X>,
-    a: &CudaSlice<X>,
-    b: &CudaSlice<X>,
+    out: &mut CudaViewMut<'_, X>,
+    a: &CudaView<'_, X>,
+    b: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     assert!(
         out.len() == a.len() && a.len() == b.len(),
@@ -266,8 +267,8 @@ pub fn residual_forward<X: DeviceFloat>(
 /// `a += b`.
 pub fn residual_accumulate<X: DeviceFloat>(
     dev: &Device,
-    a: &mut CudaSlice<X>,
-    b: &CudaSlice<X>,
+    a: &mut CudaViewMut<'_, X>,
+    b: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     assert_eq!(a.len(), b.len(), "a and b must have the same shape");
     let n = len(b.len());
@@ -279,9 +280,9 @@ pub fn residual_accumulate<X: DeviceFloat>(
 /// `dloss = Some(s)` the logits become `(softmax - onehot)·s`. One block of 1024 per row.
 pub fn crossentropy_forward(
     dev: &Device,
-    losses: &mut CudaSlice<f32>,
-    logits: &mut CudaSlice<f32>,
-    targets: &CudaSlice<u32>,
+    losses: &mut CudaViewMut<'_, f32>,
+    logits: &mut CudaViewMut<'_, f32>,
+    targets: &CudaView<'_, u32>,
     v: usize,
     dloss: Option<f32>,
 ) -> Result<(), Error> {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::device::launch;
 use super::{Device, DeviceFloat, Error};
@@ -72,10 +72,10 @@ pub const fn resident_bytes() -> usize {
 /// epilogue in f32 before the one rounding, has the dtype of `out`.
 pub fn matmul_forward<X: DeviceFloat, Y: DeviceFloat>(
     dev: &Device,
-    out: &mut CudaSlice<Y>,
-    inp: &CudaSlice<X>,
-    weight: &CudaSlice<X>,
-    bias: Option<&CudaSlice<Y>>,
+    out: &mut CudaViewMut<'_, Y>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    bias: Option<&CudaView<'_, Y>>,
     layout: Layout,
     (m, k, n): (usize, usize, usize),
 ) -> Result<(), Error> {
@@ -117,12 +117,12 @@ pub fn matmul_forward<X: DeviceFloat, Y: DeviceFloat>(
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
     dev: &Device,
-    dinp: &mut CudaSlice<X>,
-    dweight: &mut CudaSlice<X>,
-    dbias: Option<&mut CudaSlice<X>>,
-    dout: &CudaSlice<G>,
-    inp: &CudaSlice<X>,
-    weight: &CudaSlice<X>,
+    dinp: &mut CudaViewMut<'_, X>,
+    dweight: &mut CudaViewMut<'_, X>,
+    dbias: Option<&mut CudaViewMut<'_, X>>,
+    dout: &CudaView<'_, G>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
     layout: Layout,
     (m, k, n): (usize, usize, usize),
 ) -> Result<(), Error> {

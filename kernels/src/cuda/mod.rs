@@ -9,6 +9,9 @@ pub mod norm;
 pub mod optim;
 mod program;
 
+pub use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, ValidAsZeroBits,
+};
 pub use device::{Device, DeviceFloat};
 
 pub use program::{Image, PROGRAMS, Program, Target, compile, nvrtc_present};

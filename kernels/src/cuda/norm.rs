@@ -1,7 +1,7 @@
 //! Mixed-precision gradient checks on the GPU: unscaling with a found-inf flag and the sum of
 //! squares for the global norm (fixed-order f64 partial sums, no float atomics).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{THREADS, elementwise, launch};
 use super::{Device, DeviceFloat, Error};
@@ -13,9 +13,9 @@ const PARTS: usize = 256;
 /// never cleared here: zero it once per step).
 pub fn unscale<G: DeviceFloat>(
     dev: &Device,
-    grad: &mut CudaSlice<G>,
+    grad: &mut CudaViewMut<'_, G>,
     inv_scale: f32,
-    found_inf: &mut CudaSlice<i32>,
+    found_inf: &mut CudaViewMut<'_, i32>,
 ) -> Result<(), Error> {
     assert_eq!(found_inf.len(), 1, "found_inf is one i32");
     let n = grad.len() as i64;
@@ -28,9 +28,9 @@ pub fn unscale<G: DeviceFloat>(
 /// when any element is). `parts` is scratch of [`sum_squares_parts_len`] f64.
 pub fn sum_squares<X: DeviceFloat>(
     dev: &Device,
-    total: &mut CudaSlice<f64>,
-    parts: &mut CudaSlice<f64>,
-    x: &CudaSlice<X>,
+    total: &mut CudaViewMut<'_, f64>,
+    parts: &mut CudaViewMut<'_, f64>,
+    x: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     assert_eq!(total.len(), 1, "total is one f64");
     assert_eq!(
@@ -53,7 +53,8 @@ pub fn sum_squares<X: DeviceFloat>(
         },
         PARTS as i32,
     );
-    launch!(dev, "norm.cu", "sum_parts", one; total, &*parts, &count);
+    let parts = parts.as_view();
+    launch!(dev, "norm.cu", "sum_parts", one; total, &parts, &count);
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 //! weights and states, gradients of dtype `G` times `grad_scale`, and when `param_out` is given
 //! the rounded compute copy of the new master. Buffers are a whole tensor or a ZeRO shard.
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{THREADS, elementwise, input_ptr, launch, optional_ptr};
 use super::{Device, DeviceFloat, Error};
@@ -12,14 +12,14 @@ fn name<G: DeviceFloat, X: DeviceFloat>(kernel: &str) -> String {
     format!("{kernel}_{}_{}", G::NAME, X::NAME)
 }
 
-fn check_out<X>(out: &Option<&mut CudaSlice<X>>, n: usize) {
+fn check_out<X>(out: &Option<&mut CudaViewMut<'_, X>>, n: usize) {
     if let Some(p) = out {
         assert_eq!(p.len(), n, "param_out must match master");
     }
 }
 
 /// Decoupled weight decay: `master *= factor`.
-pub fn decay(dev: &Device, master: &mut CudaSlice<f32>, factor: f32) -> Result<(), Error> {
+pub fn decay(dev: &Device, master: &mut CudaViewMut<'_, f32>, factor: f32) -> Result<(), Error> {
     let n = master.len() as i64;
     let cfg = elementwise(master.len());
     launch!(dev, "optim.cu", "decay", cfg; master, &factor, &n);
@@ -29,9 +29,9 @@ pub fn decay(dev: &Device, master: &mut CudaSlice<f32>, factor: f32) -> Result<(
 /// Plain SGD: `p -= lr·g`.
 pub fn sgd_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Device,
-    master: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
-    mut param_out: Option<&mut CudaSlice<X>>,
+    master: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
+    mut param_out: Option<&mut CudaViewMut<'_, X>>,
     lr: f32,
     grad_scale: f32,
 ) -> Result<(), Error> {
@@ -47,10 +47,10 @@ pub fn sgd_step<G: DeviceFloat, X: DeviceFloat>(
 /// SGD with momentum (PyTorch semantics, dampening 0).
 pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Device,
-    master: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
-    buf: &mut CudaSlice<f32>,
-    mut param_out: Option<&mut CudaSlice<X>>,
+    master: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
+    buf: &mut CudaViewMut<'_, f32>,
+    mut param_out: Option<&mut CudaViewMut<'_, X>>,
     hp: &Momentum,
     grad_scale: f32,
 ) -> Result<(), Error> {
@@ -71,11 +71,11 @@ pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Device,
-    master: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
-    m: &mut CudaSlice<f32>,
-    v: &mut CudaSlice<f32>,
-    mut param_out: Option<&mut CudaSlice<X>>,
+    master: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
+    m: &mut CudaViewMut<'_, f32>,
+    v: &mut CudaViewMut<'_, f32>,
+    mut param_out: Option<&mut CudaViewMut<'_, X>>,
     hp: &AdamW,
     step: u64,
     grad_scale: f32,
@@ -97,10 +97,10 @@ pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
 /// Lion: `p -= lr·sign(β1·m + (1-β1)·g)`, then `m = β2·m + (1-β2)·g`.
 pub fn lion_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Device,
-    master: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
-    m: &mut CudaSlice<f32>,
-    mut param_out: Option<&mut CudaSlice<X>>,
+    master: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
+    m: &mut CudaViewMut<'_, f32>,
+    mut param_out: Option<&mut CudaViewMut<'_, X>>,
     hp: &Lion,
     grad_scale: f32,
 ) -> Result<(), Error> {
@@ -136,13 +136,13 @@ impl Adam8bitCodes {
 #[allow(clippy::too_many_arguments)]
 pub fn adam8bit_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Device,
-    master: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
-    m: &mut CudaSlice<u8>,
-    v: &mut CudaSlice<u8>,
-    absmax_m: &mut CudaSlice<f32>,
-    absmax_v: &mut CudaSlice<f32>,
-    mut param_out: Option<&mut CudaSlice<X>>,
+    master: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
+    m: &mut CudaViewMut<'_, u8>,
+    v: &mut CudaViewMut<'_, u8>,
+    absmax_m: &mut CudaViewMut<'_, f32>,
+    absmax_v: &mut CudaViewMut<'_, f32>,
+    mut param_out: Option<&mut CudaViewMut<'_, X>>,
     codes: &Adam8bitCodes,
     hp: &AdamW,
     step: u64,
@@ -181,12 +181,12 @@ pub fn adam8bit_step<G: DeviceFloat, X: DeviceFloat>(
 /// `col_sums (cols · LIMBS)` (f64 atomics on integer-valued limbs: exact, so deterministic).
 pub fn adafactor_sq_sums<G: DeviceFloat>(
     dev: &Device,
-    grad: &CudaSlice<G>,
+    grad: &CudaView<'_, G>,
     start: usize,
     grad_scale: f32,
     hp: &Adafactor,
-    row_sums: &mut CudaSlice<f64>,
-    col_sums: &mut CudaSlice<f64>,
+    row_sums: &mut CudaViewMut<'_, f64>,
+    col_sums: &mut CudaViewMut<'_, f64>,
 ) -> Result<(), Error> {
     let (rows, cols) = (row_sums.len() / LIMBS, col_sums.len() / LIMBS);
     assert!(
@@ -207,10 +207,10 @@ pub fn adafactor_sq_sums<G: DeviceFloat>(
 /// Adafactor phase 2 (matrix): the row and column EMAs from the all-reduced sums.
 pub fn adafactor_update_stats(
     dev: &Device,
-    row: &mut CudaSlice<f32>,
-    col: &mut CudaSlice<f32>,
-    row_sums: &CudaSlice<f64>,
-    col_sums: &CudaSlice<f64>,
+    row: &mut CudaViewMut<'_, f32>,
+    col: &mut CudaViewMut<'_, f32>,
+    row_sums: &CudaView<'_, f64>,
+    col_sums: &CudaView<'_, f64>,
     hp: &Adafactor,
     step: u64,
 ) -> Result<(), Error> {
@@ -230,12 +230,12 @@ pub fn adafactor_update_stats(
 /// `rms_sum (LIMBS)`.
 pub fn adafactor_vector_ema<G: DeviceFloat>(
     dev: &Device,
-    v: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
+    v: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
     grad_scale: f32,
     hp: &Adafactor,
     step: u64,
-    rms_sum: &mut CudaSlice<f64>,
+    rms_sum: &mut CudaViewMut<'_, f64>,
 ) -> Result<(), Error> {
     assert_eq!(rms_sum.len(), LIMBS, "rms_sum holds LIMBS limbs");
     assert_eq!(v.len(), grad.len(), "v must match grad");
@@ -251,20 +251,23 @@ pub enum Moment<'a> {
     /// Row and column EMAs of a matrix; `row_mean` is scratch of one f32; the range starts at
     /// element `start`.
     Factored {
-        row: &'a CudaSlice<f32>,
-        col: &'a CudaSlice<f32>,
-        row_mean: &'a mut CudaSlice<f32>,
+        row: &'a CudaView<'a, f32>,
+        col: &'a CudaView<'a, f32>,
+        row_mean: &'a mut CudaViewMut<'a, f32>,
         start: usize,
     },
     /// The range's slice of a vector's EMA; `numel` is the whole vector's length.
-    Full { v: &'a CudaSlice<f32>, numel: usize },
+    Full {
+        v: &'a CudaView<'a, f32>,
+        numel: usize,
+    },
 }
 
 /// `mean(row)` into `row_mean`, summed in the CPU's order (16 lanes, then pairwise).
 fn row_mean(
     dev: &Device,
-    row_mean: &mut CudaSlice<f32>,
-    row: &CudaSlice<f32>,
+    row_mean: &mut CudaViewMut<'_, f32>,
+    row: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
     assert_eq!(row_mean.len(), 1, "row_mean is one f32");
     let rows = row.len() as i64;
@@ -281,13 +284,13 @@ fn row_mean(
 #[allow(clippy::too_many_arguments)]
 pub fn adafactor_rms_sum<G: DeviceFloat>(
     dev: &Device,
-    grad: &CudaSlice<G>,
+    grad: &CudaView<'_, G>,
     grad_scale: f32,
-    row: &CudaSlice<f32>,
-    col: &CudaSlice<f32>,
-    row_mean_scratch: &mut CudaSlice<f32>,
+    row: &CudaView<'_, f32>,
+    col: &CudaView<'_, f32>,
+    row_mean_scratch: &mut CudaViewMut<'_, f32>,
     start: usize,
-    rms_sum: &mut CudaSlice<f64>,
+    rms_sum: &mut CudaViewMut<'_, f64>,
 ) -> Result<(), Error> {
     assert_eq!(rms_sum.len(), LIMBS, "rms_sum holds LIMBS limbs");
     assert!(
@@ -297,8 +300,9 @@ pub fn adafactor_rms_sum<G: DeviceFloat>(
     row_mean(dev, row_mean_scratch, row)?;
     let (st, n, cl) = (start as i64, grad.len() as i64, col.len() as i64);
     let cfg = elementwise(grad.len());
+    let mean = row_mean_scratch.as_view();
     launch!(dev, "adafactor.cu", format!("adafactor_rms_sum_{}", G::NAME), cfg;
-        grad, &st, &n, &cl, &grad_scale, row, col, &*row_mean_scratch, rms_sum);
+        grad, &st, &n, &cl, &grad_scale, row, col, &mean, rms_sum);
     Ok(())
 }
 
@@ -307,12 +311,12 @@ pub fn adafactor_rms_sum<G: DeviceFloat>(
 #[allow(clippy::too_many_arguments)]
 pub fn adafactor_apply<G: DeviceFloat, X: DeviceFloat>(
     dev: &Device,
-    master: &mut CudaSlice<f32>,
-    grad: &CudaSlice<G>,
-    mut exp_avg: Option<&mut CudaSlice<f32>>,
-    mut param_out: Option<&mut CudaSlice<X>>,
+    master: &mut CudaViewMut<'_, f32>,
+    grad: &CudaView<'_, G>,
+    mut exp_avg: Option<&mut CudaViewMut<'_, f32>>,
+    mut param_out: Option<&mut CudaViewMut<'_, X>>,
     moment: Moment<'_>,
-    rms_sum: &CudaSlice<f64>,
+    rms_sum: &CudaView<'_, f64>,
     hp: &Adafactor,
     grad_scale: f32,
 ) -> Result<(), Error> {

@@ -118,6 +118,8 @@ fn train(
     let attempt_dir = PathBuf::from(&a.attempt_dir);
     let opts = Options {
         device_memory: budget,
+        // Nodes place jobs on their CPUs until GPU placement (the next issue).
+        device: crate::device::Target::Cpu,
         threads: cfg.threads,
         out_dir: Some(attempt_dir.clone()),
         comm_timeout: Some(COMM_TIMEOUT),

@@ -6,9 +6,12 @@ use std::ops::Range;
 
 use kernels::attention::AttentionDims;
 use kernels::matmul::Layout;
-use kernels::{attention, crossentropy, encoder, gelu, layernorm, matmul, residual};
+use kernels::optim::{self as k, Adafactor, AdamW, Lion, Momentum};
+use kernels::{attention, crossentropy, encoder, gelu, layernorm, matmul, norm, residual};
 
-use super::{Device, Elem, Num};
+use super::{Adam8bitState, Device, Elem, Moment, Num};
+use scheduler::memory::DeviceKind;
+
 use crate::Error;
 
 /// Host memory and the CPU kernels (their thread pool is `kernels::cpu`'s).
@@ -16,6 +19,7 @@ use crate::Error;
 pub struct Cpu;
 
 impl Device for Cpu {
+    const KIND: DeviceKind = DeviceKind::Cpu;
     type Buf<T> = Vec<T>;
     type View<'a, T: 'a> = &'a [T];
     type ViewMut<'a, T: 'a> = &'a mut [T];
@@ -50,6 +54,27 @@ impl Device for Cpu {
     #[inline]
     fn split_at_mut<'a, T: 'a>(v: &'a mut [T], mid: usize) -> (&'a mut [T], &'a mut [T]) {
         v.split_at_mut(mid)
+    }
+
+    #[inline]
+    fn freeze<'a, T: 'a>(v: &'a mut [T]) -> &'a [T] {
+        v
+    }
+    #[inline]
+    fn as_f32_mut<'a, X: Num + 'a>(v: &'a mut [X]) -> Option<&'a mut [f32]> {
+        X::as_f32_mut(v)
+    }
+    #[inline]
+    fn bytes_mut<'a, T: Elem + 'a>(v: &'a mut [T]) -> &'a mut [u8] {
+        bytemuck::cast_slice_mut(v)
+    }
+    #[inline]
+    fn reborrow_ref<'b, 'a: 'b, T: 'a>(v: &'b &'a [T]) -> &'b [T] {
+        v
+    }
+    #[inline]
+    fn reborrow<'b, 'a: 'b, T: 'a>(v: &'b mut &'a mut [T]) -> &'b mut [T] {
+        v
     }
 
     #[inline]
@@ -207,5 +232,176 @@ impl Device for Cpu {
     ) -> Result<(), Error> {
         crossentropy::crossentropy_forward(losses, logits, targets, v, dloss);
         Ok(())
+    }
+
+    #[inline]
+    fn sum_squares<X: Num>(&self, x: &[X]) -> Result<f64, Error> {
+        Ok(norm::sum_squares(x))
+    }
+
+    #[inline]
+    fn decay(&self, master: &mut [f32], factor: f32) -> Result<(), Error> {
+        k::decay(master, factor);
+        Ok(())
+    }
+    #[inline]
+    fn sgd_step<X: Num>(
+        &self,
+        master: &mut [f32],
+        grad: &[X],
+        param_out: Option<&mut [X]>,
+        lr: f32,
+        grad_scale: f32,
+    ) -> Result<(), Error> {
+        k::sgd_step(master, grad, param_out, lr, grad_scale);
+        Ok(())
+    }
+    #[inline]
+    fn momentum_step<X: Num>(
+        &self,
+        master: &mut [f32],
+        grad: &[X],
+        buf: &mut [f32],
+        param_out: Option<&mut [X]>,
+        hp: &Momentum,
+        grad_scale: f32,
+    ) -> Result<(), Error> {
+        k::momentum_step(master, grad, buf, param_out, hp, grad_scale);
+        Ok(())
+    }
+    #[inline]
+    fn lion_step<X: Num>(
+        &self,
+        master: &mut [f32],
+        grad: &[X],
+        m: &mut [f32],
+        param_out: Option<&mut [X]>,
+        hp: &Lion,
+        grad_scale: f32,
+    ) -> Result<(), Error> {
+        k::lion_step(master, grad, m, param_out, hp, grad_scale);
+        Ok(())
+    }
+    #[inline]
+    fn adamw_step<X: Num>(
+        &self,
+        master: &mut [f32],
+        grad: &[X],
+        m: &mut [f32],
+        v: &mut [f32],
+        param_out: Option<&mut [X]>,
+        hp: &AdamW,
+        step: u64,
+        grad_scale: f32,
+    ) -> Result<(), Error> {
+        k::adamw_step(master, grad, m, v, param_out, hp, step, grad_scale);
+        Ok(())
+    }
+    #[inline]
+    fn adam8bit_step<X: Num>(
+        &self,
+        master: &mut [f32],
+        grad: &[X],
+        s: Adam8bitState<'_, Self>,
+        param_out: Option<&mut [X]>,
+        hp: &AdamW,
+        step: u64,
+        grad_scale: f32,
+        block: usize,
+    ) -> Result<(), Error> {
+        let Adam8bitState {
+            m,
+            v,
+            absmax_m,
+            absmax_v,
+        } = s;
+        k::adam8bit_step(
+            master, grad, m, v, absmax_m, absmax_v, param_out, hp, step, grad_scale, block,
+        );
+        Ok(())
+    }
+    #[inline]
+    fn adafactor_sq_sums<X: Num>(
+        &self,
+        grad: &[X],
+        start: usize,
+        grad_scale: f32,
+        hp: &Adafactor,
+        row_sums: &mut [f64],
+        col_sums: &mut [f64],
+    ) -> Result<(), Error> {
+        k::adafactor_sq_sums(grad, start, grad_scale, hp, row_sums, col_sums);
+        Ok(())
+    }
+    #[inline]
+    fn adafactor_update_stats(
+        &self,
+        row: &mut [f32],
+        col: &mut [f32],
+        row_sums: &[f64],
+        col_sums: &[f64],
+        hp: &Adafactor,
+        step: u64,
+    ) -> Result<(), Error> {
+        k::adafactor_update_stats(row, col, row_sums, col_sums, hp, step);
+        Ok(())
+    }
+    #[inline]
+    fn adafactor_vector_ema<X: Num>(
+        &self,
+        v: &mut [f32],
+        grad: &[X],
+        grad_scale: f32,
+        hp: &Adafactor,
+        step: u64,
+        rms_sum: &mut [f64],
+    ) -> Result<(), Error> {
+        k::adafactor_vector_ema(v, grad, grad_scale, hp, step, rms_sum);
+        Ok(())
+    }
+    #[inline]
+    fn adafactor_rms_sum<X: Num>(
+        &self,
+        grad: &[X],
+        grad_scale: f32,
+        moment: Moment<'_, Self>,
+        rms_sum: &mut [f64],
+    ) -> Result<(), Error> {
+        k::adafactor_rms_sum(grad, grad_scale, moment.into(), rms_sum);
+        Ok(())
+    }
+    #[inline]
+    fn adafactor_apply<X: Num>(
+        &self,
+        master: &mut [f32],
+        grad: &[X],
+        exp_avg: Option<&mut [f32]>,
+        param_out: Option<&mut [X]>,
+        moment: Moment<'_, Self>,
+        rms_sum: &[f64],
+        hp: &Adafactor,
+        grad_scale: f32,
+    ) -> Result<(), Error> {
+        k::adafactor_apply(
+            master,
+            grad,
+            exp_avg,
+            param_out,
+            moment.into(),
+            rms_sum,
+            hp,
+            grad_scale,
+        );
+        Ok(())
+    }
+}
+
+impl<'a> From<Moment<'a, Cpu>> for k::Moment<'a> {
+    #[inline]
+    fn from(m: Moment<'a, Cpu>) -> Self {
+        match m {
+            Moment::Factored { row, col, start } => k::Moment::Factored { row, col, start },
+            Moment::Full { v, numel } => k::Moment::Full { v, numel },
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! The device the trainer runs on: where its buffers live and which kernels run on them. The
 //! passes and the engine are written once over [`Device`]; [`Cpu`] is the `kernels` crate's
-//! CPU kernels on host memory (the same calls as before the trait, so the same bits and speed).
-//! A CUDA device over `kernels::cuda` is the next implementation (issue 9).
+//! CPU kernels on host memory (the same calls as before the trait, so the same bits and speed);
+//! [`Cuda`] (feature `cuda`) is a GPU through `kernels::cuda`.
 //!
 //! A buffer is a flat allocation ([`Device::Buf`]); kernels take views of it, shared
 //! ([`Device::View`]) or exclusive ([`Device::ViewMut`]), which split like slices so a unit's
@@ -12,16 +12,43 @@ use std::ops::Range;
 use kernels::Float;
 use kernels::attention::AttentionDims;
 use kernels::matmul::Layout;
+use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
+
+use scheduler::memory::DeviceKind;
 
 use crate::Error;
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 pub use cpu::Cpu;
+#[cfg(feature = "cuda")]
+pub use cuda::Cuda;
 
 /// An element type a device buffer can hold.
+#[cfg(not(feature = "cuda"))]
 pub trait Elem: bytemuck::Pod + Default + Send + Sync {}
+#[cfg(not(feature = "cuda"))]
 impl<T: bytemuck::Pod + Default + Send + Sync> Elem for T {}
+
+/// An element type a device buffer can hold (on the GPU too).
+#[cfg(feature = "cuda")]
+pub trait Elem:
+    bytemuck::Pod + Default + Send + Sync + kernels::cuda::DeviceRepr + kernels::cuda::ValidAsZeroBits
+{
+}
+#[cfg(feature = "cuda")]
+impl<
+    T: bytemuck::Pod
+        + Default
+        + Send
+        + Sync
+        + kernels::cuda::DeviceRepr
+        + kernels::cuda::ValidAsZeroBits,
+> Elem for T
+{
+}
 
 /// A compute dtype (`f32`, `f16`, `bf16`) on every device.
 pub trait Num: Float + Elem {}
@@ -32,6 +59,8 @@ impl<X: Float + Elem> Num for X {}
 /// every host transfer waits for what was queued before it.
 #[allow(clippy::too_many_arguments)]
 pub trait Device: Sized + 'static {
+    /// What the memory model calls this kind of device.
+    const KIND: DeviceKind;
     /// An allocation of `T`s on the device.
     type Buf<T>;
     type View<'a, T: 'a>;
@@ -53,6 +82,16 @@ pub trait Device: Sized + 'static {
         v: Self::ViewMut<'a, T>,
         mid: usize,
     ) -> (Self::ViewMut<'a, T>, Self::ViewMut<'a, T>);
+    /// `v`, to read only.
+    fn freeze<'a, T: 'a>(v: Self::ViewMut<'a, T>) -> Self::View<'a, T>;
+    /// `v` as the f32s it is, when `X` is f32 (fp32 parameters are their own master).
+    fn as_f32_mut<'a, X: Num + 'a>(v: Self::ViewMut<'a, X>) -> Option<Self::ViewMut<'a, f32>>;
+    /// The bytes of `v` (checkpoints store state as bytes).
+    fn bytes_mut<'a, T: Elem + 'a>(v: Self::ViewMut<'a, T>) -> Self::ViewMut<'a, u8>;
+    /// The same elements again, for as long as `v` is borrowed.
+    fn reborrow_ref<'b, 'a: 'b, T: 'a>(v: &'b Self::View<'a, T>) -> Self::View<'b, T>;
+    /// The same elements again, exclusively, for as long as `v` is borrowed.
+    fn reborrow<'b, 'a: 'b, T: 'a>(v: &'b mut Self::ViewMut<'a, T>) -> Self::ViewMut<'b, T>;
 
     /// Lets `f` read and write `v` as host memory (the CPU hands it over; a GPU copies it out
     /// and back): collectives, checkpoints and weight initialisation.
@@ -168,6 +207,166 @@ pub trait Device: Sized + 'static {
         v: usize,
         dloss: Option<f32>,
     ) -> Result<(), Error>;
+
+    /// `Σ x²` in f64, on the host (the global norm's share of one buffer).
+    fn sum_squares<X: Num>(&self, x: Self::View<'_, X>) -> Result<f64, Error>;
+
+    // The optimizer updates of `kernels::optim`, gradients in the parameters' dtype.
+    fn decay(&self, master: Self::ViewMut<'_, f32>, factor: f32) -> Result<(), Error>;
+    fn sgd_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        lr: f32,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn momentum_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        buf: Self::ViewMut<'_, f32>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &Momentum,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn lion_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        m: Self::ViewMut<'_, f32>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &Lion,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn adamw_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        m: Self::ViewMut<'_, f32>,
+        v: Self::ViewMut<'_, f32>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &AdamW,
+        step: u64,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+    fn adam8bit_step<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        state: Adam8bitState<'_, Self>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        hp: &AdamW,
+        step: u64,
+        grad_scale: f32,
+        block: usize,
+    ) -> Result<(), Error>;
+    fn adafactor_sq_sums<X: Num>(
+        &self,
+        grad: Self::View<'_, X>,
+        start: usize,
+        grad_scale: f32,
+        hp: &Adafactor,
+        row_sums: Self::ViewMut<'_, f64>,
+        col_sums: Self::ViewMut<'_, f64>,
+    ) -> Result<(), Error>;
+    fn adafactor_update_stats(
+        &self,
+        row: Self::ViewMut<'_, f32>,
+        col: Self::ViewMut<'_, f32>,
+        row_sums: Self::View<'_, f64>,
+        col_sums: Self::View<'_, f64>,
+        hp: &Adafactor,
+        step: u64,
+    ) -> Result<(), Error>;
+    fn adafactor_vector_ema<X: Num>(
+        &self,
+        v: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        grad_scale: f32,
+        hp: &Adafactor,
+        step: u64,
+        rms_sum: Self::ViewMut<'_, f64>,
+    ) -> Result<(), Error>;
+    fn adafactor_rms_sum<X: Num>(
+        &self,
+        grad: Self::View<'_, X>,
+        grad_scale: f32,
+        moment: Moment<'_, Self>,
+        rms_sum: Self::ViewMut<'_, f64>,
+    ) -> Result<(), Error>;
+    fn adafactor_apply<X: Num>(
+        &self,
+        master: Self::ViewMut<'_, f32>,
+        grad: Self::View<'_, X>,
+        exp_avg: Option<Self::ViewMut<'_, f32>>,
+        param_out: Option<Self::ViewMut<'_, X>>,
+        moment: Moment<'_, Self>,
+        rms_sum: Self::View<'_, f64>,
+        hp: &Adafactor,
+        grad_scale: f32,
+    ) -> Result<(), Error>;
+}
+
+/// 8-bit Adam's quantised moments and their per-block scales.
+pub struct Adam8bitState<'a, D: Device> {
+    pub m: D::ViewMut<'a, u8>,
+    pub v: D::ViewMut<'a, u8>,
+    pub absmax_m: D::ViewMut<'a, f32>,
+    pub absmax_v: D::ViewMut<'a, f32>,
+}
+
+/// The second-moment statistics an Adafactor update is scaled by (`kernels::optim::Moment`).
+pub enum Moment<'a, D: Device> {
+    /// Row and column EMAs of a matrix; the range starts at element `start` of it.
+    Factored {
+        row: D::View<'a, f32>,
+        col: D::View<'a, f32>,
+        start: usize,
+    },
+    /// The range's slice of a vector's EMA; `numel` is the whole vector's length.
+    Full { v: D::View<'a, f32>, numel: usize },
+}
+
+/// The device a run trains on: `cpu`, or `cuda[:N]` (GPU N, default 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Target {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl Target {
+    pub fn kind(self) -> DeviceKind {
+        match self {
+            Target::Cpu => DeviceKind::Cpu,
+            Target::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Target, String> {
+        match s {
+            "cpu" => Ok(Target::Cpu),
+            "cuda" => Ok(Target::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Target::Cuda)
+                .ok_or_else(|| format!("unknown device {s:?}: expected cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Cpu => f.write_str("cpu"),
+            Target::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 /// `N` consecutive views of the given lengths from the front of `v` (the rest is padding).

@@ -1,7 +1,7 @@
 //! The activations and buffers of one micro-batch, allocated exactly as
 //! `scheduler::model::ActivationTensor` describes them, so the memory model counts them.
 
-use scheduler::memory::Category;
+use scheduler::memory::{Category, DeviceKind};
 use scheduler::model::{ActivationTensor as A, GptShape, MATMUL_SCRATCH_F32};
 
 use crate::Error;
@@ -108,7 +108,8 @@ impl<X: Num, D: Device> Acts<X, D> {
                 })
             })
             .collect::<Result<_, Error>>()?;
-        let scratch = if X::as_f32(&[]).is_some() {
+        // Only the CPU's GEMMs widen 16-bit tiles (scheduler::memory::rank_breakdown_on).
+        let scratch = if X::as_f32(&[]).is_some() || D::KIND != DeviceKind::Cpu {
             0
         } else {
             MATMUL_SCRATCH_F32

@@ -4,8 +4,7 @@
 
 use std::ops::Range;
 
-use kernels::Float;
-use kernels::optim::{self as k, LIMBS, Moment};
+use kernels::optim::{self as k, LIMBS};
 use scheduler::memory::Category;
 use scheduler::model::{TensorDims, Unit};
 use scheduler::spec::AdaFactor;
@@ -15,37 +14,39 @@ use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::checkpoint::StateTensor;
 use crate::comm::Communicator;
+use crate::device::{Device, Moment, Num};
 
-pub(super) struct Adafactor {
+pub(super) struct Adafactor<D: Device> {
     hp: AdaFactor,
-    units: Vec<Moments>,
-    factored: Factored,
+    units: Vec<Moments<D>>,
+    factored: Factored<D>,
 }
 
 /// One unit's moments over its held range.
-struct Moments {
+struct Moments<D: Device> {
     /// Full second moments of the vector tensors' held elements, keyed by the tensor's index in
     /// its unit.
-    vectors: Vec<(usize, Buffer<f32>)>,
-    exp_avg: Option<Buffer<f32>>,
+    vectors: Vec<(usize, Buffer<f32, D>)>,
+    exp_avg: Option<Buffer<f32, D>>,
 }
 
 /// The statistics of every matrix (all ranks keep all of them) and the exact sums the ranks
 /// all-reduce each step.
-struct Factored {
+struct Factored<D: Device> {
     /// Per matrix, in unit and tensor order: row EMA then column EMA.
-    stats: Vec<(Buffer<f32>, Buffer<f32>)>,
-    sums: Buffer<f64>,
-    rms: Buffer<f64>,
+    stats: Vec<(Buffer<f32, D>, Buffer<f32, D>)>,
+    sums: Buffer<f64, D>,
+    rms: Buffer<f64, D>,
 }
 
-impl Adafactor {
+impl<D: Device> Adafactor<D> {
     pub(super) fn new(
+        dev: &D,
         hp: AdaFactor,
         held: &[(&Unit, Range<usize>)],
         acct: &Accountant,
-    ) -> Result<Adafactor, Error> {
-        let f32s = |n: usize| acct.alloc::<f32>(Category::Optimizer, n);
+    ) -> Result<Adafactor<D>, Error> {
+        let f32s = |n: usize| acct.alloc_on::<D, f32>(dev, Category::Optimizer, n);
         let units = held
             .iter()
             .map(|(unit, range)| {
@@ -73,8 +74,8 @@ impl Adafactor {
                 .iter()
                 .map(|&(r, c)| Ok((f32s(r)?, f32s(c)?)))
                 .collect::<Result<_, Error>>()?,
-            sums: acct.alloc(Category::Optimizer, LIMBS * factored)?,
-            rms: acct.alloc(Category::Optimizer, LIMBS * tensors)?,
+            sums: acct.alloc_on(dev, Category::Optimizer, LIMBS * factored)?,
+            rms: acct.alloc_on(dev, Category::Optimizer, LIMBS * tensors)?,
         };
         Ok(Adafactor {
             hp,
@@ -84,7 +85,7 @@ impl Adafactor {
     }
 
     /// The moments and statistics, named for checkpoints (the reduction buffers are scratch).
-    pub(super) fn state<'a>(&'a mut self, out: &mut Vec<StateTensor<'a>>) {
+    pub(super) fn state<'a>(&'a mut self, out: &mut Vec<StateTensor<'a, D>>) {
         for (u, m) in self.units.iter_mut().enumerate() {
             for (i, v) in m.vectors.iter_mut() {
                 out.push(f32s(format!("u{u}.t{i}.v"), v));
@@ -99,9 +100,10 @@ impl Adafactor {
         }
     }
 
-    pub(super) fn step<X: Float>(
+    pub(super) fn step<X: Num>(
         &mut self,
-        slices: &mut [Slices<'_, X>],
+        dev: &D,
+        slices: &mut [Slices<'_, X, D>],
         s: Step,
         shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {
@@ -113,46 +115,57 @@ impl Adafactor {
             decay_rate: a.decay_rate as f32,
             beta1: a.beta1.map(|b| b as f32),
         };
-        phases(&mut self.units, &mut self.factored, slices, &hp, s, shards)
+        phases(
+            dev,
+            &mut self.units,
+            &mut self.factored,
+            slices,
+            &hp,
+            s,
+            shards,
+        )
     }
 }
 
 /// The phases across every held range: exact row/column sums of g² (all-reduced over the
 /// `shards`, when the ranges are shards); the statistics' EMAs; exact per-tensor sums of
 /// squared updates (all-reduced likewise); the update.
-fn phases<X: Float>(
-    units: &mut [Moments],
-    f: &mut Factored,
-    slices: &mut [Slices<'_, X>],
+fn phases<X: Num, D: Device>(
+    dev: &D,
+    units: &mut [Moments<D>],
+    f: &mut Factored<D>,
+    slices: &mut [Slices<'_, X, D>],
     hp: &k::Adafactor,
     s: Step,
     mut shards: Option<&mut Communicator>,
 ) -> Result<(), Error> {
     let gs = s.grad_scale;
-    f.sums.fill(0.0);
-    f.rms.fill(0.0);
-    walk(units, f, slices, |p| {
-        if let Piece::Matrix {
+    dev.fill_zero(f.sums.view_mut())?;
+    dev.fill_zero(f.rms.view_mut())?;
+    walk(units, f, slices, |p| match p {
+        Piece::Matrix {
             grad,
             start,
             rows,
             sums,
             ..
-        } = p
-        {
-            let (rs, cs) = sums.split_at_mut(rows * LIMBS);
-            k::adafactor_sq_sums(grad, start, gs, hp, rs, cs);
+        } => {
+            let (rs, cs) = D::split_at_mut(sums, rows * LIMBS);
+            dev.adafactor_sq_sums(grad, start, gs, hp, rs, cs)
         }
-    });
+        Piece::Vector { .. } => Ok(()),
+    })?;
     if let Some(comm) = shards.as_deref_mut() {
-        comm.all_reduce(&mut f.sums)?;
+        dev.on_host(f.sums.view_mut(), |sums| comm.all_reduce(sums))??;
     }
-    let mut sums: &[f64] = &f.sums;
-    for (row, col) in f.stats.iter_mut() {
-        let (mine, rest) = sums.split_at((row.len() + col.len()) * LIMBS);
-        let (rs, cs) = mine.split_at(row.len() * LIMBS);
-        k::adafactor_update_stats(row, col, rs, cs, hp, s.t);
-        sums = rest;
+    {
+        let mut sums = f.sums.view();
+        for (row, col) in f.stats.iter_mut() {
+            let (mine, rest) = D::split_at(sums, (row.len() + col.len()) * LIMBS);
+            let (rs, cs) = D::split_at(mine, row.len() * LIMBS);
+            dev.adafactor_update_stats(row.view_mut(), col.view_mut(), rs, cs, hp, s.t)?;
+            sums = rest;
+        }
     }
     walk(units, f, slices, |p| match p {
         Piece::Matrix {
@@ -162,11 +175,11 @@ fn phases<X: Float>(
             start,
             rms,
             ..
-        } => k::adafactor_rms_sum(grad, gs, Moment::Factored { row, col, start }, rms),
-        Piece::Vector { grad, v, rms, .. } => k::adafactor_vector_ema(v, grad, gs, hp, s.t, rms),
-    });
+        } => dev.adafactor_rms_sum(grad, gs, Moment::Factored { row, col, start }, rms),
+        Piece::Vector { grad, v, rms, .. } => dev.adafactor_vector_ema(v, grad, gs, hp, s.t, rms),
+    })?;
     if let Some(comm) = shards {
-        comm.all_reduce(&mut f.rms)?;
+        dev.on_host(f.rms.view_mut(), |rms| comm.all_reduce(rms))??;
     }
     walk(units, f, slices, |p| match p {
         Piece::Matrix {
@@ -181,7 +194,7 @@ fn phases<X: Float>(
             ..
         } => {
             let moment = Moment::Factored { row, col, start };
-            k::adafactor_apply(master, grad, exp_avg, out, moment, rms, hp, gs)
+            dev.adafactor_apply(master, grad, exp_avg, out, moment, D::freeze(rms), hp, gs)
         }
         Piece::Vector {
             master,
@@ -192,71 +205,71 @@ fn phases<X: Float>(
             numel,
             rms,
         } => {
-            let moment = Moment::Full { v, numel };
-            k::adafactor_apply(master, grad, exp_avg, out, moment, rms, hp, gs)
+            let moment = Moment::Full {
+                v: D::freeze(v),
+                numel,
+            };
+            dev.adafactor_apply(master, grad, exp_avg, out, moment, D::freeze(rms), hp, gs)
         }
-    });
-    Ok(())
+    })
 }
 
 /// The held part of one tensor, with everything an Adafactor phase may need.
-enum Piece<'a, X> {
+enum Piece<'a, X: 'a, D: Device> {
     Matrix {
-        master: &'a mut [f32],
-        grad: &'a [X],
-        out: Option<&'a mut [X]>,
-        exp_avg: Option<&'a mut [f32]>,
-        row: &'a [f32],
-        col: &'a [f32],
+        master: D::ViewMut<'a, f32>,
+        grad: D::View<'a, X>,
+        out: Option<D::ViewMut<'a, X>>,
+        exp_avg: Option<D::ViewMut<'a, f32>>,
+        row: D::View<'a, f32>,
+        col: D::View<'a, f32>,
         /// Offset of the piece within the matrix.
         start: usize,
         rows: usize,
         /// The matrix's exact row then column sums.
-        sums: &'a mut [f64],
-        rms: &'a mut [f64],
+        sums: D::ViewMut<'a, f64>,
+        rms: D::ViewMut<'a, f64>,
     },
     Vector {
-        master: &'a mut [f32],
-        grad: &'a [X],
-        out: Option<&'a mut [X]>,
-        exp_avg: Option<&'a mut [f32]>,
-        v: &'a mut [f32],
+        master: D::ViewMut<'a, f32>,
+        grad: D::View<'a, X>,
+        out: Option<D::ViewMut<'a, X>>,
+        exp_avg: Option<D::ViewMut<'a, f32>>,
+        v: D::ViewMut<'a, f32>,
         numel: usize,
-        rms: &'a mut [f64],
+        rms: D::ViewMut<'a, f64>,
     },
 }
 
 /// Visits the held piece of every tensor, in unit and tensor order (the order the flat
 /// statistics and sums are laid out in).
-fn walk<X: Float>(
-    units: &mut [Moments],
-    f: &mut Factored,
-    slices: &mut [Slices<'_, X>],
-    mut visit: impl FnMut(Piece<'_, X>),
-) {
-    let mut rms = f.rms.chunks_mut(LIMBS);
+fn walk<X: Num, D: Device>(
+    units: &mut [Moments<D>],
+    f: &mut Factored<D>,
+    slices: &mut [Slices<'_, X, D>],
+    mut visit: impl FnMut(Piece<'_, X, D>) -> Result<(), Error>,
+) -> Result<(), Error> {
+    let mut rms = Some(f.rms.view_mut());
     let mut stats = f.stats.iter();
-    let mut sums: &mut [f64] = &mut f.sums;
+    let mut sums = Some(f.sums.view_mut());
     for (state, sl) in units.iter_mut().zip(slices.iter_mut()) {
         let Moments { vectors, exp_avg } = state;
         let mut vectors = vectors.iter_mut();
-        let mut rest = Rest {
+        let mut rest = Rest::<X, D> {
             at: sl.held.start,
-            master: &mut *sl.master,
-            grad: sl.grads,
-            out: sl.param_out.as_deref_mut(),
-            exp_avg: exp_avg.as_deref_mut(),
+            master: Some(D::reborrow(&mut sl.master)),
+            grad: Some(D::reborrow_ref(&sl.grads)),
+            out: sl.param_out.as_mut().map(D::reborrow),
+            exp_avg: exp_avg.as_mut().map(Buffer::view_mut),
         };
         for t in &sl.unit.tensors {
-            let rms = rms.next().expect("one rms sum per tensor");
+            let rms = cut::<D, _>(&mut rms, 0, LIMBS);
             let r = t.range();
             let (start, end) = (r.start.max(sl.held.start), r.end.min(sl.held.end));
             match t.dims {
                 TensorDims::Matrix(rows, cols) => {
                     let (row, col) = stats.next().expect("statistics per matrix");
-                    let (mine, tail) =
-                        std::mem::take(&mut sums).split_at_mut((rows + cols) * LIMBS);
-                    sums = tail;
+                    let mine = cut::<D, _>(&mut sums, 0, (rows + cols) * LIMBS);
                     if start < end {
                         let (master, grad, out, exp_avg) = rest.take(start, end);
                         visit(Piece::Matrix {
@@ -264,13 +277,13 @@ fn walk<X: Float>(
                             grad,
                             out,
                             exp_avg,
-                            row,
-                            col,
+                            row: row.view(),
+                            col: col.view(),
                             start: start - r.start,
                             rows,
                             sums: mine,
                             rms,
-                        });
+                        })?;
                     }
                 }
                 TensorDims::Vector(numel) => {
@@ -282,50 +295,62 @@ fn walk<X: Float>(
                             grad,
                             out,
                             exp_avg,
-                            v,
+                            v: v.view_mut(),
                             numel,
                             rms,
-                        });
+                        })?;
                     }
                 }
             }
         }
     }
+    Ok(())
+}
+
+/// Elements `[skip, skip + n)` of what is left of `s`, which keeps what follows them.
+fn cut<'a, D: Device, T: 'a>(
+    s: &mut Option<D::ViewMut<'a, T>>,
+    skip: usize,
+    n: usize,
+) -> D::ViewMut<'a, T> {
+    let (_, v) = D::split_at_mut(s.take().expect("a view left"), skip);
+    let (mine, tail) = D::split_at_mut(v, n);
+    *s = Some(tail);
+    mine
 }
 
 /// What is left of a unit's held slices, from element `at` of the unit on.
-struct Rest<'a, X> {
+struct Rest<'a, X: 'a, D: Device> {
     at: usize,
-    master: &'a mut [f32],
-    grad: &'a [X],
-    out: Option<&'a mut [X]>,
-    exp_avg: Option<&'a mut [f32]>,
+    master: Option<D::ViewMut<'a, f32>>,
+    grad: Option<D::View<'a, X>>,
+    out: Option<D::ViewMut<'a, X>>,
+    exp_avg: Option<D::ViewMut<'a, f32>>,
 }
 
-type Taken<'a, X> = (
-    &'a mut [f32],
-    &'a [X],
-    Option<&'a mut [X]>,
-    Option<&'a mut [f32]>,
+type Taken<'a, X, D> = (
+    <D as Device>::ViewMut<'a, f32>,
+    <D as Device>::View<'a, X>,
+    Option<<D as Device>::ViewMut<'a, X>>,
+    Option<<D as Device>::ViewMut<'a, f32>>,
 );
 
-impl<'a, X> Rest<'a, X> {
+impl<'a, X: 'a, D: Device> Rest<'a, X, D> {
     /// Elements `[start, end)` of the unit (`start ≥ at`).
-    fn take(&mut self, start: usize, end: usize) -> Taken<'a, X> {
+    fn take(&mut self, start: usize, end: usize) -> Taken<'a, X, D> {
         let (skip, n) = (start - self.at, end - start);
         self.at = end;
-        fn cut<'b, T>(s: &mut &'b mut [T], skip: usize, n: usize) -> &'b mut [T] {
-            let (mine, tail) = std::mem::take(s)[skip..].split_at_mut(n);
-            *s = tail;
-            mine
-        }
-        let (grad, tail) = self.grad[skip..].split_at(n);
-        self.grad = tail;
-        (
-            cut(&mut self.master, skip, n),
-            grad,
-            self.out.as_mut().map(|o| cut(o, skip, n)),
-            self.exp_avg.as_mut().map(|e| cut(e, skip, n)),
-        )
+        let (_, grad) = D::split_at(self.grad.take().expect("a view left"), skip);
+        let (grad, tail) = D::split_at(grad, n);
+        self.grad = Some(tail);
+        let out = self
+            .out
+            .is_some()
+            .then(|| cut::<D, _>(&mut self.out, skip, n));
+        let exp_avg = self
+            .exp_avg
+            .is_some()
+            .then(|| cut::<D, _>(&mut self.exp_avg, skip, n));
+        (cut::<D, _>(&mut self.master, skip, n), grad, out, exp_avg)
     }
 }

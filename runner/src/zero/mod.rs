@@ -10,7 +10,6 @@
 //! - stage 3: parameters sharded too: each unit is all-gathered before its forward and again
 //!   before its backward.
 
-use kernels::norm::sum_squares;
 use scheduler::memory::{self, Category, Setup};
 use scheduler::model::{GptShape, Units};
 
@@ -96,7 +95,7 @@ pub struct Engine<X: Num, D: Device = Cpu> {
     bufs: Buffers<X, D>,
     /// Mixed precision: fp32 master weights of each unit's `Part::State` range.
     master: Option<Vec<Buffer<f32, D>>>,
-    optimizer: OptimizerState,
+    optimizer: OptimizerState<D>,
     acts: Acts<X, D>,
     comm: Communicator,
     acct: Accountant,
@@ -149,7 +148,7 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
             .enumerate()
             .map(|(u, unit)| (unit, layout.held(Part::State, u)))
             .collect();
-        let optimizer = OptimizerState::new(setup.optimizer, &held, &acct)?;
+        let optimizer = OptimizerState::new(&dev, setup.optimizer, &held, &acct)?;
         let (emb, other) = (
             units.embeddings().padded_len,
             units.largest_other_padded_len(),
@@ -393,7 +392,7 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
     }
 }
 
-impl<X: Num + Wire> Engine<X> {
+impl<X: Num + Wire, D: Device> Engine<X, D> {
     /// One optimizer step: `grad_accum` micro-batches from `data`, the gradient reductions, the
     /// global norm (found-inf and clipping), the loss scaler's verdict, and the update.
     pub fn step(
@@ -413,7 +412,12 @@ impl<X: Num + Wire> Engine<X> {
         let dloss = scale / tokens as f32;
         let mut loss = 0.0;
         for _ in 0..self.grad_accum {
-            data.next_batch(&mut self.acts.inputs, &mut self.acts.targets)?;
+            let (dev, acts) = (&self.dev, &mut self.acts);
+            dev.on_host(acts.inputs.view_mut(), |inputs| {
+                dev.on_host(acts.targets.view_mut(), |targets| {
+                    data.next_batch(inputs, targets)
+                })
+            })???;
             loss += self.micro_step(dloss)?;
         }
         loss /= self.grad_accum as f64;
@@ -456,7 +460,8 @@ impl<X: Num + Wire> Engine<X> {
         let mut sq = 0f64;
         if self.reduces_norm {
             for (u, g) in self.bufs.grads.iter().enumerate() {
-                sq += sum_squares(&g[self.layout.held_within(Part::State, Part::Grads, u)]);
+                let held = self.layout.held_within(Part::State, Part::Grads, u);
+                sq += self.dev.sum_squares(g.at(held))?;
             }
         }
         let n = self.comm.world_size();
@@ -478,8 +483,8 @@ impl<X: Num + Wire> Engine<X> {
     /// Applies the optimizer to every unit's state range.
     fn update(&mut self, s: Step) -> Result<(), Error> {
         let layout = &self.layout;
-        let mut masters: Vec<Option<&mut [f32]>> = match &mut self.master {
-            Some(m) => m.iter_mut().map(|b| Some(&mut b[..])).collect(),
+        let mut masters: Vec<Option<D::ViewMut<'_, f32>>> = match &mut self.master {
+            Some(m) => m.iter_mut().map(|b| Some(b.view_mut())).collect(),
             None => self.bufs.params.iter().map(|_| None).collect(),
         };
         let mut slices = Vec::with_capacity(masters.len());
@@ -490,12 +495,12 @@ impl<X: Num + Wire> Engine<X> {
             .zip(&self.bufs.grads);
         for (u, (((unit, p), g), m)) in units.zip(masters.iter_mut().map(Option::take)).enumerate()
         {
-            let grads = &g[layout.held_within(Part::State, Part::Grads, u)];
-            let params = &mut p[layout.held_within(Part::State, Part::Params, u)];
+            let grads = g.at(layout.held_within(Part::State, Part::Grads, u));
+            let params = p.at_mut(layout.held_within(Part::State, Part::Params, u));
             let (master, param_out) = match m {
                 Some(m) => (m, Some(params)),
                 None => (
-                    X::as_f32_mut(params).expect("fp32 parameters are their own master"),
+                    D::as_f32_mut(params).expect("fp32 parameters are their own master"),
                     None,
                 ),
             };
@@ -508,7 +513,7 @@ impl<X: Num + Wire> Engine<X> {
             });
         }
         let shards = layout.sharded(Part::State).then_some(&mut self.comm);
-        self.optimizer.step(&mut slices, s, shards)
+        self.optimizer.step(&self.dev, &mut slices, s, shards)
     }
 }
 

@@ -11,9 +11,9 @@ use super::layout::{Part, ShardLayout};
 use crate::Error;
 use crate::checkpoint::{self, StateTensor};
 use crate::comm::Wire;
-use crate::device::Num;
+use crate::device::{Device, Num};
 
-impl<X: Num + Wire> Engine<X> {
+impl<X: Num + Wire, D: Device> Engine<X, D> {
     /// Writes this rank's part of a checkpoint; rank 0 then publishes it (every rank waits).
     pub fn save_checkpoint(
         &mut self,
@@ -26,25 +26,31 @@ impl<X: Num + Wire> Engine<X> {
             checkpoint::begin(&tmp)?;
         }
         self.comm.barrier()?;
-        checkpoint::write_rank(&tmp, rank, &self.state())?;
+        let (dev, state) = self.state();
+        checkpoint::on_host(dev, state, |t| checkpoint::write_rank(&tmp, rank, t))??;
         self.comm.barrier()?;
         if rank == 0 {
             checkpoint::publish(out, &tmp, manifest)?;
         }
         self.comm.barrier()
     }
-}
 
-impl<X: Num + Wire> Engine<X> {
+    /// Fills this rank's state from its file of checkpoint `dir` (same world size and stage).
+    pub fn load_rank(&mut self, dir: &std::path::Path) -> Result<(), Error> {
+        let rank = self.comm.rank();
+        let (dev, state) = self.state();
+        checkpoint::on_host(dev, state, |t| checkpoint::load_rank(dir, rank, t))?
+    }
+
     /// This rank's persistent buffers, named for checkpoints: parameters, master weights and
-    /// optimizer states (gradients and activations are rebuilt every step).
-    pub fn state(&mut self) -> Vec<StateTensor<'_>> {
+    /// optimizer states (gradients and activations are rebuilt every step), and their device.
+    fn state(&mut self) -> (&D, Vec<StateTensor<'_, D>>) {
         let dtype = match X::NAME {
             "f16" => safetensors::Dtype::F16,
             "bf16" => safetensors::Dtype::BF16,
             _ => safetensors::Dtype::F32,
         };
-        let mut out: Vec<StateTensor<'_>> = self
+        let mut out: Vec<StateTensor<'_, D>> = self
             .bufs
             .params
             .iter_mut()
@@ -52,22 +58,20 @@ impl<X: Num + Wire> Engine<X> {
             .map(|(u, p)| StateTensor {
                 name: format!("u{u}.params"),
                 dtype,
-                bytes: bytemuck::cast_slice_mut(&mut p[..]),
+                bytes: D::bytes_mut(p.view_mut()),
             })
             .collect();
         if let Some(master) = &mut self.master {
             out.extend(master.iter_mut().enumerate().map(|(u, m)| StateTensor {
                 name: format!("u{u}.master"),
                 dtype: safetensors::Dtype::F32,
-                bytes: bytemuck::cast_slice_mut(&mut m[..]),
+                bytes: D::bytes_mut(m.view_mut()),
             }));
         }
         out.extend(self.optimizer.state());
-        out
+        (&self.dev, out)
     }
-}
 
-impl<X: Num + Wire> Engine<X> {
     /// Fills this rank's state from a checkpoint written by `old_world` ranks at `old_stage`:
     /// every element of each buffer is taken from whichever old rank held it.
     pub fn load_resharded(
@@ -85,39 +89,53 @@ impl<X: Num + Wire> Engine<X> {
             path: dir.to_path_buf(),
             reason,
         };
-        let mut tensors = self.state();
+        let (dev, tensors) = self.state();
         let targets = tensors
             .iter()
             .map(|t| placement(&t.name, &units, &layout).map_err(&fail))
             .collect::<Result<Vec<_>, _>>()?;
-        for (old_rank, old_layout) in old_layouts.iter().enumerate() {
-            checkpoint::read_rank(dir, old_rank, |file| {
-                for (t, target) in tensors.iter_mut().zip(&targets) {
-                    let view = file
-                        .tensor(&t.name)
-                        .map_err(|e| format!("{}: {e}", t.name))?;
-                    let elem = t.dtype.bitsize() / 8;
-                    match target {
-                        None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
-                        None => {}
-                        Some((_, new)) => {
-                            let (_, old) = placement(&t.name, &old_units, old_layout)?
-                                .expect("placed in both layouts");
-                            let (start, end) = (new.start.max(old.start), new.end.min(old.end));
-                            if start < end {
-                                let src = &view.data()
-                                    [(start - old.start) * elem..(end - old.start) * elem];
-                                t.bytes[(start - new.start) * elem..(end - new.start) * elem]
-                                    .copy_from_slice(src);
-                            }
+        checkpoint::on_host(dev, tensors, |tensors| {
+            reshard(dir, tensors, &targets, &old_units, &old_layouts)
+        })?
+    }
+}
+
+/// Copies into `tensors` (placed at `targets` in the new layout) every element that one of the
+/// old ranks' files holds.
+fn reshard(
+    dir: &std::path::Path,
+    tensors: &mut [StateTensor<'_>],
+    targets: &[Option<(usize, Range<usize>)>],
+    old_units: &Units,
+    old_layouts: &[ShardLayout],
+) -> Result<(), Error> {
+    for (old_rank, old_layout) in old_layouts.iter().enumerate() {
+        checkpoint::read_rank(dir, old_rank, |file| {
+            for (t, target) in tensors.iter_mut().zip(targets) {
+                let view = file
+                    .tensor(&t.name)
+                    .map_err(|e| format!("{}: {e}", t.name))?;
+                let elem = t.dtype.bitsize() / 8;
+                match target {
+                    None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
+                    None => {}
+                    Some((_, new)) => {
+                        let (_, old) = placement(&t.name, old_units, old_layout)?
+                            .expect("placed in both layouts");
+                        let (start, end) = (new.start.max(old.start), new.end.min(old.end));
+                        if start < end {
+                            let src =
+                                &view.data()[(start - old.start) * elem..(end - old.start) * elem];
+                            t.bytes[(start - new.start) * elem..(end - new.start) * elem]
+                                .copy_from_slice(src);
                         }
                     }
                 }
-                Ok(())
-            })?;
-        }
-        Ok(())
+            }
+            Ok(())
+        })?;
     }
+    Ok(())
 }
 
 /// Where state tensor `name` lies in one rank's `layout` of `units`: its unit and element

@@ -67,9 +67,17 @@ pub enum DeviceKind {
     Cuda,
 }
 
-/// CUDA context, cuBLAS workspace and NCCL channel buffers per GPU: an allowance until it is
-/// measured on the GPU machines.
-pub const CUDA_OVERHEAD_BYTES: u64 = 1 << 30;
+/// What the CUDA back end's GEMMs hold per GPU for its life: cuBLASLt's 32 MiB workspace and
+/// the 32 MiB staging buffer f32 gradients are rounded in (`kernels::cuda::matmul::
+/// resident_bytes`, which runner's device tests compare with this).
+pub const CUDA_GEMM_RESIDENT_BYTES: u64 = 64 << 20;
+
+/// CUDA context, loaded kernel modules, NCCL channel buffers and a few KiB of reduction
+/// scratch per GPU: an allowance until it is measured on the GPU machines.
+pub const CUDA_CONTEXT_BYTES: u64 = (1 << 30) - CUDA_GEMM_RESIDENT_BYTES;
+
+/// Everything a GPU holds outside the trainer's accounted buffers.
+pub const CUDA_OVERHEAD_BYTES: u64 = CUDA_CONTEXT_BYTES + CUDA_GEMM_RESIDENT_BYTES;
 
 impl DeviceKind {
     /// What a rank pays beside its buffers, planned for before the node is known: a CUDA
@@ -193,7 +201,7 @@ pub struct Estimate {
 
 pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
     let per_rank = (0..rank_count(setup))
-        .map(|r| rank_breakdown(setup, r))
+        .map(|r| rank_breakdown_on(setup, r, device))
         .max_by_key(Breakdown::total)
         .unwrap_or_default();
     Estimate {
@@ -227,10 +235,22 @@ pub fn ring_scratch_bytes(setup: &Setup) -> u64 {
     }
 }
 
-/// Bytes rank `rank` holds, without device overhead.
+/// Bytes rank `rank` holds on a CPU, without device overhead.
 pub fn rank_breakdown(setup: &Setup, rank: usize) -> Breakdown {
+    rank_breakdown_on(setup, rank, DeviceKind::Cpu)
+}
+
+/// Bytes rank `rank` holds on a `device`, without its overhead: a GPU's GEMMs widen no tiles
+/// (cuBLASLt reads 16-bit operands), so it has no matmul scratch.
+pub fn rank_breakdown_on(setup: &Setup, rank: usize, device: DeviceKind) -> Breakdown {
     match setup.arch {
-        Architecture::Gpt(shape) => gpt(setup, &shape, rank),
+        Architecture::Gpt(shape) => {
+            let mut b = gpt(setup, &shape, rank);
+            if device == DeviceKind::Cuda {
+                b.buffers -= crate::model::matmul_scratch_bytes(setup.dtype.bytes());
+            }
+            b
+        }
         Architecture::Params(psi) => closed_form(setup, psi),
     }
 }

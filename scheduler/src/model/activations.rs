@@ -178,6 +178,15 @@ impl ActivationTensor {
 /// full tiles (512×1024 inputs, 1024×1024 weights, 512×1024 outputs). fp32 needs none.
 pub const MATMUL_SCRATCH_F32: usize = 1 << 21;
 
+/// Bytes of the CPU matmuls' widening scratch for a compute dtype of `compute_bytes`.
+pub fn matmul_scratch_bytes(compute_bytes: u64) -> u64 {
+    if compute_bytes == 4 {
+        0
+    } else {
+        4 * MATMUL_SCRATCH_F32 as u64
+    }
+}
+
 /// Bytes of activations and of activation-sized buffers for one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Activations {
@@ -189,11 +198,7 @@ impl Activations {
     pub fn new(s: &GptShape, b: usize, t: usize, checkpointing: bool, compute_bytes: u64) -> Self {
         let mut out = Activations {
             activations: 0,
-            buffers: if compute_bytes == 4 {
-                0
-            } else {
-                4 * MATMUL_SCRATCH_F32 as u64
-            },
+            buffers: matmul_scratch_bytes(compute_bytes),
         };
         for tensor in ActivationTensor::BLOCK
             .iter()

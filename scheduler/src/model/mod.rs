@@ -5,7 +5,9 @@
 mod activations;
 mod params;
 
-pub use activations::{ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32};
+pub use activations::{
+    ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32, matmul_scratch_bytes,
+};
 pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorKind, Unit, UnitKind, Units};
 
 use serde::{Deserialize, Serialize};

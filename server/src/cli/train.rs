@@ -1,4 +1,4 @@
-//! `zerotrain train SPEC.json [--out DIR] [--json]`: runs a job in this process, without the
+//! `zerotrain train SPEC.json [--out DIR] [--device cuda[:N]] [--json]`: runs a job in this process, without the
 //! service, with a progress bar (step, loss, loss scale, tokens/s) on stderr.
 
 use std::net::SocketAddr;
@@ -24,6 +24,9 @@ pub struct Args {
     /// Each rank's memory budget, e.g. 2GiB: the plan must fit it and the trainer enforces it.
     #[arg(long, value_parser = parse_size)]
     device_memory: Option<u64>,
+    /// Where the ranks train: cpu, or cuda[:N] (GPU N; needs a build with feature cuda).
+    #[arg(long, default_value = "cpu")]
+    device: runner::device::Target,
     /// Kernel threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -62,6 +65,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
     );
     let opts = Options {
         device_memory: args.device_memory,
+        device: args.device,
         threads: args.threads,
         out_dir: args.out,
         comm_timeout: Some(Duration::from_secs(args.comm_timeout)),
