@@ -158,7 +158,7 @@ pub fn run_ranks(
     let world = spec.world_size.get() as usize;
     let budget = opts.device_memory.unwrap_or(u64::MAX);
     let inventory = Inventory::uniform(world, budget, DeviceKind::Cpu);
-    let setup = plan::plan(spec, &inventory)?.chosen.setup;
+    let setup = plan::plan(spec, &inventory)?.chosen.setup(spec);
     let threads = opts
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
