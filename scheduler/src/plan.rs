@@ -225,6 +225,14 @@ fn candidates(spec: &JobSpec, relax: bool) -> Vec<Candidate> {
     out
 }
 
+/// Plans `spec` for a run in one's own process, without a service: `world_size` CPU devices of
+/// `device_memory` bytes each (unbounded when `None`).
+pub fn plan_local(spec: &JobSpec, device_memory: Option<u64>) -> Result<Plan, Error> {
+    let world = spec.world_size.get() as usize;
+    let budget = device_memory.unwrap_or(u64::MAX);
+    plan(spec, &Inventory::uniform(world, budget, DeviceKind::Cpu))
+}
+
 /// Chooses the preferred configuration of `spec` that fits `world_size` devices of `inventory`.
 pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
     let n = spec.world_size.get() as usize;
