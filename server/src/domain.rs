@@ -3,13 +3,13 @@
 
 use std::collections::BTreeMap;
 
-use runner::comm::Op;
 use scheduler::inventory::Device;
 use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
+use wire::Op;
 
 /// queued → scheduled → running → succeeded | failed | cancelled; a job whose node is lost goes
 /// back to queued with its attempt raised.

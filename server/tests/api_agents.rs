@@ -11,16 +11,14 @@ use api_helpers::*;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use futures::StreamExt;
-use runner::agent::protocol::{
-    Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report,
-};
-use runner::comm::Op;
 use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::{Auto, ZeroStage};
 use serde_json::json;
 use server::domain::JobState;
 use tower::ServiceExt;
+use wire::Op;
+use wire::agent::{Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report};
 
 fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
     Report::Step {

@@ -1376,7 +1376,7 @@ fn breakdown(base: u64) -> Breakdown {
 }
 
 async fn rank_memory_is_replaced_per_rank(db: TestDb) {
-    use runner::comm::Op;
+    use wire::Op;
     let s = &db.store;
     let j = submit(s, "a", 0, 2).await;
     // Rank 1's agent reports its process's peak resident set, rank 0's does not.

@@ -12,12 +12,12 @@ use std::time::Duration;
 use scheduler::spec::JobSpec;
 
 use super::AgentConfig;
-use super::protocol::{Assignment, RankTransport, Report};
 use super::session::Outbox;
 use crate::Error;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
 use crate::train::{Options, Progress, Resume, Summary, run_ranks};
+use wire::agent::{Assignment, RankTransport, Report};
 
 /// How long ranks wait for each other (the rendezvous included).
 const COMM_TIMEOUT: Duration = Duration::from_secs(60);

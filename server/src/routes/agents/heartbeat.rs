@@ -8,11 +8,11 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
-use runner::agent::protocol::{
-    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason,
-};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
+use wire::agent::{
+    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason,
+};
 
 use crate::app::{AppState, now_ms};
 use crate::artifacts;

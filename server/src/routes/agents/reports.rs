@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use runner::agent::protocol::{Refusal, RefusalReason, Report};
+use wire::agent::{Refusal, RefusalReason, Report};
 
 use crate::app::{App, JobEvent, now_ms};
 use crate::artifacts;

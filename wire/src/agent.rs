@@ -24,7 +24,7 @@ use scheduler::plan::Plan;
 use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 
-use crate::comm::Op;
+use crate::Op;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegisterRequest {
