@@ -10,6 +10,7 @@
 //! gpt2-124M rows also print the speed-up over it.
 
 use runner::train::{Options, Progress, run};
+use scheduler::plan::plan_local;
 use scheduler::spec::{Architecture, JobSpec, Purpose};
 
 mod common;
@@ -84,7 +85,8 @@ fn time_case(case: &Case, threads: usize) -> Timing {
     };
     let mut seconds = Vec::with_capacity(steps);
     let mut progress = |p: Progress| seconds.push(tokens_per_step / p.tokens_per_second);
-    let summary = run(&spec, &opts, &mut progress).expect("training runs");
+    let plan = plan_local(&spec, None).expect("the bench's specs fit");
+    let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
     assert!(
         summary.final_loss.is_finite(),
         "{}/{}: loss {}",

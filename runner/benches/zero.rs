@@ -14,6 +14,7 @@ use std::time::Duration;
 use runner::comm::{Communicator, Op, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
 use runner::train::{Options, Summary, run_ranks};
 use scheduler::memory::{self, DeviceKind, Setup};
+use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -70,8 +71,9 @@ fn time(spec: &JobSpec, transport: Transport) -> (Vec<f64>, Summary) {
     };
     let mut seconds = Vec::new();
     let mut progress = |p: runner::train::Progress| seconds.push(p.step_seconds);
+    let plan = plan_local(spec, None).expect("the bench's specs fit");
     let summary =
-        run_ranks(spec, comms, &Options::default(), &mut progress).expect("training runs");
+        run_ranks(spec, &plan, comms, &Options::default(), &mut progress).expect("training runs");
     seconds.drain(..WARMUP);
     (seconds, summary)
 }

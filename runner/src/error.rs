@@ -58,9 +58,18 @@ pub enum Error {
         "step {step}: gradients are not finite (inf or NaN); lower the learning rate or enable clipping"
     )]
     NonFiniteGradients { step: u64 },
-    /// The spec cannot be planned onto the devices.
-    #[error(transparent)]
-    Plan(#[from] scheduler::Error),
+    /// A rank's layout holds other bytes than the plan it was given: the memory model and the
+    /// trainer disagree, or the plan is not this spec's. A bug, never the job's fault.
+    #[error(
+        "bug: rank {rank} would hold {layout} bytes of {} where its plan says {planned}",
+        category.name()
+    )]
+    PlanMismatch {
+        rank: usize,
+        category: Category,
+        planned: u64,
+        layout: u64,
+    },
     /// The job cannot be trained as given.
     #[error("cannot train this job: {reason}")]
     Untrainable { reason: String },

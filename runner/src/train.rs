@@ -1,5 +1,6 @@
-//! A training run in this process: plan the spec, build the engine in its dtype, run the
-//! steps, report progress, and summarise the run with measured and predicted memory.
+//! A training run in this process: check the plan it is given against the ranks' layout, build
+//! the engine in its dtype, run the steps, report progress, and summarise the run with
+//! measured memory next to the plan's.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -8,10 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
-use scheduler::inventory::Inventory;
 use scheduler::memory::{self, Breakdown, Setup};
 use scheduler::model::GptShape;
-use scheduler::plan;
+use scheduler::plan::Plan;
 use scheduler::spec::{Architecture, Dtype, JobSpec, ZeroStage};
 use serde::Serialize;
 
@@ -28,7 +28,7 @@ use crate::{lr_schedule, process};
 /// How a run is hosted.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
-    /// Each rank's device budget; the plan must fit it and the accountant enforces it.
+    /// Each rank's device budget, which the accountant enforces.
     pub device_memory: Option<u64>,
     /// The device every rank of this process trains on.
     pub device: Target,
@@ -129,10 +129,12 @@ pub struct Summary {
     pub process: ProcessMemory,
 }
 
-/// Trains `spec` to completion with its `world_size` ranks as threads of this process (or,
-/// `distributed`, just one of them), calling `progress` after every step of the first.
+/// Trains `spec` as `plan` says to completion with its `world_size` ranks as threads of this
+/// process (or, `distributed`, just one of them), calling `progress` after every step of the
+/// first.
 pub fn run(
     spec: &JobSpec,
+    plan: &Plan,
     opts: &Options,
     progress: &mut (dyn FnMut(Progress) + Send),
 ) -> Result<Summary, Error> {
@@ -142,12 +144,15 @@ pub fn run(
         Some(d) => vec![tcp_ring(&TcpConfig::new(d.rank, world, d.master, timeout))?],
         None => local_ring(world, timeout),
     };
-    run_ranks(spec, comms, opts, progress)
+    run_ranks(spec, plan, comms, opts, progress)
 }
 
-/// Trains the ranks of `spec` that `comms` stand for, each on a thread of its own.
+/// Trains the ranks of `spec` that `comms` stand for, each on a thread of its own, with the
+/// configuration `plan` chose: the runner never plans. Each rank's layout must hold the bytes
+/// the plan holds it to, category by category; a difference is a bug, and fails the run.
 pub fn run_ranks(
     spec: &JobSpec,
+    plan: &Plan,
     comms: Vec<Communicator>,
     opts: &Options,
     progress: &mut (dyn FnMut(Progress) + Send),
@@ -157,10 +162,17 @@ pub fn run_ranks(
             reason: "a bare parameter count has no architecture to train".into(),
         });
     };
-    let world = spec.world_size.get() as usize;
-    let budget = opts.device_memory.unwrap_or(u64::MAX);
-    let inventory = Inventory::uniform(world, budget, opts.device.kind());
-    let setup = plan::plan(spec, &inventory)?.chosen.setup;
+    let setup = plan.chosen.setup(spec);
+    for rank in comms.iter().map(Communicator::rank) {
+        if let Some((category, planned, layout)) = plan.differs(&setup, rank, opts.device.kind()) {
+            return Err(Error::PlanMismatch {
+                rank,
+                category,
+                planned,
+                layout,
+            });
+        }
+    }
     let threads = opts
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -177,7 +189,7 @@ pub fn run_ranks(
                 let setup = &setup;
                 scope.spawn(move || {
                     kernels::cpu::flush_denormals();
-                    let args = (spec, setup, shape, comm, opts, report);
+                    let args = (spec, plan, setup, shape, comm, opts, report);
                     match spec.precision.dtype {
                         Dtype::Fp32 => on_device::<f32>(args),
                         Dtype::Fp16 => on_device::<f16>(args),
@@ -191,7 +203,7 @@ pub fn run_ranks(
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    summarise(results, &setup, gemm_threads)
+    summarise(results, gemm_threads)
 }
 
 /// What one rank did.
@@ -207,11 +219,7 @@ struct RankRun {
 
 /// One summary from every rank's run; if any failed, the error that started it (a rank whose
 /// neighbour failed reports only that).
-fn summarise(
-    results: Vec<Result<RankRun, Error>>,
-    setup: &Setup,
-    threads: usize,
-) -> Result<Summary, Error> {
+fn summarise(results: Vec<Result<RankRun, Error>>, threads: usize) -> Result<Summary, Error> {
     let mut runs = Vec::with_capacity(results.len());
     let mut errors = Vec::new();
     for r in results {
@@ -233,7 +241,7 @@ fn summarise(
         peak_rss_bytes: process::peak_rss_bytes(),
         predicted_bytes: runs
             .iter()
-            .map(|r| memory::rank_breakdown(setup, r.memory.rank).total())
+            .map(|r| r.memory.predicted_bytes.total())
             .sum::<u64>()
             + overhead,
         overhead_bytes: overhead,
@@ -258,6 +266,7 @@ fn summarise(
 
 type RankArgs<'a, 'p> = (
     &'a JobSpec,
+    &'a Plan,
     &'a Setup,
     GptShape,
     Communicator,
@@ -267,7 +276,7 @@ type RankArgs<'a, 'p> = (
 
 /// [`train_rank`] on the device the options name.
 fn on_device<X: Num + Wire>(args: RankArgs<'_, '_>) -> Result<RankRun, Error> {
-    match args.4.device {
+    match args.5.device {
         Target::Cpu => train_rank::<X, _>(Cpu, args),
         #[cfg(feature = "cuda")]
         Target::Cuda(n) => train_rank::<X, _>(crate::device::Cuda::new(n)?, args),
@@ -280,7 +289,7 @@ fn on_device<X: Num + Wire>(args: RankArgs<'_, '_>) -> Result<RankRun, Error> {
 
 fn train_rank<X: Num + Wire, D: Device>(
     dev: D,
-    (spec, setup, shape, comm, opts, mut progress): RankArgs<'_, '_>,
+    (spec, plan, setup, shape, comm, opts, mut progress): RankArgs<'_, '_>,
 ) -> Result<RankRun, Error> {
     let t = &spec.training;
     let rank = comm.rank();
@@ -418,7 +427,11 @@ fn train_rank<X: Num + Wire, D: Device>(
         memory: RankMemory {
             rank,
             measured_peak_bytes: acct.peak(),
-            predicted_bytes: memory::rank_breakdown_on(setup, rank, D::KIND),
+            // The plan's figures; the overhead is the process's, counted once in `process`.
+            predicted_bytes: Breakdown {
+                overhead: 0,
+                ..plan.rank_bytes(rank)
+            },
             comm_bytes_sent,
         },
     })

@@ -8,6 +8,7 @@ use runner::data::DataRoots;
 use runner::train::{Options, Resume, Summary, run};
 use safetensors::SafeTensors;
 use scheduler::model::Preset;
+use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn train_in(json: &str, out: &Path) -> Summary {
@@ -16,7 +17,8 @@ fn train_in(json: &str, out: &Path) -> Summary {
         out_dir: Some(out.to_path_buf()),
         ..Options::default()
     };
-    run(&spec, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
+    let plan = plan_local(&spec, None).unwrap();
+    run(&spec, &plan, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -92,7 +94,10 @@ fn a_checkpoint_from_another_configuration_is_refused() {
         out_dir: Some(out.path().to_path_buf()),
         ..Options::default()
     };
-    let err = run(&spec, &opts, &mut |_| {}).unwrap_err().to_string();
+    let plan = plan_local(&spec, None).unwrap();
+    let err = run(&spec, &plan, &opts, &mut |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("written by a Fp32 adamw job; this one is Bf16 adamw"),
         "{err}"
@@ -236,7 +241,7 @@ fn a_run_resumes_from_the_checkpoint_it_is_given_not_the_newest_on_disk() {
             keep_all_checkpoints: true,
             ..Options::default()
         };
-        run(&spec, &opts, &mut |_| {}).unwrap()
+        run(&spec, &plan_local(&spec, None).unwrap(), &opts, &mut |_| {}).unwrap()
     };
     let whole = run_with(Resume::Latest, out.path());
     let steps = |dir: &Path| -> Vec<String> {

@@ -7,6 +7,7 @@
 use runner::device::Target;
 use runner::train::{Options, Summary, run};
 use scheduler::memory::Category;
+use scheduler::plan::plan_local_on;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn job(dtype: &str, steps: u32) -> JobSpec {
@@ -20,13 +21,15 @@ fn job(dtype: &str, steps: u32) -> JobSpec {
         .spec
 }
 
+/// Trains `spec` on `device` by the plan for that kind of device, as `zerotrain train` does.
 fn train(device: Target, spec: &JobSpec) -> Result<Summary, runner::Error> {
+    let plan = plan_local_on(spec, None, device.kind()).unwrap();
     let opts = Options {
         device,
         threads: Some(1),
         ..Options::default()
     };
-    run(spec, &opts, &mut |_| {})
+    run(spec, &plan, &opts, &mut |_| {})
 }
 
 /// The GPUs to compare with the CPU: GPU 0 where one opens; otherwise why not.

@@ -3,6 +3,7 @@
 
 use runner::train::{Options, Summary, run};
 use scheduler::memory::Category;
+use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn spec(json: &str) -> JobSpec {
@@ -12,7 +13,12 @@ fn spec(json: &str) -> JobSpec {
 }
 
 fn train(json: &str) -> Summary {
-    run(&spec(json), &Options::default(), &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
+    run_default(&spec(json)).unwrap_or_else(|e| panic!("{e}: {json}"))
+}
+
+fn run_default(spec: &JobSpec) -> Result<Summary, runner::Error> {
+    let plan = plan_local(spec, None).unwrap();
+    run(spec, &plan, &Options::default(), &mut |_| {})
 }
 
 /// Each optimizer with a learning rate that suits it on gpt2-tiny.
@@ -123,11 +129,7 @@ fn the_same_seed_trains_to_the_same_bits() {
 #[test]
 fn a_budget_too_small_for_the_plan_is_refused_with_numbers() {
     let s = spec(r#"{"model": {"preset": "gpt2-tiny"}}"#);
-    let opts = Options {
-        device_memory: Some(1_000_000),
-        ..Options::default()
-    };
-    let err = run(&s, &opts, &mut |_| {}).unwrap_err().to_string();
+    let err = plan_local(&s, Some(1_000_000)).unwrap_err().to_string();
     assert!(
         err.starts_with("needs ") && err.contains("largest device has 1.0 MB"),
         "{err}"
@@ -143,7 +145,8 @@ fn an_fp16_overflow_skips_the_step_and_halves_the_scale() {
             "precision": {"dtype": "fp16", "loss_scale": {"init": 1073741824}}}"#,
     );
     let mut seen = Vec::new();
-    let summary = run(&s, &Options::default(), &mut |p| {
+    let plan = plan_local(&s, None).unwrap();
+    let summary = run(&s, &plan, &Options::default(), &mut |p| {
         seen.push((p.skipped, p.loss_scale))
     })
     .unwrap();
@@ -171,10 +174,53 @@ fn overflowing_at_the_minimum_scale_fails_the_job() {
         r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 5},
             "precision": {"dtype": "fp16", "loss_scale": {"init": 1073741824, "min": 1073741824}}}"#,
     );
-    let err = run(&s, &Options::default(), &mut |_| {}).unwrap_err();
+    let err = run_default(&s).unwrap_err();
     assert!(
         matches!(err, runner::Error::LossScaleAtMinimum { .. }),
         "{err}"
     );
     assert!(err.to_string().contains("already at its minimum"), "{err}");
+}
+
+#[test]
+fn the_run_follows_the_plan_it_is_given_not_one_of_its_own() {
+    // Admitted with "auto"; planned elsewhere at stage 3 (a tight cluster, say). Unbounded
+    // here, a planner of its own would choose stage 0.
+    let fixed = r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 2, "zero": {"stage": 3},
+                    "training": {"steps": 1}}"#;
+    let admitted = spec(&fixed.replace(r#""stage": 3"#, r#""stage": "auto""#));
+    let plan = plan_local(&spec(fixed), None).unwrap();
+    let own = plan_local(&admitted, None).unwrap();
+    assert_ne!(plan.chosen, own.chosen);
+    let summary = run(&admitted, &plan, &Options::default(), &mut |_| {}).unwrap();
+    for r in &summary.ranks {
+        assert_eq!(r.measured_peak_bytes.params, plan.per_rank_bytes.params);
+        assert_ne!(r.measured_peak_bytes.params, own.per_rank_bytes.params);
+        assert_eq!(
+            r.predicted_bytes.overhead, 0,
+            "the process's, not the rank's"
+        );
+    }
+}
+
+#[test]
+fn a_plan_other_than_the_layout_fails_the_run_before_it_starts() {
+    let s = spec(r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 2}"#);
+    let mut plan = plan_local(&s, None).unwrap();
+    plan.per_rank_bytes.buffers += 1;
+    let err = run(&s, &plan, &Options::default(), &mut |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            runner::Error::PlanMismatch {
+                category: Category::Buffers,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().starts_with("bug: rank 0 would hold "),
+        "{err}"
+    );
 }

@@ -7,6 +7,7 @@ use runner::comm::Op;
 use runner::train::{Options, Summary, run};
 use safetensors::SafeTensors;
 use scheduler::memory::{self, Category, DeviceKind, Setup};
+use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn spec(json: &str) -> JobSpec {
@@ -20,7 +21,9 @@ fn train(json: &str, out: Option<&Path>) -> Summary {
         out_dir: out.map(Path::to_path_buf),
         ..Options::default()
     };
-    run(&spec(json), &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
+    let spec = spec(json);
+    let plan = plan_local(&spec, None).unwrap();
+    run(&spec, &plan, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
 }
 
 fn job(world: usize, stage: u8, micro: usize, extra: &str) -> String {
@@ -277,7 +280,8 @@ fn eight_bit_adam_states_are_not_resharded() {
         out_dir: Some(out.path().to_path_buf()),
         ..Options::default()
     };
-    let err = run(&spec(&j(4, 2)), &opts, &mut |_| {})
+    let spec = spec(&j(4, 2));
+    let err = run(&spec, &plan_local(&spec, None).unwrap(), &opts, &mut |_| {})
         .unwrap_err()
         .to_string();
     assert!(err.contains("cannot be resharded"), "{err}");

@@ -5,38 +5,57 @@
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::bytes::human;
 use crate::error::Error;
 use crate::inventory::{Device, Inventory};
-use crate::memory::{self, Breakdown, Comm, DeviceKind, Setup};
+use crate::memory::{self, Breakdown, Category, Comm, DeviceKind, Setup};
 use crate::spec::{Auto, JobSpec, ZeroStage};
 
-/// A configuration the planner considered, with its per-rank bytes before device overhead.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Candidate {
+/// Values for a spec's `"auto"` fields: with the spec, one fully resolved way to run the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Choices {
     pub zero_stage: ZeroStage,
     pub activation_checkpointing: bool,
     pub micro_batch_size: u32,
     pub grad_accum_steps: u32,
-    #[serde(skip)]
+}
+
+impl Choices {
+    /// `spec` run with these choices.
+    pub fn setup(&self, spec: &JobSpec) -> Setup {
+        Setup::new(
+            spec,
+            self.zero_stage,
+            self.activation_checkpointing,
+            self.micro_batch_size,
+            self.grad_accum_steps,
+        )
+    }
+}
+
+/// A configuration the planner considered, with its per-rank bytes before device overhead.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub chosen: Choices,
     pub setup: Setup,
-    #[serde(skip)]
     pub base: Breakdown,
-    #[serde(skip)]
     pub comm: Comm,
 }
 
 impl Candidate {
     fn new(spec: &JobSpec, stage: ZeroStage, ckpt: bool, micro: u32, accum: u32) -> Candidate {
-        let setup = Setup::new(spec, stage, ckpt, micro, accum);
-        let estimate = memory::estimate(&setup, DeviceKind::Cpu);
-        Candidate {
+        let chosen = Choices {
             zero_stage: stage,
             activation_checkpointing: ckpt,
             micro_batch_size: micro,
             grad_accum_steps: accum,
+        };
+        let setup = chosen.setup(spec);
+        let estimate = memory::estimate(&setup, DeviceKind::Cpu);
+        Candidate {
+            chosen,
             setup,
             base: Breakdown {
                 overhead: 0,
@@ -56,30 +75,72 @@ impl Candidate {
     }
 
     fn describe(&self, relative_to: &Candidate) -> String {
-        let mut s = format!("stage {}", self.zero_stage.index());
-        if self.activation_checkpointing && !relative_to.activation_checkpointing {
+        let (c, r) = (&self.chosen, &relative_to.chosen);
+        let mut s = format!("stage {}", c.zero_stage.index());
+        if c.activation_checkpointing && !r.activation_checkpointing {
             s.push_str(" with activation checkpointing");
         }
-        if self.micro_batch_size != relative_to.micro_batch_size {
+        if c.micro_batch_size != r.micro_batch_size {
             s.push_str(&format!(
                 " at micro-batch {} × {} accumulation steps",
-                self.micro_batch_size, self.grad_accum_steps
+                c.micro_batch_size, c.grad_accum_steps
             ));
         }
         s
     }
 }
 
-/// The chosen configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// The chosen configuration and what it costs: admission's plan, stored with the job and
+/// executed by its ranks as it is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     #[serde(flatten)]
-    pub chosen: Candidate,
-    /// Per-rank bytes on the devices it was planned for (overhead of the largest fitting kind).
+    pub chosen: Choices,
+    /// Per-rank bytes on the devices it was planned for (overhead of the largest fitting kind):
+    /// the largest rank's.
     pub per_rank_bytes: Breakdown,
     pub comm_bytes_per_step: u64,
     /// Devices in the inventory that can hold one rank.
     pub devices_that_fit: usize,
+    /// Each rank's bytes, with the same overhead, where ranks differ (Adafactor's factored
+    /// state is split by tensor); empty when every rank holds `per_rank_bytes`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bytes_by_rank: Vec<Breakdown>,
+}
+
+impl Plan {
+    /// What rank `rank` holds under the plan.
+    pub fn rank_bytes(&self, rank: usize) -> Breakdown {
+        self.bytes_by_rank
+            .get(rank)
+            .copied()
+            .unwrap_or(self.per_rank_bytes)
+    }
+
+    /// Bytes one rank needs on a device of `kind`: the plan's with the overhead of the device
+    /// kind it was planned for replaced by `kind`'s.
+    pub fn need_on(&self, kind: DeviceKind) -> u64 {
+        self.per_rank_bytes.total() - self.per_rank_bytes.overhead + kind.overhead_bytes()
+    }
+
+    /// The first category in which `setup`'s rank `rank` on a `device` holds other bytes than
+    /// the plan says,
+    /// as (category, planned, setup's), leaving out the overhead: it is the process's, not the
+    /// rank's buffers.
+    pub fn differs(
+        &self,
+        setup: &Setup,
+        rank: usize,
+        device: DeviceKind,
+    ) -> Option<(Category, u64, u64)> {
+        let planned = self.rank_bytes(rank);
+        let have = memory::rank_breakdown_on(setup, rank, device);
+        Category::ALL
+            .into_iter()
+            .filter(|&c| c != Category::Overhead)
+            .map(|c| (c, planned.get(c), have.get(c)))
+            .find(|(_, p, h)| p != h)
+    }
 }
 
 /// Why no configuration fits, in numbers.
@@ -107,7 +168,10 @@ impl fmt::Display for NoFit {
             "needs {} per rank at {} on {} {}; ",
             human(self.closest_need_bytes),
             c.describe(&Candidate {
-                activation_checkpointing: false,
+                chosen: Choices {
+                    activation_checkpointing: false,
+                    ..c.chosen
+                },
                 ..*c
             }),
             self.world_size,
@@ -168,33 +232,60 @@ fn candidates(spec: &JobSpec, relax: bool) -> Vec<Candidate> {
     out
 }
 
+/// Plans `spec` for a run in one's own process, without a service: `world_size` CPU devices of
+/// `device_memory` bytes each (unbounded when `None`).
+pub fn plan_local(spec: &JobSpec, device_memory: Option<u64>) -> Result<Plan, Error> {
+    plan_local_on(spec, device_memory, DeviceKind::Cpu)
+}
+
+/// [`plan_local`] on devices of `kind`.
+pub fn plan_local_on(
+    spec: &JobSpec,
+    device_memory: Option<u64>,
+    kind: DeviceKind,
+) -> Result<Plan, Error> {
+    let world = spec.world_size.get() as usize;
+    let budget = device_memory.unwrap_or(u64::MAX);
+    plan(spec, &Inventory::uniform(world, budget, kind))
+}
+
 /// Chooses the preferred configuration of `spec` that fits `world_size` devices of `inventory`.
 pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
     let n = spec.world_size.get() as usize;
     let devices: Vec<&Device> = inventory.devices().collect();
     let fitting = |c: &Candidate| devices.iter().filter(|d| c.fits(d)).count();
-    // Overhead of the kind a rank would land on: the largest device that fits it.
-    let need = |c: &Candidate| {
-        let kind = devices
+    // The kind a rank would land on: the largest device that fits it.
+    let kind_of = |c: &Candidate| {
+        devices
             .iter()
             .filter(|d| c.fits(d))
             .chain(devices.iter())
             .max_by_key(|d| (c.fits(d), d.memory_bytes))
-            .map_or(DeviceKind::Cpu, |d| d.kind);
-        c.need_on(kind)
+            .map_or(DeviceKind::Cpu, |d| d.kind)
     };
+    let need = |c: &Candidate| c.need_on(kind_of(c));
 
     let allowed = candidates(spec, false);
     if let Some(chosen) = allowed.iter().find(|c| fitting(c) >= n) {
-        let overhead = need(chosen) - chosen.base.total();
+        // Fitting is judged on the CPU's bytes (at most a GPU's); the plan states the bytes of
+        // the kind its ranks land on, which the trainer must then hold exactly.
+        let kind = kind_of(chosen);
+        let with_overhead = |b: Breakdown| Breakdown {
+            overhead: kind.overhead_bytes(),
+            ..b
+        };
+        let ranks = memory::distinct_ranks(&chosen.setup, kind);
+        let largest = ranks.iter().copied().max_by_key(Breakdown::total);
         return Ok(Plan {
-            chosen: *chosen,
-            per_rank_bytes: Breakdown {
-                overhead,
-                ..chosen.base
-            },
+            chosen: chosen.chosen,
+            per_rank_bytes: with_overhead(largest.expect("rank 0 at least")),
             comm_bytes_per_step: chosen.comm.total(),
             devices_that_fit: fitting(chosen),
+            bytes_by_rank: if ranks.len() > 1 {
+                ranks.into_iter().map(with_overhead).collect()
+            } else {
+                Vec::new()
+            },
         });
     }
 

@@ -229,6 +229,7 @@ fn names_the_smallest_configuration_when_nothing_fits() {
                    "activation_checkpointing": false}"#;
     let no = refused(json, &cpus(1, GB));
     let (alt, need, fits) = no.alternative.unwrap();
+    let alt = alt.chosen;
     assert!(!fits);
     assert_eq!(
         alt.zero_stage,
@@ -261,4 +262,101 @@ fn an_empty_inventory_fits_nothing() {
     let no = refused(&paper("\"auto\""), &Inventory::default());
     assert_eq!(no.largest_device_bytes, 0);
     assert!(no.to_string().contains("largest device has 0 B"), "{no}");
+}
+
+#[test]
+fn a_plan_reads_back_from_its_json_with_the_fields_the_api_shows() {
+    let p = fits(&paper("\"auto\""), &cpus(4, 40 * GB));
+    let json = serde_json::to_value(&p).unwrap();
+    let keys: Vec<&str> = json
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "activation_checkpointing",
+            "comm_bytes_per_step",
+            "devices_that_fit",
+            "grad_accum_steps",
+            "micro_batch_size",
+            "per_rank_bytes",
+            "zero_stage"
+        ]
+    );
+    assert_eq!(json["zero_stage"], 3);
+    assert_eq!(
+        json["per_rank_bytes"]["total"],
+        p.per_rank_bytes.total(),
+        "the total is written, and ignored when read"
+    );
+    assert_eq!(serde_json::from_value::<Plan>(json).unwrap(), p);
+}
+
+#[test]
+fn adafactor_ranks_get_their_own_bytes_and_a_setup_matches_only_its_own() {
+    let json = r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 4, "zero": {"stage": 1},
+                   "optimizer": {"type": "adafactor"}}"#;
+    let spec = spec(json);
+    let p = fits(json, &cpus(4, 8 * GB));
+    assert_eq!(p.bytes_by_rank.len(), 4);
+    let optimizer: Vec<u64> = p.bytes_by_rank.iter().map(|b| b.optimizer).collect();
+    assert!(
+        optimizer.iter().any(|&b| b != optimizer[0]),
+        "{optimizer:?}"
+    );
+    assert_eq!(
+        optimizer.iter().max(),
+        Some(&p.per_rank_bytes.optimizer),
+        "per_rank_bytes is the largest rank's"
+    );
+    let setup = p.chosen.setup(&spec);
+    for rank in 0..4 {
+        assert_eq!(
+            p.differs(&setup, rank, DeviceKind::Cpu),
+            None,
+            "rank {rank}"
+        );
+    }
+    let other = Plan {
+        bytes_by_rank: Vec::new(),
+        ..p.clone()
+    };
+    let smallest = (0..4).min_by_key(|&r| optimizer[r]).unwrap();
+    assert_eq!(
+        other.differs(&setup, smallest, DeviceKind::Cpu),
+        Some((
+            scheduler::memory::Category::Optimizer,
+            p.per_rank_bytes.optimizer,
+            optimizer[smallest]
+        ))
+    );
+    let roundtrip: Plan = serde_json::from_value(serde_json::to_value(&p).unwrap()).unwrap();
+    assert_eq!(roundtrip, p);
+}
+
+#[test]
+fn the_overhead_is_not_compared_with_a_setup() {
+    let json = r#"{"model": {"preset": "gpt2-tiny"}, "world_size": 2}"#;
+    let p = fits(json, &cpus(2, 8 * GB));
+    assert!(p.bytes_by_rank.is_empty());
+    assert_eq!(p.rank_bytes(1), p.per_rank_bytes);
+    assert!(p.per_rank_bytes.overhead > 0);
+    assert_eq!(
+        p.differs(&p.chosen.setup(&spec(json)), 1, DeviceKind::Cpu),
+        None
+    );
+    let wider = Plan {
+        per_rank_bytes: scheduler::memory::Breakdown {
+            activations: p.per_rank_bytes.activations + 1,
+            ..p.per_rank_bytes
+        },
+        ..p.clone()
+    };
+    assert!(matches!(
+        wider.differs(&p.chosen.setup(&spec(json)), 0, DeviceKind::Cpu),
+        Some((scheduler::memory::Category::Activations, _, _))
+    ));
 }

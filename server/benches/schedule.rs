@@ -18,8 +18,10 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use scheduler::inventory::{Device, Inventory, Node};
-use scheduler::memory::DeviceKind;
+use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::placement::place;
+use scheduler::plan::{Choices, Plan};
+use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState};
 use server::store::{Decision, FreeDevice, Store, token_hash};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -191,28 +193,40 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
         priority,
         attempt: 1,
         world_size,
-        spec: serde_json::json!({
-            "name": name,
-            "model": { "preset": "gpt2-1.5B" },
-            "training": { "micro_batch_size": 4, "seq_len": 1024, "steps": 1000 },
-            "precision": { "dtype": "bf16" },
-            "optimizer": { "type": "adamw", "lr": 3e-4 },
-            "zero": { "stage": "auto" },
-            "world_size": world_size,
-        }),
-        plan: serde_json::json!({
-            "zero_stage": 2,
-            "activation_checkpointing": false,
-            "micro_batch_size": 4,
-            "grad_accum_steps": 1,
-            "per_rank_bytes": {
-                "params": per_rank / 4, "grads": per_rank / 8, "optimizer": per_rank / 4,
-                "activations": per_rank / 4, "buffers": per_rank - per_rank / 4 * 3 - per_rank / 8,
-                "overhead": 0, "total": per_rank,
+        spec: JobSpec::parse(
+            &serde_json::json!({
+                "name": name,
+                "model": { "preset": "gpt2-1.5B" },
+                "training": { "micro_batch_size": 4, "seq_len": 1024, "steps": 1000 },
+                "precision": { "dtype": "bf16" },
+                "optimizer": { "type": "adamw", "lr": 3e-4 },
+                "zero": { "stage": "auto" },
+                "world_size": world_size,
+            })
+            .to_string(),
+            Purpose::Train,
+        )
+        .expect("the bench's spec is valid")
+        .spec,
+        plan: Plan {
+            chosen: Choices {
+                zero_stage: ZeroStage::Gradients,
+                activation_checkpointing: false,
+                micro_batch_size: 4,
+                grad_accum_steps: 1,
             },
-            "comm_bytes_per_step": per_rank / 2,
-            "devices_that_fit": 8000,
-        }),
+            per_rank_bytes: Breakdown {
+                params: per_rank / 4,
+                grads: per_rank / 8,
+                optimizer: per_rank / 4,
+                activations: per_rank / 4,
+                buffers: per_rank - per_rank / 4 * 3 - per_rank / 8,
+                overhead: 0,
+            },
+            comm_bytes_per_step: per_rank / 2,
+            devices_that_fit: 8000,
+            bytes_by_rank: Vec::new(),
+        },
         unsupported_keys: Vec::new(),
         owner: "bench".to_string(),
         reason: String::new(),
@@ -225,10 +239,8 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
 /// Bytes one rank of `job` needs before device overhead: the plan's per-rank total less the
 /// overhead of the device kind it was planned for.
 fn need_before_overhead(job: &Job) -> u64 {
-    let bytes = &job.plan["per_rank_bytes"];
-    let total = bytes["total"].as_u64().unwrap_or(u64::MAX);
-    let overhead = bytes["overhead"].as_u64().unwrap_or(0);
-    total - overhead
+    let bytes = &job.plan.per_rank_bytes;
+    bytes.total() - bytes.overhead
 }
 
 /// Priority-then-FIFO gang placement with backfill: each job in queue order is placed with

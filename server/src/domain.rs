@@ -3,11 +3,13 @@
 
 use std::collections::BTreeMap;
 
-use runner::comm::Op;
 use scheduler::inventory::Device;
 use scheduler::memory::Breakdown;
+use scheduler::plan::Plan;
+use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
+use wire::Op;
 
 /// queued → scheduled → running → succeeded | failed | cancelled; a job whose node is lost goes
 /// back to queued with its attempt raised.
@@ -76,10 +78,11 @@ pub struct Job {
     pub world_size: u32,
     /// The normalised job spec (native form; DeepSpeed jobs as translated).
     #[schema(value_type = Object)]
-    pub spec: serde_json::Value,
-    /// The planner's choices and per-rank prediction (`scheduler::plan::Plan` as JSON).
+    pub spec: JobSpec,
+    /// Admission's plan (`scheduler::plan::Plan`): the planner's choices for the spec's
+    /// `"auto"` fields and the bytes each rank holds, which every node runs as they are.
     #[schema(value_type = Object)]
-    pub plan: serde_json::Value,
+    pub plan: Plan,
     /// DeepSpeed keys zerotrain ignored.
     pub unsupported_keys: Vec<String>,
     /// Name of the token that submitted it.

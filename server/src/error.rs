@@ -139,6 +139,7 @@ pub struct Alternative {
 
 impl From<&Candidate> for Configuration {
     fn from(c: &Candidate) -> Self {
+        let c = &c.chosen;
         Configuration {
             zero_stage: c.zero_stage.index(),
             activation_checkpointing: c.activation_checkpointing,

@@ -11,9 +11,9 @@ use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec,
     Opts, Registry, TextEncoder,
 };
-use runner::agent::protocol::RefusalReason;
-use runner::comm::Op;
 use scheduler::memory::{Breakdown, Category};
+use wire::Op;
+use wire::agent::RefusalReason;
 
 use crate::domain::{JobState, StepRecord};
 
@@ -256,13 +256,13 @@ impl Metrics {
             }
         }
         for (op, &total) in comm_bytes_sent {
-            let op = op_name(*op);
-            let counter = self
-                .training
-                .training_comm_bytes_total
-                .with_label_values(&[job, &rank, &op]);
+            let counter = self.training.training_comm_bytes_total.with_label_values(&[
+                job,
+                &rank,
+                op.as_str(),
+            ]);
             counter.inc_by(total.saturating_sub(counter.get()));
-            series.comm.insert((rank.clone(), op));
+            series.comm.insert((rank.clone(), op.as_str().to_string()));
         }
     }
 
@@ -311,14 +311,6 @@ impl Metrics {
                 .training_comm_bytes_total
                 .remove_label_values(&[job, rank, op]);
         }
-    }
-}
-
-/// The collective's name as the trainer spells it in JSON (`all_reduce`).
-fn op_name(op: Op) -> String {
-    match serde_json::to_value(op) {
-        Ok(serde_json::Value::String(s)) => s,
-        other => unreachable!("Op serializes as a string, not {other:?}"),
     }
 }
 

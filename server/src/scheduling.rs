@@ -9,36 +9,14 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use scheduler::inventory::{Device, Inventory, Node};
-use scheduler::memory::{Breakdown, DeviceKind};
+use scheduler::memory::DeviceKind;
 use scheduler::placement::place;
-use serde::Deserialize;
+use scheduler::plan::Plan;
 
 use crate::app::{AppState, now_ms};
 use crate::domain::{Job, JobState};
 use crate::retention;
 use crate::store::{Decision, FreeDevice, HeldRanks, StoreError};
-
-/// The part of a stored plan (`scheduler::plan::Plan` as JSON) the service reads back.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-pub struct StoredPlan {
-    pub zero_stage: u8,
-    pub activation_checkpointing: bool,
-    pub micro_batch_size: u32,
-    pub grad_accum_steps: u32,
-    pub per_rank_bytes: Breakdown,
-}
-
-impl StoredPlan {
-    pub fn of(job: &Job) -> Option<StoredPlan> {
-        serde_json::from_value(job.plan.clone()).ok()
-    }
-
-    /// Bytes one rank needs on a device of `kind`: the plan's bytes with the overhead of the
-    /// device kind it was planned for replaced by `kind`'s.
-    pub fn need_on(&self, kind: DeviceKind) -> u64 {
-        self.per_rank_bytes.total() - self.per_rank_bytes.overhead + kind.overhead_bytes()
-    }
-}
 
 /// How much of the cluster one owner may hold: `held` ranks now, at most `limit` at once.
 #[derive(Debug, Clone, Copy)]
@@ -72,10 +50,7 @@ pub fn decide(
         if pool.is_empty() {
             break;
         }
-        let Some(plan) = StoredPlan::of(job) else {
-            tracing::warn!(job = %job.id, "stored plan is unreadable; not scheduling it");
-            continue;
-        };
+        let plan = &job.plan;
         let base = plan.need_on(DeviceKind::Cpu);
         let size = u128::from(base) * u128::from(job.world_size);
         if head_waits.is_some_and(|head| size >= head) || failed.contains(&(job.world_size, base)) {
@@ -85,7 +60,7 @@ pub fn decide(
         if owner_ranks.saturating_add(job.world_size) > quota.limit {
             continue;
         }
-        match pool.place(job.world_size as usize, margin, &plan) {
+        match pool.place(job.world_size as usize, margin, plan) {
             Some(slots) => {
                 held.insert(job.owner.clone(), owner_ranks + job.world_size);
                 decisions.push(Decision {
@@ -140,12 +115,7 @@ impl Pool {
     }
 
     /// Places every rank or none, taking the devices used out of the pool.
-    fn place(
-        &mut self,
-        ranks: usize,
-        margin: f64,
-        plan: &StoredPlan,
-    ) -> Option<Vec<(String, u32)>> {
+    fn place(&mut self, ranks: usize, margin: f64, plan: &Plan) -> Option<Vec<(String, u32)>> {
         let slots = place(&self.inventory, ranks, margin, |kind| plan.need_on(kind))?;
         let chosen: Vec<(String, u32)> = slots
             .iter()
@@ -323,6 +293,10 @@ fn short_duration(d: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
+    use scheduler::memory::Breakdown;
+    use scheduler::plan::Choices;
+    use scheduler::spec::{JobSpec, Purpose, ZeroStage};
+
     use super::*;
 
     /// `decide` with no owner holding anything and no owner limit.
@@ -345,18 +319,24 @@ mod tests {
             priority,
             attempt: 1,
             world_size,
-            spec: serde_json::json!({}),
-            plan: serde_json::json!({
-                "zero_stage": 2,
-                "activation_checkpointing": false,
-                "micro_batch_size": 4,
-                "grad_accum_steps": 1,
-                "per_rank_bytes": {
-                    "params": gb_per_rank * GB, "grads": 0, "optimizer": 0,
-                    "activations": 0, "buffers": 0, "overhead": 0,
-                    "total": gb_per_rank * GB,
+            spec: JobSpec::parse(r#"{"model": {"preset": "gpt2-tiny"}}"#, Purpose::Train)
+                .unwrap()
+                .spec,
+            plan: Plan {
+                chosen: Choices {
+                    zero_stage: ZeroStage::Gradients,
+                    activation_checkpointing: false,
+                    micro_batch_size: 4,
+                    grad_accum_steps: 1,
                 },
-            }),
+                per_rank_bytes: Breakdown {
+                    params: gb_per_rank * GB,
+                    ..Breakdown::default()
+                },
+                comm_bytes_per_step: 0,
+                devices_that_fit: 1,
+                bytes_by_rank: Vec::new(),
+            },
             unsupported_keys: vec![],
             owner: "t".into(),
             reason: String::new(),
@@ -487,8 +467,8 @@ mod tests {
     #[test]
     fn the_need_replaces_the_planned_device_overhead() {
         let mut j = job("j", 0, 1, 1, 10);
-        j.plan["per_rank_bytes"]["overhead"] = serde_json::json!(DeviceKind::Cuda.overhead_bytes());
-        let plan = StoredPlan::of(&j).unwrap();
+        j.plan.per_rank_bytes.overhead = DeviceKind::Cuda.overhead_bytes();
+        let plan = &j.plan;
         assert_eq!(
             plan.need_on(DeviceKind::Cpu),
             10 * GB + DeviceKind::Cpu.overhead_bytes()

@@ -11,15 +11,14 @@ use api_helpers::*;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use futures::StreamExt;
-use runner::agent::protocol::{
-    Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report,
-};
-use runner::comm::Op;
 use scheduler::memory::Breakdown;
-use scheduler::spec::{Auto, JobSpec, Purpose, ZeroStage};
+use scheduler::plan::Plan;
+use scheduler::spec::{Auto, ZeroStage};
 use serde_json::json;
 use server::domain::JobState;
 use tower::ServiceExt;
+use wire::Op;
+use wire::agent::{Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report};
 
 fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
     Report::Step {
@@ -48,7 +47,6 @@ fn memory(job: &str, rank: usize) -> Report {
         attempt: 1,
         rank,
         measured: b,
-        predicted: b,
         comm_bytes_sent: BTreeMap::from([(Op::ReduceScatter, 4096), (Op::AllGather, 2048)]),
         process_peak_rss_bytes: Some(123_456_789),
     }
@@ -84,12 +82,14 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
         a.out_dir,
         app.dir.path().join("jobs").join(&id).display().to_string()
     );
-    // The spec the agent trains has the plan's choices where the submission said "auto".
-    let assigned = JobSpec::parse(&a.spec.to_string(), Purpose::Train)
-        .unwrap()
-        .spec;
-    assert_eq!(assigned.zero.stage, Auto::Fixed(ZeroStage::Ddp));
-    assert_eq!(assigned.activation_checkpointing, Auto::Fixed(false));
+    // The agent gets the spec as admitted and admission's plan, which resolves its "auto"s.
+    let stored = app.job(&id).await;
+    let plan: Plan = serde_json::from_value(stored["plan"].clone()).unwrap();
+    assert_eq!(a.plan, plan);
+    assert_eq!(a.spec.zero.stage, Auto::Auto);
+    assert_eq!(serde_json::to_value(&a.spec).unwrap(), stored["spec"]);
+    assert_eq!(a.plan.chosen.zero_stage, ZeroStage::Ddp);
+    assert!(!a.plan.chosen.activation_checkpointing);
 
     // Once the agent lists it as running, it is not assigned again.
     let running = vec![(id.clone(), 1)];
@@ -125,7 +125,8 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
     assert_eq!(m["steps"][0]["skipped"], true);
     assert_eq!(m["ranks"].as_array().unwrap().len(), 4);
     assert_eq!(m["ranks"][3]["measured"]["optimizer"], 3000);
-    assert_eq!(m["ranks"][3]["predicted"]["total"], 5300);
+    // Beside what the node measured, admission's figures (the node reports no prediction).
+    assert_eq!(m["ranks"][3]["predicted"], stored["plan"]["per_rank_bytes"]);
     assert_eq!(m["ranks"][3]["process_peak_rss_bytes"], 123_456_789);
     assert_eq!(
         m["predicted_per_rank_bytes"],
@@ -143,7 +144,8 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
             "zerotrain_training_memory_bytes{{category=\"optimizer\",job=\"{id}\",rank=\"2\",source=\"measured\"}} 3000"
         ),
         format!(
-            "zerotrain_training_memory_bytes{{category=\"optimizer\",job=\"{id}\",rank=\"2\",source=\"predicted\"}} 3000"
+            "zerotrain_training_memory_bytes{{category=\"optimizer\",job=\"{id}\",rank=\"2\",source=\"predicted\"}} {}",
+            plan.per_rank_bytes.optimizer
         ),
         format!(
             "zerotrain_training_comm_bytes_total{{job=\"{id}\",op=\"reduce_scatter\",rank=\"0\"}} 4096"

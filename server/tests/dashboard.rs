@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 
 use runner::agent::AgentMetrics;
-use runner::comm::Op;
 use scheduler::memory::Breakdown;
 use server::domain::{JobState, StepRecord};
 use server::metrics::Metrics;
+use wire::Op;
 
 /// Every series family, each with at least one sample, as `/metrics` pages render them.
 fn exported() -> String {

@@ -13,6 +13,7 @@ use live::{Mode, free_loopback_addr};
 use runner::agent::AgentMetrics;
 use runner::train::{Options, run};
 use scheduler::memory::Category;
+use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 use serde_json::{Value, json};
 use server::app::Server;
@@ -194,9 +195,10 @@ async fn an_fp16_zero2_job_on_four_devices_trains_and_reports_its_memory() {
     assert_eq!(steps[0]["loss_scale"], 65536.0);
     let ranks = m["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 4);
-    // What admission planned and stored with the job, byte for byte. The process overhead is
-    // not an allocation the accountant sees: admission reserves it in every rank's figure, the
-    // runner reports it once per process beside the peak RSS (train_rss checks that).
+    // What admission planned and stored with the job, byte for byte: measured, and as the
+    // prediction shown beside it. The process overhead is not an allocation the accountant
+    // sees: admission reserves it in every rank's figure, the runner reports it once per
+    // process beside the peak RSS (train_rss checks that).
     let planned = &m["predicted_per_rank_bytes"];
     for r in ranks {
         for c in Category::ALL
@@ -214,7 +216,7 @@ async fn an_fp16_zero2_job_on_four_devices_trains_and_reports_its_memory() {
             assert_eq!(
                 bytes(&r["predicted"]),
                 bytes(planned),
-                "rank {} {}: the runner's prediction vs the admission plan",
+                "rank {} {}: the prediction shown vs the admission plan",
                 r["rank"],
                 c.name()
             );
@@ -331,9 +333,12 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
         let spec = JobSpec::parse(&spec.to_string(), Purpose::Train)
             .unwrap()
             .spec;
-        tokio::task::spawn_blocking(move || run(&spec, &Options::default(), &mut |_| {}).unwrap())
-            .await
-            .unwrap()
+        let plan = plan_local(&spec, None).unwrap();
+        tokio::task::spawn_blocking(move || {
+            run(&spec, &plan, &Options::default(), &mut |_| {}).unwrap()
+        })
+        .await
+        .unwrap()
     };
     let s = service().await;
     let mut first = agent_process(&s, "doomed", 2, &[]);

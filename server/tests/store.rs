@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
+use scheduler::plan::{Choices, Plan};
+use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
 use server::store::{
     Backend, Decision, FreeDevice, HeldRanks, JobFilter, JobSort, Revoked, Store, StoreError,
@@ -213,8 +215,27 @@ fn job(name: &str, owner: &str, priority: i32, world_size: u32) -> Job {
         priority,
         attempt: 1,
         world_size,
-        spec: serde_json::json!({ "name": name, "model": "gpt2-tiny" }),
-        plan: serde_json::json!({ "zero_stage": 2, "per_rank_bytes": { "total": GB } }),
+        spec: JobSpec::parse(
+            &format!(r#"{{"name": "{name}", "model": {{"preset": "gpt2-tiny"}}}}"#),
+            Purpose::Train,
+        )
+        .unwrap()
+        .spec,
+        plan: Plan {
+            chosen: Choices {
+                zero_stage: ZeroStage::Gradients,
+                activation_checkpointing: false,
+                micro_batch_size: 1,
+                grad_accum_steps: 1,
+            },
+            per_rank_bytes: Breakdown {
+                params: GB,
+                ..Breakdown::default()
+            },
+            comm_bytes_per_step: 0,
+            devices_that_fit: 1,
+            bytes_by_rank: Vec::new(),
+        },
         unsupported_keys: vec!["fp16.loss_scale_window".to_string()],
         owner: owner.to_string(),
         reason: "submitted".to_string(),
@@ -1355,7 +1376,7 @@ fn breakdown(base: u64) -> Breakdown {
 }
 
 async fn rank_memory_is_replaced_per_rank(db: TestDb) {
-    use runner::comm::Op;
+    use wire::Op;
     let s = &db.store;
     let j = submit(s, "a", 0, 2).await;
     // Rank 1's agent reports its process's peak resident set, rank 0's does not.

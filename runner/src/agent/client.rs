@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 
-use super::protocol::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse};
 use crate::Error;
+use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse};
 
 /// Longest pause between two tries before jitter, which adds up to as much again: well inside
 /// the server's heartbeat timeout (30 s by default), so a node cut off for a while, or a

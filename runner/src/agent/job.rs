@@ -9,15 +9,15 @@ use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use scheduler::spec::{JobSpec, Purpose};
+use scheduler::spec::JobSpec;
 
 use super::AgentConfig;
-use super::protocol::{Assignment, RankTransport, Report};
 use super::session::Outbox;
 use crate::Error;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
 use crate::train::{Options, Progress, Resume, Summary, run_ranks};
+use wire::agent::{Assignment, RankTransport, Report};
 
 /// How long ranks wait for each other (the rendezvous included).
 const COMM_TIMEOUT: Duration = Duration::from_secs(60);
@@ -56,7 +56,6 @@ pub(super) fn start(
                         attempt,
                         rank: r.rank,
                         measured: r.measured_peak_bytes,
-                        predicted: r.predicted_bytes,
                         comm_bytes_sent: r.comm_bytes_sent.clone(),
                         process_peak_rss_bytes: summary.process.peak_rss_bytes,
                     });
@@ -105,9 +104,7 @@ fn train(
     send: &(dyn Fn(Report) + Sync),
     log: &(dyn Fn(String) + Sync),
 ) -> Result<Summary, Error> {
-    let text = a.spec.to_string();
-    let spec = JobSpec::parse(&text, Purpose::Train)?.spec;
-    let comms = communicators(a, &spec, cfg, send)?;
+    let comms = communicators(a, &a.spec, cfg, send)?;
     let leads = comms.first().is_some_and(|c| c.rank() == 0);
     let budget = a
         .ranks
@@ -178,7 +175,7 @@ fn train(
             ));
         }
     };
-    run_ranks(&spec, comms, &opts, &mut progress)
+    run_ranks(&a.spec, &a.plan, comms, &opts, &mut progress)
 }
 
 /// The communicators of this node's ranks. Over TCP every rank joins the rendezvous at once

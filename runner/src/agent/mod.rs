@@ -8,7 +8,6 @@
 mod client;
 mod job;
 mod metrics;
-pub mod protocol;
 mod session;
 
 pub use metrics::AgentMetrics;
@@ -21,8 +20,8 @@ use scheduler::inventory::Device;
 use crate::Error;
 use crate::data::DataRoots;
 use client::Client;
-use protocol::RegisterRequest;
 use session::{Ended, Session};
+use wire::agent::RegisterRequest;
 
 /// Where to find the server and what this node offers.
 #[derive(Debug, Clone)]

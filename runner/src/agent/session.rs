@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use backon::{BackoffBuilder, ExponentialBackoff};
 
 use super::client::{CallError, Client, backoff};
-use super::protocol::{Heartbeat, HeartbeatResponse, RegisterResponse, Report};
 use super::{AgentConfig, AgentMetrics, job};
 use crate::checkpoint;
+use wire::agent::{Heartbeat, HeartbeatResponse, RegisterResponse, Report};
 
 /// A job's attempt: (job id, attempt).
 pub(super) type Key = (String, u32);

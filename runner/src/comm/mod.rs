@@ -13,12 +13,13 @@ mod tcp;
 
 pub use local::local_ring;
 pub use tcp::{TcpConfig, tcp_ring, tcp_ring_with_master};
+/// The collectives, named as the agent protocol names them.
+pub use wire::Op;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
 use half::{bf16, f16};
-use serde::{Deserialize, Serialize};
 
 use crate::Error;
 use crate::accounting::Buffer;
@@ -64,17 +65,6 @@ impl Wire for u8 {
             .zip(x)
             .for_each(|(a, b)| *a = a.wrapping_add(*b));
     }
-}
-
-/// The collectives, for counting what each one sends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Op {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-    Broadcast,
-    Barrier,
 }
 
 /// Zeros that pad a short chunk on the wire (a chunk is short by fewer than N elements).

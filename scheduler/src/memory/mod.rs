@@ -200,8 +200,8 @@ pub struct Estimate {
 }
 
 pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
-    let per_rank = (0..rank_count(setup))
-        .map(|r| rank_breakdown_on(setup, r, device))
+    let per_rank = distinct_ranks(setup, device)
+        .into_iter()
         .max_by_key(Breakdown::total)
         .unwrap_or_default();
     Estimate {
@@ -214,14 +214,18 @@ pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
     }
 }
 
-/// Ranks whose breakdowns can differ: all of them for exact Adafactor, else rank 0 stands for all.
-fn rank_count(setup: &Setup) -> usize {
-    match (setup.arch, setup.optimizer) {
+/// Each rank's bytes on a `device`, without its overhead, where ranks differ (exact Adafactor with sharded
+/// states); otherwise only rank 0's, which stands for all.
+pub fn distinct_ranks(setup: &Setup, device: DeviceKind) -> Vec<Breakdown> {
+    let count = match (setup.arch, setup.optimizer) {
         (Architecture::Gpt(_), Optimizer::Adafactor(_)) if setup.stage.shards_optimizer() => {
             setup.world_size
         }
         _ => 1,
-    }
+    };
+    (0..count)
+        .map(|r| rank_breakdown_on(setup, r, device))
+        .collect()
 }
 
 /// Bytes of the receive buffer of the ring collectives (one chunk of the largest buffer any

@@ -12,6 +12,7 @@ use runner::data::DataRoots;
 use runner::train::{Distributed, Options, run};
 use scheduler::bytes::{human, parse_size};
 use scheduler::memory::Category;
+use scheduler::plan::plan_local_on;
 use scheduler::spec::{JobSpec, Purpose};
 
 #[derive(clap::Args)]
@@ -77,7 +78,9 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
         data_roots: DataRoots::anywhere(),
         ..Options::default()
     };
-    let summary = run(&spec, &opts, &mut |p| {
+    // No service: the plan is made here, for `world_size` devices of the budget and kind.
+    let plan = plan_local_on(&spec, args.device_memory, opts.device.kind())?;
+    let summary = run(&spec, &plan, &opts, &mut |p| {
         bar.set_position(u64::from(p.step));
         bar.set_message(format!(
             "loss {:.4}  scale {}  {:.0} tok/s{}",

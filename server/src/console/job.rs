@@ -85,10 +85,7 @@ async fn load(
     let job = d.job;
     let metrics = job_metrics(state, job.clone()).await?;
     let log = state.store.logs(id, 0, LOG_PAGE).await?;
-    let plan = &job.plan;
-    let field = |k: &str| plan[k].to_string();
-    let per_rank = &plan["per_rank_bytes"];
-    let category_bytes = |v: &serde_json::Value, c: &str| view::bytes(v[c].as_u64().unwrap_or(0));
+    let (chosen, per_rank) = (&job.plan.chosen, &job.plan.per_rank_bytes);
     let memory = Category::ALL
         .iter()
         .map(|c| MemoryRow {
@@ -130,23 +127,22 @@ async fn load(
         world_size: job.world_size,
         submitted: view::time(job.created_at),
         plan: vec![
-            ("ZeRO stage", field("zero_stage")),
-            ("micro-batch", field("micro_batch_size")),
-            ("gradient accumulation", field("grad_accum_steps")),
+            ("ZeRO stage", chosen.zero_stage.index().to_string()),
+            ("micro-batch", chosen.micro_batch_size.to_string()),
+            ("gradient accumulation", chosen.grad_accum_steps.to_string()),
             (
                 "activation checkpointing",
-                field("activation_checkpointing"),
+                chosen.activation_checkpointing.to_string(),
             ),
             (
                 "bytes sent per step per rank",
-                view::bytes(plan["comm_bytes_per_step"].as_u64().unwrap_or(0)),
+                view::bytes(job.plan.comm_bytes_per_step),
             ),
         ],
         predicted: Category::ALL
             .iter()
-            .map(|c| c.name())
-            .chain(["total"])
-            .map(|c| (c, category_bytes(per_rank, c)))
+            .map(|&c| (c.name(), view::bytes(per_rank.get(c))))
+            .chain([("total", view::bytes(per_rank.total()))])
             .collect(),
         history: d
             .transitions

@@ -153,7 +153,7 @@ pub async fn page(
             state: j.state.as_str(),
             owner: j.owner,
             world_size: j.world_size,
-            zero_stage: j.plan["zero_stage"].to_string(),
+            zero_stage: j.plan.chosen.zero_stage.index().to_string(),
             priority: j.priority,
             submitted: view::time(j.created_at),
             reason: j.reason,

@@ -70,9 +70,7 @@ async fn load(state: &AppState) -> Result<Vec<NodeView>, ApiError> {
                         .into_iter()
                         .find(|r| r.rank == rank)
                         .map(|r| r.measured.total());
-                    measured.unwrap_or_else(|| {
-                        job.plan["per_rank_bytes"]["total"].as_u64().unwrap_or(0)
-                    })
+                    measured.unwrap_or_else(|| job.plan.rank_bytes(rank as usize).total())
                 }
                 None => 0,
             };

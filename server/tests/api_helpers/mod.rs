@@ -6,7 +6,6 @@
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Method, Request, StatusCode, header};
-use runner::agent::protocol::{Heartbeat, HeartbeatResponse, RegisterRequest, Report};
 use scheduler::inventory::Device;
 use scheduler::memory::DeviceKind;
 use serde_json::{Value, json};
@@ -16,6 +15,7 @@ use server::store::Store;
 use server::{AppState, router};
 use tempfile::TempDir;
 use tower::ServiceExt;
+use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, Report};
 
 pub const GIB: u64 = 1 << 30;
 pub const ADMIN: &str = "admin-token";

@@ -3,25 +3,22 @@
 //! over, and the reports refused. With `wait_ms` the reply waits until there is an assignment
 //! or a fence for the node, or the wait is up (a long-poll).
 
-use std::num::NonZeroU32;
 use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
-use runner::agent::protocol::{
-    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason,
-};
-use scheduler::spec::{Auto, JobSpec, ZeroStage};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
+use wire::agent::{
+    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason,
+};
 
 use crate::app::{AppState, now_ms};
 use crate::artifacts;
 use crate::auth::AgentNode;
-use crate::domain::{Job, JobState, NodeRecord};
+use crate::domain::{JobState, NodeRecord};
 use crate::error::{ApiError, Problem};
-use crate::scheduling::StoredPlan;
 
 /// Heartbeat of a registered agent (its agent token).
 #[utoipa::path(
@@ -179,18 +176,6 @@ async fn assignments(
         } else {
             continue;
         };
-        let spec = match assignment_spec(&job) {
-            Ok(spec) => spec,
-            // Sending it would fail on the node; retrying it would fail again.
-            Err(reason) => {
-                tracing::error!(job = %job.id, "{reason}");
-                let (from, to) = ([JobState::Scheduled], JobState::Failed);
-                state
-                    .transition_attempt(&job.id, job.attempt, &from, to, &reason)
-                    .await?;
-                continue;
-            }
-        };
         // The newest checkpoint an earlier attempt committed: the server recorded it.
         let resume_from = state
             .store
@@ -201,7 +186,6 @@ async fn assignments(
             .find(|c| c.attempt < job.attempt)
             .map(|c| c.path);
         out.push(Assignment {
-            spec,
             job_id: job.id.clone(),
             attempt: job.attempt,
             ranks,
@@ -211,27 +195,9 @@ async fn assignments(
                 .display()
                 .to_string(),
             resume_from,
+            spec: job.spec,
+            plan: job.plan,
         });
     }
     Ok(out)
-}
-
-/// The stored spec with the plan's choices in place of its `"auto"` fields, so every node
-/// trains exactly the configuration admission planned.
-pub fn assignment_spec(job: &Job) -> Result<serde_json::Value, String> {
-    let corrupt = |what: &str| format!("the stored {what}");
-    let plan = StoredPlan::of(job).ok_or_else(|| corrupt("plan is unreadable"))?;
-    let mut spec: JobSpec =
-        serde_json::from_value(job.spec.clone()).map_err(|e| corrupt(&format!("spec: {e}")))?;
-    let stage = ZeroStage::from_index(u64::from(plan.zero_stage))
-        .ok_or_else(|| corrupt("plan has no such ZeRO stage"))?;
-    let micro = NonZeroU32::new(plan.micro_batch_size)
-        .ok_or_else(|| corrupt("plan has a zero micro-batch"))?;
-    let accum = NonZeroU32::new(plan.grad_accum_steps)
-        .ok_or_else(|| corrupt("plan has zero accumulation steps"))?;
-    spec.zero.stage = Auto::Fixed(stage);
-    spec.activation_checkpointing = Auto::Fixed(plan.activation_checkpointing);
-    spec.training.micro_batch_size = Auto::Fixed(micro);
-    spec.training.grad_accum_steps = accum;
-    serde_json::to_value(&spec).map_err(|e| corrupt(&format!("spec: {e}")))
 }

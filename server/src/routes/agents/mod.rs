@@ -1,4 +1,4 @@
-//! The agent protocol (`runner::agent::protocol`): registration with the join token, and
+//! The agent protocol (`wire::agent`): registration with the join token, and
 //! heartbeats that carry reports in and assignments and cancellations out.
 
 pub mod heartbeat;

@@ -7,7 +7,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use axum::http::StatusCode;
-use runner::agent::protocol::{RegisterRequest, RegisterResponse};
+use wire::agent::{RegisterRequest, RegisterResponse};
 
 use crate::app::AppState;
 use crate::auth::{AgentJoin, new_token};

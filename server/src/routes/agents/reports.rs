@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use runner::agent::protocol::{Refusal, RefusalReason, Report};
+use wire::agent::{Refusal, RefusalReason, Report};
 
 use crate::app::{App, JobEvent, now_ms};
 use crate::artifacts;
@@ -119,11 +119,13 @@ pub(super) async fn apply(
             Report::Memory {
                 rank,
                 measured,
-                predicted,
                 comm_bytes_sent,
                 process_peak_rss_bytes,
                 ..
             } => {
+                // Admission's figures, whatever the node computed: it checked its layout
+                // against them before it started.
+                let predicted = job.plan.rank_bytes(rank);
                 let rank = u32::try_from(rank).unwrap_or(u32::MAX);
                 if !job.state.is_terminal() {
                     app.metrics.observe_memory(

@@ -6,6 +6,7 @@ use axum::extract::rejection::{BytesRejection, QueryRejection};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use scheduler::memory::Breakdown;
 use scheduler::plan;
 use scheduler::spec::{JobSpec, Purpose};
 use serde::{Deserialize, Serialize};
@@ -35,7 +36,7 @@ pub struct JobCreated {
     pub job: Job,
     /// Bytes per rank by category (and `total`) under the plan.
     #[schema(value_type = Object)]
-    pub predicted_per_rank_bytes: serde_json::Value,
+    pub predicted_per_rank_bytes: Breakdown,
 }
 
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -111,8 +112,8 @@ pub async fn create(
         priority: params.priority,
         attempt: 1,
         world_size: parsed.spec.world_size.get(),
-        spec: serde_json::to_value(&parsed.spec).map_err(|e| ApiError::Internal(e.to_string()))?,
-        plan: serde_json::to_value(plan).map_err(|e| ApiError::Internal(e.to_string()))?,
+        spec: parsed.spec,
+        plan,
         unsupported_keys: parsed.unsupported_keys,
         owner: caller.name,
         reason: "submitted".into(),
@@ -137,7 +138,7 @@ pub async fn create(
     };
     let location = format!("/v1/jobs/{}", stored.id);
     let created = JobCreated {
-        predicted_per_rank_bytes: stored.plan["per_rank_bytes"].clone(),
+        predicted_per_rank_bytes: stored.plan.per_rank_bytes,
         job: stored,
     };
     Ok((status, [(header::LOCATION, location)], Json(created)).into_response())

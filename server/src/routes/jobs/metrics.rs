@@ -3,6 +3,7 @@
 
 use axum::Json;
 use axum::extract::{Path, State};
+use scheduler::memory::Breakdown;
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -17,7 +18,7 @@ pub struct JobMetrics {
     pub state: JobState,
     /// The plan's bytes per rank, by category (before any rank reported).
     #[schema(value_type = Object)]
-    pub predicted_per_rank_bytes: serde_json::Value,
+    pub predicted_per_rank_bytes: Breakdown,
     /// Every step of every attempt, in order: loss, loss scale, tokens/s, skipped, duration.
     pub steps: Vec<StepRecord>,
     /// Per rank: peak bytes measured by the trainer and predicted by the memory model.
@@ -82,7 +83,7 @@ pub(crate) async fn job_metrics(state: &AppState, job: Job) -> Result<JobMetrics
     Ok(JobMetrics {
         job_id: job.id,
         state: job.state,
-        predicted_per_rank_bytes: job.plan["per_rank_bytes"].clone(),
+        predicted_per_rank_bytes: job.plan.per_rank_bytes,
         steps,
         ranks,
         devices,

@@ -20,9 +20,11 @@ use std::collections::BTreeMap;
 
 use scheduler::inventory::Device;
 use scheduler::memory::Breakdown;
+use scheduler::plan::Plan;
+use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 
-use crate::comm::Op;
+use crate::Op;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegisterRequest {
@@ -47,9 +49,10 @@ pub struct Assignment {
     pub job_id: String,
     /// Starts at 1; a job requeued after losing its node runs again with the next attempt.
     pub attempt: u32,
-    /// The normalised job spec (`scheduler::spec::JobSpec` as JSON), with the plan's choices
-    /// for its `"auto"` fields already filled in.
-    pub spec: serde_json::Value,
+    /// The normalised job spec, as admitted (its `"auto"` fields unresolved).
+    pub spec: JobSpec,
+    /// Admission's plan: the configuration every node runs, and the bytes each rank holds.
+    pub plan: Plan,
     /// The ranks this node runs, and the device index of each.
     pub ranks: Vec<RankSlot>,
     pub transport: RankTransport,
@@ -108,13 +111,12 @@ pub enum Report {
         skipped: bool,
         step_seconds: f64,
     },
-    /// A rank's measured peak bytes next to the model's prediction, and what it sent.
+    /// A rank's measured peak bytes (the server sets the plan's beside them), and what it sent.
     Memory {
         job_id: String,
         attempt: u32,
         rank: usize,
         measured: Breakdown,
-        predicted: Breakdown,
         comm_bytes_sent: BTreeMap<Op, u64>,
         /// The peak resident set of the process the rank ran in (the agent's), when it ended.
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1,0 +1,8 @@
+//! What zerotrain's server and its runner agents agree on, and nothing else: the agent
+//! protocol (`agent`) and the names of the collectives whose bytes agents report (`op`). The
+//! server links this, not the trainer.
+
+pub mod agent;
+mod op;
+
+pub use op::Op;
