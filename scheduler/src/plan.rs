@@ -275,10 +275,9 @@ pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
             ..b
         };
         let ranks = memory::distinct_ranks(&chosen.setup, kind);
-        let largest = ranks.iter().copied().max_by_key(Breakdown::total);
         return Ok(Plan {
             chosen: chosen.chosen,
-            per_rank_bytes: with_overhead(largest.expect("rank 0 at least")),
+            per_rank_bytes: memory::estimate(&chosen.setup, kind).per_rank,
             comm_bytes_per_step: chosen.comm.total(),
             devices_that_fit: fitting(chosen),
             bytes_by_rank: if ranks.len() > 1 {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use live::{Mode, free_loopback_addr};
+use live::{Mode, free_loopback_addr, poll};
 use runner::agent::AgentMetrics;
 use runner::train::{Options, run};
 use scheduler::memory::Category;
@@ -70,22 +70,6 @@ fn agent_process(s: &Service, name: &str, devices: usize, extra: &[&str]) -> Chi
         .stderr(Stdio::null())
         .spawn()
         .unwrap()
-}
-
-/// Calls `probe` until it gives a value, failing after `limit` with the last thing it said.
-async fn poll<T, F, Fut>(limit: Duration, every: Duration, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let start = Instant::now();
-    loop {
-        match probe().await {
-            Ok(v) => return v,
-            Err(why) => assert!(start.elapsed() < limit, "after {limit:?}: {why}"),
-        }
-        tokio::time::sleep(every).await;
-    }
 }
 
 impl Service {

@@ -7,12 +7,17 @@ mod live;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use live::poll;
 use serde_json::{Value, json};
 
 const PROMETHEUS: &str = "/usr/bin/prometheus";
 const PROMTOOL: &str = "/usr/bin/promtool";
+/// How long Prometheus gets to scrape and evaluate (the dashboard queries get longer), and
+/// how often it is asked.
+const WAIT: Duration = Duration::from_secs(30);
+const EVERY: Duration = Duration::from_millis(200);
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -83,23 +88,8 @@ impl Prometheus {
         let data = self.api("query", &[("query", expr)]).await?;
         match data["result"].as_array() {
             Some(v) if !v.is_empty() => Ok(v.clone()),
-            _ => Err(format!("no data yet: {data}")),
+            _ => Err(format!("{expr}: no data yet: {data}")),
         }
-    }
-}
-
-/// Probes every 200 ms until `probe` succeeds; fails after `limit` with its last reason.
-async fn until<T, Fut>(limit: Duration, what: &str, mut probe: impl FnMut() -> Fut) -> T
-where
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let start = Instant::now();
-    loop {
-        match probe().await {
-            Ok(v) => return v,
-            Err(why) => assert!(start.elapsed() < limit, "{what} after {limit:?}: {why}"),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -179,7 +169,7 @@ async fn prometheus_evaluates_every_dashboard_query_against_a_training_job() {
     promtool(&["check", "config", config_file.to_str().unwrap()]);
     let prometheus = Prometheus::start(&config_file, &work.path().join("tsdb"));
 
-    let targets = until(Duration::from_secs(30), "both targets up", || async {
+    let targets = poll(WAIT, EVERY, || async {
         let data = prometheus.api("targets", &[]).await?;
         let active = data["activeTargets"]
             .as_array()
@@ -238,8 +228,7 @@ async fn prometheus_evaluates_every_dashboard_query_against_a_training_job() {
         for target in panel["targets"].as_array().unwrap() {
             // `$job` is the dashboard's multi-value job variable: "All" is a regex of them all.
             let expr = target["expr"].as_str().unwrap().replace("$job", ".+");
-            let what = format!("{}: {expr}", panel["title"]);
-            until(Duration::from_secs(60), &what, || prometheus.samples(&expr)).await;
+            poll(Duration::from_secs(60), EVERY, || prometheus.samples(&expr)).await;
             evaluated += 1;
         }
     }
@@ -247,17 +236,14 @@ async fn prometheus_evaluates_every_dashboard_query_against_a_training_job() {
 
     // The recording rule: every rank of the job holds at most what admission predicted.
     let ratio = format!("zerotrain:training_memory_measured_over_predicted:ratio{{job=\"{id}\"}}");
-    let ratios = until(Duration::from_secs(30), "the memory ratio", || {
-        prometheus.samples(&ratio)
-    })
-    .await;
+    let ratios = poll(WAIT, EVERY, || prometheus.samples(&ratio)).await;
     assert_eq!(ratios.len(), 2, "one ratio per rank: {ratios:?}");
     for r in &ratios {
         let value: f64 = r["value"][1].as_str().unwrap().parse().unwrap();
         assert!(value > 0.0 && value <= 1.0, "measured over predicted: {r}");
     }
     // Every rule evaluated without error, and none of the alerts fires on a healthy job.
-    let rules = until(Duration::from_secs(30), "every rule evaluated", || async {
+    let rules = poll(WAIT, EVERY, || async {
         let data = prometheus.api("rules", &[]).await?;
         let rules: Vec<Value> = data["groups"]
             .as_array()

@@ -155,6 +155,22 @@ pub async fn proxy(upstream: String, mode: Mode) -> Proxy {
     Proxy { url, mode: tx }
 }
 
+/// Calls `probe` every `every` until it gives a value, failing after `limit` with the last thing it said.
+pub async fn poll<T, F, Fut>(limit: Duration, every: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let start = Instant::now();
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(why) => assert!(start.elapsed() < limit, "after {limit:?}: {why}"),
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// A free loopback address (`127.0.0.1:PORT`) for a process to listen on.
 pub fn free_loopback_addr() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -214,24 +230,23 @@ impl Up {
             stderr,
         };
         let http = reqwest::Client::new();
-        let start = Instant::now();
-        loop {
-            let r = http
-                .get(format!("{}/readyz", up.url))
-                .bearer_auth(&up.admin)
-                .send()
-                .await
-                .unwrap();
-            if r.status() == StatusCode::OK {
-                return up;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "not ready: {}",
-                r.status()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        poll(
+            Duration::from_secs(20),
+            Duration::from_millis(50),
+            || async {
+                let r = http
+                    .get(format!("{}/readyz", up.url))
+                    .bearer_auth(&up.admin)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status() == StatusCode::OK)
+                    .then_some(())
+                    .ok_or(format!("not ready: {}", r.status()))
+            },
+        )
+        .await;
+        up
     }
 
     /// SIGTERM, then `up`'s exit status (within 15 s) and everything it wrote to stderr.
@@ -241,17 +256,12 @@ impl Up {
             .status()
             .unwrap();
         assert!(term.success());
-        let start = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(15),
-                "still running after SIGTERM"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let child = &mut self.child;
+        let status = poll(Duration::from_secs(15), Duration::from_millis(50), || {
+            let exited = child.try_wait().unwrap();
+            async move { exited.ok_or("still running after SIGTERM".to_string()) }
+        })
+        .await;
         (status, self.stderr.join().unwrap())
     }
 }
