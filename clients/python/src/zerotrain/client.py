@@ -35,12 +35,12 @@ class Client:
     def submit(
         self,
         spec: Spec | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
         *,
         deepspeed: Spec | str | os.PathLike[str] | None = None,
         model: str | Spec | None = None,
         data: Spec | None = None,
-        priority: int | None = None,
-        idempotency_key: str | None = None,
         **fields: Any,
     ) -> Job:
         """Submits a job: a native spec (`submit({"model": …, "training": …})`), or a DeepSpeed
@@ -48,7 +48,7 @@ class Client:
         its JSON file); `model` may be a preset's name, and other keywords (`training`, `name`,
         `world_size`, …) are spec fields. The created (or, for a repeated idempotency key, the
         earlier) job, with its plan and predicted per-rank bytes."""
-        body = job_spec(spec, deepspeed, model, data, fields)
+        body = _request_body(spec, deepspeed, model, data, fields)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return Job(self, self.call("POST", "/v1/jobs", body, {"priority": priority}, headers))
 
@@ -87,12 +87,11 @@ class Client:
         """The log lines after sequence number `after`, page by page; with `follow`, also those
         still to come, until the job has ended."""
         path = _job_path(job_id, "logs")
-        while not follow:
-            page = self.call("GET", path, query={"after": after})
-            yield from page["lines"]
-            if not page["lines"]:
-                return
-            after = page["last_seq"]
+        if not follow:
+            while page := self.call("GET", path, query={"after": after})["lines"]:
+                yield from page
+                after = page[-1]["seq"]
+            return
         while True:
             for event in self.stream(path, {"follow": "true", "after": after}):
                 if event.event == "end":
@@ -123,7 +122,7 @@ class Client:
 
     def artifact(self, job_id: str, name: str) -> http.client.HTTPResponse:
         """One artifact's bytes, as a response to read from (and close)."""
-        return self.request("GET", _job_path(job_id, "artifacts", name), timeout=self.timeout)
+        return self.request("GET", _job_path(job_id, "artifacts", name))
 
     def estimate(
         self,
@@ -136,7 +135,7 @@ class Client:
     ) -> dict[str, Any]:
         """The memory model's report for a spec, given as to `submit`, on the registered nodes."""
         result: dict[str, Any] = self.call(
-            "POST", "/v1/estimate", job_spec(spec, deepspeed, model, data, fields)
+            "POST", "/v1/estimate", _request_body(spec, deepspeed, model, data, fields)
         )
         return result
 
@@ -202,7 +201,7 @@ class Client:
         return json.loads(raw) if raw else None
 
 
-def job_spec(
+def _request_body(
     spec: Spec | None,
     deepspeed: Spec | str | os.PathLike[str] | None,
     model: str | Spec | None,
