@@ -140,8 +140,7 @@ fn on_every_rank<D: Device>(
             .collect();
         ranks
             .into_iter()
-            .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
+            .try_for_each(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
     })
 }
 
