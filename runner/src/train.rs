@@ -30,8 +30,11 @@ use crate::{lr_schedule, process};
 pub struct Options {
     /// Each rank's device budget, which the accountant enforces.
     pub device_memory: Option<u64>,
-    /// The device every rank of this process trains on.
+    /// The device every rank of this process trains on, but those `rank_devices` names.
     pub device: Target,
+    /// Ranks pinned to devices of their own (an agent puts each rank on the GPU it was placed
+    /// on: NCCL refuses two ranks on one GPU).
+    pub rank_devices: BTreeMap<usize, Target>,
     /// Kernel threads (default: all cores); only the first run in a process sets it.
     pub threads: Option<usize>,
     /// Where checkpoints and the final Hugging Face export go (none: nothing is written).
@@ -50,6 +53,13 @@ pub struct Options {
     /// Keep every checkpoint under `out_dir` (an agent removes one only once the server has
     /// committed a newer one); otherwise the newest `checkpoint::KEEP` are kept.
     pub keep_all_checkpoints: bool,
+}
+
+impl Options {
+    /// The device rank `rank` trains on.
+    pub fn target(&self, rank: usize) -> Target {
+        self.rank_devices.get(&rank).copied().unwrap_or(self.device)
+    }
 }
 
 /// Where a run's starting state comes from.
@@ -94,6 +104,10 @@ pub struct RankMemory {
     pub measured_peak_bytes: Breakdown,
     pub predicted_bytes: Breakdown,
     pub comm_bytes_sent: BTreeMap<Op, u64>,
+    /// The most memory the rank's device had in use after a step, by every process, as its
+    /// driver reports it (GPUs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_used_peak_bytes: Option<u64>,
 }
 
 /// The process's own view of a run: the operating system's peak resident set beside the
@@ -164,7 +178,9 @@ pub fn run_ranks(
     };
     let setup = plan.chosen.setup(spec);
     for rank in comms.iter().map(Communicator::rank) {
-        if let Some((category, planned, layout)) = plan.differs(&setup, rank, opts.device.kind()) {
+        if let Some((category, planned, layout)) =
+            plan.differs(&setup, rank, opts.target(rank).kind())
+        {
             return Err(Error::PlanMismatch {
                 rank,
                 category,
@@ -274,9 +290,9 @@ type RankArgs<'a, 'p> = (
     Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
 );
 
-/// [`train_rank`] on the device the options name.
+/// [`train_rank`] on the device the options name for the rank.
 fn on_device<X: Num + Wire>(args: RankArgs<'_, '_>) -> Result<RankRun, Error> {
-    match args.5.device {
+    match args.5.target(args.4.rank()) {
         Target::Cpu => train_rank::<X, _>(Cpu, args),
         #[cfg(feature = "cuda")]
         Target::Cuda(n) => train_rank::<X, _>(crate::device::Cuda::new(n)?, args),
@@ -360,6 +376,7 @@ fn train_rank<X: Num + Wire, D: Device>(
         }
     };
     let mut seconds = Vec::with_capacity(t.steps.get() as usize);
+    let mut device_used_peak_bytes = None;
     let mut last_scale = scaler.scale();
     let every = spec.checkpoint.every_steps;
     for step in resumed_from.unwrap_or(0)..t.steps.get() {
@@ -374,6 +391,9 @@ fn train_rank<X: Num + Wire, D: Device>(
         let start = Instant::now();
         let r = engine.step(&mut data, &mut scaler, lr, t.grad_clip)?;
         let elapsed = start.elapsed().as_secs_f64();
+        if let Some(used) = engine.device().used_bytes()? {
+            device_used_peak_bytes = device_used_peak_bytes.max(Some(used));
+        }
         seconds.push(elapsed);
         losses.push(r.loss);
         last_scale = r.loss_scale;
@@ -433,6 +453,7 @@ fn train_rank<X: Num + Wire, D: Device>(
                 ..plan.rank_bytes(rank)
             },
             comm_bytes_sent,
+            device_used_peak_bytes,
         },
     })
 }

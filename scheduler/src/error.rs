@@ -2,6 +2,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::memory::DeviceKind;
 use crate::plan::NoFit;
 
 /// Everything the scheduler library can refuse.
@@ -17,6 +18,9 @@ pub enum Error {
     /// No configuration the spec allows fits the devices.
     #[error("{0}")]
     DoesNotFit(Box<NoFit>),
+    /// The spec asks for a kind of device of which none is registered.
+    #[error("no {0} devices are registered")]
+    NoDevicesOfKind(DeviceKind),
 }
 
 /// One mistake in a job spec: the field's path (`training.seq_len`) and why.

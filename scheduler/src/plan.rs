@@ -96,8 +96,11 @@ impl Candidate {
 pub struct Plan {
     #[serde(flatten)]
     pub chosen: Choices,
-    /// Per-rank bytes on the devices it was planned for (overhead of the largest fitting kind):
-    /// the largest rank's.
+    /// The kind of device every rank runs on (placement takes no other).
+    #[serde(default)]
+    pub device: DeviceKind,
+    /// Per-rank bytes on the devices it was planned for (with that kind's overhead): the
+    /// largest rank's.
     pub per_rank_bytes: Breakdown,
     pub comm_bytes_per_step: u64,
     /// Devices in the inventory that can hold one rank.
@@ -238,7 +241,8 @@ pub fn plan_local(spec: &JobSpec, device_memory: Option<u64>) -> Result<Plan, Er
     plan_local_on(spec, device_memory, DeviceKind::Cpu)
 }
 
-/// [`plan_local`] on devices of `kind`.
+/// [`plan_local`] on devices of `kind`, whatever the spec's `device` asks for: the run's own
+/// device decides.
 pub fn plan_local_on(
     spec: &JobSpec,
     device_memory: Option<u64>,
@@ -246,30 +250,43 @@ pub fn plan_local_on(
 ) -> Result<Plan, Error> {
     let world = spec.world_size.get() as usize;
     let budget = device_memory.unwrap_or(u64::MAX);
-    plan(spec, &Inventory::uniform(world, budget, kind))
+    plan_on(spec, &Inventory::uniform(world, budget, kind), kind)
 }
 
-/// Chooses the preferred configuration of `spec` that fits `world_size` devices of `inventory`.
+/// The kind of device `spec`'s ranks run on in `inventory`: the one it asks for, or for
+/// `"auto"` GPUs when any are registered, else CPU devices.
+pub fn device_kind(spec: &JobSpec, inventory: &Inventory) -> DeviceKind {
+    spec.device.fixed().unwrap_or_else(|| {
+        if inventory.devices().any(|d| d.kind == DeviceKind::Cuda) {
+            DeviceKind::Cuda
+        } else {
+            DeviceKind::Cpu
+        }
+    })
+}
+
+/// Chooses the preferred configuration of `spec` that fits `world_size` devices of `inventory`,
+/// all of the kind [`device_kind`] picks. A kind the spec names but `inventory` lacks is
+/// [`Error::NoDevicesOfKind`].
 pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
+    let kind = device_kind(spec, inventory);
+    if spec.device.fixed().is_some() && !inventory.devices().any(|d| d.kind == kind) {
+        return Err(Error::NoDevicesOfKind(kind));
+    }
+    plan_on(spec, inventory, kind)
+}
+
+/// [`plan`] on the devices of `kind` in `inventory`, ignoring the others.
+fn plan_on(spec: &JobSpec, inventory: &Inventory, kind: DeviceKind) -> Result<Plan, Error> {
     let n = spec.world_size.get() as usize;
-    let devices: Vec<&Device> = inventory.devices().collect();
+    let devices: Vec<&Device> = inventory.devices().filter(|d| d.kind == kind).collect();
     let fitting = |c: &Candidate| devices.iter().filter(|d| c.fits(d)).count();
-    // The kind a rank would land on: the largest device that fits it.
-    let kind_of = |c: &Candidate| {
-        devices
-            .iter()
-            .filter(|d| c.fits(d))
-            .chain(devices.iter())
-            .max_by_key(|d| (c.fits(d), d.memory_bytes))
-            .map_or(DeviceKind::Cpu, |d| d.kind)
-    };
-    let need = |c: &Candidate| c.need_on(kind_of(c));
+    let need = |c: &Candidate| c.need_on(kind);
 
     let allowed = candidates(spec, false);
     if let Some(chosen) = allowed.iter().find(|c| fitting(c) >= n) {
-        // Fitting is judged on the CPU's bytes (at most a GPU's); the plan states the bytes of
-        // the kind its ranks land on, which the trainer must then hold exactly.
-        let kind = kind_of(chosen);
+        // The plan states the bytes of the kind its ranks land on, which the trainer must
+        // then hold exactly.
         let with_overhead = |b: Breakdown| Breakdown {
             overhead: kind.overhead_bytes(),
             ..b
@@ -277,6 +294,7 @@ pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
         let ranks = memory::distinct_ranks(&chosen.setup, kind);
         return Ok(Plan {
             chosen: chosen.chosen,
+            device: kind,
             per_rank_bytes: memory::estimate(&chosen.setup, kind).per_rank,
             comm_bytes_per_step: chosen.comm.total(),
             devices_that_fit: fitting(chosen),

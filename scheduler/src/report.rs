@@ -84,10 +84,12 @@ impl Report {
                 fits: true,
                 plan: Box::new(plan),
             },
-            Err(Error::DoesNotFit(no)) => PlanOutcome::DoesNotFit {
-                fits: false,
-                reason: no.to_string(),
-            },
+            Err(e @ (Error::DoesNotFit(_) | Error::NoDevicesOfKind(_))) => {
+                PlanOutcome::DoesNotFit {
+                    fits: false,
+                    reason: e.to_string(),
+                }
+            }
             Err(other) => return Err(other),
         };
         Ok(Report {

@@ -190,37 +190,94 @@ fn cuda_devices_pay_their_runtime_overhead() {
     );
 }
 
-#[test]
-fn mixed_device_kinds_use_whichever_devices_fit() {
-    let inv = Inventory {
+/// Two 30 GB GPUs beside four CPU devices of 30 GB and a CPU process's overhead.
+fn gpus_beside_cpus() -> Inventory {
+    let devices = |kind, memory_bytes, n| vec![Device { kind, memory_bytes }; n];
+    Inventory {
         nodes: vec![
             Node {
                 name: "gpu".into(),
-                devices: vec![
-                    Device {
-                        kind: DeviceKind::Cuda,
-                        memory_bytes: 30 * GB
-                    };
-                    2
-                ],
+                devices: devices(DeviceKind::Cuda, 30 * GB, 2),
             },
             Node {
                 name: "cpu".into(),
-                devices: vec![
-                    Device {
-                        kind: DeviceKind::Cpu,
-                        memory_bytes: 30 * GB + cpu_overhead()
-                    };
-                    4
-                ],
+                devices: devices(DeviceKind::Cpu, 30 * GB + cpu_overhead(), 4),
             },
         ],
-    };
-    let p = fits(&paper("3"), &inv);
+    }
+}
+
+fn with_device(json: &str, device: &str) -> String {
+    json.replacen('{', &format!(r#"{{"device": {device}, "#), 1)
+}
+
+#[test]
+fn auto_runs_on_the_gpus_when_any_are_registered_and_counts_only_them() {
+    let inv = gpus_beside_cpus();
+    let no = refused(&paper("3"), &inv);
     assert_eq!(
-        p.devices_that_fit, 4,
+        no.fitting_devices, 0,
         "the GPUs lose 1 GiB to the CUDA runtime"
     );
+    assert_eq!(no.largest_device_bytes, 30 * GB, "the largest GPU");
+    assert_eq!(no.closest_need_bytes, 30 * GB + CUDA_OVERHEAD_BYTES);
+    let two = paper("3").replace("\"world_size\": 4", "\"world_size\": 2");
+    let bigger = Inventory::uniform(2, 80 * GB, DeviceKind::Cuda);
+    let mut inv = inv;
+    inv.nodes[0] = bigger.nodes[0].clone();
+    let p = fits(&two, &inv);
+    assert_eq!(p.device, DeviceKind::Cuda);
+    assert_eq!(p.devices_that_fit, 2, "the CPU devices are not counted");
+    assert_eq!(p.per_rank_bytes.overhead, CUDA_OVERHEAD_BYTES);
+}
+
+#[test]
+fn auto_runs_on_cpu_devices_when_no_gpu_is_registered() {
+    let p = fits(&paper("3"), &cpus(4, 30 * GB + cpu_overhead()));
+    assert_eq!(p.device, DeviceKind::Cpu);
+    assert_eq!(p.per_rank_bytes.overhead, cpu_overhead());
+}
+
+#[test]
+fn a_job_asking_for_cpu_devices_is_planned_on_them_beside_gpus() {
+    let p = fits(&with_device(&paper("3"), "\"cpu\""), &gpus_beside_cpus());
+    assert_eq!(p.device, DeviceKind::Cpu);
+    assert_eq!(p.devices_that_fit, 4);
+    assert_eq!(p.per_rank_bytes.overhead, cpu_overhead());
+}
+
+#[test]
+fn a_kind_the_spec_names_and_the_cluster_lacks_is_refused_as_such() {
+    let json = with_device(&paper("3"), "\"cuda\"");
+    assert_eq!(
+        plan(&spec(&json), &cpus(4, 1000 * GB)),
+        Err(Error::NoDevicesOfKind(DeviceKind::Cuda))
+    );
+    assert_eq!(
+        Error::NoDevicesOfKind(DeviceKind::Cuda).to_string(),
+        "no cuda devices are registered"
+    );
+    let json = with_device(&paper("3"), "\"cpu\"");
+    let gpus = Inventory::uniform(4, 1000 * GB, DeviceKind::Cuda);
+    assert_eq!(
+        plan(&spec(&json), &gpus),
+        Err(Error::NoDevicesOfKind(DeviceKind::Cpu))
+    );
+    // With nothing registered at all, `auto` is a CPU job that does not fit, as before.
+    assert!(matches!(
+        plan(&spec(&paper("3")), &Inventory::default()),
+        Err(Error::DoesNotFit(_))
+    ));
+}
+
+#[test]
+fn plans_read_before_device_kinds_were_recorded_are_cpu_plans() {
+    let p = fits(&paper("3"), &cpus(4, 1000 * GB));
+    let mut old = serde_json::to_value(&p).unwrap();
+    assert_eq!(old["device"], "cpu");
+    old.as_object_mut().unwrap().remove("device");
+    let read: Plan = serde_json::from_value(old).unwrap();
+    assert_eq!(read, p);
 }
 
 #[test]
@@ -279,6 +336,7 @@ fn a_plan_reads_back_from_its_json_with_the_fields_the_api_shows() {
         [
             "activation_checkpointing",
             "comm_bytes_per_step",
+            "device",
             "devices_that_fit",
             "grad_accum_steps",
             "micro_batch_size",

@@ -5,6 +5,7 @@ use std::num::NonZeroU32;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use proptest::prelude::*;
+use scheduler::memory::DeviceKind;
 use scheduler::model::{GptShape, Preset};
 use scheduler::spec::{
     AdaFactor, Adam8bit, AdamW, Auto, Data, Dtype, DynamicLossScale, JobSpec, Lion, LossScale,
@@ -530,6 +531,17 @@ const INVALID: &[Invalid] = &[
         "model",
         "missing field `model`",
     ),
+    // device
+    train(
+        r#"{"model": {"preset": "gpt2-tiny"}, "device": "tpu"}"#,
+        "device",
+        "unknown variant `tpu`, expected `cpu` or `cuda` (or \"auto\")",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny"}, "device": "cuda:0"}"#,
+        "device",
+        "unknown variant `cuda:0`",
+    ),
     train(
         r#"{"deepspeed": {"train_batch_size": 8}, "model": {"preset": "gpt2-124M"}, "training": {"seq_len": 2048}}"#,
         "training.seq_len",
@@ -731,7 +743,27 @@ fn preset_alone_is_a_valid_job_with_every_default() {
     assert_eq!(spec.world_size, nz(1));
     assert_eq!(spec.data, Data::Synthetic);
     assert_eq!(spec.checkpoint.every_steps, 0);
+    assert_eq!(spec.device, Auto::Auto);
     assert_eq!(spec.architecture().gpt(), Some(&Preset::Tiny.shape()));
+}
+
+#[test]
+fn the_device_kind_is_cuda_cpu_or_auto_in_either_form() {
+    for (device, kind) in [
+        ("\"cuda\"", Auto::Fixed(DeviceKind::Cuda)),
+        ("\"cpu\"", Auto::Fixed(DeviceKind::Cpu)),
+        ("\"auto\"", Auto::Auto),
+    ] {
+        let native = format!(r#"{{"model": {{"preset": "gpt2-tiny"}}, "device": {device}}}"#);
+        assert_eq!(parse(&native).spec.device, kind, "{native}");
+        let ds = format!(
+            r#"{{"deepspeed": {{"train_batch_size": 4}}, "model": {{"preset": "gpt2-tiny"}}, "device": {device}}}"#
+        );
+        assert_eq!(parse(&ds).spec.device, kind, "{ds}");
+    }
+    let spec = parse(r#"{"model": {"preset": "gpt2-tiny"}, "device": "cuda"}"#).spec;
+    assert_eq!(serde_json::to_value(&spec).unwrap()["device"], "cuda");
+    assert_eq!(reparse(&spec, Purpose::Train), spec);
 }
 
 #[test]

@@ -82,6 +82,7 @@ async fn drain(jobs: usize) -> f64 {
             };
             DEVICES
         ],
+        gpus: Vec::new(),
         threads: Some(1),
         data_roots: state.data_roots.clone(),
     };

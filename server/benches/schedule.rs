@@ -223,6 +223,8 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
                 buffers: per_rank - per_rank / 4 * 3 - per_rank / 8,
                 overhead: 0,
             },
+            // The simulated nodes' devices are GPUs.
+            device: DeviceKind::Cuda,
             comm_bytes_per_step: per_rank / 2,
             devices_that_fit: 8000,
             bytes_by_rank: Vec::new(),
@@ -267,10 +269,9 @@ fn decide(jobs: &[Job], free: &[FreeDevice]) -> Vec<Decision> {
         if world_size > remaining {
             continue;
         }
-        let need = need_before_overhead(job);
-        let Some(slots) = place(&inventory, world_size, MARGIN, |kind| {
-            need + kind.overhead_bytes()
-        }) else {
+        let kind = job.plan.device;
+        let need = need_before_overhead(job) + kind.overhead_bytes();
+        let Some(slots) = place(&inventory, world_size, MARGIN, kind, need) else {
             continue;
         };
         decisions.push(Decision {

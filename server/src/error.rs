@@ -6,6 +6,7 @@ use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, Que
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use scheduler::FieldError;
+use scheduler::memory::DeviceKind;
 use scheduler::plan::{Candidate, NoFit};
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -42,6 +43,11 @@ pub enum ApiError {
     InvalidSpec(Vec<FieldError>),
     #[error("{0}")]
     DoesNotFit(Box<NoFit>),
+    /// The spec's `device` names a kind no live node has registered.
+    #[error(
+        "no {0} devices are registered (ask for \"device\": \"auto\", or the operator may queue such jobs with ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES)"
+    )]
+    NoDevicesOfKind(DeviceKind),
     #[error("the Idempotency-Key was used for job {job_id} with a different spec")]
     IdempotencyConflict { job_id: String },
     #[error("job {id} is already {}", state.as_str())]
@@ -208,6 +214,11 @@ impl ApiError {
                 "does-not-fit",
                 "No registered device can hold a rank",
             ),
+            ApiError::NoDevicesOfKind(_) => (
+                S::UNPROCESSABLE_ENTITY,
+                "no-devices-of-kind",
+                "No registered device of the kind asked for",
+            ),
             ApiError::IdempotencyConflict { .. } => (
                 S::CONFLICT,
                 "idempotency-conflict",
@@ -257,6 +268,7 @@ impl ApiError {
         let field = match self {
             ApiError::BadRequest { field, .. } => Some(truncated(field.clone())),
             ApiError::InvalidSpec(errors) => errors.first().map(|e| truncated(e.field.clone())),
+            ApiError::NoDevicesOfKind(_) => Some("device".to_string()),
             _ => None,
         };
         let errors = match self {
@@ -303,6 +315,7 @@ impl From<scheduler::Error> for ApiError {
         match e {
             scheduler::Error::InvalidSpec(errors) => ApiError::InvalidSpec(errors),
             scheduler::Error::DoesNotFit(no) => ApiError::DoesNotFit(no),
+            scheduler::Error::NoDevicesOfKind(kind) => ApiError::NoDevicesOfKind(kind),
             e @ scheduler::Error::InvalidSize { .. } => ApiError::spec("spec", e.to_string()),
         }
     }

@@ -131,7 +131,7 @@ metrics! {
 metrics! {
     /// Series of running jobs, as their agents report them.
     pub struct TrainingMetrics {
-        /// Peak bytes a rank holds, by category: measured by the trainer or predicted by the memory model.
+        /// Peak bytes a rank holds, by category: measured by the trainer or predicted by the memory model; on a GPU also the device's used memory as its driver reports it (category total, source device).
         pub training_memory_bytes: IntGaugeVec, labels = ["job", "rank", "category", "source"];
         /// Training loss of the job's last step.
         pub training_loss: GaugeVec, labels = ["job"];
@@ -232,14 +232,16 @@ impl Metrics {
             .observe(step.step_seconds);
     }
 
-    /// A rank's measured and predicted bytes; `comm_bytes_sent` are totals since the rank
-    /// started, so the counters advance by what is new.
+    /// A rank's measured and predicted bytes, and on a GPU the driver's figure for the whole
+    /// device (`category="total"`, `source="device"`); `comm_bytes_sent` are totals since the
+    /// rank started, so the counters advance by what is new.
     pub fn observe_memory(
         &self,
         job: &str,
         rank: u32,
         measured: &Breakdown,
         predicted: &Breakdown,
+        device_used: Option<u64>,
         comm_bytes_sent: &std::collections::BTreeMap<Op, u64>,
     ) {
         let rank = rank.to_string();
@@ -254,6 +256,13 @@ impl Metrics {
                     .set(value);
                 series.memory.insert((rank.clone(), c.name(), source));
             }
+        }
+        if let Some(used) = device_used {
+            self.training
+                .training_memory_bytes
+                .with_label_values(&[job, &rank, "total", "device"])
+                .set(i64::try_from(used).unwrap_or(i64::MAX));
+            series.memory.insert((rank.clone(), "total", "device"));
         }
         for (op, &total) in comm_bytes_sent {
             let counter = self.training.training_comm_bytes_total.with_label_values(&[
@@ -353,7 +362,7 @@ mod tests {
             params: 10,
             ..Breakdown::default()
         };
-        m.observe_memory("j1", 0, &bytes, &bytes, &Default::default());
+        m.observe_memory("j1", 0, &bytes, &bytes, Some(1 << 30), &Default::default());
         m.job_ended("j1");
         m.expire(Duration::from_secs(3600));
         assert!(m.render().contains("job=\"j1\""));
@@ -370,9 +379,9 @@ mod tests {
         let mut sent = std::collections::BTreeMap::new();
         let op = Op::AllGather;
         sent.insert(op, 100);
-        m.observe_memory("j", 1, &b, &b, &sent);
+        m.observe_memory("j", 1, &b, &b, None, &sent);
         sent.insert(op, 250);
-        m.observe_memory("j", 1, &b, &b, &sent);
+        m.observe_memory("j", 1, &b, &b, None, &sent);
         let c = m
             .training
             .training_comm_bytes_total

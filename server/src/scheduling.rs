@@ -1,10 +1,11 @@
 //! The scheduling loop: every scheduling interval (or sooner, when a job arrives or devices free
 //! up), declare silent nodes lost, then place queued jobs on free devices. `decide` is the
 //! policy, a pure function: priority, then submission order; gang placement of all of a job's
-//! ranks (`scheduler::placement::place`, with the safety margin); and backfill: while the head
-//! of the queue waits for devices, jobs smaller than it that fit now start.
+//! ranks on devices of its plan's kind (`scheduler::placement::place`, with the safety margin);
+//! and backfill: while the head of the queue waits for devices of a kind, jobs of that kind
+//! smaller than it that fit now start (a job waiting for GPUs holds up no CPU job).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -42,18 +43,23 @@ pub fn decide(
     });
     let mut pool = Pool::new(free);
     let mut decisions = Vec::new();
-    // Bytes the first job that had to wait needs in all; only smaller jobs may pass it.
-    let mut head_waits: Option<u128> = None;
+    // Per kind, bytes the first job that had to wait needs in all; only smaller jobs may pass.
+    let mut head_waits: HashMap<DeviceKind, u128> = HashMap::new();
     // Free devices only shrink during a pass, so a shape that did not fit never will.
-    let mut failed: HashSet<(u32, u64)> = HashSet::new();
+    let mut failed: HashSet<(u32, u64, DeviceKind)> = HashSet::new();
     for job in order {
         if pool.is_empty() {
             break;
         }
         let plan = &job.plan;
-        let base = plan.need_on(DeviceKind::Cpu);
+        let base = plan.need_on(plan.device);
         let size = u128::from(base) * u128::from(job.world_size);
-        if head_waits.is_some_and(|head| size >= head) || failed.contains(&(job.world_size, base)) {
+        let shape = (job.world_size, base, plan.device);
+        if head_waits
+            .get(&plan.device)
+            .is_some_and(|&head| size >= head)
+            || failed.contains(&shape)
+        {
             continue;
         }
         let owner_ranks = held.get(&job.owner).copied().unwrap_or(0);
@@ -69,8 +75,8 @@ pub fn decide(
                 });
             }
             None => {
-                failed.insert((job.world_size, base));
-                head_waits.get_or_insert(size);
+                failed.insert(shape);
+                head_waits.entry(plan.device).or_insert(size);
             }
         }
     }
@@ -116,7 +122,8 @@ impl Pool {
 
     /// Places every rank or none, taking the devices used out of the pool.
     fn place(&mut self, ranks: usize, margin: f64, plan: &Plan) -> Option<Vec<(String, u32)>> {
-        let slots = place(&self.inventory, ranks, margin, |kind| plan.need_on(kind))?;
+        let need = plan.need_on(plan.device);
+        let slots = place(&self.inventory, ranks, margin, plan.device, need)?;
         let chosen: Vec<(String, u32)> = slots
             .iter()
             .map(|s| {
@@ -333,6 +340,7 @@ mod tests {
                     params: gb_per_rank * GB,
                     ..Breakdown::default()
                 },
+                device: DeviceKind::Cpu,
                 comm_bytes_per_step: 0,
                 devices_that_fit: 1,
                 bytes_by_rank: Vec::new(),
@@ -425,13 +433,34 @@ mod tests {
 
     #[test]
     fn a_cuda_device_pays_its_runtime_overhead() {
-        let jobs = [job("j", 0, 1, 1, 15)];
+        let mut jobs = [job("j", 0, 1, 1, 15)];
+        jobs[0].plan.device = DeviceKind::Cuda;
         let mut free = devices("gpu", &[16]);
         free[0].spec.kind = DeviceKind::Cuda;
         free[0].spec.memory_bytes = 15 * GB + DeviceKind::Cuda.overhead_bytes() - 1;
         assert!(decide(&jobs, &free, 0.0).is_empty());
         free[0].spec.memory_bytes += 1;
         assert_eq!(decide(&jobs, &free, 0.0).len(), 1);
+    }
+
+    #[test]
+    fn jobs_land_on_their_kind_and_a_job_waiting_for_gpus_holds_up_no_cpu_job() {
+        let mut gpu_head = job("gpu-head", 0, 1, 4, 10);
+        gpu_head.plan.device = DeviceKind::Cuda;
+        let mut gpu_small = job("gpu-small", 0, 2, 1, 10);
+        gpu_small.plan.device = DeviceKind::Cuda;
+        // Larger than the waiting GPU head, but it waits for other devices.
+        let cpu_wide = job("cpu-wide", 0, 3, 3, 15);
+        let mut free = devices("cpu", &[16, 16, 16]);
+        let mut gpus = devices("gpu", &[80, 80]);
+        for d in &mut gpus {
+            d.spec.kind = DeviceKind::Cuda;
+        }
+        free.extend(gpus);
+        let d = decide(&[gpu_head, gpu_small, cpu_wide], &free, 0.0);
+        assert_eq!(placed(&d), ["gpu-small", "cpu-wide"]);
+        assert_eq!(d[0].slots, [("gpu".to_string(), 0)]);
+        assert!(d[1].slots.iter().all(|(node, _)| node == "cpu"), "{d:?}");
     }
 
     #[test]

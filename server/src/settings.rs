@@ -53,6 +53,11 @@ pub struct Settings {
     pub session_ttl: Duration,
     /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
     pub expect_local_agent: bool,
+    /// Queue a job that asks for a kind of device (`"device": "cuda"`) of which no node has
+    /// registered any, planned as if such devices held it, instead of refusing it with 422: for
+    /// clusters whose GPU nodes join later (`ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES`, default
+    /// false).
+    pub queue_unregistered_devices: bool,
     /// What one owner (token name) may ask of the service.
     pub limits: Limits,
 }
@@ -124,6 +129,7 @@ impl Default for Settings {
             public_url: None,
             session_ttl: Duration::from_secs(12 * 3600),
             expect_local_agent: false,
+            queue_unregistered_devices: false,
             limits: Limits::default(),
         }
     }
@@ -183,6 +189,9 @@ impl Settings {
         }
         if let Some(v) = read("ZEROTRAIN_SESSION_TTL") {
             s.session_ttl = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES") {
+            s.queue_unregistered_devices = parse(v, parse_bool)?;
         }
         let count = |v: &str| v.parse::<u32>().map_err(|e| e.to_string());
         let l = &mut s.limits;
@@ -282,6 +291,15 @@ pub fn parse_public_url(s: &str) -> Result<reqwest::Url, String> {
     Ok(url)
 }
 
+/// `true`/`false` (or `1`/`0`).
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim() {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err("expected true or false".to_string()),
+    }
+}
+
 /// A fraction in [0, 1).
 pub fn parse_margin(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
@@ -301,6 +319,7 @@ mod tests {
             ("ZEROTRAIN_HEARTBEAT_TIMEOUT", "1500ms"),
             ("ZEROTRAIN_SAFETY_MARGIN", "0.1"),
             ("ZEROTRAIN_BODY_LIMIT", "1MiB"),
+            ("ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES", "true"),
         ];
         let s = Settings::from_vars(|name| {
             vars.iter()
@@ -312,6 +331,7 @@ mod tests {
         assert_eq!(s.heartbeat_timeout, Duration::from_millis(1500));
         assert_eq!(s.safety_margin, 0.1);
         assert_eq!(s.body_limit, 1 << 20);
+        assert!(s.queue_unregistered_devices);
         assert_eq!(
             s.scheduling_interval,
             Settings::default().scheduling_interval

@@ -49,6 +49,8 @@ fn memory(job: &str, rank: usize) -> Report {
         measured: b,
         comm_bytes_sent: BTreeMap::from([(Op::ReduceScatter, 4096), (Op::AllGather, 2048)]),
         process_peak_rss_bytes: Some(123_456_789),
+        // What a rank on a GPU adds: the driver's figure for its device.
+        device_used_bytes: Some(9_000_000_000 + rank as u64),
     }
 }
 
@@ -146,6 +148,9 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
         format!(
             "zerotrain_training_memory_bytes{{category=\"optimizer\",job=\"{id}\",rank=\"2\",source=\"predicted\"}} {}",
             plan.per_rank_bytes.optimizer
+        ),
+        format!(
+            "zerotrain_training_memory_bytes{{category=\"total\",job=\"{id}\",rank=\"2\",source=\"device\"}} 9000000002"
         ),
         format!(
             "zerotrain_training_comm_bytes_total{{job=\"{id}\",op=\"reduce_scatter\",rank=\"0\"}} 4096"

@@ -409,3 +409,125 @@ async fn a_spec_with_three_independent_mistakes_gets_one_422_naming_all_three() 
         "nothing stored"
     );
 }
+
+fn gpus(count: usize, gib: u64) -> Vec<Device> {
+    let gpu = Device {
+        kind: DeviceKind::Cuda,
+        memory_bytes: gib * GIB,
+    };
+    vec![gpu; count]
+}
+
+fn with_device(world_size: u32, device: &str) -> Value {
+    let mut spec = tiny_spec(world_size);
+    spec["device"] = json!(device);
+    spec
+}
+
+/// The node and device index each rank of job `id` was placed on, by rank.
+async fn placed_on(app: &TestApp, id: &str) -> Vec<(String, u32)> {
+    let ranks = app.state.store.assignments_for_job(id).await.unwrap();
+    ranks.into_iter().map(|a| (a.node_id, a.device)).collect()
+}
+
+#[tokio::test]
+async fn submit_returns_422_naming_device_when_no_node_has_the_kind_asked_for() {
+    let app = TestApp::new().await;
+    app.register("cpus", 4, 2 * GIB).await;
+    let a = app.submit(&with_device(2, "cuda")).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.text);
+    let p = a.json();
+    assert_eq!(p["field"], "device");
+    assert_eq!(p["type"], "urn:zerotrain:problem:no-devices-of-kind");
+    assert!(
+        p["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("no cuda devices are registered"),
+        "{p}"
+    );
+    let a = app.submit(&with_device(2, "cpu")).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.json()["plan"]["device"], "cpu");
+    // The same on a GPU-only cluster for a job that asks for CPU devices.
+    let gpu_only = TestApp::new().await;
+    gpu_only.register_devices("gpus", gpus(2, 80)).await;
+    let a = gpu_only.submit(&with_device(1, "cpu")).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.text);
+    assert_eq!(a.json()["field"], "device");
+}
+
+#[tokio::test]
+async fn auto_jobs_land_on_the_gpus_and_cpu_jobs_on_the_cpu_devices_of_a_mixed_cluster() {
+    let app = TestApp::new().await;
+    let (cpus, _) = app.register("cpus", 4, 2 * GIB).await;
+    let (gpu_node, _) = app.register_devices("gpus", gpus(2, 80)).await;
+    let on_gpus = app.submit(&tiny_spec(2)).await;
+    assert_eq!(on_gpus.status, StatusCode::CREATED, "{}", on_gpus.text);
+    let on_gpus = on_gpus.json();
+    assert_eq!(on_gpus["plan"]["device"], "cuda");
+    assert_eq!(
+        on_gpus["plan"]["devices_that_fit"], 2,
+        "only the GPUs count"
+    );
+    assert_eq!(
+        on_gpus["plan"]["per_rank_bytes"]["overhead"],
+        DeviceKind::Cuda.overhead_bytes()
+    );
+    let on_cpus = app.submit(&with_device(3, "cpu")).await.json();
+    assert_eq!(on_cpus["plan"]["device"], "cpu");
+    assert_eq!(app.schedule().await, 2);
+    let gpu_job = on_gpus["id"].as_str().unwrap();
+    assert_eq!(
+        placed_on(&app, gpu_job).await,
+        [(gpu_node.clone(), 0), (gpu_node.clone(), 1)]
+    );
+    let cpu_job = on_cpus["id"].as_str().unwrap();
+    let slots = placed_on(&app, cpu_job).await;
+    assert_eq!(slots.len(), 3);
+    assert!(slots.iter().all(|(n, _)| *n == cpus), "{slots:?}");
+    // Both GPUs are taken: another GPU job waits, though a CPU device is free.
+    let waiting = app.submit_ok(&tiny_spec(1)).await;
+    assert_eq!(app.schedule().await, 0);
+    assert_eq!(app.job(&waiting).await["state"], "queued");
+}
+
+#[tokio::test]
+async fn with_queueing_for_unregistered_devices_a_gpu_job_waits_for_a_gpu_node() {
+    let app = TestApp::with(|s| s.queue_unregistered_devices = true).await;
+    app.register("cpus", 4, 2 * GIB).await;
+    let a = app.submit(&with_device(2, "cuda")).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let job = a.json();
+    assert_eq!(job["plan"]["device"], "cuda");
+    let id = job["id"].as_str().unwrap();
+    assert_eq!(app.schedule().await, 0, "CPU devices never take a GPU job");
+    assert_eq!(app.job(id).await["state"], "queued");
+    let (gpu_node, _) = app.register_devices("gpus", gpus(2, 80)).await;
+    assert_eq!(app.schedule().await, 1);
+    assert_eq!(
+        placed_on(&app, id).await,
+        [(gpu_node.clone(), 0), (gpu_node.clone(), 1)]
+    );
+}
+
+#[tokio::test]
+async fn estimate_says_no_gpu_is_registered_instead_of_refusing() {
+    let app = TestApp::new().await;
+    app.register("cpus", 4, 2 * GIB).await;
+    let a = app
+        .call(
+            Method::POST,
+            "/v1/estimate",
+            Some(VIEWER),
+            Some(&with_device(2, "cuda")),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let e = a.json();
+    assert_eq!(e["device_kind"], "cuda");
+    assert_eq!(e["plan"]["fits"], false);
+    assert_eq!(e["plan"]["reason"], "no cuda devices are registered");
+    assert_eq!(e["nodes"][0]["devices_that_fit"], 0);
+    assert_eq!(e["nodes"][0]["holds_job"], false);
+}

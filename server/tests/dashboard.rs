@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use runner::agent::AgentMetrics;
+use runner::agent::gpus::Gpu;
 use scheduler::memory::Breakdown;
 use server::domain::{JobState, StepRecord};
 use server::metrics::Metrics;
@@ -25,7 +26,8 @@ fn exported() -> String {
     };
     m.observe_step("j", &step);
     let sent = BTreeMap::from([(Op::AllReduce, 8u64)]);
-    m.observe_memory("j", 0, &Breakdown::default(), &Breakdown::default(), &sent);
+    let b = Breakdown::default();
+    m.observe_memory("j", 0, &b, &b, Some(1 << 30), &sent);
     m.server.queue_wait_seconds.observe(1.0);
     m.server.scheduling_pass_duration_seconds.observe(0.01);
     m.server
@@ -36,7 +38,16 @@ fn exported() -> String {
         .http_request_duration_seconds
         .with_label_values(&["/v1/jobs", "GET"])
         .observe(0.001);
-    m.render() + &AgentMetrics::new().render()
+    let agent = AgentMetrics::new();
+    let gpu = Gpu {
+        ordinal: 0,
+        name: "NVIDIA H200".into(),
+        uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+        total_bytes: 150_000_000_000,
+    };
+    agent.watch_gpus(&[gpu]);
+    agent.set_gpu_memory_used(0, 1 << 30);
+    m.render() + &agent.render()
 }
 
 #[test]
@@ -49,7 +60,16 @@ fn every_dashboard_query_names_an_exported_series() {
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let text = exported();
     let mut checked = 0;
-    for panel in dashboard["panels"].as_array().unwrap() {
+    // Rows (the GPU row) hold panels of their own.
+    let panels = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| match p["panels"].as_array() {
+            Some(inner) if p["type"] == "row" => inner.iter().collect::<Vec<_>>(),
+            _ => vec![p],
+        });
+    for panel in panels {
         for target in panel["targets"].as_array().unwrap() {
             let expr = target["expr"].as_str().unwrap();
             let names: Vec<&str> = expr
@@ -74,5 +94,5 @@ fn every_dashboard_query_names_an_exported_series() {
             }
         }
     }
-    assert!(checked >= 17, "only {checked} series checked");
+    assert!(checked >= 24, "only {checked} series checked");
 }

@@ -232,6 +232,7 @@ fn job(name: &str, owner: &str, priority: i32, world_size: u32) -> Job {
                 params: GB,
                 ..Breakdown::default()
             },
+            device: DeviceKind::Cpu,
             comm_bytes_per_step: 0,
             devices_that_fit: 1,
             bytes_by_rank: Vec::new(),

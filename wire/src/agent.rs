@@ -121,6 +121,10 @@ pub enum Report {
         /// The peak resident set of the process the rank ran in (the agent's), when it ended.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         process_peak_rss_bytes: Option<u64>,
+        /// The most memory the rank's GPU had in use after a step, by every process, as the
+        /// driver reports it; absent for CPU devices.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device_used_bytes: Option<u64>,
     },
     Log {
         job_id: String,

@@ -3,8 +3,10 @@
 //! on machines without CUDA; there a missing library is an [`Error`], never a panic.
 
 mod device;
+pub mod gpus;
 pub mod layers;
 pub mod matmul;
+pub mod nccl;
 pub mod norm;
 pub mod optim;
 mod program;
@@ -29,6 +31,12 @@ pub enum Error {
         "cuBLASLt not found: libcublasLt.so.13 is not on the loader path (pip's nvidia-cublas puts it in nvidia/cu13/lib; add that to LD_LIBRARY_PATH)"
     )]
     NoCublasLt,
+    #[error(
+        "NCCL not found: libnccl.so is not on the loader path (pip's nvidia-nccl-cu13 ships only libnccl.so.2: link it as libnccl.so in a folder on LD_LIBRARY_PATH)"
+    )]
+    NoNccl,
+    #[error("NCCL: {0}")]
+    Nccl(String),
     #[error("kernel source {0} contains a NUL byte")]
     Source(String),
     #[error("NVRTC failed to compile {program} ({status:?}, options {options}):\n{log}")]

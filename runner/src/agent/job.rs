@@ -1,6 +1,7 @@
 //! One assignment on this node: build the communicators of its ranks here (the in-process ring,
-//! or TCP with rank 0 listening on a port this node picks and reports), train, and report
-//! steps, logs, checkpoints, memory and the outcome.
+//! or TCP with rank 0 listening on a port this node picks and reports; ranks on GPUs then join
+//! NCCL through it), pin each rank to the device it was placed on, train, and report steps,
+//! logs, checkpoints, memory and the outcome.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use scheduler::memory::DeviceKind;
 use scheduler::spec::JobSpec;
 
 use super::AgentConfig;
@@ -16,6 +18,7 @@ use super::session::Outbox;
 use crate::Error;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
+use crate::device::Target;
 use crate::train::{Options, Progress, Resume, Summary, run_ranks};
 use wire::agent::{Assignment, RankTransport, Report};
 
@@ -58,6 +61,7 @@ pub(super) fn start(
                         measured: r.measured_peak_bytes,
                         comm_bytes_sent: r.comm_bytes_sent.clone(),
                         process_peak_rss_bytes: summary.process.peak_rss_bytes,
+                        device_used_bytes: r.device_used_peak_bytes,
                     });
                 }
                 log(format!(
@@ -104,7 +108,11 @@ fn train(
     send: &(dyn Fn(Report) + Sync),
     log: &(dyn Fn(String) + Sync),
 ) -> Result<Summary, Error> {
-    let comms = communicators(a, &a.spec, cfg, send)?;
+    let mut comms = communicators(a, &a.spec, cfg, send)?;
+    if a.plan.device == DeviceKind::Cuda {
+        // Ranks on GPUs reduce on them: NCCL, joined through the ring just built.
+        comms.iter_mut().for_each(Communicator::request_nccl);
+    }
     let leads = comms.first().is_some_and(|c| c.rank() == 0);
     let budget = a
         .ranks
@@ -115,8 +123,13 @@ fn train(
     let attempt_dir = PathBuf::from(&a.attempt_dir);
     let opts = Options {
         device_memory: budget,
-        // Nodes place jobs on their CPUs until GPU placement (the next issue).
-        device: crate::device::Target::Cpu,
+        device: Target::Cpu,
+        // Each rank on the device it was placed on: its own GPU, or a CPU device.
+        rank_devices: a
+            .ranks
+            .iter()
+            .map(|r| (r.rank, cfg.target(r.device)))
+            .collect(),
         threads: cfg.threads,
         out_dir: Some(attempt_dir.clone()),
         comm_timeout: Some(COMM_TIMEOUT),

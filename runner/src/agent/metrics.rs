@@ -21,6 +21,15 @@ pub struct AgentMetrics {
     pub steps: IntCounter,
     /// Memory budget of each device this node offers.
     pub device_memory_bytes: IntGaugeVec,
+    /// Each GPU offered (`device` is its index among the node's devices): 1, labelled with its
+    /// CUDA ordinal, name and UUID.
+    gpu_info: IntGaugeVec,
+    /// Each GPU's total memory, as the driver reports it.
+    gpu_memory_total_bytes: IntGaugeVec,
+    /// Each GPU's memory in use by every process, as the driver reports it when scraped.
+    gpu_memory_used_bytes: IntGaugeVec,
+    #[cfg(feature = "cuda")]
+    probes: std::sync::Mutex<Vec<(usize, kernels::cuda::gpus::MemoryProbe)>>,
 }
 
 impl AgentMetrics {
@@ -73,6 +82,29 @@ impl AgentMetrics {
         registry
             .register(Box::new(device_memory_bytes.clone()))
             .expect("registered once");
+        let gauges = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(format!("zerotrain_agent_{name}"), help), labels)
+                .expect("a valid name");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("registered once");
+            g
+        };
+        let gpu_info = gauges(
+            "gpu_info",
+            "Each GPU offered: 1, with its CUDA ordinal, name and UUID.",
+            &["device", "ordinal", "name", "uuid"],
+        );
+        let gpu_memory_total_bytes = gauges(
+            "gpu_memory_total_bytes",
+            "Each GPU's total memory, as the driver reports it.",
+            &["device"],
+        );
+        let gpu_memory_used_bytes = gauges(
+            "gpu_memory_used_bytes",
+            "Each GPU's memory in use by every process, as the driver reports it (cuMemGetInfo).",
+            &["device"],
+        );
         AgentMetrics {
             registry,
             heartbeats,
@@ -83,11 +115,57 @@ impl AgentMetrics {
             jobs_running,
             steps,
             device_memory_bytes,
+            gpu_info,
+            gpu_memory_total_bytes,
+            gpu_memory_used_bytes,
+            #[cfg(feature = "cuda")]
+            probes: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Exports `gpus` (the node's first devices, in order), and their memory in use at every
+    /// scrape.
+    pub fn watch_gpus(&self, gpus: &[super::Gpu]) {
+        for (i, g) in gpus.iter().enumerate() {
+            let device = i.to_string();
+            self.gpu_info
+                .with_label_values(&[&device, &g.ordinal.to_string(), &g.name, &g.uuid])
+                .set(1);
+            self.gpu_memory_total_bytes
+                .with_label_values(&[&device])
+                .set(i64::try_from(g.total_bytes).unwrap_or(i64::MAX));
+            #[cfg(feature = "cuda")]
+            match kernels::cuda::gpus::MemoryProbe::new(g.ordinal) {
+                Ok(probe) => self
+                    .probes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((i, probe)),
+                Err(e) => eprintln!("agent: GPU {} memory will not be exported: {e}", g.ordinal),
+            }
+        }
+    }
+
+    /// Device `device` (a GPU) has `bytes` in use.
+    pub fn set_gpu_memory_used(&self, device: usize, bytes: u64) {
+        self.gpu_memory_used_bytes
+            .with_label_values(&[&device.to_string()])
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Reads each watched GPU's memory in use now.
+    fn sample_gpus(&self) {
+        #[cfg(feature = "cuda")]
+        for (device, probe) in self.probes.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if let Ok(used) = probe.used_bytes() {
+                self.set_gpu_memory_used(*device, used);
+            }
         }
     }
 
     /// The text exposition format.
     pub fn render(&self) -> String {
+        self.sample_gpus();
         prometheus::TextEncoder::new()
             .encode_to_string(&self.registry.gather())
             .expect("metrics encode as text")

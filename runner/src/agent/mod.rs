@@ -6,6 +6,7 @@
 //! request goes out on a thread of its own, and kernels share the process's rayon pool.
 
 mod client;
+pub mod gpus;
 mod job;
 mod metrics;
 mod session;
@@ -16,10 +17,13 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use scheduler::inventory::Device;
+use scheduler::memory::DeviceKind;
 
 use crate::Error;
 use crate::data::DataRoots;
+use crate::device::Target;
 use client::Client;
+use gpus::Gpu;
 use session::{Ended, Session};
 use wire::agent::RegisterRequest;
 
@@ -33,11 +37,53 @@ pub struct AgentConfig {
     pub name: String,
     /// The address other nodes reach this node's ranks at.
     pub host: String,
+    /// What the node offers: a `cuda` device for each of `gpus`, in order, then its CPU
+    /// devices ([`offered_devices`]).
     pub devices: Vec<Device>,
+    /// The GPUs offered; a rank placed on device `i < gpus.len()` trains on `gpus[i]`.
+    pub gpus: Vec<Gpu>,
     /// Kernel threads (default: all cores).
     pub threads: Option<usize>,
     /// The only directories jobs may read their inputs from.
     pub data_roots: DataRoots,
+}
+
+/// The devices a node offers: each GPU, then `cpus` virtual CPU devices of `cpu_memory` bytes.
+pub fn offered_devices(gpus: &[Gpu], cpus: usize, cpu_memory: u64) -> Vec<Device> {
+    let cpu = Device {
+        kind: DeviceKind::Cpu,
+        memory_bytes: cpu_memory,
+    };
+    gpus.iter()
+        .map(Gpu::device)
+        .chain(std::iter::repeat_n(cpu, cpus))
+        .collect()
+}
+
+impl AgentConfig {
+    /// Where a rank placed on device `index` trains: pinned to its own GPU, or on the CPU.
+    pub fn target(&self, index: usize) -> Target {
+        match self.gpus.get(index) {
+            Some(gpu) => Target::Cuda(gpu.ordinal),
+            None => Target::Cpu,
+        }
+    }
+
+    fn check_devices(&self) -> Result<(), Error> {
+        let kinds_agree = self
+            .devices
+            .iter()
+            .enumerate()
+            .all(|(i, d)| (d.kind == DeviceKind::Cuda) == (i < self.gpus.len()));
+        if kinds_agree {
+            Ok(())
+        } else {
+            Err(Error::Device(
+                "an agent's devices must be a cuda device per GPU, in order, then CPU devices"
+                    .into(),
+            ))
+        }
+    }
 }
 
 /// Longest an HTTP call may take, a long-poll's wait included.
@@ -47,6 +93,8 @@ const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 /// answers), then heartbeats; when the server has declared the node lost, stops every rank
 /// it ran and registers again.
 pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Result<(), Error> {
+    cfg.check_devices()?;
+    metrics.watch_gpus(&cfg.gpus);
     for (i, d) in cfg.devices.iter().enumerate() {
         metrics
             .device_memory_bytes

@@ -1,6 +1,7 @@
 //! Collectives between the data-parallel ranks of a job: ring algorithms over a transport that
 //! exchanges bytes with the ring's neighbours — threads of one process (`local`) or processes
-//! over TCP (`tcp`).
+//! over TCP (`tcp`) — and, for ranks on GPUs, NCCL on the device buffers themselves (`nccl`,
+//! feature `cuda`), joined through the ring, which keeps the few host collectives.
 //!
 //! A buffer of `len` elements travels as N chunks of ⌈len/N⌉ (units are padded so theirs are
 //! exact; a short chunk travels padded with zeros). Reduce-scatter and all-gather send N−1
@@ -9,6 +10,8 @@
 //! deterministic and every stage reduces the same gradients to the same bits.
 
 mod local;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod tcp;
 
 pub use local::local_ring;
@@ -31,8 +34,19 @@ pub trait Transport: Send {
     fn exchange(&mut self, out: &[&[u8]], inp: &mut [u8]) -> Result<(), Error>;
 }
 
+/// What NCCL needs of an element type, where it is built.
+#[cfg(feature = "cuda")]
+pub trait DeviceWire: kernels::cuda::nccl::NcclType {}
+#[cfg(feature = "cuda")]
+impl<T: kernels::cuda::nccl::NcclType> DeviceWire for T {}
+/// What NCCL needs of an element type, where it is built: nothing here.
+#[cfg(not(feature = "cuda"))]
+pub trait DeviceWire {}
+#[cfg(not(feature = "cuda"))]
+impl<T> DeviceWire for T {}
+
 /// An element type collectives can carry and sum.
-pub trait Wire: bytemuck::Pod + Send + Sync {
+pub trait Wire: bytemuck::Pod + Send + Sync + DeviceWire {
     /// `acc += x` element-wise (16-bit floats are summed in f32 and rounded once).
     fn add(acc: &mut [Self], x: &[Self]);
 }
@@ -67,6 +81,33 @@ impl Wire for u8 {
     }
 }
 
+/// A collective on a data buffer, as the engine runs them on device memory
+/// ([`crate::device::Device::collective`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl Collective {
+    pub fn op(self) -> Op {
+        match self {
+            Collective::AllReduce => Op::AllReduce,
+            Collective::ReduceScatter => Op::ReduceScatter,
+            Collective::AllGather => Op::AllGather,
+        }
+    }
+
+    /// Ring passes over the buffer: a reduce-scatter and an all-gather make one each.
+    fn passes(self) -> u64 {
+        match self {
+            Collective::AllReduce => 2,
+            Collective::ReduceScatter | Collective::AllGather => 1,
+        }
+    }
+}
+
 /// Zeros that pad a short chunk on the wire (a chunk is short by fewer than N elements).
 static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
 
@@ -79,6 +120,10 @@ pub struct Communicator {
     scratch: Option<Buffer<u64>>,
     sent: BTreeMap<Op, u64>,
     received: BTreeMap<Op, u64>,
+    /// Device collectives are to run on NCCL ([`Communicator::request_nccl`]).
+    nccl_requested: bool,
+    #[cfg(feature = "cuda")]
+    nccl: Option<kernels::cuda::nccl::Nccl>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -105,7 +150,45 @@ impl Communicator {
             scratch: None,
             sent: BTreeMap::new(),
             received: BTreeMap::new(),
+            nccl_requested: false,
+            #[cfg(feature = "cuda")]
+            nccl: None,
         }
+    }
+
+    /// Asks for the `nccl` back end: the engine of a rank on a GPU joins an NCCL communicator
+    /// through this one's ring when it starts, and runs its device collectives there.
+    pub fn request_nccl(&mut self) {
+        self.nccl_requested = true;
+    }
+
+    pub fn nccl_requested(&self) -> bool {
+        self.nccl_requested
+    }
+
+    /// The NCCL communicator device collectives run on, once joined.
+    #[cfg(feature = "cuda")]
+    pub fn nccl(&mut self) -> Option<&mut kernels::cuda::nccl::Nccl> {
+        self.nccl.as_mut()
+    }
+
+    /// `c` on host memory, through the ring.
+    pub fn run<T: Wire>(&mut self, c: Collective, buf: &mut [T]) -> Result<(), Error> {
+        match c {
+            Collective::AllReduce => self.all_reduce(buf),
+            Collective::ReduceScatter => self.reduce_scatter(buf),
+            Collective::AllGather => self.all_gather(buf),
+        }
+    }
+
+    /// Counts `c` on a `len`-element buffer of `T` as the ring would send and receive it (N−1
+    /// chunks of ⌈len/N⌉ per pass), for a back end that moved the bytes itself: every back end
+    /// reports the memory model's numbers.
+    pub fn count<T>(&mut self, c: Collective, len: usize) {
+        let n = self.world_size as u64;
+        let bytes = c.passes() * (n - 1) * (len.div_ceil(self.world_size) * size_of::<T>()) as u64;
+        *self.sent.entry(c.op()).or_default() += bytes;
+        *self.received.entry(c.op()).or_default() += bytes;
     }
 
     pub fn rank(&self) -> usize {

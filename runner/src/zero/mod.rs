@@ -15,7 +15,7 @@ use scheduler::model::{GptShape, Units};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
-use crate::comm::{Communicator, Wire};
+use crate::comm::{Collective, Communicator, Wire};
 use crate::data::DataLoader;
 use crate::device::{Cpu, Device, Elem, Num};
 use crate::gpt::{self, Acts, BatchDims};
@@ -176,6 +176,9 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
             debug_assert_eq!(ring % 8, 0, "ring chunks are whole 8-byte words");
             comm.set_scratch(acct.alloc(Category::Buffers, (ring / 8) as usize)?);
         }
+        if comm.nccl_requested() {
+            dev.join_collectives(&mut comm)?;
+        }
         let dims = BatchDims::new(&shape, setup.micro_batch, setup.seq_len);
         let acts = Acts::new(&dev, &acct, &shape, dims.b, dims.t, setup.checkpointing)?;
         let mut engine = Engine {
@@ -208,6 +211,10 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
         &self.acct
     }
 
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
     pub fn dims(&self) -> BatchDims {
         self.dims
     }
@@ -237,7 +244,7 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
         self.dev
             .copy(buf.at_mut(held), self.bufs.params[u].view())?;
         self.dev
-            .on_host(buf.at_mut(0..len), |b| self.comm.all_gather(b))?
+            .collective(&mut self.comm, Collective::AllGather, buf.at_mut(0..len))
     }
 
     /// The first of the three points where stages differ: backward has finished unit `u`'s
@@ -250,9 +257,11 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
             return Ok(());
         };
         let buf = &mut unit_grads[Buffers::<X, D>::grad_slot(u)];
-        let comm = &mut self.comm;
-        self.dev
-            .on_host(buf.at_mut(0..len), |b| comm.reduce_scatter(b))??;
+        self.dev.collective(
+            &mut self.comm,
+            Collective::ReduceScatter,
+            buf.at_mut(0..len),
+        )?;
         let held = self.layout.held(Part::Grads, u);
         self.dev
             .residual_accumulate(self.bufs.grads[u].view_mut(), buf.at(held))?;
@@ -266,17 +275,16 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
         if self.layout.sharded(Part::Grads) {
             return Ok(());
         }
-        let sharded_state = self.layout.sharded(Part::State);
+        let c = if self.layout.sharded(Part::State) {
+            Collective::ReduceScatter
+        } else {
+            Collective::AllReduce
+        };
         let (dev, comm) = (&self.dev, &mut self.comm);
-        self.bufs.grads.iter_mut().try_for_each(|g| {
-            dev.on_host(g.view_mut(), |g| {
-                if sharded_state {
-                    comm.reduce_scatter(g)
-                } else {
-                    comm.all_reduce(g)
-                }
-            })?
-        })
+        self.bufs
+            .grads
+            .iter_mut()
+            .try_for_each(|g| dev.collective(comm, c, g.view_mut()))
     }
 
     /// The third: the optimizer has updated this rank's state range. Where that is a shard of
@@ -289,7 +297,7 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
         self.bufs
             .params
             .iter_mut()
-            .try_for_each(|p| dev.on_host(p.view_mut(), |p| comm.all_gather(p))?)
+            .try_for_each(|p| dev.collective(comm, Collective::AllGather, p.view_mut()))
     }
 
     fn unit_len(&self, u: usize) -> usize {
@@ -302,7 +310,11 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
         let norm = l_n + 1;
         let ckpt = self.checkpointing;
         let slot = move |l: usize| if ckpt { 0 } else { l };
+        // Stage 3 gathers each unit one unit ahead, into the other of the two block slots, so
+        // that on a device with collectives of its own (NCCL) the gather of the next unit runs
+        // while this one computes; the gathers are the same, in the same order.
         self.fetch(EMB)?;
+        self.fetch(1)?;
         let dev = &self.dev;
         gpt::embed_forward(
             dev,
@@ -312,11 +324,13 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
             &mut self.acts,
         )?;
         for l in 0..l_n {
-            self.fetch(l + 1)?;
-            let p = gpt::block::<D, X>(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
-            gpt::block_forward(&self.dev, &p, &mut self.acts, l, slot(l), &d)?;
+            {
+                let p = gpt::block::<D, X>(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
+                gpt::block_forward(&self.dev, &p, &mut self.acts, l, slot(l), &d)?;
+            }
+            // The next block's, or after the last block the final norm's.
+            self.fetch(l + 2)?;
         }
-        self.fetch(norm)?;
         self.fetch(EMB)?;
         let loss = {
             let (norm_len, emb_len) = (self.unit_len(norm), self.unit_len(EMB));
@@ -354,8 +368,10 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
             )?
         };
         self.after_unit_backward(norm)?;
+        if l_n > 0 {
+            self.fetch(l_n)?;
+        }
         for l in (0..l_n).rev() {
-            self.fetch(l + 1)?;
             let len = self.unit_len(l + 1);
             if self.checkpointing {
                 let p = gpt::block::<D, X>(self.bufs.param(l + 1, len), &shape);
@@ -384,6 +400,12 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
                 slot(l),
                 &d,
             )?;
+            // Gathered ahead (into the slot of the unit whose backward is done) before this
+            // unit's gradient is reduced: on NCCL's stream the gather need not wait for this
+            // block's backward, the reduction must.
+            if l > 0 {
+                self.fetch(l)?;
+            }
             self.after_unit_backward(l + 1)?;
         }
         gpt::embed_backward(&self.dev, self.bufs.grad(EMB), &shape, &d, &self.acts)?;

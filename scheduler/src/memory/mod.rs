@@ -80,6 +80,16 @@ pub const CUDA_CONTEXT_BYTES: u64 = (1 << 30) - CUDA_GEMM_RESIDENT_BYTES;
 pub const CUDA_OVERHEAD_BYTES: u64 = CUDA_CONTEXT_BYTES + CUDA_GEMM_RESIDENT_BYTES;
 
 impl DeviceKind {
+    pub const ALL: [DeviceKind; 2] = [DeviceKind::Cpu, DeviceKind::Cuda];
+
+    /// The name job specs and the agent protocol use: `cpu`, `cuda`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+
     /// What a rank pays beside its buffers, planned for before the node is known: a CUDA
     /// context, or a CPU process of `process::PLANNING_THREADS` threads.
     pub fn overhead_bytes(self) -> u64 {
@@ -87,6 +97,12 @@ impl DeviceKind {
             DeviceKind::Cpu => process::overhead_bytes(process::PLANNING_THREADS),
             DeviceKind::Cuda => CUDA_OVERHEAD_BYTES,
         }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

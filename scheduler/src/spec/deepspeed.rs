@@ -14,6 +14,7 @@ use super::{
     from_value,
 };
 use crate::error::Error;
+use crate::memory::DeviceKind;
 use crate::spec::Dtype;
 
 /// The zerotrain side of a DeepSpeed-form job: everything a DeepSpeed config does not say.
@@ -34,6 +35,8 @@ struct DeepSpeedJob {
     activation_checkpointing: Auto<bool>,
     #[serde(default)]
     training: Extra,
+    #[serde(default = "super::auto")]
+    device: Auto<DeviceKind>,
 }
 
 /// Training fields a DeepSpeed config has no key for.
@@ -101,6 +104,7 @@ pub(super) fn translate(value: Value) -> Result<Parsed, Error> {
             world_size: world,
             data: job.data,
             checkpoint: job.checkpoint,
+            device: job.device,
         },
         unsupported_keys: unsupported,
     })

@@ -22,6 +22,7 @@ use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Problems};
+use crate::memory::DeviceKind;
 
 /// A value the planner may choose (`"auto"`) or a fixed one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +174,10 @@ pub struct JobSpec {
     pub data: Data,
     #[serde(default)]
     pub checkpoint: Checkpoint,
+    /// The kind of device every rank runs on: `"cuda"`, `"cpu"`, or `"auto"` (default): GPUs
+    /// when any are registered, else CPU devices. A job never mixes kinds.
+    #[serde(default = "auto")]
+    pub device: Auto<DeviceKind>,
 }
 
 /// What a spec is for: a bare parameter count can be estimated but not trained.

@@ -1,6 +1,7 @@
-//! `zerotrain agent --server URL --token T [--cpu-devices N --device-memory SIZE]
-//! [--data-root DIR]...`: a runner agent offering this machine's devices to a server until the
-//! process ends; jobs read input files only inside its data roots.
+//! `zerotrain agent --server URL --token T [--gpus all|none|0,1,…] [--cpu-devices N
+//! --device-memory SIZE] [--data-root DIR]...`: a runner agent offering this machine's GPUs
+//! (a build with feature `cuda`) or virtual CPU devices to a server until the process ends;
+//! jobs read input files only inside its data roots.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,9 +12,10 @@ use anyhow::Context;
 use runner::agent::AgentMetrics;
 use runner::data::DataRoots;
 
-use scheduler::bytes::parse_size;
+use runner::agent::gpus::{self, Gpu, Selection};
+use runner::agent::offered_devices;
+use scheduler::bytes::{human, parse_size};
 use scheduler::inventory::Device;
-use scheduler::memory::DeviceKind;
 
 use crate::settings::default_data_dir;
 
@@ -25,12 +27,8 @@ pub struct Args {
     /// The agent join token the server printed.
     #[arg(long, env = "ZEROTRAIN_AGENT_TOKEN")]
     token: String,
-    /// Virtual CPU devices to offer (no GPU back end is built).
-    #[arg(long, default_value_t = 1)]
-    cpu_devices: usize,
-    /// Memory budget of each device, e.g. 2GiB; the trainer enforces it.
-    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
-    device_memory: u64,
+    #[command(flatten)]
+    offer: Offer,
     /// This node's name [default: the host name].
     #[arg(long)]
     name: Option<String>,
@@ -56,6 +54,57 @@ pub struct Args {
     /// hold [default: as for `serve`].
     #[arg(long, env = "ZEROTRAIN_DATA_DIR")]
     data_dir: Option<PathBuf>,
+}
+
+/// What a node offers, shared by `agent` and `up`'s local agent.
+#[derive(clap::Args)]
+pub(super) struct Offer {
+    /// GPUs to offer: all the CUDA driver finds, none, or ordinals such as 0,1; each is a
+    /// `cuda` device of its total memory, and each rank placed on one trains on it alone
+    /// (needs a build with feature cuda; elsewhere none are found).
+    #[arg(long, default_value = "all")]
+    gpus: Selection,
+    /// Virtual CPU devices to offer [default: none beside GPUs; otherwise 1 (`up`: 4)].
+    #[arg(long)]
+    cpu_devices: Option<usize>,
+    /// Memory budget of each CPU device, e.g. 2GiB; the trainer enforces it.
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    device_memory: u64,
+}
+
+impl Offer {
+    /// The devices to register and the GPUs among them, saying on stderr what was found:
+    /// `default_cpus` CPU devices unless GPUs are offered or `--cpu-devices` says otherwise.
+    pub(super) fn devices(
+        &self,
+        who: &str,
+        default_cpus: usize,
+    ) -> anyhow::Result<(Vec<Device>, Vec<Gpu>)> {
+        let found = gpus::discover();
+        // A build without CUDA looks for none: nothing to say.
+        if let Some(why) = found
+            .none_because
+            .as_ref()
+            .filter(|_| cfg!(feature = "cuda"))
+        {
+            eprintln!("{who}: no GPUs found ({why})");
+        }
+        let gpus = self.gpus.pick(&found)?;
+        for g in &gpus {
+            eprintln!(
+                "{who}: GPU {} {} {}, {} (cuda:{})",
+                g.ordinal,
+                g.name,
+                g.uuid,
+                human(g.total_bytes),
+                g.ordinal
+            );
+        }
+        let cpus = self
+            .cpu_devices
+            .unwrap_or(if gpus.is_empty() { default_cpus } else { 0 });
+        Ok((offered_devices(&gpus, cpus, self.device_memory), gpus))
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -101,18 +150,17 @@ pub(super) fn serve_metrics(
 }
 
 fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
-    let device = Device {
-        kind: DeviceKind::Cpu,
-        memory_bytes: args.device_memory,
-    };
+    let name = args.name.unwrap_or_else(hostname);
+    let (devices, gpus) = args.offer.devices(&format!("agent {name}"), 1)?;
     let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
     let data_roots = DataRoots::for_data_dir(&args.data_roots, &data_dir, &[])?;
     Ok(runner::agent::AgentConfig {
         server: args.server.trim_end_matches('/').to_string(),
         join_token: args.token,
-        name: args.name.unwrap_or_else(hostname),
+        name,
         host: args.host,
-        devices: vec![device; args.cpu_devices],
+        devices,
+        gpus,
         threads: args.threads,
         data_roots,
     })

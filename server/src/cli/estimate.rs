@@ -22,9 +22,10 @@ pub struct Args {
     /// Memory of each device, e.g. 80GiB or 40GB.
     #[arg(long, default_value = "80GiB", value_parser = parse_size)]
     device_memory: u64,
-    /// Kind of device: `cuda` reserves its runtime overhead, `cpu` none.
-    #[arg(long, value_enum, default_value_t = Kind::Cuda)]
-    device_kind: Kind,
+    /// Kind of device: `cuda` reserves its runtime overhead, `cpu` a process's [default: the
+    /// spec's `device`, else cuda].
+    #[arg(long, value_enum)]
+    device_kind: Option<Kind>,
     /// Add what DeepSpeed's and accelerate's estimators give for the same model and world size,
     /// and why each differs.
     #[arg(long)]
@@ -49,8 +50,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         parsed.spec.validate(Purpose::Estimate)?;
     }
     let kind = match args.device_kind {
-        Kind::Cpu => DeviceKind::Cpu,
-        Kind::Cuda => DeviceKind::Cuda,
+        Some(Kind::Cpu) => DeviceKind::Cpu,
+        Some(Kind::Cuda) => DeviceKind::Cuda,
+        None => parsed.spec.device.fixed().unwrap_or(DeviceKind::Cuda),
     };
     let devices = parsed.spec.world_size.get() as usize;
     let inventory = Inventory::uniform(devices, args.device_memory, kind);

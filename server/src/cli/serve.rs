@@ -38,6 +38,11 @@ pub struct Args {
     /// Fraction of each device placement keeps free [env: ZEROTRAIN_SAFETY_MARGIN; 0.05].
     #[arg(long, value_parser = parse_margin)]
     safety_margin: Option<f64>,
+    /// Queue jobs that ask for a device kind no node has registered yet (e.g. `"device":
+    /// "cuda"` before the GPU nodes join) instead of refusing them [env:
+    /// ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES; default false].
+    #[arg(long)]
+    queue_unregistered_devices: bool,
 }
 
 impl Args {
@@ -64,6 +69,9 @@ impl Args {
         }
         if let Some(margin) = self.safety_margin {
             settings.safety_margin = margin;
+        }
+        if self.queue_unregistered_devices {
+            settings.queue_unregistered_devices = true;
         }
         Ok(settings)
     }

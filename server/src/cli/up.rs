@@ -1,6 +1,7 @@
-//! `zerotrain up [--port 8080] [--data-dir DIR] [--cpu-devices N --device-memory SIZE]`: the
-//! whole service on this machine — the server with SQLite under the data directory, and one
-//! local agent offering virtual CPU devices, serving its `/metrics` at `--metrics-addr` as a
+//! `zerotrain up [--port 8080] [--data-dir DIR] [--gpus all|none|0,1,…] [--cpu-devices N
+//! --device-memory SIZE]`: the whole service on this machine — the server with SQLite under the
+//! data directory, and one local agent offering this machine's GPUs (a build with feature
+//! `cuda`) or else virtual CPU devices, serving its `/metrics` at `--metrics-addr` as a
 //! standalone agent does. Prints the URL and the admin token (also written to
 //! `DIR/admin-token`, where the other commands find it).
 
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
-use scheduler::bytes::{human, parse_size};
+use scheduler::bytes::human;
 use scheduler::inventory::Device;
 use scheduler::memory::DeviceKind;
 
@@ -21,12 +22,8 @@ use super::{agent, serve};
 pub struct Args {
     #[command(flatten)]
     server: serve::Args,
-    /// Virtual CPU devices the local agent offers.
-    #[arg(long, default_value_t = 4)]
-    cpu_devices: usize,
-    /// Memory budget of each device.
-    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
-    device_memory: u64,
+    #[command(flatten)]
+    offer: agent::Offer,
     /// Kernel threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -45,23 +42,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let data_roots = server.state().data_roots.clone();
         let metrics = Arc::new(AgentMetrics::new());
         let metrics_url = agent::serve_metrics(args.metrics_addr, metrics.clone())?;
+        let (devices, gpus) = args.offer.devices("local agent", 4)?;
         eprintln!(
-            "local agent: {} CPU device(s) of {}; jobs read files only under {}; metrics at {metrics_url}",
-            args.cpu_devices,
-            human(args.device_memory),
+            "local agent: {}; jobs read files only under {}; metrics at {metrics_url}",
+            describe(&devices),
             super::agent::roots_list(&data_roots)
         );
         let stop = Arc::new(AtomicBool::new(false));
-        let device = Device {
-            kind: DeviceKind::Cpu,
-            memory_bytes: args.device_memory,
-        };
         let cfg = runner::agent::AgentConfig {
             server: server.url(),
             join_token: tokens.join_token,
             name: "local".into(),
             host: "127.0.0.1".into(),
-            devices: vec![device; args.cpu_devices],
+            devices,
+            gpus,
             threads: args.threads,
             data_roots,
         };
@@ -74,4 +68,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("the local agent panicked"))??;
         Ok(())
     })
+}
+
+/// `4 CPU device(s) of 2.1 GB`, `1 GPU(s) and 2 CPU device(s) of 2.1 GB`.
+fn describe(devices: &[Device]) -> String {
+    let gpus = devices
+        .iter()
+        .filter(|d| d.kind == DeviceKind::Cuda)
+        .count();
+    let cpu: Vec<&Device> = devices
+        .iter()
+        .filter(|d| d.kind == DeviceKind::Cpu)
+        .collect();
+    let cpus = match cpu.first() {
+        Some(d) => format!("{} CPU device(s) of {}", cpu.len(), human(d.memory_bytes)),
+        None => String::new(),
+    };
+    match (gpus, cpus.is_empty()) {
+        (0, _) => cpus,
+        (n, true) => format!("{n} GPU(s)"),
+        (n, false) => format!("{n} GPU(s) and {cpus}"),
+    }
 }

@@ -8,7 +8,7 @@ use axum::extract::rejection::BytesRejection;
 use scheduler::memory::DeviceKind;
 use scheduler::plan;
 use scheduler::report::Report;
-use scheduler::spec::{self, JobSpec, Purpose};
+use scheduler::spec::{self, Auto, JobSpec, Purpose};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -44,7 +44,8 @@ pub struct NodeFit {
 /// Estimate a job's memory and plan it on the registered devices.
 ///
 /// Takes what `POST /v1/jobs` takes; a bare parameter count (`model.params`) is allowed.
-/// The stage table includes the overhead of the largest registered device's kind. With
+/// The stage table includes the overhead of the kind of device the job would run on (its
+/// `device`, or for `"auto"` GPUs when any are registered). With
 /// `"compare": true` beside the spec's fields, the answer adds `compare`: DeepSpeed's and
 /// accelerate's estimates for the same model and world size, and why each differs.
 #[utoipa::path(
@@ -79,14 +80,11 @@ pub async fn estimate(
     let parsed = JobSpec::parse_value(value, Purpose::Estimate)?;
     let records = state.store.nodes().await?;
     let inventory = planning_inventory(&records, &state.settings);
-    let kind = inventory
-        .devices()
-        .max_by_key(|d| d.memory_bytes)
-        .map_or(DeviceKind::Cpu, |d| d.kind);
+    let kind = plan::device_kind(&parsed.spec, &inventory);
     let nodes = records
         .iter()
         .filter(|n| !n.lost)
-        .map(|n| node_fit(&parsed.spec, n, &state.settings))
+        .map(|n| node_fit(&parsed.spec, kind, n, &state.settings))
         .collect::<Result<Vec<_>, _>>()?;
     let mut report = Report::new(&parsed.spec, parsed.unsupported_keys, &inventory, kind)?;
     if compare {
@@ -96,13 +94,23 @@ pub async fn estimate(
     Ok(Json(Estimate { report, nodes }))
 }
 
-/// Plans the job on `node` alone: how many of its devices hold a rank, and whether it holds
-/// them all.
-fn node_fit(spec: &JobSpec, node: &NodeRecord, settings: &Settings) -> Result<NodeFit, ApiError> {
+/// Plans the job on `node` alone, on its devices of `kind` (the kind the whole cluster would
+/// run it on): how many of them hold a rank, and whether they hold them all.
+fn node_fit(
+    spec: &JobSpec,
+    kind: DeviceKind,
+    node: &NodeRecord,
+    settings: &Settings,
+) -> Result<NodeFit, ApiError> {
     let one = planning_inventory(std::slice::from_ref(node), settings);
-    let (devices_that_fit, holds_job) = match plan::plan(spec, &one) {
+    let spec = JobSpec {
+        device: Auto::Fixed(kind),
+        ..spec.clone()
+    };
+    let (devices_that_fit, holds_job) = match plan::plan(&spec, &one) {
         Ok(plan) => (plan.devices_that_fit, true),
         Err(scheduler::Error::DoesNotFit(no)) => (no.fitting_devices, false),
+        Err(scheduler::Error::NoDevicesOfKind(_)) => (0, false),
         Err(e) => return Err(e.into()),
     };
     Ok(NodeFit {

@@ -164,15 +164,18 @@ impl TestApp {
 
     /// Registers a node of `count` CPU devices of `memory` bytes: (node id, agent token).
     pub async fn register(&self, name: &str, count: usize, memory: u64) -> (String, String) {
+        let cpu = Device {
+            kind: DeviceKind::Cpu,
+            memory_bytes: memory,
+        };
+        self.register_devices(name, vec![cpu; count]).await
+    }
+
+    /// Registers a node of `devices`: (node id, agent token).
+    pub async fn register_devices(&self, name: &str, devices: Vec<Device>) -> (String, String) {
         let req = RegisterRequest {
             name: name.into(),
-            devices: vec![
-                Device {
-                    kind: DeviceKind::Cpu,
-                    memory_bytes: memory,
-                };
-                count
-            ],
+            devices,
             host: "127.0.0.1".into(),
         };
         let a = self

@@ -87,6 +87,7 @@ pub fn agent_at(
             };
             devices
         ],
+        gpus: Vec::new(),
         threads: None,
         data_roots: server.state().data_roots.clone(),
     };

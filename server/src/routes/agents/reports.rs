@@ -121,6 +121,7 @@ pub(super) async fn apply(
                 measured,
                 comm_bytes_sent,
                 process_peak_rss_bytes,
+                device_used_bytes,
                 ..
             } => {
                 // Admission's figures, whatever the node computed: it checked its layout
@@ -133,6 +134,7 @@ pub(super) async fn apply(
                         rank,
                         &measured,
                         &predicted,
+                        device_used_bytes,
                         &comm_bytes_sent,
                     );
                 }

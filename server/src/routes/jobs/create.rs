@@ -44,9 +44,11 @@ const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Submit a training job.
 ///
 /// The body is a job spec, native or DeepSpeed form (`{"deepspeed": {...}, ...}`). The job is
-/// planned against every registered device (busy or not): 422 when the spec is invalid (the
-/// problem names the field), names an input file outside the server's data roots, or when no
-/// registered device could ever hold a rank (with the planner's numbers). A repeated `Idempotency-Key` returns the job it created, with 200.
+/// planned against every registered device of the kind its `device` asks for (busy or not):
+/// 422 when the spec is invalid (the problem names the field), names an input file outside
+/// the server's data roots, asks for a kind of device no node has registered (`field`:
+/// `device`; unless the server queues such jobs), or when no registered device could ever hold
+/// a rank (with the planner's numbers). A repeated `Idempotency-Key` returns the job it created, with 200.
 #[utoipa::path(
     post,
     path = "/v1/jobs", operation_id = "create_job",
@@ -68,7 +70,8 @@ const IDEMPOTENCY_KEY: &str = "idempotency-key";
         (status = 409, description = "Idempotency-Key reused with another spec",
             body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Invalid spec, an input file outside the data roots, past \
-            a limit (steps, ranks), or no registered device can hold a rank",
+            a limit (steps, ranks), no registered device of the kind asked for, or no \
+            registered device can hold a rank",
             body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "The owner has as many queued jobs as one may have",
             body = Problem, content_type = "application/problem+json"),
@@ -103,7 +106,16 @@ pub async fn create(
     }
     within_limits(&parsed.spec, &state.settings.limits)?;
     let nodes = state.store.nodes().await?;
-    let plan = plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings))?;
+    let plan = match plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings)) {
+        // The operator queues jobs for capacity still to come: planned on unbounded devices
+        // of that kind, they wait until placement finds devices that hold them.
+        Err(scheduler::Error::NoDevicesOfKind(kind))
+            if state.settings.queue_unregistered_devices =>
+        {
+            plan::plan_local_on(&parsed.spec, None, kind)?
+        }
+        planned => planned?,
+    };
     let now = now_ms();
     let job = Job {
         id: uuid::Uuid::now_v7().to_string(),

@@ -58,6 +58,13 @@ impl PartialSchema for JobSpecBody {
                      as the agents' operator allows"
                 ),
                 "checkpoint": section("`{\"every_steps\": N}` (default 0: only the final export)"),
+                "device": {
+                    "type": "string",
+                    "enum": ["cuda", "cpu", "auto"],
+                    "description": "The kind of device every rank runs on (default auto: GPUs \
+                        when any are registered, else CPU devices); a kind no node has \
+                        registered gets 422 naming `device`",
+                },
                 "deepspeed": section("A DeepSpeed config; keys zerotrain does not support are \
                     returned in `unsupported_keys`"),
             },
