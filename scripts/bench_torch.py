@@ -5,10 +5,16 @@ T = 1024, B = 16, on synthetic tokens; PyTorch eager and torch.compile.
 Prints tokens/s, median step time and MFU: llm.c's FLOP count (6·N + 6·L·C·T per token, N the
 parameters, the tied wte counted once) against the bf16 rate of an 8192³ matmul measured here.
 Without a GPU it says "no GPU present" and exits 0. Run by scripts/gpu-check, last.
+
+With ZEROTRAIN_BENCH_JSON naming the file runner's `gpu` bench wrote in the same run, it then
+prints both side by side, every MFU against this script's matmul rate, and zerotrain's
+tokens/s over PyTorch eager's at the same B.
 """
 
 import ctypes
+import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -123,6 +129,27 @@ def main():
         print(f"{name:<14} {step * 1e3:>8.1f} {tps:>10,.0f} {mfu:>6.1%}")
     print("summary: " + ", ".join(f"{k} {t:,.0f} tok/s MFU {m:.1%}" for k, (t, m) in results.items())
           + f", peak {peak:.0f} TFLOP/s")
+    side_by_side(results, flops_per_step, peak)
+
+
+def side_by_side(results, flops_per_step, peak):
+    """zerotrain's rows (ZEROTRAIN_BENCH_JSON) beside PyTorch's, MFU against one peak."""
+    path = os.environ.get("ZEROTRAIN_BENCH_JSON")
+    if not path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        ours = json.load(f)["rows"]
+    print()
+    print(f"| run | B | tokens/s | MFU (vs {peak:.0f} TFLOP/s) | × PyTorch eager |")
+    print("|---|---:|---:|---:|---:|")
+    eager = results["eager"][0]
+    for name, (tps, mfu) in results.items():
+        print(f"| PyTorch {name} | {B} | {tps:,.0f} | {mfu:.1%} | {tps / eager:.2f} |")
+    per_token = flops_per_step / (B * T)
+    for r in ours:
+        tps = r["tokens_per_second"]
+        mfu = tps * per_token / 1e12 / peak
+        print(f"| zerotrain | {r['batch']} | {tps:,.0f} | {mfu:.1%} | {tps / eager:.2f} |")
 
 
 if __name__ == "__main__":

@@ -537,27 +537,48 @@ async fn an_agent_serves_its_own_metrics() {
     assert!(text.contains("zerotrain_agent_jobs_running 0"), "{text}");
 }
 
+/// The Python package's pytest suite (`clients/python/tests`) against this server and an agent
+/// of two devices, run by the interpreter of the environment `scripts/pyenv` makes (pytest,
+/// tqdm, pandas from PyPI, and the package installed from this checkout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_python_client_submits_waits_reads_and_cancels() {
+async fn the_python_package_passes_its_tests_against_a_live_server() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let pyenv = Command::new(format!("{root}/scripts/pyenv"))
+        .output()
+        .unwrap();
+    assert!(
+        pyenv.status.success(),
+        "scripts/pyenv: {}",
+        String::from_utf8_lossy(&pyenv.stderr)
+    );
+    let interpreter = String::from_utf8(pyenv.stdout).unwrap();
+
     let s = service().await;
     let (stop, agent) = agent(&s, "local", 2, 1 << 30);
     s.wait_nodes(1).await;
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../clients/python");
-    let mut python = Command::new("python3");
-    python
-        .args(["-m", "unittest", "-v", "test_zerotrain"])
-        .current_dir(dir)
+    let mut pytest = Command::new(interpreter.trim());
+    pytest
+        .args(["-m", "pytest", "-q", "-rs", "clients/python/tests"])
+        .current_dir(root)
         .env("ZEROTRAIN_URL", s.server.url())
         .env("ZEROTRAIN_TOKEN", ADMIN)
         .env("PYTHONDONTWRITEBYTECODE", "1");
-    let out = tokio::task::spawn_blocking(move || python.output().unwrap())
+    let out = tokio::task::spawn_blocking(move || pytest.output().unwrap())
         .await
         .unwrap();
     stop.store(true, Ordering::Relaxed);
     agent.join().unwrap();
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("Ran 5 tests"), "{text}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    // pytest exits 0 only when tests ran and all passed: 1 is failures, 2-4 a broken run, 5
+    // no tests collected.
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(" passed"), "{text}");
 }
 
 /// The README's main command as a user runs it: `zerotrain up`, a job submitted with the CLI

@@ -22,6 +22,20 @@ pub struct Device {
     stream: Arc<CudaStream>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
     blas: Blas,
+    opening: OpeningMemory,
+}
+
+/// Device memory in use (`cuMemGetInfo`: total less free, every process's) at each stage of
+/// [`Device::new`], from which the memory model's CUDA overhead is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpeningMemory {
+    pub total: usize,
+    /// Once the context exists.
+    pub after_context: usize,
+    /// Once every NVRTC program is loaded as a module.
+    pub after_modules: usize,
+    /// Once cuBLASLt's handle, workspace and staging buffer exist.
+    pub after_blas: usize,
 }
 
 impl Device {
@@ -34,6 +48,11 @@ impl Device {
             return Err(Error::NoDriver);
         }
         let ctx = CudaContext::new(ordinal)?;
+        let used = || -> Result<usize, Error> {
+            let (free, total) = ctx.mem_get_info()?;
+            Ok(total - free)
+        };
+        let after_context = used()?;
         let (major, minor) = ctx.compute_capability()?;
         let target = Target::Cubin {
             sm: (major * 10 + minor) as u32,
@@ -43,12 +62,27 @@ impl Device {
             let module = ctx.load_module(compile(program, target)?.into())?;
             modules.insert(program.name, module);
         }
+        let after_modules = used()?;
         let stream = ctx.default_stream();
+        let blas = Blas::new(&stream)?;
+        stream.synchronize()?;
+        let opening = OpeningMemory {
+            total: ctx.total_mem()?,
+            after_context,
+            after_modules,
+            after_blas: used()?,
+        };
         Ok(Self {
-            blas: Blas::new(&stream)?,
+            blas,
             stream,
             modules,
+            opening,
         })
+    }
+
+    /// What the driver reported in use while this device opened.
+    pub fn opening_memory(&self) -> OpeningMemory {
+        self.opening
     }
 
     /// The stream every kernel of this device runs on, in call order.

@@ -410,3 +410,39 @@ impl Drop for Pref {
         let _ = unsafe { lt::destroy_matmul_pref(self.0) };
     }
 }
+
+/// The bf16 GEMM rate of `dev` in GFLOP/s: the median of 5 timings of ten 8192³ products
+/// (f32 accumulation, as the trainer's), the MFU denominator of the GPU benchmark.
+pub fn measure_peak_gflops(dev: &Device) -> Result<f64, Error> {
+    const S: usize = 8192;
+    const REPS: usize = 10;
+    let a: Vec<half::bf16> = (0..S * S)
+        .map(|i| half::bf16::from_f32((i % 7) as f32 * 0.25))
+        .collect();
+    let (a, b) = (dev.upload(&a)?, dev.upload(&a)?);
+    let mut c = dev.zeros::<half::bf16>(S * S)?;
+    let mut product = || {
+        matmul_forward(
+            dev,
+            &mut c.as_view_mut(),
+            &a.as_view(),
+            &b.as_view(),
+            None::<&CudaView<'_, half::bf16>>,
+            Layout::KN,
+            (S, S, S),
+        )
+    };
+    product()?; // cuBLASLt picks its algorithm on the first call
+    dev.stream().synchronize()?;
+    let mut times = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        for _ in 0..REPS {
+            product()?;
+        }
+        dev.stream().synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (S * S * S * REPS) as f64 / times[2] / 1e9)
+}

@@ -14,7 +14,7 @@ mod program;
 pub use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, ValidAsZeroBits,
 };
-pub use device::{Device, DeviceFloat};
+pub use device::{Device, DeviceFloat, OpeningMemory};
 
 pub use program::{Image, PROGRAMS, Program, Target, compile, nvrtc_present};
 

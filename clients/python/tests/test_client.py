@@ -1,0 +1,57 @@
+"""The calls every client had before `Job`: submit, wait, read back, estimate, nodes, cancel,
+and the errors the server answers."""
+
+import uuid
+
+import pytest
+from specs import ENDLESS, TINY
+
+from zerotrain import Client, Job, ZerotrainError
+
+
+def test_a_job_is_submitted_once_per_key_waited_for_and_read_back(zt: Client) -> None:
+    name = f"py-{uuid.uuid4().hex[:8]}"
+    key = uuid.uuid4().hex
+    job = zt.submit(dict(TINY, name=name), idempotency_key=key)
+    assert isinstance(job, Job)
+    assert job["state"] in ("queued", "scheduled", "running")
+    assert job["predicted_per_rank_bytes"]["total"] > 0
+    again = zt.submit(dict(TINY, name=name), idempotency_key=key)
+    assert again["id"] == job.id
+
+    done = zt.wait(job.id, timeout=120)
+    assert done["state"] == "succeeded", dict(done)
+    steps = zt.metrics(job.id)["steps"]
+    assert len(steps) == 5
+    assert all(s["loss"] > 0 for s in steps)
+    assert zt.logs(job.id)
+    listed = [j.id for j in zt.jobs(name=name, page_size=1)]
+    assert listed == [job.id]
+    assert zt.job(job.id) == done
+
+
+def test_a_bad_spec_raises_naming_the_field(zt: Client) -> None:
+    with pytest.raises(ZerotrainError) as e:
+        zt.submit(dict(TINY, training={"seq_len": 4096}))
+    assert e.value.status == 422
+    assert e.value.field == "training.seq_len"
+
+
+def test_an_unknown_token_is_refused() -> None:
+    with pytest.raises(ZerotrainError) as e:
+        Client(token="zt_not_a_token").nodes()
+    assert e.value.status == 401
+
+
+def test_estimate_and_nodes(zt: Client) -> None:
+    est = zt.estimate(model="gpt2-124M", precision={"dtype": "bf16"})
+    assert est["parameters"] == 124439808
+    assert len(zt.nodes()) == 1
+
+
+def test_cancel_ends_a_job(zt: Client) -> None:
+    job = zt.submit(ENDLESS)
+    assert job.cancel().state == "cancelled"
+    with pytest.raises(ZerotrainError) as e:
+        zt.cancel(job.id)
+    assert e.value.status == 409

@@ -1,0 +1,126 @@
+//! zerotrain's side of the GPU benchmark (feature `cuda`): gpt2-124M, bf16 over fp32 master
+//! weights, AdamW, T = 1024, ZeRO 0 on GPU 0, at B = 16 and at the largest micro-batch the
+//! memory model says fits the GPU. Prints median step time, tokens/s and MFU (llm.c's FLOP
+//! count, `6·N + 6·L·C·T` per token, against the bf16 cuBLASLt rate of 8192³ products measured
+//! first in the same run), and with `ZEROTRAIN_BENCH_JSON=FILE` writes the rows there for
+//! `scripts/bench_torch.py`, which prints them beside PyTorch's on the same GPU.
+//!
+//! `cargo bench -p runner --features cuda --bench gpu` (scripts/gpu-check runs it from the
+//! bundle). Without a GPU it says so and exits 0.
+
+use runner::device::Target;
+use runner::train::{Options, Progress, run};
+use scheduler::memory::DeviceKind;
+use scheduler::plan::plan_local_on;
+use scheduler::spec::{Architecture, JobSpec, Purpose};
+
+mod common;
+
+const T: usize = 1024;
+const WARMUP: usize = 3;
+const MEASURED: usize = 10;
+/// Micro-batches tried for "largest that fits", largest first.
+const BATCHES: [usize; 6] = [64, 48, 32, 24, 20, 16];
+
+fn spec(b: usize) -> JobSpec {
+    let json = format!(
+        r#"{{"model": {{"preset": "gpt2-124M"}}, "precision": {{"dtype": "bf16"}},
+            "optimizer": {{"type": "adamw"}}, "zero": {{"stage": 0}},
+            "activation_checkpointing": false,
+            "training": {{"micro_batch_size": {b}, "seq_len": {T}, "steps": {}}}}}"#,
+        WARMUP + MEASURED
+    );
+    JobSpec::parse(&json, Purpose::Train)
+        .expect("the benchmark spec is valid")
+        .spec
+}
+
+/// One measured configuration.
+struct Row {
+    batch: usize,
+    step: (f64, f64, f64),
+    tokens_per_step: f64,
+    flops_per_step: f64,
+}
+
+fn time(b: usize, budget: u64) -> Row {
+    let spec = spec(b);
+    let Architecture::Gpt(shape) = spec.architecture() else {
+        unreachable!("a preset has a GPT architecture")
+    };
+    let per_token =
+        6.0 * shape.parameter_count() as f64 + 6.0 * (shape.n_layer * shape.n_embd * T) as f64;
+    let tokens_per_step = (b * T) as f64;
+    let plan = plan_local_on(&spec, Some(budget), DeviceKind::Cuda).expect("B fits the GPU");
+    let opts = Options {
+        device: Target::Cuda(0),
+        device_memory: Some(budget),
+        ..Options::default()
+    };
+    let mut seconds = Vec::new();
+    let mut progress = |p: Progress| seconds.push(p.step_seconds);
+    let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
+    assert!(
+        summary.final_loss.is_finite(),
+        "B={b}: loss {}",
+        summary.final_loss
+    );
+    seconds.drain(..WARMUP);
+    Row {
+        batch: b,
+        step: common::median_min_max(&seconds),
+        tokens_per_step,
+        flops_per_step: per_token * tokens_per_step,
+    }
+}
+
+fn main() {
+    let (peak, total) = match kernels::cuda::Device::new(0) {
+        Ok(dev) => (
+            kernels::cuda::matmul::measure_peak_gflops(&dev).expect("the peak GEMM runs"),
+            dev.opening_memory().total as u64,
+        ),
+        Err(e) => {
+            println!("bench gpu: no GPU present ({e})");
+            return;
+        }
+    };
+    // The model is exact, so the largest micro-batch it admits on this GPU is the one to run.
+    let largest = BATCHES
+        .into_iter()
+        .find(|&b| plan_local_on(&spec(b), Some(total), DeviceKind::Cuda).is_ok());
+    println!(
+        "GPU 0: {:.1} GiB; bf16 8192³ cuBLASLt: {:.0} TFLOP/s; largest micro-batch the model admits: {}",
+        total as f64 / f64::from(1 << 30),
+        peak / 1e3,
+        largest.map_or(format!("none of {BATCHES:?}"), |b| b.to_string())
+    );
+    println!();
+    println!("| run | B | median step ms | min–max ms | tokens/s | MFU |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut rows = Vec::new();
+    let mut batches = vec![16];
+    batches.extend(largest.filter(|&b| b != 16));
+    for b in batches {
+        let r = time(b, total);
+        let (step, lo, hi) = r.step;
+        let tps = r.tokens_per_step / step;
+        let mfu = r.flops_per_step / step / 1e9 / peak;
+        println!(
+            "| zerotrain | {} | {:.1} | {:.1}–{:.1} | {tps:.0} | {:.1}% |",
+            r.batch,
+            step * 1e3,
+            lo * 1e3,
+            hi * 1e3,
+            100.0 * mfu
+        );
+        rows.push(serde_json::json!({
+            "run": "zerotrain", "batch": r.batch, "step_seconds": step,
+            "tokens_per_second": tps, "mfu": mfu,
+        }));
+    }
+    if let Some(path) = std::env::var_os("ZEROTRAIN_BENCH_JSON") {
+        let out = serde_json::json!({"peak_gflops": peak, "rows": rows});
+        std::fs::write(path, out.to_string()).expect("writing ZEROTRAIN_BENCH_JSON");
+    }
+}
