@@ -21,6 +21,7 @@ pub mod cuda;
 pub mod encoder;
 pub mod float;
 pub mod gelu;
+pub mod gpu;
 pub mod layernorm;
 mod math;
 pub mod matmul;

@@ -5,21 +5,22 @@
 //! counts the bytes the memory model does. Where NCCL cannot run the test says why;
 //! `ZEROTRAIN_REQUIRE_GPU=1` (the GPU check) turns that into a failure.
 
+mod rings;
+
 use std::fmt::Debug;
-use std::net::TcpListener;
 use std::thread;
 use std::time::Duration;
 
 use half::{bf16, f16};
+use rings::{tcp_ranks, with_scratch};
 use runner::Error;
-use runner::accounting::Accountant;
-use runner::comm::{
-    Collective, Communicator, TcpConfig, Wire, local_ring, tcp_ring, tcp_ring_with_master,
-};
+use runner::comm::{Collective, Communicator, Wire, local_ring};
 use runner::device::{Cpu, Device, Elem};
-use scheduler::memory::Category;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Bytes of ring scratch: a chunk of the largest buffer (1000 × N elements of ≤ 8 bytes).
+const SCRATCH: usize = 8000;
 
 /// A value type with small integer test values, exact in every dtype once summed over ≤ 4
 /// ranks.
@@ -144,45 +145,13 @@ fn on_every_rank<D: Device>(
     })
 }
 
-/// The ring needs somewhere to receive a chunk; the engine sizes it by the memory model.
-fn with_scratch(comms: Vec<Communicator>) -> Vec<Communicator> {
-    let acct = Accountant::new(None);
-    comms
-        .into_iter()
-        .map(|mut c| {
-            c.set_scratch(acct.alloc::<u64>(Category::Buffers, 1000).unwrap());
-            c
-        })
-        .collect()
-}
-
 fn on_the_cpu(comms: Vec<Communicator>, label: &str) {
     on_every_rank(
-        with_scratch(comms),
+        with_scratch(comms, SCRATCH),
         |_| Ok(Cpu),
         |dev, comm| every_dtype(dev, comm, label),
     )
     .unwrap();
-}
-
-fn tcp_ranks(n: usize) -> Vec<Communicator> {
-    let master = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = master.local_addr().unwrap();
-    let mut master = Some(master);
-    let ranks: Vec<_> = (0..n)
-        .map(|rank| {
-            let cfg = TcpConfig::new(rank, n, addr, TIMEOUT);
-            let master = master.take_if(|_| rank == 0);
-            thread::spawn(move || match master {
-                Some(m) => tcp_ring_with_master(&cfg, m),
-                None => tcp_ring(&cfg),
-            })
-        })
-        .collect();
-    ranks
-        .into_iter()
-        .map(|r| r.join().unwrap().unwrap())
-        .collect()
 }
 
 #[test]
@@ -195,7 +164,7 @@ fn device_collectives_over_local_give_the_sum_and_the_model_bytes() {
 #[test]
 fn device_collectives_over_tcp_give_the_sum_and_the_model_bytes() {
     for n in [2, 3] {
-        on_the_cpu(tcp_ranks(n), "tcp");
+        on_the_cpu(tcp_ranks(n, TIMEOUT), "tcp");
     }
 }
 
@@ -218,6 +187,7 @@ mod nccl {
     use runner::comm::Op;
     use runner::device::{Cuda, Target};
     use runner::train::{Options, run_ranks};
+    use scheduler::memory::Category;
     use scheduler::memory::DeviceKind;
     use scheduler::plan::plan_local_on;
     use scheduler::spec::{JobSpec, Purpose};
@@ -245,7 +215,7 @@ mod nccl {
         }
         for n in sizes {
             let ran = on_every_rank(
-                with_scratch(local_ring(n, TIMEOUT)),
+                with_scratch(local_ring(n, TIMEOUT), SCRATCH),
                 open_gpu,
                 |dev, comm| every_dtype(dev, comm, "nccl"),
             );

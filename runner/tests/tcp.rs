@@ -3,51 +3,22 @@
 //! and as a sequential sum in ring order; a rank that exits, stalls or is configured twice must
 //! make the others fail promptly with an error naming a neighbour.
 
+mod rings;
+
 use std::fmt::Debug;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use rings::with_scratch;
 use runner::Error;
-use runner::accounting::Accountant;
 use runner::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring, tcp_ring_with_master};
-use scheduler::memory::Category;
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Rendezvous at a listener the test bound to a free port, so there is no race for the port.
 fn tcp_ranks(n: usize) -> Vec<Communicator> {
-    let master = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = master.local_addr().unwrap();
-    let mut master = Some(master);
-    let ranks: Vec<_> = (0..n)
-        .map(|rank| {
-            let cfg = TcpConfig::new(rank, n, addr, TIMEOUT);
-            let master = master.take_if(|_| rank == 0);
-            thread::spawn(move || match master {
-                Some(master) => tcp_ring_with_master(&cfg, master),
-                None => tcp_ring(&cfg),
-            })
-        })
-        .collect();
-    ranks
-        .into_iter()
-        .map(|r| r.join().unwrap().unwrap())
-        .collect()
-}
-
-/// Gives every communicator a scratch buffer of at least `bytes`.
-fn with_scratch(mut comms: Vec<Communicator>, bytes: usize) -> Vec<Communicator> {
-    let accountant = Accountant::new(None);
-    for comm in &mut comms {
-        comm.set_scratch(
-            accountant
-                .alloc::<u64>(Category::Buffers, bytes.div_ceil(8))
-                .unwrap(),
-        );
-    }
-    comms
+    rings::tcp_ranks(n, TIMEOUT)
 }
 
 /// Runs `f` on every rank at once, each on its own thread.

@@ -6,18 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, DriverError, result, sys};
 
 use super::Error;
-
-/// One GPU as the driver describes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Gpu {
-    /// The CUDA device ordinal (`cuda:N`).
-    pub ordinal: usize,
-    /// The product name, e.g. `NVIDIA H200`.
-    pub name: String,
-    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` prints it.
-    pub uuid: String,
-    pub total_bytes: u64,
-}
+use crate::gpu::Gpu;
 
 /// Every GPU the driver sees, in ordinal order: empty where the driver finds none, and
 /// [`Error::NoDriver`] where libcuda cannot be loaded (cudarc would panic).

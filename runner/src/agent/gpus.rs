@@ -15,24 +15,13 @@ use scheduler::memory::DeviceKind;
 
 use crate::Error;
 
-/// One GPU as the driver describes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Gpu {
-    /// The CUDA device ordinal (`cuda:N`).
-    pub ordinal: usize,
-    pub name: String,
-    /// As `nvidia-smi -L` prints it: `GPU-…`.
-    pub uuid: String,
-    pub total_bytes: u64,
-}
+pub use kernels::gpu::Gpu;
 
-impl Gpu {
-    /// The device the agent registers for it.
-    pub fn device(&self) -> Device {
-        Device {
-            kind: DeviceKind::Cuda,
-            memory_bytes: self.total_bytes,
-        }
+/// The device the agent registers for `gpu`.
+pub fn device(gpu: &Gpu) -> Device {
+    Device {
+        kind: DeviceKind::Cuda,
+        memory_bytes: gpu.total_bytes,
     }
 }
 
@@ -47,18 +36,7 @@ pub struct Discovery {
 /// The GPUs the driver sees.
 pub fn discover() -> Discovery {
     #[cfg(feature = "cuda")]
-    let found = kernels::cuda::gpus::discover()
-        .map(|gpus| {
-            gpus.into_iter()
-                .map(|g| Gpu {
-                    ordinal: g.ordinal,
-                    name: g.name,
-                    uuid: g.uuid,
-                    total_bytes: g.total_bytes,
-                })
-                .collect::<Vec<_>>()
-        })
-        .map_err(|e| e.to_string());
+    let found = kernels::cuda::gpus::discover().map_err(|e| e.to_string());
     #[cfg(not(feature = "cuda"))]
     let found: Result<Vec<Gpu>, String> =
         Err("this zerotrain was built without CUDA support (cargo feature `cuda`)".into());
@@ -181,7 +159,7 @@ mod tests {
 
     #[test]
     fn a_gpu_registers_as_a_cuda_device_of_its_total_memory() {
-        let d = two_gpus().gpus[0].device();
+        let d = device(&two_gpus().gpus[0]);
         assert_eq!(d.kind, DeviceKind::Cuda);
         assert_eq!(d.memory_bytes, 150_000_000_000);
     }

@@ -55,7 +55,7 @@ pub fn offered_devices(gpus: &[Gpu], cpus: usize, cpu_memory: u64) -> Vec<Device
         memory_bytes: cpu_memory,
     };
     gpus.iter()
-        .map(Gpu::device)
+        .map(gpus::device)
         .chain(std::iter::repeat_n(cpu, cpus))
         .collect()
 }
