@@ -48,10 +48,8 @@ impl Device {
             return Err(Error::NoDriver);
         }
         let ctx = CudaContext::new(ordinal)?;
-        let used = || -> Result<usize, Error> {
-            let (free, total) = ctx.mem_get_info()?;
-            Ok(total - free)
-        };
+        let (_, total) = ctx.mem_get_info()?;
+        let used = || -> Result<usize, Error> { Ok(total - ctx.mem_get_info()?.0) };
         let after_context = used()?;
         let (major, minor) = ctx.compute_capability()?;
         let target = Target::Cubin {
@@ -67,7 +65,7 @@ impl Device {
         let blas = Blas::new(&stream)?;
         stream.synchronize()?;
         let opening = OpeningMemory {
-            total: ctx.total_mem()?,
+            total,
             after_context,
             after_modules,
             after_blas: used()?,
