@@ -23,6 +23,8 @@ use scheduler::spec::Dtype as Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
+pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
+use wire::artifact::{CHECKPOINTS, MANIFEST_FILE, rank_file, step_name};
 use crate::data::{DataRoots, Position, describe};
 use crate::device::{Cpu, Device};
 use crate::loss_scale;
@@ -102,10 +104,6 @@ fn io(path: &Path, e: impl std::fmt::Display) -> Error {
     }
 }
 
-fn rank_file(rank: usize) -> String {
-    format!("rank-{rank:05}.safetensors")
-}
-
 fn sync_dir(dir: &Path) -> Result<(), Error> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -130,17 +128,13 @@ fn write_tensors(path: &Path, tensors: &[StateTensor<'_>]) -> Result<(), Error> 
 
 /// Where the checkpoint of `step` is assembled before it is published.
 pub fn staging_dir(out: &Path, step: u32) -> PathBuf {
-    out.join("checkpoints")
+    out.join(CHECKPOINTS)
         .join(format!(".{}.tmp", step_name(step)))
-}
-
-fn step_name(step: u32) -> String {
-    format!("step-{step:08}")
 }
 
 /// Where the checkpoint of `step` is published under `out`.
 pub fn step_dir(out: &Path, step: u32) -> PathBuf {
-    out.join("checkpoints").join(step_name(step))
+    out.join(CHECKPOINTS).join(step_name(step))
 }
 
 /// Starts assembling a checkpoint in `tmp` (rank 0, before the ranks write).
@@ -159,8 +153,8 @@ pub fn write_rank(tmp: &Path, rank: usize, tensors: &[StateTensor<'_>]) -> Resul
 /// Publishes the checkpoint assembled in `tmp` (rank 0, after every rank wrote): writes the
 /// manifest, renames the directory into place and moves `latest` to it.
 pub fn publish(out: &Path, tmp: &Path, manifest: &Manifest) -> Result<(), Error> {
-    let root = out.join("checkpoints");
-    let manifest_path = tmp.join("manifest.json");
+    let root = out.join(CHECKPOINTS);
+    let manifest_path = tmp.join(MANIFEST_FILE);
     let json = serde_json::to_vec_pretty(manifest).map_err(|e| io(&manifest_path, e))?;
     write_synced(&manifest_path, &json)?;
     sync_dir(tmp)?;
@@ -188,7 +182,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), Error> {
 /// Removes all but the newest `keep` checkpoints under `out`, and leftovers of interrupted
 /// writes.
 pub fn keep_newest(out: &Path, keep: usize) -> Result<(), Error> {
-    let root = out.join("checkpoints");
+    let root = out.join(CHECKPOINTS);
     let mut published = step_dirs(&root)?;
     published.sort_unstable();
     let oldest_kept = published
@@ -210,7 +204,7 @@ pub fn keep_newest(out: &Path, keep: usize) -> Result<(), Error> {
 /// Removes the checkpoints under `out` of steps before `step` (an agent, once the server has
 /// committed the checkpoint of `step`: nothing will resume from an older one).
 pub fn remove_before(out: &Path, step: u32) -> Result<(), Error> {
-    remove_steps(&out.join("checkpoints"), |s| s < step)
+    remove_steps(&out.join(CHECKPOINTS), |s| s < step)
 }
 
 fn remove_steps(root: &Path, remove: impl Fn(u32) -> bool) -> Result<(), Error> {
@@ -242,16 +236,16 @@ fn names(root: &Path) -> Result<Vec<String>, Error> {
 
 /// The checkpoint `checkpoints/latest` points to, if any.
 pub fn latest(out: &Path) -> Result<Option<PathBuf>, Error> {
-    let pointer = out.join("checkpoints").join("latest");
+    let pointer = out.join(CHECKPOINTS).join("latest");
     match fs::read_to_string(&pointer) {
-        Ok(name) => Ok(Some(out.join("checkpoints").join(name.trim()))),
+        Ok(name) => Ok(Some(out.join(CHECKPOINTS).join(name.trim()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io(&pointer, e)),
     }
 }
 
 pub fn load_manifest(dir: &Path) -> Result<Manifest, Error> {
-    let path = dir.join("manifest.json");
+    let path = dir.join(MANIFEST_FILE);
     let text = fs::read(&path).map_err(|e| io(&path, e))?;
     serde_json::from_slice(&text).map_err(|e| io(&path, e))
 }
@@ -295,10 +289,6 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
     }
     Ok(())
 }
-
-/// The files of the final export.
-pub const MODEL_FILE: &str = "model.safetensors";
-pub const CONFIG_FILE: &str = "config.json";
 
 /// Writes `model.safetensors` and `config.json` in Hugging Face GPT-2 form from each unit's
 /// fp32 values.

@@ -26,6 +26,7 @@ use utoipa::ToSchema;
 
 use runner::data::DataRoots;
 
+use crate::artifacts::{ArtifactError, Artifacts};
 use crate::console;
 use crate::domain::{Job, JobState, LogLine, StepRecord};
 use crate::error::{ApiError, InternalDetail, problem_for_bare_errors};
@@ -44,6 +45,8 @@ pub struct App {
     /// `settings.data_roots` resolved: submissions naming a file outside them are refused,
     /// and `zerotrain up`'s local agent reads only inside them.
     pub data_roots: DataRoots,
+    /// Where jobs' checkpoints and exports are kept (`settings.artifacts_dir()`).
+    pub artifacts: Artifacts,
     /// Every Prometheus series this server exports.
     pub metrics: Metrics,
     /// Job state changes, steps and log lines as this server sees them, for SSE followers.
@@ -127,11 +130,13 @@ impl AppState {
     /// data dir).
     pub fn new(store: Store, settings: Settings) -> Result<AppState, BuildError> {
         let data_roots = settings.open_data_roots().map_err(BuildError::DataRoots)?;
+        let artifacts = Artifacts::local(&settings.artifacts_dir())?;
         let auth_throttle = AuthThrottle::new(settings.limits.auth_failures_per_minute);
         Ok(AppState(Arc::new(App {
             store,
             settings,
             data_roots,
+            artifacts,
             metrics: Metrics::default(),
             events: broadcast::channel(1024).0,
             wake_scheduler: Notify::new(),
@@ -226,7 +231,8 @@ pub fn router(state: AppState) -> Router {
     let settings = &state.settings;
     // Innermost first: errors the limit and the timeout produce still become problems, and
     // are counted and compressed like any other answer.
-    routes::routes()
+    let api = routes::routes();
+    api.router
         .merge(console::routes())
         // The body limit below is the one limit; axum's own 2 MB default would be a second.
         .layer(DefaultBodyLimit::disable())
@@ -236,6 +242,8 @@ pub fn router(state: AppState) -> Router {
             settings.request_timeout,
         ))
         .layer(middleware::from_fn(require_json))
+        // Uploads of files: any size, as long as they take (not JSON either).
+        .merge(api.transfers.layer(DefaultBodyLimit::disable()))
         .layer(middleware::map_response(problem_for_bare_errors))
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -310,6 +318,8 @@ pub enum BuildError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Artifacts(#[from] ArtifactError),
     #[error(transparent)]
     DataRoots(runner::Error),
     #[error("listening on {addr}: {source}")]

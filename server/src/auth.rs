@@ -119,8 +119,11 @@ impl FromRequestParts<AppState> for AgentNode {
                 None => ApiError::UnknownToken,
             });
         };
-        let UrlPath(id) = UrlPath::<String>::from_request_parts(parts, state).await?;
-        if id != node.id {
+        // By name: the node's routes have other parameters after `{node}`.
+        let UrlPath(params) =
+            UrlPath::<std::collections::HashMap<String, String>>::from_request_parts(parts, state)
+                .await?;
+        if params.get("node") != Some(&node.id) {
             return Err(ApiError::Forbidden {
                 needed: "this node's agent",
             });

@@ -63,6 +63,12 @@ pub enum ApiError {
     LastJoin { name: String },
     #[error("node {id} was declared lost; register again")]
     NodeLost { id: String },
+    /// An agent's upload this node may not make (see `wire::agent::RefusalReason`).
+    #[error("{what}: refused ({})", reason.as_str())]
+    Refused {
+        what: String,
+        reason: wire::agent::RefusalReason,
+    },
     #[error("the request body is larger than the server accepts")]
     BodyTooLarge,
     #[error("request bodies must be JSON (Content-Type: application/json), not {found:?}")]
@@ -79,6 +85,8 @@ pub enum ApiError {
     Unavailable(String),
     #[error("store: {0}")]
     Store(#[from] StoreError),
+    #[error("{0}")]
+    Artifacts(#[from] crate::artifacts::ArtifactError),
     #[error("{0}")]
     Internal(String),
 }
@@ -229,6 +237,7 @@ impl ApiError {
             ApiError::LastAdmin { .. } => (S::CONFLICT, "last-admin", "Last admin token"),
             ApiError::LastJoin { .. } => (S::CONFLICT, "last-join", "Last agent join token"),
             ApiError::NodeLost { .. } => (S::GONE, "node-lost", "Node lost"),
+            ApiError::Refused { .. } => (S::CONFLICT, "refused", "Not this node's to send"),
             ApiError::BodyTooLarge => (
                 S::PAYLOAD_TOO_LARGE,
                 "body-too-large",
@@ -250,7 +259,7 @@ impl ApiError {
             ApiError::Unavailable(_) => {
                 (S::SERVICE_UNAVAILABLE, "unavailable", "Service unavailable")
             }
-            ApiError::Store(_) | ApiError::Internal(_) => (
+            ApiError::Store(_) | ApiError::Artifacts(_) | ApiError::Internal(_) => (
                 S::INTERNAL_SERVER_ERROR,
                 "internal",
                 "Internal server error",

@@ -240,9 +240,9 @@ impl Settings {
         Some(PathBuf::from(path.split('?').next().unwrap_or(path)))
     }
 
-    /// Where job `id` writes its checkpoints and export.
-    pub fn job_dir(&self, id: &str) -> PathBuf {
-        self.data_dir.join("jobs").join(id)
+    /// The artifact store's directory: jobs' checkpoints and exports, as agents upload them.
+    pub fn artifacts_dir(&self) -> PathBuf {
+        self.data_dir.join("artifacts")
     }
 }
 

@@ -10,11 +10,18 @@
 //!   A node silent for the server's heartbeat timeout is lost: its jobs go back to the queue
 //!   and its beats are answered 410 until it registers again.
 //!
-//! Fencing: the server applies a report only for a (job, attempt) this node holds ranks of
-//! and that is still the job's current attempt. Each attempt writes under its own
-//! `attempt_dir`; a checkpoint is reported once fully written and counts (is *committed*)
-//! only if the server recorded it, and a new attempt resumes from the newest committed one
-//! (`resume_from`), never from whatever an earlier attempt left on disk.
+//! - `PUT /v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}` (agent token):
+//!   one file of a checkpoint or of the export (`crate::artifact` names it), streamed to the
+//!   server's artifact store as soon as it is written; `GET /v1/agents/{node}/jobs/{job}/
+//!   artifacts/{name}` fetches one the job has (the checkpoint an attempt resumes from). No
+//!   node needs a filesystem shared with the server or with other nodes.
+//!
+//! Fencing: the server applies a report or an upload only for a (job, attempt) this node holds
+//! ranks of and that is still the job's current attempt (a rank's checkpoint file only from the
+//! node running that rank). A checkpoint is reported once every rank uploaded its file and
+//! counts (is *committed*) only if the server recorded it with all its files, and a new attempt
+//! resumes from the newest committed one (`resume_from`), never from whatever an earlier
+//! attempt left on disk.
 
 use std::collections::BTreeMap;
 
@@ -56,14 +63,17 @@ pub struct Assignment {
     /// The ranks this node runs, and the device index of each.
     pub ranks: Vec<RankSlot>,
     pub transport: RankTransport,
-    /// The job's folder (shared by every node that runs it): the export of the attempt that
-    /// succeeds is moved here.
-    pub out_dir: String,
-    /// This attempt's own folder, `out_dir/attempts/N`: its checkpoints and export go here.
-    pub attempt_dir: String,
     /// The newest checkpoint the server recorded as committed (by an earlier attempt): the
     /// attempt resumes from it, and from nothing else.
-    pub resume_from: Option<String>,
+    pub resume_from: Option<ResumeFrom>,
+}
+
+/// A committed checkpoint to resume from: its step and the names of its files, which the
+/// node downloads (`GET /v1/agents/{node}/jobs/{job}/artifacts/{name}`) before it starts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResumeFrom {
+    pub step: u32,
+    pub files: Vec<String>,
 }
 
 /// How the job's ranks reach each other.
@@ -252,15 +262,18 @@ pub enum RefusalReason {
     NotRank0,
     /// The node was declared lost: the whole beat was answered 410.
     NodeLost,
+    /// A checkpoint reported before all its files were uploaded.
+    Incomplete,
 }
 
 impl RefusalReason {
-    pub const ALL: [RefusalReason; 5] = [
+    pub const ALL: [RefusalReason; 6] = [
         RefusalReason::UnknownJob,
         RefusalReason::NotAssigned,
         RefusalReason::AttemptOver,
         RefusalReason::NotRank0,
         RefusalReason::NodeLost,
+        RefusalReason::Incomplete,
     ];
 
     /// The name on the wire (and the `reason` label of the refused-reports counter).
@@ -271,6 +284,7 @@ impl RefusalReason {
             RefusalReason::AttemptOver => "attempt_over",
             RefusalReason::NotRank0 => "not_rank_0",
             RefusalReason::NodeLost => "node_lost",
+            RefusalReason::Incomplete => "incomplete",
         }
     }
 }

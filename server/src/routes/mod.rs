@@ -25,7 +25,7 @@ use scheduler::inventory::{Device, Inventory, Node};
 /// `routes!`, which takes its path and methods from the handler's `#[utoipa::path]`, and
 /// nothing else adds a route here: the router and the document cannot disagree. (One `routes!`
 /// per path: utoipa-axum would route every handler of one call on every path of it.)
-pub fn api() -> (Router<AppState>, OpenApi) {
+pub fn api() -> (Api, OpenApi) {
     let (router, doc) = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .routes(routes!(health::healthz))
         .routes(routes!(health::readyz))
@@ -44,15 +44,32 @@ pub fn api() -> (Router<AppState>, OpenApi) {
         .routes(routes!(tokens::revoke))
         .routes(routes!(agents::register::register))
         .routes(routes!(agents::heartbeat::heartbeat))
+        .routes(routes!(agents::artifacts::download))
         .split_for_parts();
-    (router, openapi::finish(doc))
+    let (transfers, transfers_doc) = OpenApiRouter::new()
+        .routes(routes!(agents::artifacts::upload))
+        .split_for_parts();
+    let mut doc = doc;
+    doc.merge(transfers_doc);
+    (Api { router, transfers }, openapi::finish(doc))
+}
+
+/// The endpoints, in two routers: `transfers` take bodies of any size and length of time
+/// (uploads of model files), so `app::router` gives them no body limit and no timeout.
+pub struct Api {
+    pub router: Router<AppState>,
+    pub transfers: Router<AppState>,
 }
 
 /// Every endpoint, serving its own document at `/openapi.json`; `app::router` adds the
 /// console and the middleware.
-pub fn routes() -> Router<AppState> {
-    let (router, doc) = api();
-    router.layer(Extension(openapi::Served::new(&doc)))
+pub fn routes() -> Api {
+    let (api, doc) = api();
+    let served = Extension(openapi::Served::new(&doc));
+    Api {
+        router: api.router.layer(served.clone()),
+        transfers: api.transfers.layer(served),
+    }
 }
 
 /// The live nodes' devices as the planner sees them: each device less the safety margin

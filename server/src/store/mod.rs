@@ -8,6 +8,7 @@
 //! an attempt's ranks are a primary key, and a partial unique index allows one unreleased
 //! assignment per device.
 
+mod artifacts;
 mod backend;
 mod jobs;
 mod nodes;
@@ -155,6 +156,18 @@ pub struct CheckpointRecord {
     pub attempt: u32,
     pub step: u32,
     pub path: String,
+    pub at: i64,
+}
+
+/// A file an agent uploaded for `attempt` (see `crate::artifacts`): its name, the checkpoint
+/// step it belongs to (the job's last step for the export), size and SHA-256 (hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArtifactRecord {
+    pub attempt: u32,
+    pub name: String,
+    pub step: u32,
+    pub bytes: u64,
+    pub sha256: String,
     pub at: i64,
 }
 
@@ -461,6 +474,28 @@ impl Store {
     /// The job's checkpoints, by step (then attempt); the last is where a requeued job resumes.
     pub async fn checkpoints(&self, job_id: &str) -> Result<Vec<CheckpointRecord>, StoreError> {
         reports::checkpoints(&mut self.pool.acquire().await?.conn(), job_id).await
+    }
+
+    /// Records an upload of `a.attempt` if it is still the job's current attempt; false,
+    /// writing nothing, when it is not or the job does not exist. The same name again
+    /// replaces the record.
+    pub async fn add_artifact(&self, job_id: &str, a: &ArtifactRecord) -> Result<bool, StoreError> {
+        artifacts::add_artifact(&mut self.pool.acquire().await?.conn(), job_id, a).await
+    }
+
+    /// Every upload of the job, by name (then attempt).
+    pub async fn artifacts(&self, job_id: &str) -> Result<Vec<ArtifactRecord>, StoreError> {
+        artifacts::artifacts(&mut self.pool.acquire().await?.conn(), job_id).await
+    }
+
+    /// Forgets the job's uploads (only its checkpoints' with `checkpoints_only`); how many.
+    pub async fn remove_artifacts(
+        &self,
+        job_id: &str,
+        checkpoints_only: bool,
+    ) -> Result<u64, StoreError> {
+        artifacts::remove_artifacts(&mut self.pool.acquire().await?.conn(), job_id, checkpoints_only)
+            .await
     }
 
     /// Stores a bearer token (only its SHA-256 is kept) under `name` with `role`. Storing a

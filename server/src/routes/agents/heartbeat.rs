@@ -10,14 +10,14 @@ use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
+use wire::artifact::Artifact;
 use wire::agent::{
-    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason,
+    Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, ResumeFrom,
 };
 
 use crate::app::{AppState, now_ms};
-use crate::artifacts;
 use crate::auth::AgentNode;
-use crate::domain::{JobState, NodeRecord};
+use crate::domain::{Job, JobState, NodeRecord};
 use crate::error::{ApiError, Problem};
 
 /// Heartbeat of a registered agent (its agent token).
@@ -176,28 +176,38 @@ async fn assignments(
         } else {
             continue;
         };
-        // The newest checkpoint an earlier attempt committed: the server recorded it.
-        let resume_from = state
-            .store
-            .checkpoints(&job.id)
-            .await?
-            .into_iter()
-            .rev()
-            .find(|c| c.attempt < job.attempt)
-            .map(|c| c.path);
+        let resume_from = resume_from(state, &job).await?;
         out.push(Assignment {
             job_id: job.id.clone(),
             attempt: job.attempt,
             ranks,
             transport,
-            out_dir: state.settings.job_dir(&job.id).display().to_string(),
-            attempt_dir: artifacts::attempt_dir(&state.settings, &job.id, job.attempt)
-                .display()
-                .to_string(),
             resume_from,
             spec: job.spec,
             plan: job.plan,
         });
     }
     Ok(out)
+}
+
+/// The newest checkpoint an earlier attempt committed (the server recorded it, with all its
+/// files), and the names of its files.
+async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, ApiError> {
+    let committed = state.store.checkpoints(&job.id).await?;
+    let Some(newest) = committed.iter().rev().find(|c| c.attempt < job.attempt) else {
+        return Ok(None);
+    };
+    let uploads = state.store.artifacts(&job.id).await?;
+    let files = uploads
+        .into_iter()
+        .filter(|a| {
+            a.attempt == newest.attempt
+                && Artifact::parse(&a.name).and_then(Artifact::step) == Some(newest.step)
+        })
+        .map(|a| a.name)
+        .collect();
+    Ok(Some(ResumeFrom {
+        step: newest.step,
+        files,
+    }))
 }

@@ -23,15 +23,29 @@ struct Pending {
     logs: HashMap<String, Vec<(i64, String)>>,
 }
 
-/// A job as the beat sees it: the job, and the (attempt, rank) pairs this node was assigned.
-struct View {
+/// A job as a node's request sees it: the job, and the (attempt, rank) pairs this node was
+/// assigned.
+pub(super) struct View {
     job: Option<Job>,
     ranks: Vec<(u32, u32)>,
 }
 
 impl View {
+    pub(super) async fn load(app: &App, job_id: &str, node: &NodeRecord) -> Result<View, ApiError> {
+        Ok(View {
+            job: app.store.get_job(job_id).await?,
+            ranks: app.store.node_ranks(job_id, &node.id).await?,
+        })
+    }
+
     /// Whether the node may report `report`, of `attempt`.
     fn admits(&self, attempt: u32, report: &Report) -> Result<&Job, RefusalReason> {
+        self.holds(attempt, report.from_rank_0_only().then_some(0))
+    }
+
+    /// The job, if `attempt` is its current one and this node holds ranks of it (rank `rank`
+    /// among them, when given).
+    pub(super) fn holds(&self, attempt: u32, rank: Option<u32>) -> Result<&Job, RefusalReason> {
         let job = self.job.as_ref().ok_or(RefusalReason::UnknownJob)?;
         let mut ranks = self
             .ranks
@@ -45,10 +59,22 @@ impl View {
         if job.attempt != attempt {
             return Err(RefusalReason::AttemptOver);
         }
-        if report.from_rank_0_only() && !ranks.any(|r| r == 0) {
-            return Err(RefusalReason::NotRank0);
+        if let Some(rank) = rank
+            && !ranks.any(|r| r == rank)
+        {
+            return Err(if rank == 0 {
+                RefusalReason::NotRank0
+            } else {
+                RefusalReason::NotAssigned
+            });
         }
         Ok(job)
+    }
+
+    /// The job, if this node holds ranks of its current attempt.
+    pub(super) fn current(&self) -> Result<&Job, RefusalReason> {
+        let attempt = self.job.as_ref().ok_or(RefusalReason::UnknownJob)?.attempt;
+        self.holds(attempt, None)
     }
 
     fn runs_rank_0(&self, attempt: u32) -> bool {
@@ -69,10 +95,7 @@ pub(super) async fn apply(
     for (index, report) in reports.into_iter().enumerate() {
         let (job_id, attempt) = report.key();
         if !views.contains_key(job_id) {
-            let view = View {
-                job: app.store.get_job(job_id).await?,
-                ranks: app.store.node_ranks(job_id, &node.id).await?,
-            };
+            let view = View::load(app, job_id, node).await?;
             views.insert(job_id.to_string(), view);
         }
         let view = &views[job_id];
@@ -151,15 +174,25 @@ pub(super) async fn apply(
                 pending.logs.entry(job.id).or_default().push((now, line));
             }
             Report::Checkpoint { step, .. } => {
-                let path = artifacts::checkpoint_dir(&app.settings, &job.id, attempt, step);
-                let path = path.display().to_string();
-                if !app
-                    .store
-                    .add_checkpoint(&job.id, attempt, step, &path)
-                    .await?
+                // Committed only once complete in the artifact store: the manifest and every
+                // rank's file, uploaded before rank 0 reported it.
+                let world = job.spec.world_size.get() as usize;
+                let uploads = app.store.artifacts(&job.id).await?;
+                let reason = if let Some(name) =
+                    artifacts::missing_from_checkpoint(&uploads, attempt, step, world)
                 {
-                    // Requeued since this beat read the job.
-                    let reason = RefusalReason::AttemptOver;
+                    tracing::warn!(job = job.id, attempt, step, "checkpoint without {name}");
+                    Some(RefusalReason::Incomplete)
+                } else {
+                    let path = artifacts::key(&job.id, attempt, &checkpoint_dir(step));
+                    let added = app
+                        .store
+                        .add_checkpoint(&job.id, attempt, step, path.as_ref())
+                        .await?;
+                    // Not added: requeued since this beat read the job.
+                    (!added).then_some(RefusalReason::AttemptOver)
+                };
+                if let Some(reason) = reason {
                     app.metrics.refused(reason, 1);
                     refused.push(Refusal { index, reason });
                 }
@@ -189,9 +222,6 @@ pub(super) async fn apply(
                     let moved = app
                         .transition_attempt(&job.id, attempt, &LIVE, JobState::Succeeded, &reason)
                         .await?;
-                    if moved.is_some() {
-                        artifacts::promote_export(&app.settings, &job.id, attempt).await;
-                    }
                     refresh(&mut views, moved);
                 }
             }
@@ -238,6 +268,11 @@ impl Pending {
         }
         Ok(())
     }
+}
+
+/// `checkpoints/step-NNNNNNNN`: where a checkpoint's files are under its attempt.
+fn checkpoint_dir(step: u32) -> String {
+    format!("{}/{}", wire::artifact::CHECKPOINTS, wire::artifact::step_name(step))
 }
 
 /// Keeps the beat's view of a job current after it moved.

@@ -1,0 +1,161 @@
+//! An agent's files: `PUT /v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}`
+//! streams one into the artifact store as it is written (a rank's checkpoint file from the
+//! node that runs that rank; the manifest and the export from rank 0's node, only while the
+//! attempt is the job's current one), and `GET /v1/agents/{node}/jobs/{job}/artifacts/{name}`
+//! gives a node running the job a file the job has (the checkpoint it resumes from). Names
+//! are `wire::artifact`'s; `/` in one is sent as `%2F`.
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use serde::Serialize;
+use utoipa::ToSchema;
+use wire::agent::RefusalReason;
+use wire::artifact::Artifact;
+
+use super::reports::View;
+use crate::app::{AppState, now_ms};
+use crate::artifacts;
+use crate::auth::AgentNode;
+use crate::error::{ApiError, Problem};
+use crate::store::ArtifactRecord;
+
+/// One stored file of a job, as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct ArtifactView {
+    /// `model.safetensors`, `config.json`, or `checkpoints/step-NNNNNNNN/FILE`.
+    pub name: String,
+    pub bytes: u64,
+    /// SHA-256 of the bytes, hex.
+    pub sha256: String,
+    /// The step it was written at (a checkpoint's; the job's last for the export).
+    pub step: u32,
+}
+
+impl From<&ArtifactRecord> for ArtifactView {
+    fn from(a: &ArtifactRecord) -> ArtifactView {
+        ArtifactView {
+            name: a.name.clone(),
+            bytes: a.bytes,
+            sha256: a.sha256.clone(),
+            step: a.step,
+        }
+    }
+}
+
+/// Upload one file of an attempt this node runs (its agent token).
+#[utoipa::path(
+    put,
+    path = "/v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}",
+    operation_id = "agent_upload_artifact",
+    tag = "agents",
+    params(
+        ("node" = String, Path, description = "The node id registration returned"),
+        ("job" = String, Path, description = "The job id"),
+        ("attempt" = u32, Path, description = "The attempt the node runs"),
+        ("name" = String, Path, description = "The file's artifact name, `/` as `%2F`"),
+    ),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "The file's bytes"),
+    responses(
+        (status = 201, description = "Stored", body = ArtifactView),
+        (status = 400, description = "`name` is not an artifact name",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Not this node's to upload: the job is not at that \
+            attempt, or the node holds no rank (or not the rank) the file is of",
+            body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn upload(
+    State(state): State<AppState>,
+    AgentNode(node): AgentNode,
+    Path((_, job_id, attempt, name)): Path<(String, String, u32, String)>,
+    body: Body,
+) -> Result<(StatusCode, Json<ArtifactView>), ApiError> {
+    let artifact = Artifact::parse(&name).ok_or_else(|| ApiError::BadRequest {
+        field: "name".into(),
+        reason: format!("{name:?} is not the name of a checkpoint file or of the export"),
+    })?;
+    // A rank's file comes from the node running it; the rest of a checkpoint and the export
+    // from rank 0's.
+    let rank = match artifact {
+        Artifact::Rank { rank, .. } => u32::try_from(rank).unwrap_or(u32::MAX),
+        Artifact::Manifest { .. } | Artifact::Model | Artifact::Config => 0,
+    };
+    let view = View::load(&state, &job_id, &node).await?;
+    let refused = |reason: RefusalReason| {
+        state.metrics.refused(reason, 1);
+        ApiError::Refused {
+            what: name.clone(),
+            reason,
+        }
+    };
+    let job = view.holds(attempt, Some(rank)).map_err(refused)?;
+    let step = artifact
+        .step()
+        .unwrap_or_else(|| job.spec.training.steps.get());
+    let written = state
+        .artifacts
+        .put(&job_id, attempt, &name, body.into_data_stream())
+        .await?;
+    let record = ArtifactRecord {
+        attempt,
+        name: name.clone(),
+        step,
+        bytes: written.bytes,
+        sha256: written.sha256,
+        at: now_ms(),
+    };
+    if !state.store.add_artifact(&job_id, &record).await? {
+        return Err(refused(RefusalReason::AttemptOver));
+    }
+    Ok((StatusCode::CREATED, Json(ArtifactView::from(&record))))
+}
+
+/// A file of a job this node runs ranks of (its agent token).
+#[utoipa::path(
+    get,
+    path = "/v1/agents/{node}/jobs/{job}/artifacts/{name}",
+    operation_id = "agent_download_artifact",
+    tag = "agents",
+    params(
+        ("node" = String, Path, description = "The node id registration returned"),
+        ("job" = String, Path, description = "The job id"),
+        ("name" = String, Path, description = "An artifact the job lists, `/` as `%2F`"),
+    ),
+    responses(
+        (status = 200, description = "The file's bytes", content_type = "application/octet-stream"),
+        (status = 404, description = "The job has no such artifact",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The node runs no rank of the job's current attempt",
+            body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn download(
+    State(state): State<AppState>,
+    AgentNode(node): AgentNode,
+    Path((_, job_id, name)): Path<(String, String, String)>,
+) -> Result<Body, ApiError> {
+    let view = View::load(&state, &job_id, &node).await?;
+    let job = view.current().map_err(|reason| {
+        state.metrics.refused(reason, 1);
+        ApiError::Refused {
+            what: name.clone(),
+            reason,
+        }
+    })?;
+    let listed = artifacts::listed(
+        job,
+        &state.store.artifacts(&job_id).await?,
+        &state.store.checkpoints(&job_id).await?,
+    );
+    let a = listed
+        .iter()
+        .find(|a| a.name == name)
+        .ok_or(ApiError::NotFound {
+            what: "artifact",
+            id: name.clone(),
+        })?;
+    Ok(Body::from_stream(state.artifacts.get(&job_id, a, None).await?))
+}
