@@ -6,7 +6,7 @@
 //! into place, and only then does the `checkpoints/latest` pointer (itself replaced by an
 //! fsynced rename) move to it: a crash at any point leaves the previous checkpoint loadable.
 //! Who removes old checkpoints depends on the host: a run on its own keeps the two newest; an
-//! agent removes one only once the server has recorded (committed) a newer one.
+//! agent uploads each file to the server ([`Upload`]) and removes it then.
 //!
 //! On completion the model is exported as Hugging Face GPT-2: `model.safetensors` (fp32,
 //! `transformer.`-prefixed names, LM head tied) and `config.json`.
@@ -24,10 +24,17 @@ use serde::{Deserialize, Serialize};
 
 use crate::Error;
 pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
-use wire::artifact::{CHECKPOINTS, MANIFEST_FILE, rank_file, step_name};
+use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, rank_file, step_name};
 use crate::data::{DataRoots, Position, describe};
 use crate::device::{Cpu, Device};
 use crate::loss_scale;
+
+/// Where a run's files go once written, besides its output folder (an agent's: the server's
+/// artifact store). Each rank sends its own checkpoint file before the checkpoint is published,
+/// rank 0 the manifest once it is, and the export at the end.
+pub trait Upload: Send + Sync + std::fmt::Debug {
+    fn upload(&self, artifact: Artifact, file: &Path) -> Result<(), Error>;
+}
 
 /// Checkpoints a run on its own keeps on disk; older ones are removed once a newer one is in
 /// place.
@@ -146,8 +153,13 @@ pub fn begin(tmp: &Path) -> Result<(), Error> {
 }
 
 /// Writes one rank's buffers into the checkpoint being assembled in `tmp`.
-pub fn write_rank(tmp: &Path, rank: usize, tensors: &[StateTensor<'_>]) -> Result<(), Error> {
-    write_tensors(&tmp.join(rank_file(rank)), tensors)
+/// On a node without rank 0 (whose folder rank 0 never made), the folder is made here.
+/// Returns the file written.
+pub fn write_rank(tmp: &Path, rank: usize, tensors: &[StateTensor<'_>]) -> Result<PathBuf, Error> {
+    fs::create_dir_all(tmp).map_err(|e| io(tmp, e))?;
+    let path = tmp.join(rank_file(rank));
+    write_tensors(&path, tensors)?;
+    Ok(path)
 }
 
 /// Publishes the checkpoint assembled in `tmp` (rank 0, after every rank wrote): writes the
@@ -199,12 +211,6 @@ pub fn keep_newest(out: &Path, keep: usize) -> Result<(), Error> {
         fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
     }
     Ok(())
-}
-
-/// Removes the checkpoints under `out` of steps before `step` (an agent, once the server has
-/// committed the checkpoint of `step`: nothing will resume from an older one).
-pub fn remove_before(out: &Path, step: u32) -> Result<(), Error> {
-    remove_steps(&out.join(CHECKPOINTS), |s| s < step)
 }
 
 fn remove_steps(root: &Path, remove: impl Fn(u32) -> bool) -> Result<(), Error> {

@@ -23,6 +23,7 @@ use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
 use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
 use crate::zero::Engine;
+use wire::artifact::Artifact;
 use crate::{lr_schedule, process};
 
 /// How a run is hosted.
@@ -50,9 +51,11 @@ pub struct Options {
     pub data_roots: DataRoots,
     /// Which checkpoint the run resumes from.
     pub resume: Resume,
-    /// Keep every checkpoint under `out_dir` (an agent removes one only once the server has
-    /// committed a newer one); otherwise the newest `checkpoint::KEEP` are kept.
+    /// Keep every checkpoint under `out_dir`; otherwise the newest `checkpoint::KEEP` are kept.
     pub keep_all_checkpoints: bool,
+    /// Where checkpoint files and the export go as soon as they are written (an agent's
+    /// uploads to the server), besides `out_dir`.
+    pub upload: Option<Arc<dyn checkpoint::Upload>>,
 }
 
 impl Options {
@@ -412,7 +415,7 @@ fn train_rank<X: Num + Wire, D: Device>(
                 data: data.position(),
                 losses: losses.clone(),
             };
-            engine.save_checkpoint(out, &manifest)?;
+            engine.save_checkpoint(out, &manifest, opts.upload.as_deref())?;
             if rank == 0 && !opts.keep_all_checkpoints {
                 checkpoint::keep_newest(out, checkpoint::KEEP)?;
             }
@@ -435,6 +438,10 @@ fn train_rank<X: Num + Wire, D: Device>(
         let units = engine.unit_values()?;
         if rank == 0 {
             checkpoint::export(out, &shape, &units)?;
+            if let Some(up) = &opts.upload {
+                up.upload(Artifact::Model, &out.join(checkpoint::MODEL_FILE))?;
+                up.upload(Artifact::Config, &out.join(checkpoint::CONFIG_FILE))?;
+            }
         }
     }
     Ok(RankRun {

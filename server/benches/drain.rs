@@ -85,6 +85,7 @@ async fn drain(jobs: usize) -> f64 {
         gpus: Vec::new(),
         threads: Some(1),
         data_roots: state.data_roots.clone(),
+        work_dir: dir.path().join("agents/bench"),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

@@ -19,6 +19,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, broadcast, watch};
 use tokio::task::JoinHandle;
 use tower_http::compression::CompressionLayer;
+use tower_http::compression::predicate::{DefaultPredicate, NotForContentType, Predicate};
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
@@ -249,7 +250,11 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             throttle_failed_auth,
         ))
-        .layer(CompressionLayer::new())
+        // Files (artifacts) go as they are: safetensors barely compress, and a compressed body
+        // would break their Content-Length and byte ranges.
+        .layer(CompressionLayer::new().compress_when(
+            DefaultPredicate::new().and(NotForContentType::const_new("application/octet-stream")),
+        ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             track_requests,

@@ -69,6 +69,8 @@ pub enum ApiError {
         what: String,
         reason: wire::agent::RefusalReason,
     },
+    #[error("the range asked for lies outside the file's {bytes} bytes")]
+    RangeNotSatisfiable { bytes: u64 },
     #[error("the request body is larger than the server accepts")]
     BodyTooLarge,
     #[error("request bodies must be JSON (Content-Type: application/json), not {found:?}")]
@@ -238,6 +240,11 @@ impl ApiError {
             ApiError::LastJoin { .. } => (S::CONFLICT, "last-join", "Last agent join token"),
             ApiError::NodeLost { .. } => (S::GONE, "node-lost", "Node lost"),
             ApiError::Refused { .. } => (S::CONFLICT, "refused", "Not this node's to send"),
+            ApiError::RangeNotSatisfiable { .. } => (
+                S::RANGE_NOT_SATISFIABLE,
+                "range-not-satisfiable",
+                "Range not satisfiable",
+            ),
             ApiError::BodyTooLarge => (
                 S::PAYLOAD_TOO_LARGE,
                 "body-too-large",

@@ -80,10 +80,6 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
             .map(|r| RankSlot { rank: r, device: r })
             .collect::<Vec<_>>()
     );
-    assert_eq!(
-        a.out_dir,
-        app.dir.path().join("jobs").join(&id).display().to_string()
-    );
     // The agent gets the spec as admitted and admission's plan, which resolves its "auto"s.
     let stored = app.job(&id).await;
     let plan: Plan = serde_json::from_value(stored["plan"].clone()).unwrap();
@@ -524,7 +520,6 @@ async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_coun
             job_id: id.clone(),
             attempt: 1,
             step: 1,
-            path: "/etc".into(),
         },
         memory(&id, 0),
         Report::Failed {
@@ -598,17 +593,17 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     let id = app.submit_ok(&tiny_spec(1)).await;
     app.schedule().await;
     let a = app.beat(&node, vec![], vec![]).await.assignments.remove(0);
-    let job_dir = app.dir.path().join("jobs").join(&id);
-    assert_eq!(
-        a.attempt_dir,
-        job_dir.join("attempts/1").display().to_string()
-    );
     assert_eq!(a.resume_from, None);
     let checkpoint = |attempt, step| Report::Checkpoint {
         job_id: id.clone(),
         attempt,
         step,
-        path: format!("{}/checkpoints/step-{step:08}", a.attempt_dir),
+    };
+    let files = |step: u32| {
+        [
+            format!("checkpoints/step-{step:08}/manifest.json"),
+            format!("checkpoints/step-{step:08}/rank-00000.safetensors"),
+        ]
     };
     let started = Report::Started {
         job_id: id.clone(),
@@ -616,24 +611,33 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
         resumed_from: None,
     };
     let running = vec![(id.clone(), 1)];
+    // A checkpoint reported before its files are all uploaded is not committed.
+    app.upload(&node, &id, 1, &files(10)[1], "rank 0 at 10").await;
     let reply = app
         .beat(&node, vec![started, checkpoint(1, 10)], running.clone())
         .await;
+    assert_eq!(refusals(&reply), [(1, RefusalReason::Incomplete)]);
+    assert_eq!(app.refused("incomplete").await, 1);
+    let stored = app.upload(&node, &id, 1, &files(10)[0], "manifest at 10").await;
+    assert_eq!(stored.status, StatusCode::CREATED, "{}", stored.text);
+    assert_eq!(stored.json()["step"], 10);
+    assert_eq!(stored.json()["bytes"], 14);
+    let reply = app.beat(&node, vec![checkpoint(1, 10)], running.clone()).await;
     assert!(reply.refused.is_empty(), "{reply:?}");
 
-    // The job goes back to the queue (as when its node is lost): attempt 1 is over.
+    // The job goes back to the queue (as when its node is lost): attempt 1 is over, and
+    // neither its reports nor its uploads count.
     let requeued = app
         .state
         .transition(&id, &[JobState::Running], JobState::Queued, "requeued")
         .await
         .unwrap();
     assert!(requeued.is_some());
-    std::fs::create_dir_all(&a.attempt_dir).unwrap();
-    std::fs::write(
-        Path::new(&a.attempt_dir).join("model.safetensors"),
-        "zombie",
-    )
-    .unwrap();
+    for name in files(20).iter().chain([&"model.safetensors".to_string()]) {
+        let late = app.upload(&node, &id, 1, name, "zombie").await;
+        assert_eq!(late.status, StatusCode::CONFLICT, "{name}: {}", late.text);
+        assert!(late.text.contains("attempt_over"), "{}", late.text);
+    }
     let late = vec![
         checkpoint(1, 20),
         step(&id, 1, 15, 1.0),
@@ -647,25 +651,46 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     let over = RefusalReason::AttemptOver;
     assert_eq!(refusals(&reply), [(0, over), (1, over), (2, over)]);
     assert_eq!(reply.cancel, [(id.clone(), 1)], "its ranks must stop");
-    assert_eq!(app.refused("attempt_over").await, 3);
-    assert!(!job_dir.join("model.safetensors").exists(), "not promoted");
+    assert_eq!(app.refused("attempt_over").await, 6);
 
-    // Attempt 2 resumes from the checkpoint the server committed, not the zombie's newer one.
+    // Attempt 2 resumes from the checkpoint the server committed, and fetches its files.
     app.schedule().await;
     let b = app.beat(&node, vec![], vec![]).await.assignments.remove(0);
     assert_eq!(b.attempt, 2);
-    assert_eq!(
-        b.attempt_dir,
-        job_dir.join("attempts/2").display().to_string()
-    );
-    let committed = job_dir.join("attempts/1/checkpoints/step-00000010");
-    assert_eq!(b.resume_from, Some(committed.display().to_string()));
+    let resume = b.resume_from.expect("a committed checkpoint");
+    assert_eq!(resume.step, 10);
+    assert_eq!(resume.files, files(10));
+    let fetched = app
+        .call(
+            Method::GET,
+            &format!(
+                "/v1/agents/{}/jobs/{id}/artifacts/{}",
+                node.0,
+                files(10)[0].replace('/', "%2F")
+            ),
+            Some(&node.1),
+            None,
+        )
+        .await;
+    assert_eq!((fetched.status, fetched.text.as_str()), (StatusCode::OK, "manifest at 10"));
+    let listed = || async {
+        let list = app.get(&format!("/v1/jobs/{id}/artifacts")).await.json();
+        list["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["name"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(listed().await, files(10), "the committed checkpoint only");
 
-    // Attempt 2's export is moved into the job's folder when it succeeds.
-    std::fs::create_dir_all(&b.attempt_dir).unwrap();
+    // Attempt 2's export is the job's once it succeeds.
     for (name, text) in [("model.safetensors", "weights"), ("config.json", "{}")] {
-        std::fs::write(Path::new(&b.attempt_dir).join(name), text).unwrap();
+        let up = app.upload(&node, &id, 2, name, text).await;
+        assert_eq!(up.status, StatusCode::CREATED, "{}", up.text);
+        assert_eq!(up.json()["step"], 5, "the job's last step");
     }
+    assert_eq!(listed().await, files(10), "not before it succeeded");
     let finished = Report::Finished {
         job_id: id.clone(),
         attempt: 2,
@@ -674,9 +699,124 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     let reply = app.beat(&node, vec![finished], vec![]).await;
     assert!(reply.refused.is_empty(), "{reply:?}");
     assert_eq!(app.job(&id).await["state"], "succeeded");
-    let model = std::fs::read_to_string(job_dir.join("model.safetensors")).unwrap();
-    assert_eq!(model, "weights");
-    assert!(job_dir.join("config.json").exists());
+    let mut want = files(10).to_vec();
+    want.splice(0..0, ["config.json".to_string()]);
+    want.push("model.safetensors".into());
+    assert_eq!(listed().await, want);
+    let model = app.get(&format!("/v1/jobs/{id}/artifacts/model.safetensors")).await;
+    assert_eq!((model.status, model.text.as_str()), (StatusCode::OK, "weights"));
+    assert_eq!(model.headers[header::CONTENT_LENGTH], "7");
+    assert_eq!(model.content_type(), "application/octet-stream");
+}
+
+#[tokio::test]
+async fn a_node_uploads_only_its_own_ranks_files_and_only_artifact_names() {
+    let app = TestApp::new().await;
+    let first = app.register("n1", 1, 2 * GIB).await;
+    let second = app.register("n2", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(2)).await;
+    app.schedule().await;
+    let a = app.beat(&first, vec![], vec![]).await.assignments;
+    let (rank0, rank1) = if a.is_empty() { (&second, &first) } else { (&first, &second) };
+    let rank_file = |r: u32| format!("checkpoints/step-00000002/rank-{r:05}.safetensors");
+    for (node, name, want) in [
+        (rank1, rank_file(1), StatusCode::CREATED),
+        (rank0, rank_file(0), StatusCode::CREATED),
+        (rank1, rank_file(0), StatusCode::CONFLICT),
+        (rank0, rank_file(1), StatusCode::CONFLICT),
+        (rank1, "checkpoints/step-00000002/manifest.json".into(), StatusCode::CONFLICT),
+        (rank1, "model.safetensors".into(), StatusCode::CONFLICT),
+        (rank0, "../../../zerotrain.db".into(), StatusCode::BAD_REQUEST),
+        (rank0, "checkpoints/step-2/manifest.json".into(), StatusCode::BAD_REQUEST),
+    ] {
+        let up = app.upload(node, &id, 1, &name, "bytes").await;
+        assert_eq!(up.status, want, "{name}: {}", up.text);
+    }
+    // Another node's token for this node's path, and a person's token, are refused.
+    let forged = app.upload(&(rank0.0.clone(), rank1.1.clone()), &id, 1, &rank_file(0), "x").await;
+    assert_eq!(forged.status, StatusCode::FORBIDDEN, "{}", forged.text);
+    let person = app.upload(&(rank0.0.clone(), ADMIN.into()), &id, 1, &rank_file(0), "x").await;
+    assert_eq!(person.status, StatusCode::FORBIDDEN, "{}", person.text);
+    // Nothing refused was written: the store holds the two accepted files alone.
+    let stored = app.state.store.artifacts(&id).await.unwrap();
+    let names: Vec<&str> = stored.iter().map(|a| a.name.as_str()).collect();
+    assert_eq!(names, [rank_file(0), rank_file(1)]);
+    let mut on_disk: Vec<String> = walk(&app.state.settings.artifacts_dir());
+    on_disk.sort();
+    assert_eq!(
+        on_disk,
+        [
+            format!("jobs/{id}/attempts/1/{}", rank_file(0)),
+            format!("jobs/{id}/attempts/1/{}", rank_file(1)),
+        ]
+    );
+}
+
+/// Every file under `dir`, relative to it.
+fn walk(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_download_serves_byte_ranges_and_viewers_may_download() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    app.beat(&node, vec![], vec![]).await;
+    for (name, text) in [("model.safetensors", "0123456789"), ("config.json", "{}")] {
+        app.upload(&node, &id, 1, name, text).await;
+    }
+    let path = format!("/v1/jobs/{id}/artifacts/model.safetensors");
+    let listed = app.get(&format!("/v1/jobs/{id}/artifacts")).await.json();
+    assert_eq!(listed["artifacts"], json!([]), "nothing before the job succeeded");
+    assert_eq!(app.get(&path).await.status, StatusCode::NOT_FOUND);
+    let finished = Report::Finished {
+        job_id: id.clone(),
+        attempt: 1,
+        final_loss: 1.0,
+    };
+    app.beat(&node, vec![finished], vec![]).await;
+    let listed = app.get(&format!("/v1/jobs/{id}/artifacts")).await.json();
+    assert_eq!(
+        listed["artifacts"][1],
+        json!({"name": "model.safetensors", "bytes": 10, "step": 5,
+            "sha256": "84d89877f0d4041efb6bf91a16f0248f2fd573e6af05c19f96bedb9f882f7882"})
+    );
+    for (range, status, body, content_range) in [
+        ("bytes=2-4", StatusCode::PARTIAL_CONTENT, "234", "bytes 2-4/10"),
+        ("bytes=7-", StatusCode::PARTIAL_CONTENT, "789", "bytes 7-9/10"),
+        ("bytes=-2", StatusCode::PARTIAL_CONTENT, "89", "bytes 8-9/10"),
+        ("bytes=10-", StatusCode::RANGE_NOT_SATISFIABLE, "", "bytes */10"),
+    ] {
+        let got = app
+            .call_with(Method::GET, &path, Some(VIEWER), None, &[("range", range)])
+            .await;
+        assert_eq!(got.status, status, "{range}: {}", got.text);
+        assert_eq!(got.headers[header::CONTENT_RANGE], content_range, "{range}");
+        if status == StatusCode::PARTIAL_CONTENT {
+            assert_eq!(got.text, body, "{range}");
+        }
+    }
+    let whole = app
+        .call_with(Method::GET, &path, Some(VIEWER), None, &[("accept-encoding", "gzip")])
+        .await;
+    assert_eq!(whole.text, "0123456789", "sent as stored, never compressed");
+    assert_eq!(app.call(Method::GET, &path, None, None).await.status, StatusCode::UNAUTHORIZED);
+    let none = app.get(&format!("/v1/jobs/{id}/artifacts/checkpoints%2Fnope")).await;
+    assert_eq!(none.status, StatusCode::NOT_FOUND);
 }
 
 /// Returns once a heartbeat is waiting at the server (after it looked for work and found none).

@@ -3,6 +3,7 @@
 
 mod live;
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,8 +48,15 @@ fn agent(
     live::agent(&s.server, &s.join, name, devices, memory)
 }
 
-/// A `zerotrain agent` process.
-fn agent_process(s: &Service, name: &str, devices: usize, extra: &[&str]) -> Child {
+/// A `zerotrain agent` process, working in a folder of its own under `work`.
+fn agent_process(
+    s: &Service,
+    work: &Path,
+    name: &str,
+    devices: usize,
+    extra: &[&str],
+) -> Child {
+    let work_dir = work.join(name);
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args([
             "agent",
@@ -59,6 +67,8 @@ fn agent_process(s: &Service, name: &str, devices: usize, extra: &[&str]) -> Chi
             "--name",
             name,
         ])
+        .arg("--work-dir")
+        .arg(&work_dir)
         .args([
             "--cpu-devices",
             &devices.to_string(),
@@ -325,7 +335,10 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
         .unwrap()
     };
     let s = service().await;
-    let mut first = agent_process(&s, "doomed", 2, &[]);
+    // Each agent works in a folder of its own, outside the server's data dir: the second
+    // resumes from what the first uploaded, with no directory shared between them.
+    let (work_a, work_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut first = agent_process(&s, work_a.path(), "doomed", 2, &[]);
     s.wait_nodes(1).await;
     let (status, created) = s.submit(spec).await;
     assert_eq!(status, 201, "{created}");
@@ -345,7 +358,7 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
     .await;
     first.kill().unwrap();
     first.wait().unwrap();
-    let mut second = agent_process(&s, "rescuer", 2, &[]);
+    let mut second = agent_process(&s, work_b.path(), "rescuer", 2, &[]);
     let job = s.finished(&id, Duration::from_secs(180)).await;
     second.kill().unwrap();
     second.wait().unwrap();
@@ -367,19 +380,59 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
         reference.final_loss,
         "resumed run ends where an uninterrupted one does"
     );
+
+    // The job's files came through the server: both checkpoints' ranks and the export are
+    // listed, and the model downloads with the listed digest.
+    let listed = s.get(&format!("/v1/jobs/{id}/artifacts")).await;
+    let names: Vec<&str> = listed["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"config.json") && names.contains(&"model.safetensors"), "{names:?}");
+    let step_70 = "checkpoints/step-00000070/";
+    for file in ["manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"] {
+        assert!(names.contains(&format!("{step_70}{file}").as_str()), "{names:?}");
+    }
+    let model = listed["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "model.safetensors")
+        .unwrap()
+        .clone();
+    let bytes = s
+        .call(reqwest::Method::GET, &format!("/v1/jobs/{id}/artifacts/model.safetensors"))
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    assert_eq!(bytes.len() as u64, model["bytes"].as_u64().unwrap());
+    let digest = sha256_hex(&bytes);
+    assert_eq!(digest, model["sha256"].as_str().unwrap());
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(tensors.names().contains(&"transformer.wte.weight"), "{:?}", tensors.names());
+    // The attempt that succeeded left nothing in its agent's folder.
+    let rescuer_attempt = work_b.path().join("rescuer/jobs").join(&id).join("attempts/2");
+    assert!(!rescuer_attempt.exists(), "{} is left", rescuer_attempt.display());
 }
 
-/// The newest checkpoint step written under `attempt_dir`, committed or not.
-fn newest_on_disk(attempt_dir: &std::path::Path) -> Option<u32> {
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
+/// The newest checkpoint step rank 0 wrote under `attempt_dir` that is still waiting there to
+/// be uploaded (a file is removed once the server has it).
+fn newest_unsent(attempt_dir: &Path) -> Option<u32> {
     std::fs::read_dir(attempt_dir.join("checkpoints"))
         .ok()?
         .filter_map(|e| {
-            e.ok()?
-                .file_name()
-                .to_str()?
-                .strip_prefix("step-")?
-                .parse()
-                .ok()
+            let e = e.ok()?;
+            e.path().join("rank-00000.safetensors").exists().then_some(())?;
+            let name = e.file_name().into_string().ok()?;
+            name.strip_prefix(".step-")?.strip_suffix(".tmp")?.parse().ok()
         })
         .max()
 }
@@ -433,17 +486,22 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
     .await;
     proxy.set(Mode::Paused);
     // Past the heartbeat timeout its node is lost and the job requeued, while the agent, cut
-    // off, trains on and writes checkpoints the server never hears of.
+    // off, trains on and writes a checkpoint the server never receives.
     s.wait_state(&id, "queued", 30 * second).await;
     let committed = store.checkpoints(&id).await.unwrap();
     assert!(committed.iter().all(|c| c.attempt == 1), "{committed:?}");
     let committed = committed.iter().map(|c| c.step).max().unwrap();
-    let zombie_dir = s.dir.path().join("jobs").join(&id).join("attempts/1");
+    let zombie_dir = s
+        .dir
+        .path()
+        .join("agents/zombie/jobs")
+        .join(&id)
+        .join("attempts/1");
     poll(60 * second, Duration::from_millis(10), || async {
-        let newest = newest_on_disk(&zombie_dir);
+        let newest = newest_unsent(&zombie_dir);
         (newest > Some(committed))
             .then_some(())
-            .ok_or(format!("newest on disk {newest:?}, committed {committed}"))
+            .ok_or(format!("newest unsent {newest:?}, committed {committed}"))
     })
     .await;
 
@@ -508,7 +566,8 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
 async fn an_agent_serves_its_own_metrics() {
     let s = service().await;
     let addr = free_loopback_addr();
-    let mut agent = agent_process(&s, "watched", 3, &["--metrics-addr", &addr]);
+    let work = tempfile::tempdir().unwrap();
+    let mut agent = agent_process(&s, work.path(), "watched", 3, &["--metrics-addr", &addr]);
     s.wait_nodes(1).await;
     let text = poll(
         Duration::from_secs(10),

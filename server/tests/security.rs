@@ -314,11 +314,38 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
         None,
     )
     .await;
-    let outputs = |id: &str| app.state.settings.job_dir(id);
+    // Each job has a checkpoint file and a model in the artifact store.
+    let names = ["checkpoints/step-00000010/manifest.json", "model.safetensors"];
     for id in [&done, &live] {
-        std::fs::create_dir_all(outputs(id).join("checkpoints/step-00000010")).unwrap();
-        std::fs::write(outputs(id).join("model.safetensors"), b"weights").unwrap();
+        for name in names {
+            let body = futures::stream::iter([Ok::<_, std::io::Error>(
+                axum::body::Bytes::from_static(b"bytes"),
+            )]);
+            let w = app.state.artifacts.put(id, 1, name, body).await.unwrap();
+            let record = server::store::ArtifactRecord {
+                attempt: 1,
+                name: name.into(),
+                step: 10,
+                bytes: w.bytes,
+                sha256: w.sha256,
+                at: now_ms(),
+            };
+            assert!(app.state.store.add_artifact(id, &record).await.unwrap());
+        }
     }
+    let kept = |id: &str| {
+        let objects = app.state.settings.artifacts_dir().join("jobs").join(id).join("attempts/1");
+        let store = &app.state.store;
+        let id = id.to_string();
+        async move {
+            let rows: Vec<String> =
+                store.artifacts(&id).await.unwrap().into_iter().map(|a| a.name).collect();
+            let files: Vec<&str> =
+                names.into_iter().filter(|n| objects.join(n).exists()).collect();
+            assert_eq!(rows, files, "records and files agree");
+            rows
+        }
+    };
     let day = 86_400_000;
     let collect = |days: i64| server::retention::collect(&app.state, now_ms() + days * day);
     assert_eq!(
@@ -327,19 +354,12 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
     );
     let r = collect(8).await.unwrap();
     assert_eq!((r.checkpoints, r.outputs), (1, 0));
-    assert!(!outputs(&done).join("checkpoints").exists());
-    assert!(
-        outputs(&done).join("model.safetensors").exists(),
-        "the final model is kept"
-    );
-    assert!(
-        outputs(&live).join("checkpoints").exists(),
-        "a job not ended keeps everything"
-    );
+    assert_eq!(kept(&done).await, ["model.safetensors"], "the final model is kept");
+    assert_eq!(kept(&live).await, names, "a job not ended keeps everything");
     let r = collect(31).await.unwrap();
     assert_eq!((r.checkpoints, r.outputs), (0, 1));
-    assert!(!outputs(&done).exists());
-    assert!(outputs(&live).join("model.safetensors").exists());
+    assert!(kept(&done).await.is_empty());
+    assert_eq!(kept(&live).await, names);
 }
 
 /// A request from `peer` (as a real connection's address reaches the middleware).

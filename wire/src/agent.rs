@@ -141,12 +141,11 @@ pub enum Report {
         attempt: u32,
         line: String,
     },
-    /// A checkpoint of `step`, fully written (sent only once it is published).
+    /// A checkpoint of `step`, every file of it uploaded (sent only once it is published).
     Checkpoint {
         job_id: String,
         attempt: u32,
         step: u32,
-        path: String,
     },
     /// Every rank of the job on this node finished; from rank 0's node: the job succeeded.
     Finished {

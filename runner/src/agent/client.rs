@@ -1,13 +1,17 @@
 //! The agent's side of the HTTP calls: JSON bodies with a bearer token, answers sorted into
 //! "the server does not know this node" (register again) and everything else (try again), and
-//! the backoff between tries.
+//! the backoff between tries; and an attempt's files, to and from the server's artifact store.
 
+use std::fs::{self, File};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 
 use crate::Error;
+use crate::checkpoint::Upload;
+use wire::artifact::Artifact;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse};
 
 /// Longest pause between two tries before jitter, which adds up to as much again: well inside
@@ -129,6 +133,144 @@ impl Client {
             Err(e) => Err(CallError::Failed(fail(e))),
         }
     }
+}
+
+/// Tries a file transfer gets before the rank fails.
+const FILE_TRIES: usize = 4;
+const FILE_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest sending a file, waiting for the answer, or receiving a file may take.
+const FILE_PHASE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// One attempt's files in the server's artifact store, as its node sends and fetches them.
+/// Transfers have no overall timeout (a model file takes as long as it takes), only ones for
+/// each phase; one that failed for a reason that may pass (the network, a 5xx) is tried again
+/// with [`backoff`], one the server refused (a 4xx: the attempt is over, say) is not.
+#[derive(Debug, Clone)]
+pub struct Files {
+    http: ureq::Agent,
+    /// `SERVER/v1/agents/NODE/jobs/JOB`.
+    base: String,
+    token: String,
+    attempt: u32,
+}
+
+impl Files {
+    pub fn new(server: &str, node: &str, token: &str, job_id: &str, attempt: u32) -> Files {
+        Files {
+            http: ureq::Agent::config_builder()
+                .timeout_connect(Some(FILE_CONNECT_TIMEOUT))
+                .timeout_send_body(Some(FILE_PHASE_TIMEOUT))
+                .timeout_recv_response(Some(FILE_PHASE_TIMEOUT))
+                .timeout_recv_body(Some(FILE_PHASE_TIMEOUT))
+                .build()
+                .into(),
+            base: format!("{server}/v1/agents/{node}/jobs/{job_id}"),
+            token: token.to_string(),
+            attempt,
+        }
+    }
+
+    /// Sends `file` as the artifact `a` of this attempt.
+    pub fn put(&self, a: Artifact, file: &Path) -> Result<(), Error> {
+        let url = format!(
+            "{}/attempts/{}/artifacts/{}",
+            self.base,
+            self.attempt,
+            encoded(a)
+        );
+        self.with_tries(&url, || {
+            let body = File::open(file).map_err(|e| Failure::Final(e.to_string()))?;
+            self.http
+                .put(&url)
+                .header("Authorization", &format!("Bearer {}", self.token))
+                .header("Content-Type", "application/octet-stream")
+                .send(body)
+                .map(drop)
+                .map_err(Failure::from)
+        })
+    }
+
+    /// Fetches the job's artifact `a` into `to` (written whole, then renamed into place).
+    pub fn get(&self, a: Artifact, to: &Path) -> Result<(), Error> {
+        let url = format!("{}/artifacts/{}", self.base, encoded(a));
+        let part = to.with_extension("part");
+        if let Some(dir) = to.parent() {
+            fs::create_dir_all(dir).map_err(|e| Error::Server {
+                url: url.clone(),
+                reason: format!("creating {}: {e}", dir.display()),
+            })?;
+        }
+        self.with_tries(&url, || {
+            let response = self
+                .http
+                .get(&url)
+                .header("Authorization", &format!("Bearer {}", self.token))
+                .call()
+                .map_err(Failure::from)?;
+            let mut out = File::create(&part).map_err(|e| Failure::Final(e.to_string()))?;
+            std::io::copy(&mut response.into_body().into_reader(), &mut out)
+                .and_then(|_| out.sync_all())
+                .and_then(|()| fs::rename(&part, to))
+                .map_err(|e| Failure::Passing(format!("writing {}: {e}", to.display())))
+        })
+    }
+
+    fn with_tries(
+        &self,
+        url: &str,
+        mut call: impl FnMut() -> Result<(), Failure>,
+    ) -> Result<(), Error> {
+        let mut delays = backoff().build();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let reason = match call() {
+                Ok(()) => return Ok(()),
+                Err(Failure::Passing(_)) if tries < FILE_TRIES => {
+                    std::thread::sleep(delays.next().unwrap_or(MAX_DELAY));
+                    continue;
+                }
+                Err(Failure::Passing(reason) | Failure::Final(reason)) => reason,
+            };
+            return Err(Error::Server {
+                url: url.to_string(),
+                reason: format!("{reason} (after {tries} tries)"),
+            });
+        }
+    }
+}
+
+/// Why a transfer failed: for a reason that may pass, or one that trying again cannot mend.
+enum Failure {
+    Passing(String),
+    Final(String),
+}
+
+impl From<ureq::Error> for Failure {
+    fn from(e: ureq::Error) -> Failure {
+        match e {
+            ureq::Error::StatusCode(408 | 429 | 500..) => Failure::Passing(e.to_string()),
+            ureq::Error::StatusCode(_) => Failure::Final(e.to_string()),
+            e => Failure::Passing(e.to_string()),
+        }
+    }
+}
+
+/// The agent's uploads: a file written for the server goes there, and its local copy, which
+/// nothing reads again (a resume fetches the committed checkpoint from the server), is removed.
+impl Upload for Files {
+    fn upload(&self, a: Artifact, file: &Path) -> Result<(), Error> {
+        self.put(a, file)?;
+        fs::remove_file(file).map_err(|e| Error::Checkpoint {
+            path: file.to_path_buf(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// An artifact's name as one URL path segment (names hold only `[a-z0-9./-]`).
+fn encoded(a: Artifact) -> String {
+    a.name().replace('/', "%2F")
 }
 
 /// Sleeps `d`, waking early once `stop` is set.

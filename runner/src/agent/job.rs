@@ -20,7 +20,9 @@ use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
 use crate::device::Target;
 use crate::train::{Options, Progress, Resume, Summary, run_ranks};
-use wire::agent::{Assignment, RankTransport, Report};
+use super::client::Files;
+use wire::agent::{Assignment, RankTransport, Report, ResumeFrom};
+use wire::artifact::Artifact;
 
 /// How long ranks wait for each other (the rendezvous included).
 const COMM_TIMEOUT: Duration = Duration::from_secs(60);
@@ -30,11 +32,20 @@ const COMM_TIMEOUT: Duration = Duration::from_secs(60);
 pub(super) fn start(
     a: Assignment,
     cfg: &AgentConfig,
+    files: Files,
     cancel: Arc<AtomicBool>,
     outbox: Outbox,
 ) -> JoinHandle<()> {
     let cfg = cfg.clone();
     std::thread::spawn(move || {
+        // The attempt's own folder on this node: what it writes before uploading, and the
+        // checkpoint it resumes from. Nothing in it outlives the attempt.
+        let dir = cfg
+            .work_dir
+            .join("jobs")
+            .join(&a.job_id)
+            .join("attempts")
+            .join(a.attempt.to_string());
         let (job_id, attempt) = (a.job_id.clone(), a.attempt);
         let send = |r: Report| outbox.report(r);
         let ranks: Vec<usize> = a.ranks.iter().map(|r| r.rank).collect();
@@ -51,7 +62,13 @@ pub(super) fn start(
             "{}: starting ranks {ranks:?} of attempt {attempt}",
             cfg.name
         ));
-        match train(&a, &cfg, cancel, &send, &log) {
+        let result = train(&a, &cfg, &dir, files, cancel, &send, &log);
+        if let Err(e) = std::fs::remove_dir_all(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            log(format!("{}: removing {}: {e}", cfg.name, dir.display()));
+        }
+        match result {
             Ok(summary) => {
                 for r in &summary.ranks {
                     send(Report::Memory {
@@ -104,6 +121,8 @@ fn rank_tag(ranks: &[usize]) -> String {
 fn train(
     a: &Assignment,
     cfg: &AgentConfig,
+    dir: &Path,
+    files: Files,
     cancel: Arc<AtomicBool>,
     send: &(dyn Fn(Report) + Sync),
     log: &(dyn Fn(String) + Sync),
@@ -120,7 +139,11 @@ fn train(
         .filter_map(|r| cfg.devices.get(r.device))
         .map(|d| d.memory_bytes)
         .min();
-    let attempt_dir = PathBuf::from(&a.attempt_dir);
+    // Only what the server committed, fetched from it, never what an earlier attempt left.
+    let resume = match &a.resume_from {
+        Some(r) => Resume::From(fetch_checkpoint(&files, r, &dir.join("resume"))?),
+        None => Resume::Fresh,
+    };
     let opts = Options {
         device_memory: budget,
         device: Target::Cpu,
@@ -131,17 +154,15 @@ fn train(
             .map(|r| (r.rank, cfg.target(r.device)))
             .collect(),
         threads: cfg.threads,
-        out_dir: Some(attempt_dir.clone()),
+        out_dir: Some(dir.to_path_buf()),
         comm_timeout: Some(COMM_TIMEOUT),
         distributed: None,
         cancel: Some(cancel),
         data_roots: cfg.data_roots.clone(),
-        // Only what the server committed, never what an earlier attempt left on disk.
-        resume: a
-            .resume_from
-            .as_ref()
-            .map_or(Resume::Fresh, |p| Resume::From(p.into())),
+        resume,
+        // Each file is removed once uploaded; the folders go with the attempt.
         keep_all_checkpoints: true,
+        upload: Some(Arc::new(files)),
     };
     let (job_id, attempt) = (a.job_id.clone(), a.attempt);
     let mut started = false;
@@ -172,13 +193,11 @@ fn train(
             step_seconds: p.step_seconds,
         });
         if p.checkpointed {
-            // Sent after every rank wrote it and it was published: fully written.
-            let path = checkpoint::step_dir(Path::new(&attempt_dir), p.step);
+            // Sent after every rank uploaded its file and rank 0 the manifest.
             send(Report::Checkpoint {
                 job_id: job_id.clone(),
                 attempt,
                 step: p.step,
-                path: path.display().to_string(),
             });
         }
         if p.step == 1 || p.step.is_multiple_of(10) || p.step == p.steps {
@@ -189,6 +208,20 @@ fn train(
         }
     };
     run_ranks(&a.spec, &a.plan, comms, &opts, &mut progress)
+}
+
+/// Fetches the files of the committed checkpoint `r` into `into`; the checkpoint's folder.
+fn fetch_checkpoint(files: &Files, r: &ResumeFrom, into: &Path) -> Result<PathBuf, Error> {
+    for name in &r.files {
+        // Only names of that checkpoint's files: nothing lands outside `into`.
+        let a = Artifact::parse(name)
+            .filter(|a| a.step() == Some(r.step))
+            .ok_or_else(|| Error::Untrainable {
+                reason: format!("the server named {name:?} as a file of checkpoint {}", r.step),
+            })?;
+        files.get(a, &into.join(a.name()))?;
+    }
+    Ok(checkpoint::step_dir(into, r.step))
 }
 
 /// The communicators of this node's ranks. Over TCP every rank joins the rendezvous at once

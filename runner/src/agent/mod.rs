@@ -46,6 +46,9 @@ pub struct AgentConfig {
     pub threads: Option<usize>,
     /// The only directories jobs may read their inputs from.
     pub data_roots: DataRoots,
+    /// Where attempts write their files before uploading them (each attempt's folder is
+    /// removed when it ends).
+    pub work_dir: std::path::PathBuf,
 }
 
 /// The devices a node offers: each GPU, then `cpus` virtual CPU devices of `cpu_memory` bytes.

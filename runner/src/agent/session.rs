@@ -6,7 +6,6 @@
 //! checkpoint) goes at once in a second, immediate beat.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -15,9 +14,8 @@ use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBackoff};
 
-use super::client::{CallError, Client, backoff};
+use super::client::{CallError, Client, Files, backoff};
 use super::{AgentConfig, AgentMetrics, job};
-use crate::checkpoint;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterResponse, Report};
 
 /// A job's attempt: (job id, attempt).
@@ -66,12 +64,6 @@ pub(super) enum Ended {
     Lost,
 }
 
-struct Attempt {
-    /// This attempt's folder (checkpoints are removed there once the server committed a newer).
-    dir: PathBuf,
-    run: Run,
-}
-
 enum Run {
     Running {
         cancel: Arc<AtomicBool>,
@@ -90,7 +82,7 @@ pub(super) struct Session<'a> {
     tx: Sender<Event>,
     rx: Receiver<Event>,
     /// Every attempt this registration started: running ones, and ended ones for a while.
-    attempts: HashMap<Key, Attempt>,
+    attempts: HashMap<Key, Run>,
     /// Attempts the last reply offered that ran here already: listed as running, so the server
     /// stops offering them (and a waiting heartbeat does not return at once for them).
     offered_again: Vec<Key>,
@@ -175,9 +167,9 @@ impl<'a> Session<'a> {
         let mut running: Vec<Key> = self
             .attempts
             .iter()
-            .filter(|(_, a)| {
+            .filter(|(_, run)| {
                 matches!(
-                    a.run,
+                    run,
                     Run::Running {
                         stopping: false,
                         ..
@@ -223,7 +215,6 @@ impl<'a> Session<'a> {
             .filter(|r| matches!(r, Report::Step { .. }))
             .count();
         self.metrics.steps.inc_by(steps as u64);
-        let refused: Vec<usize> = reply.refused.iter().map(|r| r.index).collect();
         for r in &reply.refused {
             if let Some(report) = sent.get(r.index) {
                 let (job, attempt) = report.key();
@@ -234,18 +225,6 @@ impl<'a> Session<'a> {
                 );
             }
         }
-        for (i, report) in sent.iter().enumerate() {
-            if let Report::Checkpoint {
-                job_id,
-                attempt,
-                step,
-                ..
-            } = report
-                && !refused.contains(&i)
-            {
-                self.committed(&(job_id.clone(), *attempt), *step);
-            }
-        }
         self.offered_again.clear();
         for a in reply.assignments {
             let key = (a.job_id.clone(), a.attempt);
@@ -254,21 +233,24 @@ impl<'a> Session<'a> {
                 continue;
             }
             let cancel = Arc::new(AtomicBool::new(false));
-            let dir = PathBuf::from(&a.attempt_dir);
-            let thread = job::start(a, self.cfg, cancel.clone(), Outbox(self.tx.clone()));
+            let files = Files::new(
+                &self.cfg.server,
+                &self.node.node_id,
+                &self.node.agent_token,
+                &a.job_id,
+                a.attempt,
+            );
+            let thread = job::start(a, self.cfg, files, cancel.clone(), Outbox(self.tx.clone()));
             let run = Run::Running {
                 cancel,
                 thread,
                 stopping: false,
             };
-            self.attempts.insert(key, Attempt { dir, run });
+            self.attempts.insert(key, run);
         }
         for key in reply.cancel {
-            if let Some(Attempt {
-                run: Run::Running {
-                    cancel, stopping, ..
-                },
-                ..
+            if let Some(Run::Running {
+                cancel, stopping, ..
             }) = self.attempts.get_mut(&key)
                 && !*stopping
             {
@@ -278,17 +260,6 @@ impl<'a> Session<'a> {
             }
         }
         self.count_running();
-    }
-
-    /// The server recorded the checkpoint of `step`: an older one of the attempt is never
-    /// resumed from again. (An attempt fenced off hears of no commits, so it never removes the
-    /// checkpoint the next attempt resumes from.)
-    fn committed(&self, key: &Key, step: u32) {
-        if let Some(a) = self.attempts.get(key)
-            && let Err(e) = checkpoint::remove_before(&a.dir, step)
-        {
-            eprintln!("agent {}: {e}", self.cfg.name);
-        }
     }
 
     /// The request failed: its reports go with the next, which waits for the backoff's delay.
@@ -310,14 +281,14 @@ impl<'a> Session<'a> {
 
     fn job_ended(&mut self, key: Key) {
         let now = Instant::now();
-        if let Some(a) = self.attempts.get_mut(&key)
-            && let Run::Running { thread, .. } = std::mem::replace(&mut a.run, Run::Ended(now))
+        if let Some(run) = self.attempts.get_mut(&key)
+            && let Run::Running { thread, .. } = std::mem::replace(run, Run::Ended(now))
         {
             // It sent its last report; a panic there has been printed already.
             let _ = thread.join();
         }
-        self.attempts.retain(|_, a| match a.run {
-            Run::Ended(at) => now.duration_since(at) < REMEMBER_ENDED,
+        self.attempts.retain(|_, run| match run {
+            Run::Ended(at) => now.duration_since(*at) < REMEMBER_ENDED,
             Run::Running { .. } => true,
         });
         self.count_running();
@@ -327,7 +298,7 @@ impl<'a> Session<'a> {
         let n = self
             .attempts
             .values()
-            .filter(|a| matches!(a.run, Run::Running { .. }))
+            .filter(|run| matches!(run, Run::Running { .. }))
             .count();
         self.metrics.jobs_running.set(n as i64);
     }
@@ -336,8 +307,8 @@ impl<'a> Session<'a> {
     /// its devices are free before it registers again.
     fn stop_all(self, wait: bool) {
         let mut threads = Vec::new();
-        for a in self.attempts.into_values() {
-            if let Run::Running { cancel, thread, .. } = a.run {
+        for run in self.attempts.into_values() {
+            if let Run::Running { cancel, thread, .. } = run {
                 cancel.store(true, Ordering::Relaxed);
                 if wait {
                     self.metrics.attempts_fenced.inc();

@@ -12,25 +12,36 @@ use crate::Error;
 use crate::checkpoint::{self, StateTensor};
 use crate::comm::Wire;
 use crate::device::{Device, Num};
+use wire::artifact::Artifact;
 
 impl<X: Num + Wire, D: Device> Engine<X, D> {
-    /// Writes this rank's part of a checkpoint; rank 0 then publishes it (every rank waits).
+    /// Writes this rank's part of a checkpoint (and uploads it, given `upload`); rank 0 then
+    /// publishes it (every rank waits), so once it is published every rank's file is written
+    /// and sent.
     pub fn save_checkpoint(
         &mut self,
         out: &std::path::Path,
         manifest: &checkpoint::Manifest,
+        upload: Option<&dyn checkpoint::Upload>,
     ) -> Result<(), Error> {
-        let rank = self.comm.rank();
-        let tmp = checkpoint::staging_dir(out, manifest.step);
+        let (rank, step) = (self.comm.rank(), manifest.step);
+        let tmp = checkpoint::staging_dir(out, step);
         if rank == 0 {
             checkpoint::begin(&tmp)?;
         }
         self.comm.barrier()?;
         let (dev, state) = self.state();
-        checkpoint::on_host(dev, state, |t| checkpoint::write_rank(&tmp, rank, t))??;
+        let file = checkpoint::on_host(dev, state, |t| checkpoint::write_rank(&tmp, rank, t))??;
+        if let Some(up) = upload {
+            up.upload(Artifact::Rank { step, rank }, &file)?;
+        }
         self.comm.barrier()?;
         if rank == 0 {
             checkpoint::publish(out, &tmp, manifest)?;
+            if let Some(up) = upload {
+                let manifest = checkpoint::step_dir(out, step).join(wire::artifact::MANIFEST_FILE);
+                up.upload(Artifact::Manifest { step }, &manifest)?;
+            }
         }
         self.comm.barrier()
     }

@@ -54,6 +54,10 @@ pub struct Args {
     /// hold [default: as for `serve`].
     #[arg(long, env = "ZEROTRAIN_DATA_DIR")]
     data_dir: Option<PathBuf>,
+    /// Where attempts write their files before uploading them to the server (nothing there
+    /// outlives an attempt) [default: DATA_DIR/agents/NAME].
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
 }
 
 /// What a node offers, shared by `agent` and `up`'s local agent.
@@ -154,6 +158,9 @@ fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
     let (devices, gpus) = args.offer.devices(&format!("agent {name}"), 1)?;
     let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
     let data_roots = DataRoots::for_data_dir(&args.data_roots, &data_dir, &[])?;
+    let work_dir = args
+        .work_dir
+        .unwrap_or_else(|| data_dir.join("agents").join(&name));
     Ok(runner::agent::AgentConfig {
         server: args.server.trim_end_matches('/').to_string(),
         join_token: args.token,
@@ -163,6 +170,7 @@ fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
         gpus,
         threads: args.threads,
         data_roots,
+        work_dir,
     })
 }
 

@@ -37,6 +37,8 @@ pub fn api() -> (Api, OpenApi) {
         .routes(routes!(jobs::metrics::metrics))
         .routes(routes!(jobs::logs::logs))
         .routes(routes!(jobs::events::events))
+        .routes(routes!(jobs::artifacts::list))
+        .routes(routes!(jobs::artifacts::download))
         .routes(routes!(estimate::estimate))
         .routes(routes!(nodes::list))
         .routes(routes!(session::create, session::delete))

@@ -77,3 +77,12 @@ pub(super) async fn remove_artifacts(
     });
     Ok(removed)
 }
+
+pub(super) async fn jobs_with_artifacts(c: &mut Conn<'_>) -> Result<Vec<String>, StoreError> {
+    let ids = on!(c, c => {
+        sqlx::query_scalar::<_, String>("SELECT DISTINCT job_id FROM artifacts ORDER BY job_id")
+            .fetch_all(&mut **c)
+            .await?
+    });
+    Ok(ids)
+}

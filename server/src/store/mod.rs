@@ -488,6 +488,11 @@ impl Store {
         artifacts::artifacts(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
+    /// The jobs that have uploads.
+    pub async fn jobs_with_artifacts(&self) -> Result<Vec<String>, StoreError> {
+        artifacts::jobs_with_artifacts(&mut self.pool.acquire().await?.conn()).await
+    }
+
     /// Forgets the job's uploads (only its checkpoints' with `checkpoints_only`); how many.
     pub async fn remove_artifacts(
         &self,

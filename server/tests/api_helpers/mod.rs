@@ -230,6 +230,28 @@ impl TestApp {
         .await
     }
 
+    /// `node` uploads `text` as the artifact `name` of `attempt` of job `job`.
+    pub async fn upload(
+        &self,
+        (node, token): &(String, String),
+        job: &str,
+        attempt: u32,
+        name: &str,
+        text: &str,
+    ) -> Answer {
+        let name = name.replace('/', "%2F");
+        let req = Request::builder()
+            .method(Method::PUT)
+            .uri(format!(
+                "/v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}"
+            ))
+            .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(Body::from(text.to_string()))
+            .unwrap();
+        self.send(req).await
+    }
+
     /// The server's count of refused agent reports for `reason`.
     pub async fn refused(&self, reason: &str) -> u64 {
         let prom = self.get("/metrics").await.text;

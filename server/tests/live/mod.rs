@@ -90,6 +90,8 @@ pub fn agent_at(
         gpus: Vec::new(),
         threads: None,
         data_roots: server.state().data_roots.clone(),
+        // Its own folder, which neither the server nor another agent reads.
+        work_dir: server.state().settings.data_dir.join("agents").join(name),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

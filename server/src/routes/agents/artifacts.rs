@@ -70,9 +70,10 @@ impl From<&ArtifactRecord> for ArtifactView {
 pub async fn upload(
     State(state): State<AppState>,
     AgentNode(node): AgentNode,
-    Path((_, job_id, attempt, name)): Path<(String, String, u32, String)>,
+    path: Path<(String, String, u32, String)>,
     body: Body,
 ) -> Result<(StatusCode, Json<ArtifactView>), ApiError> {
+    let Path((_, job_id, attempt, name)) = path;
     let artifact = Artifact::parse(&name).ok_or_else(|| ApiError::BadRequest {
         field: "name".into(),
         reason: format!("{name:?} is not the name of a checkpoint file or of the export"),
@@ -135,8 +136,9 @@ pub async fn upload(
 pub async fn download(
     State(state): State<AppState>,
     AgentNode(node): AgentNode,
-    Path((_, job_id, name)): Path<(String, String, String)>,
+    path: Path<(String, String, String)>,
 ) -> Result<Body, ApiError> {
+    let Path((_, job_id, name)) = path;
     let view = View::load(&state, &job_id, &node).await?;
     let job = view.current().map_err(|reason| {
         state.metrics.refused(reason, 1);

@@ -1,5 +1,7 @@
-//! `/v1/jobs`: submit, list, read, cancel, and follow a job's metrics, logs and events.
+//! `/v1/jobs`: submit, list, read, cancel, follow a job's metrics, logs and events, and
+//! download its files.
 
+pub mod artifacts;
 pub mod cancel;
 pub mod create;
 pub mod events;
