@@ -34,6 +34,8 @@ const ROUTES: &[(&str, &str, Needs)] = &[
     ("GET", "/v1/jobs/{id}/metrics", Needs::Viewer),
     ("GET", "/v1/jobs/{id}/logs", Needs::Viewer),
     ("GET", "/v1/jobs/{id}/events", Needs::Viewer),
+    ("GET", "/v1/jobs/{id}/artifacts", Needs::Viewer),
+    ("GET", "/v1/jobs/{id}/artifacts/{name}", Needs::Viewer),
     ("POST", "/v1/estimate", Needs::Viewer),
     ("GET", "/v1/nodes", Needs::Viewer),
     ("POST", "/v1/session", Needs::Viewer),
@@ -43,6 +45,16 @@ const ROUTES: &[(&str, &str, Needs)] = &[
     ("DELETE", "/v1/tokens/{name}", Needs::Admin),
     ("POST", "/v1/agents/register", Needs::Join),
     ("POST", "/v1/agents/{node}/heartbeat", Needs::NodeToken),
+    (
+        "PUT",
+        "/v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}",
+        Needs::NodeToken,
+    ),
+    (
+        "GET",
+        "/v1/agents/{node}/jobs/{job}/artifacts/{name}",
+        Needs::NodeToken,
+    ),
 ];
 
 #[test]
@@ -77,6 +89,8 @@ async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
         let path = template
             .replace("{id}", &job)
             .replace("{node}", &node)
+            .replace("{job}", &job)
+            .replace("{attempt}", "1")
             .replace("{name}", "nobody");
         let method = Method::from_bytes(method.as_bytes()).unwrap();
         let call = |token: Option<&str>| {
@@ -185,6 +199,8 @@ async fn a_session_cookie_has_exactly_its_tokens_access_on_every_route() {
             let path = template
                 .replace("{id}", &job)
                 .replace("{node}", &node)
+                .replace("{job}", &job)
+                .replace("{attempt}", "1")
                 .replace("{name}", "nobody");
             let method = Method::from_bytes(method.as_bytes()).unwrap();
             let body = (method == Method::POST).then(|| json!({}));

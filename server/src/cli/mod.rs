@@ -6,6 +6,7 @@ mod client;
 mod estimate;
 mod jobs;
 mod logs;
+mod pull;
 mod serve;
 mod submit;
 mod token;
@@ -48,6 +49,9 @@ enum Command {
     Logs(logs::Args),
     /// Cancel a job.
     Cancel(cancel::Args),
+    /// Download a finished job's model (config.json + model.safetensors) into a folder
+    /// `transformers`' from_pretrained loads.
+    Pull(pull::Args),
     /// Create, list or revoke bearer tokens (admin).
     Token(token::Args),
 }
@@ -64,6 +68,7 @@ pub fn main() -> ExitCode {
         Command::Jobs(args) => jobs::run(args),
         Command::Logs(args) => logs::run(args),
         Command::Cancel(args) => cancel::run(args),
+        Command::Pull(args) => pull::run(args),
         Command::Token(args) => token::run(args),
     };
     match result {
