@@ -700,8 +700,7 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     assert!(reply.refused.is_empty(), "{reply:?}");
     assert_eq!(app.job(&id).await["state"], "succeeded");
     let mut want = files(10).to_vec();
-    want.splice(0..0, ["config.json".to_string()]);
-    want.push("model.safetensors".into());
+    want.extend(["config.json".into(), "model.safetensors".into()]);
     assert_eq!(listed().await, want);
     let model = app.get(&format!("/v1/jobs/{id}/artifacts/model.safetensors")).await;
     assert_eq!((model.status, model.text.as_str()), (StatusCode::OK, "weights"));

@@ -411,8 +411,21 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
     assert_eq!(bytes.len() as u64, model["bytes"].as_u64().unwrap());
     let digest = sha256_hex(&bytes);
     assert_eq!(digest, model["sha256"].as_str().unwrap());
-    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    // `zerotrain pull` writes the folder `from_pretrained` loads: the config and the weights.
+    let pulled = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["pull", &id, "--url", &s.server.url(), "--token", ADMIN, "--to"])
+        .arg(pulled.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let weights = std::fs::read(pulled.path().join("model.safetensors")).unwrap();
+    assert_eq!(sha256_hex(&weights), digest);
+    let tensors = safetensors::SafeTensors::deserialize(&weights).unwrap();
     assert!(tensors.names().contains(&"transformer.wte.weight"), "{:?}", tensors.names());
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(pulled.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "gpt2");
     // The attempt that succeeded left nothing in its agent's folder.
     let rescuer_attempt = work_b.path().join("rescuer/jobs").join(&id).join("attempts/2");
     assert!(!rescuer_attempt.exists(), "{} is left", rescuer_attempt.display());
