@@ -23,11 +23,11 @@ use scheduler::spec::Dtype as Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
-use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, rank_file, step_name};
 use crate::data::{DataRoots, Position, describe};
 use crate::device::{Cpu, Device};
 use crate::loss_scale;
+use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, rank_file, step_name};
+pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
 
 /// Where a run's files go once written, besides its output folder (an agent's: the server's
 /// artifact store). Each rank sends its own checkpoint file before the checkpoint is published,
@@ -377,12 +377,26 @@ pub fn max_hf_file_bytes(shape: &GptShape) -> u64 {
 /// `model.init_from`, opened only inside `roots`; a file larger than `max_hf_file_bytes` is
 /// refused before a byte of it is read.
 pub fn load_hf(roots: &DataRoots, path: &str, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
-    let what = describe("model.init_from", path);
+    let (_, file) = roots.open("model.init_from", path)?;
+    read_hf(file, describe("model.init_from", path), shape)
+}
+
+/// [`load_hf`] of a file the host fetched itself (an agent: another job's export, from the
+/// server), read wherever it is.
+pub fn load_hf_file(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
+    let what = path.display().to_string();
+    let file = File::open(path).map_err(|e| Error::Data {
+        what: what.clone(),
+        reason: format!("cannot open: {}", e.kind()),
+    })?;
+    read_hf(file, what, shape)
+}
+
+fn read_hf(file: File, what: String, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
     let fail = |reason: String| Error::Data {
         what: what.clone(),
         reason,
     };
-    let (_, file) = roots.open("model.init_from", path)?;
     let limit = max_hf_file_bytes(shape);
     let size = file
         .metadata()

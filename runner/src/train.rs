@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use scheduler::memory::{self, Breakdown, Setup};
 use scheduler::model::GptShape;
 use scheduler::plan::Plan;
-use scheduler::spec::{Architecture, Dtype, JobSpec, ZeroStage};
+use scheduler::spec::{Architecture, Dtype, InitFrom, JobSpec, ZeroStage};
 use serde::Serialize;
 
 use crate::Error;
@@ -23,8 +23,8 @@ use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
 use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
 use crate::zero::Engine;
-use wire::artifact::Artifact;
 use crate::{lr_schedule, process};
+use wire::artifact::Artifact;
 
 /// How a run is hosted.
 #[derive(Debug, Clone, Default)]
@@ -53,6 +53,9 @@ pub struct Options {
     pub resume: Resume,
     /// Keep every checkpoint under `out_dir`; otherwise the newest `checkpoint::KEEP` are kept.
     pub keep_all_checkpoints: bool,
+    /// The weights `model.init_from` names, already fetched by the host (an agent: another
+    /// job's export, from the server).
+    pub init_weights: Option<std::path::PathBuf>,
     /// Where checkpoint files and the export go as soon as they are written (an agent's
     /// uploads to the server), besides `out_dir`.
     pub upload: Option<Arc<dyn checkpoint::Upload>>,
@@ -372,8 +375,23 @@ fn train_rank<X: Num + Wire, D: Device>(
             Some(m.step)
         }
         None => {
-            if let Some(path) = &spec.model.init_from {
-                engine.load_weights(&checkpoint::load_hf(roots, path, &shape)?)?;
+            let weights = match (&opts.init_weights, &spec.model.init_from) {
+                (Some(file), _) => Some(checkpoint::load_hf_file(file, &shape)?),
+                (None, Some(InitFrom::Path(path))) => {
+                    Some(checkpoint::load_hf(roots, path, &shape)?)
+                }
+                (None, Some(InitFrom::Artifact(a))) => {
+                    return Err(Error::Untrainable {
+                        reason: format!(
+                            "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
+                            a.job
+                        ),
+                    });
+                }
+                (None, None) => None,
+            };
+            if let Some(w) = weights {
+                engine.load_weights(&w)?;
             }
             None
         }

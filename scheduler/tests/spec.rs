@@ -8,9 +8,9 @@ use proptest::prelude::*;
 use scheduler::memory::DeviceKind;
 use scheduler::model::{GptShape, Preset};
 use scheduler::spec::{
-    AdaFactor, Adam8bit, AdamW, Auto, Data, Dtype, DynamicLossScale, JobSpec, Lion, LossScale,
-    LrSchedule, ModelSource, Momentum, Optimizer, Parsed, Purpose, ScalerSemantics, Sgd,
-    WarmupType, ZeroStage,
+    AdaFactor, Adam8bit, AdamW, Auto, Data, Dtype, DynamicLossScale, InitFrom, JobArtifact,
+    JobSpec, Lion, LossScale, LrSchedule, ModelSource, Momentum, Optimizer, Parsed, Purpose,
+    ScalerSemantics, Sgd, WarmupType, ZeroStage,
 };
 use scheduler::{Error, FieldError};
 use serde_json::{Value, json};
@@ -136,6 +136,16 @@ const INVALID: &[Invalid] = &[
         r#"{"model": {"preset": "gpt2-tiny", "init_from": " "}}"#,
         "model.init_from",
         "path to a .safetensors file",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny", "init_from": {"job": "j", "artifact": "config"}}}"#,
+        "model.init_from.artifact",
+        "only \"model\"",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny", "init_from": {"job": "", "artifact": "model"}}}"#,
+        "model.init_from.job",
+        "must be a job's id",
     ),
     // unknown fields, top level and nested
     train(
@@ -699,6 +709,28 @@ fn spec_error_displays_as_field_colon_reason() {
 }
 
 #[test]
+fn init_from_names_a_file_or_another_job_s_model() {
+    let from_job = parse(
+        r#"{"model": {"preset": "gpt2-tiny", "init_from": {"job": "j1", "artifact": "model"}}}"#,
+    );
+    let want = InitFrom::Artifact(JobArtifact {
+        job: "j1".into(),
+        artifact: "model".into(),
+    });
+    assert_eq!(from_job.spec.model.init_from, Some(want));
+    let back = serde_json::to_value(&from_job.spec).unwrap();
+    assert_eq!(
+        back["model"]["init_from"],
+        json!({"job": "j1", "artifact": "model"})
+    );
+    let from_file = parse(r#"{"model": {"preset": "gpt2-tiny", "init_from": "w.safetensors"}}"#);
+    assert_eq!(
+        from_file.spec.model.init_from,
+        Some(InitFrom::Path("w.safetensors".into()))
+    );
+}
+
+#[test]
 fn preset_alone_is_a_valid_job_with_every_default() {
     let Parsed {
         spec,
@@ -943,7 +975,10 @@ fn model_shape_params_and_data_kinds_parse() {
             n_embd: 16,
         })
     );
-    assert_eq!(shape.model.init_from.as_deref(), Some("w.safetensors"));
+    assert_eq!(
+        shape.model.init_from.as_ref().and_then(InitFrom::path),
+        Some("w.safetensors")
+    );
     assert_eq!(
         shape.data,
         Data::Text {

@@ -69,7 +69,10 @@ impl Artifacts {
         body: impl Stream<Item = Result<axum::body::Bytes, E>> + Unpin,
     ) -> Result<Written, ArtifactError> {
         let key = key(job_id, attempt, name);
-        let upload = self.store.put_multipart_opts(&key, Default::default()).await?;
+        let upload = self
+            .store
+            .put_multipart_opts(&key, Default::default())
+            .await?;
         let mut out = WriteMultipart::new(upload);
         let (mut bytes, mut sha) = (0u64, Sha256::new());
         let mut body = body;
@@ -127,7 +130,10 @@ impl Artifacts {
             .await?;
         let n = doomed.len();
         let stream = futures::stream::iter(doomed.into_iter().map(Ok)).boxed();
-        self.store.delete_stream(stream).try_collect::<Vec<_>>().await?;
+        self.store
+            .delete_stream(stream)
+            .try_collect::<Vec<_>>()
+            .await?;
         Ok(n)
     }
 }
@@ -153,7 +159,11 @@ pub fn listed(
             Some(None) => job.state == JobState::Succeeded && a.attempt == job.attempt,
             None => false,
         };
-        if counts && out.get(a.name.as_str()).is_none_or(|o| o.attempt < a.attempt) {
+        if counts
+            && out
+                .get(a.name.as_str())
+                .is_none_or(|o| o.attempt < a.attempt)
+        {
             out.insert(&a.name, a);
         }
     }

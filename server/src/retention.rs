@@ -44,7 +44,10 @@ pub async fn collect(state: &AppState, now: i64) -> Result<Removed, ApiError> {
             && state.store.remove_artifacts(&id, true).await? > 0
         {
             let checkpoint = format!("/{}/", wire::artifact::CHECKPOINTS);
-            state.artifacts.remove(&id, |key| !key.contains(&checkpoint)).await?;
+            state
+                .artifacts
+                .remove(&id, |key| !key.contains(&checkpoint))
+                .await?;
             removed.checkpoints += 1;
         }
     }

@@ -612,17 +612,22 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     };
     let running = vec![(id.clone(), 1)];
     // A checkpoint reported before its files are all uploaded is not committed.
-    app.upload(&node, &id, 1, &files(10)[1], "rank 0 at 10").await;
+    app.upload(&node, &id, 1, &files(10)[1], "rank 0 at 10")
+        .await;
     let reply = app
         .beat(&node, vec![started, checkpoint(1, 10)], running.clone())
         .await;
     assert_eq!(refusals(&reply), [(1, RefusalReason::Incomplete)]);
     assert_eq!(app.refused("incomplete").await, 1);
-    let stored = app.upload(&node, &id, 1, &files(10)[0], "manifest at 10").await;
+    let stored = app
+        .upload(&node, &id, 1, &files(10)[0], "manifest at 10")
+        .await;
     assert_eq!(stored.status, StatusCode::CREATED, "{}", stored.text);
     assert_eq!(stored.json()["step"], 10);
     assert_eq!(stored.json()["bytes"], 14);
-    let reply = app.beat(&node, vec![checkpoint(1, 10)], running.clone()).await;
+    let reply = app
+        .beat(&node, vec![checkpoint(1, 10)], running.clone())
+        .await;
     assert!(reply.refused.is_empty(), "{reply:?}");
 
     // The job goes back to the queue (as when its node is lost): attempt 1 is over, and
@@ -672,7 +677,10 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
             None,
         )
         .await;
-    assert_eq!((fetched.status, fetched.text.as_str()), (StatusCode::OK, "manifest at 10"));
+    assert_eq!(
+        (fetched.status, fetched.text.as_str()),
+        (StatusCode::OK, "manifest at 10")
+    );
     let listed = || async {
         let list = app.get(&format!("/v1/jobs/{id}/artifacts")).await.json();
         list["artifacts"]
@@ -702,8 +710,13 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     let mut want = files(10).to_vec();
     want.extend(["config.json".into(), "model.safetensors".into()]);
     assert_eq!(listed().await, want);
-    let model = app.get(&format!("/v1/jobs/{id}/artifacts/model.safetensors")).await;
-    assert_eq!((model.status, model.text.as_str()), (StatusCode::OK, "weights"));
+    let model = app
+        .get(&format!("/v1/jobs/{id}/artifacts/model.safetensors"))
+        .await;
+    assert_eq!(
+        (model.status, model.text.as_str()),
+        (StatusCode::OK, "weights")
+    );
     assert_eq!(model.headers[header::CONTENT_LENGTH], "7");
     assert_eq!(model.content_type(), "application/octet-stream");
 }
@@ -716,25 +729,51 @@ async fn a_node_uploads_only_its_own_ranks_files_and_only_artifact_names() {
     let id = app.submit_ok(&tiny_spec(2)).await;
     app.schedule().await;
     let a = app.beat(&first, vec![], vec![]).await.assignments;
-    let (rank0, rank1) = if a.is_empty() { (&second, &first) } else { (&first, &second) };
+    let (rank0, rank1) = if a.is_empty() {
+        (&second, &first)
+    } else {
+        (&first, &second)
+    };
     let rank_file = |r: u32| format!("checkpoints/step-00000002/rank-{r:05}.safetensors");
     for (node, name, want) in [
         (rank1, rank_file(1), StatusCode::CREATED),
         (rank0, rank_file(0), StatusCode::CREATED),
         (rank1, rank_file(0), StatusCode::CONFLICT),
         (rank0, rank_file(1), StatusCode::CONFLICT),
-        (rank1, "checkpoints/step-00000002/manifest.json".into(), StatusCode::CONFLICT),
+        (
+            rank1,
+            "checkpoints/step-00000002/manifest.json".into(),
+            StatusCode::CONFLICT,
+        ),
         (rank1, "model.safetensors".into(), StatusCode::CONFLICT),
-        (rank0, "../../../zerotrain.db".into(), StatusCode::BAD_REQUEST),
-        (rank0, "checkpoints/step-2/manifest.json".into(), StatusCode::BAD_REQUEST),
+        (
+            rank0,
+            "../../../zerotrain.db".into(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            rank0,
+            "checkpoints/step-2/manifest.json".into(),
+            StatusCode::BAD_REQUEST,
+        ),
     ] {
         let up = app.upload(node, &id, 1, &name, "bytes").await;
         assert_eq!(up.status, want, "{name}: {}", up.text);
     }
     // Another node's token for this node's path, and a person's token, are refused.
-    let forged = app.upload(&(rank0.0.clone(), rank1.1.clone()), &id, 1, &rank_file(0), "x").await;
+    let forged = app
+        .upload(
+            &(rank0.0.clone(), rank1.1.clone()),
+            &id,
+            1,
+            &rank_file(0),
+            "x",
+        )
+        .await;
     assert_eq!(forged.status, StatusCode::FORBIDDEN, "{}", forged.text);
-    let person = app.upload(&(rank0.0.clone(), ADMIN.into()), &id, 1, &rank_file(0), "x").await;
+    let person = app
+        .upload(&(rank0.0.clone(), ADMIN.into()), &id, 1, &rank_file(0), "x")
+        .await;
     assert_eq!(person.status, StatusCode::FORBIDDEN, "{}", person.text);
     // Nothing refused was written: the store holds the two accepted files alone.
     let stored = app.state.store.artifacts(&id).await.unwrap();
@@ -780,7 +819,11 @@ async fn a_download_serves_byte_ranges_and_viewers_may_download() {
     }
     let path = format!("/v1/jobs/{id}/artifacts/model.safetensors");
     let listed = app.get(&format!("/v1/jobs/{id}/artifacts")).await.json();
-    assert_eq!(listed["artifacts"], json!([]), "nothing before the job succeeded");
+    assert_eq!(
+        listed["artifacts"],
+        json!([]),
+        "nothing before the job succeeded"
+    );
     assert_eq!(app.get(&path).await.status, StatusCode::NOT_FOUND);
     let finished = Report::Finished {
         job_id: id.clone(),
@@ -795,10 +838,30 @@ async fn a_download_serves_byte_ranges_and_viewers_may_download() {
             "sha256": "84d89877f0d4041efb6bf91a16f0248f2fd573e6af05c19f96bedb9f882f7882"})
     );
     for (range, status, body, content_range) in [
-        ("bytes=2-4", StatusCode::PARTIAL_CONTENT, "234", "bytes 2-4/10"),
-        ("bytes=7-", StatusCode::PARTIAL_CONTENT, "789", "bytes 7-9/10"),
-        ("bytes=-2", StatusCode::PARTIAL_CONTENT, "89", "bytes 8-9/10"),
-        ("bytes=10-", StatusCode::RANGE_NOT_SATISFIABLE, "", "bytes */10"),
+        (
+            "bytes=2-4",
+            StatusCode::PARTIAL_CONTENT,
+            "234",
+            "bytes 2-4/10",
+        ),
+        (
+            "bytes=7-",
+            StatusCode::PARTIAL_CONTENT,
+            "789",
+            "bytes 7-9/10",
+        ),
+        (
+            "bytes=-2",
+            StatusCode::PARTIAL_CONTENT,
+            "89",
+            "bytes 8-9/10",
+        ),
+        (
+            "bytes=10-",
+            StatusCode::RANGE_NOT_SATISFIABLE,
+            "",
+            "bytes */10",
+        ),
     ] {
         let got = app
             .call_with(Method::GET, &path, Some(VIEWER), None, &[("range", range)])
@@ -810,11 +873,22 @@ async fn a_download_serves_byte_ranges_and_viewers_may_download() {
         }
     }
     let whole = app
-        .call_with(Method::GET, &path, Some(VIEWER), None, &[("accept-encoding", "gzip")])
+        .call_with(
+            Method::GET,
+            &path,
+            Some(VIEWER),
+            None,
+            &[("accept-encoding", "gzip")],
+        )
         .await;
     assert_eq!(whole.text, "0123456789", "sent as stored, never compressed");
-    assert_eq!(app.call(Method::GET, &path, None, None).await.status, StatusCode::UNAUTHORIZED);
-    let none = app.get(&format!("/v1/jobs/{id}/artifacts/checkpoints%2Fnope")).await;
+    assert_eq!(
+        app.call(Method::GET, &path, None, None).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let none = app
+        .get(&format!("/v1/jobs/{id}/artifacts/checkpoints%2Fnope"))
+        .await;
     assert_eq!(none.status, StatusCode::NOT_FOUND);
 }
 

@@ -55,6 +55,11 @@ const ROUTES: &[(&str, &str, Needs)] = &[
         "/v1/agents/{node}/jobs/{job}/artifacts/{name}",
         Needs::NodeToken,
     ),
+    (
+        "GET",
+        "/v1/agents/{node}/jobs/{job}/init_from",
+        Needs::NodeToken,
+    ),
 ];
 
 #[test]

@@ -49,13 +49,7 @@ fn agent(
 }
 
 /// A `zerotrain agent` process, working in a folder of its own under `work`.
-fn agent_process(
-    s: &Service,
-    work: &Path,
-    name: &str,
-    devices: usize,
-    extra: &[&str],
-) -> Child {
+fn agent_process(s: &Service, work: &Path, name: &str, devices: usize, extra: &[&str]) -> Child {
     let work_dir = work.join(name);
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args([
@@ -390,10 +384,20 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
         .iter()
         .map(|a| a["name"].as_str().unwrap())
         .collect();
-    assert!(names.contains(&"config.json") && names.contains(&"model.safetensors"), "{names:?}");
+    assert!(
+        names.contains(&"config.json") && names.contains(&"model.safetensors"),
+        "{names:?}"
+    );
     let step_70 = "checkpoints/step-00000070/";
-    for file in ["manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"] {
-        assert!(names.contains(&format!("{step_70}{file}").as_str()), "{names:?}");
+    for file in [
+        "manifest.json",
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ] {
+        assert!(
+            names.contains(&format!("{step_70}{file}").as_str()),
+            "{names:?}"
+        );
     }
     let model = listed["artifacts"]
         .as_array()
@@ -403,7 +407,10 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
         .unwrap()
         .clone();
     let bytes = s
-        .call(reqwest::Method::GET, &format!("/v1/jobs/{id}/artifacts/model.safetensors"))
+        .call(
+            reqwest::Method::GET,
+            &format!("/v1/jobs/{id}/artifacts/model.safetensors"),
+        )
         .await
         .bytes()
         .await
@@ -414,26 +421,101 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
     // `zerotrain pull` writes the folder `from_pretrained` loads: the config and the weights.
     let pulled = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args(["pull", &id, "--url", &s.server.url(), "--token", ADMIN, "--to"])
+        .args([
+            "pull",
+            &id,
+            "--url",
+            &s.server.url(),
+            "--token",
+            ADMIN,
+            "--to",
+        ])
         .arg(pulled.path())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let weights = std::fs::read(pulled.path().join("model.safetensors")).unwrap();
     assert_eq!(sha256_hex(&weights), digest);
     let tensors = safetensors::SafeTensors::deserialize(&weights).unwrap();
-    assert!(tensors.names().contains(&"transformer.wte.weight"), "{:?}", tensors.names());
+    assert!(
+        tensors.names().contains(&"transformer.wte.weight"),
+        "{:?}",
+        tensors.names()
+    );
     let config: Value =
         serde_json::from_slice(&std::fs::read(pulled.path().join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "gpt2");
     // The attempt that succeeded left nothing in its agent's folder.
-    let rescuer_attempt = work_b.path().join("rescuer/jobs").join(&id).join("attempts/2");
-    assert!(!rescuer_attempt.exists(), "{} is left", rescuer_attempt.display());
+    let rescuer_attempt = work_b
+        .path()
+        .join("rescuer/jobs")
+        .join(&id)
+        .join("attempts/2");
+    assert!(
+        !rescuer_attempt.exists(),
+        "{} is left",
+        rescuer_attempt.display()
+    );
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(bytes))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_started_from_another_job_s_model_computes_that_model_s_last_loss() {
+    let s = service().await;
+    let (stop, thread) = agent(&s, "tuner", 1, 1 << 30);
+    s.wait_nodes(1).await;
+    // A text file of exactly one window (B·T + 1 bytes): every step trains on the same batch.
+    let root = s.server.state().data_roots.dirs()[0].to_path_buf();
+    let data = root.join("one-batch.txt");
+    let text: String = (0..65)
+        .map(|i| char::from(b'a' + (i * 7 % 26) as u8))
+        .collect();
+    std::fs::write(&data, text).unwrap();
+    let spec = |steps: u32, init_from: Value| {
+        json!({"model": {"preset": "gpt2-tiny", "init_from": init_from},
+            "precision": {"dtype": "fp32"},
+            "data": {"kind": "text", "path": data.display().to_string()},
+            // The rate decays to 0 at the last step, which so leaves the weights as they were:
+            // the exported model is the one the last logged loss was computed with.
+            "training": {"steps": steps, "micro_batch_size": 2, "seq_len": 32,
+                "decay_steps": 3, "min_lr": 0.0}})
+    };
+    let (status, created) = s.submit(spec(4, Value::Null)).await;
+    assert_eq!(status, 201, "{created}");
+    let first = job_id(&created);
+    let from_first = json!({"job": first, "artifact": "model"});
+    // Until it succeeded it has no model to start from.
+    let (status, refused) = s.submit(spec(1, from_first.clone())).await;
+    assert_eq!(status, 422, "{refused}");
+    assert_eq!(refused["field"], "model.init_from.job", "{refused}");
+    let done = s.finished(&first, Duration::from_secs(60)).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    let s = &s;
+    let last_loss = |id: String| async move {
+        let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+        m["steps"].as_array().unwrap().last().unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let (status, created) = s.submit(spec(1, from_first)).await;
+    assert_eq!(status, 201, "{created}");
+    let second = job_id(&created);
+    let tuned = s.finished(&second, Duration::from_secs(60)).await;
+    assert_eq!(tuned["state"], "succeeded", "{tuned}");
+    // The first job's training moved its weights, so only its model gives its last loss.
+    let losses = s.get(&format!("/v1/jobs/{first}/metrics")).await["steps"].clone();
+    assert_ne!(losses[0]["loss"], losses[3]["loss"], "{losses}");
+    assert_eq!(last_loss(second).await, last_loss(first).await);
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
 }
 
 /// The newest checkpoint step rank 0 wrote under `attempt_dir` that is still waiting there to
@@ -443,9 +525,15 @@ fn newest_unsent(attempt_dir: &Path) -> Option<u32> {
         .ok()?
         .filter_map(|e| {
             let e = e.ok()?;
-            e.path().join("rank-00000.safetensors").exists().then_some(())?;
+            e.path()
+                .join("rank-00000.safetensors")
+                .exists()
+                .then_some(())?;
             let name = e.file_name().into_string().ok()?;
-            name.strip_prefix(".step-")?.strip_suffix(".tmp")?.parse().ok()
+            name.strip_prefix(".step-")?
+                .strip_suffix(".tmp")?
+                .parse()
+                .ok()
         })
         .max()
 }

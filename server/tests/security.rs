@@ -315,7 +315,10 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
     )
     .await;
     // Each job has a checkpoint file and a model in the artifact store.
-    let names = ["checkpoints/step-00000010/manifest.json", "model.safetensors"];
+    let names = [
+        "checkpoints/step-00000010/manifest.json",
+        "model.safetensors",
+    ];
     for id in [&done, &live] {
         for name in names {
             let body = futures::stream::iter([Ok::<_, std::io::Error>(
@@ -334,14 +337,27 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
         }
     }
     let kept = |id: &str| {
-        let objects = app.state.settings.artifacts_dir().join("jobs").join(id).join("attempts/1");
+        let objects = app
+            .state
+            .settings
+            .artifacts_dir()
+            .join("jobs")
+            .join(id)
+            .join("attempts/1");
         let store = &app.state.store;
         let id = id.to_string();
         async move {
-            let rows: Vec<String> =
-                store.artifacts(&id).await.unwrap().into_iter().map(|a| a.name).collect();
-            let files: Vec<&str> =
-                names.into_iter().filter(|n| objects.join(n).exists()).collect();
+            let rows: Vec<String> = store
+                .artifacts(&id)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|a| a.name)
+                .collect();
+            let files: Vec<&str> = names
+                .into_iter()
+                .filter(|n| objects.join(n).exists())
+                .collect();
             assert_eq!(rows, files, "records and files agree");
             rows
         }
@@ -354,7 +370,11 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
     );
     let r = collect(8).await.unwrap();
     assert_eq!((r.checkpoints, r.outputs), (1, 0));
-    assert_eq!(kept(&done).await, ["model.safetensors"], "the final model is kept");
+    assert_eq!(
+        kept(&done).await,
+        ["model.safetensors"],
+        "the final model is kept"
+    );
     assert_eq!(kept(&live).await, names, "a job not ended keeps everything");
     let r = collect(31).await.unwrap();
     assert_eq!((r.checkpoints, r.outputs), (0, 1));

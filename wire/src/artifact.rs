@@ -27,9 +27,14 @@ pub fn rank_file(rank: usize) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Artifact {
     /// A checkpoint's manifest.
-    Manifest { step: u32 },
+    Manifest {
+        step: u32,
+    },
     /// A checkpoint's file of one rank.
-    Rank { step: u32, rank: usize },
+    Rank {
+        step: u32,
+        rank: usize,
+    },
     Model,
     Config,
 }

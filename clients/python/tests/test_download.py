@@ -85,13 +85,6 @@ def safetensors(tensors: dict[str, list[int]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + bytes(offset)
 
 
-def tensor_shapes(path: Path) -> dict[str, list[int]]:
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {name: t["shape"] for name, t in header.items() if name != "__metadata__"}
-
-
 @pytest.fixture
 def model_files() -> dict[str, bytes]:
     # Several download chunks (1 MiB each) of weights, with random bytes at the end.
@@ -193,6 +186,32 @@ def test_a_finished_job_downloads_as_a_from_pretrained_folder(
         64,
         512,
     )
-    shapes = tensor_shapes(folder / "model.safetensors")
-    assert shapes["transformer.wte.weight"] == [512, 64]
-    assert shapes["transformer.h.1.attn.c_attn.weight"] == [64, 192]
+    # Read with Hugging Face's own `safetensors` package: exactly the tensors, shapes and dtype
+    # of `transformers`' GPT2LMHeadModel state dict (its lm_head is tied to wte and is not stored;
+    # `transformers` and torch themselves are too heavy to install in CI).
+    from safetensors import safe_open
+
+    c, layers = config["n_embd"], config["n_layer"]
+    vocab, positions = config["vocab_size"], config["n_positions"]
+    want: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (vocab, c),
+        "transformer.wpe.weight": (positions, c),
+    }
+    want |= {f"transformer.ln_f.{p}": (c,) for p in ("weight", "bias")}
+    for i in range(layers):
+        h = f"transformer.h.{i}"
+        want |= {f"{h}.{ln}.{p}": (c,) for ln in ("ln_1", "ln_2") for p in ("weight", "bias")}
+        want |= {
+            f"{h}.attn.c_attn.weight": (c, 3 * c),
+            f"{h}.attn.c_attn.bias": (3 * c,),
+            f"{h}.attn.c_proj.weight": (c, c),
+            f"{h}.attn.c_proj.bias": (c,),
+            f"{h}.mlp.c_fc.weight": (c, 4 * c),
+            f"{h}.mlp.c_fc.bias": (4 * c,),
+            f"{h}.mlp.c_proj.weight": (4 * c, c),
+            f"{h}.mlp.c_proj.bias": (c,),
+        }
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+        got = {name: f.get_tensor(name) for name in f.keys()}
+    assert {name: t.shape for name, t in got.items()} == want
+    assert {str(t.dtype) for t in got.values()} == {"float32"}

@@ -11,8 +11,8 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 
 use crate::Error;
 use crate::checkpoint::Upload;
-use wire::artifact::Artifact;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse};
+use wire::artifact::Artifact;
 
 /// Longest pause between two tries before jitter, which adds up to as much again: well inside
 /// the server's heartbeat timeout (30 s by default), so a node cut off for a while, or a
@@ -190,9 +190,19 @@ impl Files {
         })
     }
 
-    /// Fetches the job's artifact `a` into `to` (written whole, then renamed into place).
+    /// Fetches the job's artifact `a` into `to`.
     pub fn get(&self, a: Artifact, to: &Path) -> Result<(), Error> {
-        let url = format!("{}/artifacts/{}", self.base, encoded(a));
+        self.fetch(&format!("{}/artifacts/{}", self.base, encoded(a)), to)
+    }
+
+    /// Fetches the model the job's `model.init_from` names (another job's export) into `to`.
+    pub fn get_init_from(&self, to: &Path) -> Result<(), Error> {
+        self.fetch(&format!("{}/init_from", self.base), to)
+    }
+
+    /// Fetches `url` into `to` (written whole, then renamed into place).
+    fn fetch(&self, url: &str, to: &Path) -> Result<(), Error> {
+        let url = url.to_string();
         let part = to.with_extension("part");
         if let Some(dir) = to.parent() {
             fs::create_dir_all(dir).map_err(|e| Error::Server {

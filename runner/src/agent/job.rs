@@ -11,16 +11,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use scheduler::memory::DeviceKind;
-use scheduler::spec::JobSpec;
+use scheduler::spec::{InitFrom, JobSpec};
 
 use super::AgentConfig;
+use super::client::Files;
 use super::session::Outbox;
 use crate::Error;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
 use crate::device::Target;
 use crate::train::{Options, Progress, Resume, Summary, run_ranks};
-use super::client::Files;
 use wire::agent::{Assignment, RankTransport, Report, ResumeFrom};
 use wire::artifact::Artifact;
 
@@ -144,6 +144,15 @@ fn train(
         Some(r) => Resume::From(fetch_checkpoint(&files, r, &dir.join("resume"))?),
         None => Resume::Fresh,
     };
+    // Another job's model to start from comes from the server too (a resume needs none).
+    let from_job = matches!(a.spec.model.init_from, Some(InitFrom::Artifact(_)));
+    let init_weights = if from_job && a.resume_from.is_none() {
+        let file = dir.join("init").join(checkpoint::MODEL_FILE);
+        files.get_init_from(&file)?;
+        Some(file)
+    } else {
+        None
+    };
     let opts = Options {
         device_memory: budget,
         device: Target::Cpu,
@@ -160,6 +169,7 @@ fn train(
         cancel: Some(cancel),
         data_roots: cfg.data_roots.clone(),
         resume,
+        init_weights,
         // Each file is removed once uploaded; the folders go with the attempt.
         keep_all_checkpoints: true,
         upload: Some(Arc::new(files)),
@@ -217,7 +227,10 @@ fn fetch_checkpoint(files: &Files, r: &ResumeFrom, into: &Path) -> Result<PathBu
         let a = Artifact::parse(name)
             .filter(|a| a.step() == Some(r.step))
             .ok_or_else(|| Error::Untrainable {
-                reason: format!("the server named {name:?} as a file of checkpoint {}", r.step),
+                reason: format!(
+                    "the server named {name:?} as a file of checkpoint {}",
+                    r.step
+                ),
             })?;
         files.get(a, &into.join(a.name()))?;
     }

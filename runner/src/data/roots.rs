@@ -16,7 +16,7 @@ use std::io::ErrorKind;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
-use scheduler::spec::{Data, JobSpec};
+use scheduler::spec::{Data, InitFrom, JobSpec};
 
 use crate::error::Error;
 
@@ -46,8 +46,8 @@ fn spec_inputs(spec: &JobSpec) -> Vec<(&'static str, &str)> {
             inputs.push(("data.path", path.as_str()))
         }
     }
-    if let Some(path) = &spec.model.init_from {
-        inputs.push(("model.init_from", path.as_str()));
+    if let Some(path) = spec.model.init_from.as_ref().and_then(InitFrom::path) {
+        inputs.push(("model.init_from", path));
     }
     inputs
 }

@@ -11,7 +11,7 @@ mod precision;
 mod training;
 
 pub use data::{Data, MAX_SYNTHETIC_VOCAB};
-pub use model::{Architecture, ModelSource, ModelSpec};
+pub use model::{Architecture, InitFrom, JobArtifact, ModelSource, ModelSpec};
 pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, Sgd};
 pub use precision::{Dtype, DynamicLossScale, LossScale, Precision, ScalerSemantics};
 pub use training::{LrSchedule, Training, WarmupType};

@@ -13,8 +13,36 @@ const MAX_PARAMS: f64 = 1e15;
 #[serde(try_from = "ModelDoc", into = "ModelDoc")]
 pub struct ModelSpec {
     pub source: ModelSource,
-    /// A safetensors file of Hugging Face GPT-2 weights to start from.
-    pub init_from: Option<String>,
+    /// The weights to start from.
+    pub init_from: Option<InitFrom>,
+}
+
+/// Weights a job starts from (`model.init_from`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum InitFrom {
+    /// A safetensors file of Hugging Face GPT-2 weights, read inside the agent's data roots.
+    Path(String),
+    /// Another job's export, `{"job": ID, "artifact": "model"}`: fine-tuning a finished job.
+    Artifact(JobArtifact),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobArtifact {
+    pub job: String,
+    /// `model`: the job's exported `model.safetensors`.
+    pub artifact: String,
+}
+
+impl InitFrom {
+    /// The file, when it is one.
+    pub fn path(&self) -> Option<&str> {
+        match self {
+            InitFrom::Path(p) => Some(p),
+            InitFrom::Artifact(_) => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -73,10 +101,26 @@ impl ModelSpec {
             (Architecture::Params(_), Purpose::Estimate) => {}
             (Architecture::Gpt(s), _) => validate_shape(&s, p),
         }
-        if let Some(path) = &self.init_from {
-            p.ensure(!path.trim().is_empty(), "model.init_from", || {
-                "must be a path to a .safetensors file".into()
-            });
+        match &self.init_from {
+            Some(InitFrom::Path(path)) => {
+                p.ensure(!path.trim().is_empty(), "model.init_from", || {
+                    "must be a path to a .safetensors file".into()
+                });
+            }
+            Some(InitFrom::Artifact(a)) => {
+                p.ensure(!a.job.trim().is_empty(), "model.init_from.job", || {
+                    "must be a job's id".into()
+                });
+                p.ensure(a.artifact == "model", "model.init_from.artifact", || {
+                    format!(
+                        "{:?}: only \"model\" (the job's exported model.safetensors) can be started from",
+                        a.artifact
+                    )
+                });
+            }
+            None => {}
+        }
+        if self.init_from.is_some() {
             p.ensure(arch.gpt().is_some(), "model.init_from", || {
                 "needs a preset or a shape, not a bare parameter count".into()
             });
@@ -136,7 +180,7 @@ struct ModelDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     params: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    init_from: Option<String>,
+    init_from: Option<InitFrom>,
 }
 
 impl TryFrom<ModelDoc> for ModelSpec {

@@ -58,7 +58,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             gpus,
             threads: args.threads,
             data_roots,
-            work_dir: server.state().settings.data_dir.join("agents").join("local"),
+            work_dir: server
+                .state()
+                .settings
+                .data_dir
+                .join("agents")
+                .join("local"),
         };
         let flag = stop.clone();
         let local = std::thread::spawn(move || runner::agent::run(&cfg, &flag, &metrics));

@@ -499,8 +499,12 @@ impl Store {
         job_id: &str,
         checkpoints_only: bool,
     ) -> Result<u64, StoreError> {
-        artifacts::remove_artifacts(&mut self.pool.acquire().await?.conn(), job_id, checkpoints_only)
-            .await
+        artifacts::remove_artifacts(
+            &mut self.pool.acquire().await?.conn(),
+            job_id,
+            checkpoints_only,
+        )
+        .await
     }
 
     /// Stores a bearer token (only its SHA-256 is kept) under `name` with `role`. Storing a

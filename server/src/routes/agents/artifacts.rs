@@ -2,22 +2,25 @@
 //! streams one into the artifact store as it is written (a rank's checkpoint file from the
 //! node that runs that rank; the manifest and the export from rank 0's node, only while the
 //! attempt is the job's current one), and `GET /v1/agents/{node}/jobs/{job}/artifacts/{name}`
-//! gives a node running the job a file the job has (the checkpoint it resumes from). Names
-//! are `wire::artifact`'s; `/` in one is sent as `%2F`.
+//! gives a node running the job a file the job has (the checkpoint it resumes from), and
+//! `GET /v1/agents/{node}/jobs/{job}/init_from` the model its `model.init_from` names (another
+//! job's export). Names are `wire::artifact`'s; `/` in one is sent as `%2F`.
 
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
+use scheduler::spec::InitFrom;
 use serde::Serialize;
 use utoipa::ToSchema;
 use wire::agent::RefusalReason;
-use wire::artifact::Artifact;
+use wire::artifact::{Artifact, MODEL_FILE};
 
 use super::reports::View;
 use crate::app::{AppState, now_ms};
 use crate::artifacts;
 use crate::auth::AgentNode;
+use crate::domain::{Job, NodeRecord};
 use crate::error::{ApiError, Problem};
 use crate::store::ArtifactRecord;
 
@@ -139,25 +142,78 @@ pub async fn download(
     path: Path<(String, String, String)>,
 ) -> Result<Body, ApiError> {
     let Path((_, job_id, name)) = path;
-    let view = View::load(&state, &job_id, &node).await?;
-    let job = view.current().map_err(|reason| {
+    running(&state, &node, &job_id, &name).await?;
+    file(&state, &job_id, &name).await
+}
+
+/// The model a job this node runs starts from (its agent token).
+#[utoipa::path(
+    get,
+    path = "/v1/agents/{node}/jobs/{job}/init_from",
+    operation_id = "agent_download_init_from",
+    tag = "agents",
+    params(
+        ("node" = String, Path, description = "The node id registration returned"),
+        ("job" = String, Path, description = "The job id"),
+    ),
+    responses(
+        (status = 200, description = "The `model.safetensors` of the job `model.init_from` names",
+            content_type = "application/octet-stream"),
+        (status = 404, description = "The job starts from no job's model, or that model is gone",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The node runs no rank of the job's current attempt",
+            body = Problem, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn init_from(
+    State(state): State<AppState>,
+    AgentNode(node): AgentNode,
+    path: Path<(String, String)>,
+) -> Result<Body, ApiError> {
+    let Path((_, job_id)) = path;
+    let job = running(&state, &node, &job_id, "init_from").await?;
+    let Some(InitFrom::Artifact(from)) = job.spec.model.init_from else {
+        return Err(ApiError::NotFound {
+            what: "model to start from for job",
+            id: job_id,
+        });
+    };
+    file(&state, &from.job, MODEL_FILE).await
+}
+
+/// The job, if `node` holds ranks of its current attempt.
+async fn running(
+    state: &AppState,
+    node: &NodeRecord,
+    job_id: &str,
+    what: &str,
+) -> Result<Job, ApiError> {
+    let view = View::load(state, job_id, node).await?;
+    view.current().cloned().map_err(|reason| {
         state.metrics.refused(reason, 1);
         ApiError::Refused {
-            what: name.clone(),
+            what: what.to_string(),
             reason,
         }
-    })?;
+    })
+}
+
+/// The file `name` job `job_id` lists, streamed.
+async fn file(state: &AppState, job_id: &str, name: &str) -> Result<Body, ApiError> {
+    let job = crate::routes::jobs::find(state, job_id).await?;
     let listed = artifacts::listed(
-        job,
-        &state.store.artifacts(&job_id).await?,
-        &state.store.checkpoints(&job_id).await?,
+        &job,
+        &state.store.artifacts(job_id).await?,
+        &state.store.checkpoints(job_id).await?,
     );
     let a = listed
         .iter()
         .find(|a| a.name == name)
         .ok_or(ApiError::NotFound {
             what: "artifact",
-            id: name.clone(),
+            id: name.to_string(),
         })?;
-    Ok(Body::from_stream(state.artifacts.get(&job_id, a, None).await?))
+    Ok(Body::from_stream(
+        state.artifacts.get(job_id, a, None).await?,
+    ))
 }

@@ -10,10 +10,10 @@ use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
-use wire::artifact::Artifact;
 use wire::agent::{
     Assignment, Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, ResumeFrom,
 };
+use wire::artifact::Artifact;
 
 use crate::app::{AppState, now_ms};
 use crate::auth::AgentNode;

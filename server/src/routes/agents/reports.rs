@@ -272,7 +272,11 @@ impl Pending {
 
 /// `checkpoints/step-NNNNNNNN`: where a checkpoint's files are under its attempt.
 fn checkpoint_dir(step: u32) -> String {
-    format!("{}/{}", wire::artifact::CHECKPOINTS, wire::artifact::step_name(step))
+    format!(
+        "{}/{}",
+        wire::artifact::CHECKPOINTS,
+        wire::artifact::step_name(step)
+    )
 }
 
 /// Keeps the beat's view of a job current after it moved.

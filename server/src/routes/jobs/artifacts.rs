@@ -98,7 +98,10 @@ pub async fn download(
     let body = Body::from_stream(state.artifacts.get(&id, &a, range.clone()).await?);
     let mut response = body.into_response();
     let h = response.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
     h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
     h.insert(header::ETAG, header_value(format!("\"{}\"", a.sha256)));
     let length = match &range {
@@ -180,7 +183,13 @@ mod tests {
         assert_eq!(byte_range("bytes=100-", 100), Ask::Unsatisfiable);
         assert_eq!(byte_range("bytes=200-300", 100), Ask::Unsatisfiable);
         // Not something served in part: the whole file, as RFC 9110 allows.
-        for whole in ["items=0-9", "bytes=9-0", "bytes=0-1,5-6", "bytes=x-", "bytes=-0"] {
+        for whole in [
+            "items=0-9",
+            "bytes=9-0",
+            "bytes=0-1,5-6",
+            "bytes=x-",
+            "bytes=-0",
+        ] {
             assert_eq!(byte_range(whole, 100), Ask::Whole, "{whole}");
         }
     }

@@ -8,11 +8,12 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use scheduler::memory::Breakdown;
 use scheduler::plan;
-use scheduler::spec::{JobSpec, Purpose};
+use scheduler::spec::{InitFrom, JobSpec, Purpose};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::app::{AppState, now_ms};
+use crate::artifacts;
 use crate::auth::Submitter;
 use crate::domain::{Job, JobState};
 use crate::error::{ApiError, Problem};
@@ -105,6 +106,9 @@ pub async fn create(
         return Err(ApiError::spec(field, "outside the data roots".to_string()));
     }
     within_limits(&parsed.spec, &state.settings.limits)?;
+    if let Some(InitFrom::Artifact(from)) = &parsed.spec.model.init_from {
+        starts_from(&state, &parsed.spec, &from.job).await?;
+    }
     let nodes = state.store.nodes().await?;
     let plan = match plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings)) {
         // The operator queues jobs for capacity still to come: planned on unbounded devices
@@ -157,6 +161,40 @@ pub async fn create(
 }
 
 /// The operator's limits on one job: its steps, and its ranks against what one owner may run.
+/// A job may start from job `source`'s model when that job succeeded (its export is listed)
+/// and trained the same architecture.
+async fn starts_from(state: &AppState, spec: &JobSpec, source: &str) -> Result<(), ApiError> {
+    let field = "model.init_from.job";
+    let Some(job) = state.store.get_job(source).await? else {
+        return Err(ApiError::spec(field, format!("no job {source:?}")));
+    };
+    let listed = artifacts::listed(
+        &job,
+        &state.store.artifacts(source).await?,
+        &state.store.checkpoints(source).await?,
+    );
+    if !listed.iter().any(|a| a.name == wire::artifact::MODEL_FILE) {
+        return Err(ApiError::spec(
+            field,
+            format!(
+                "job {source} is {} and has no model (a job's model is there once it succeeded)",
+                job.state.as_str()
+            ),
+        ));
+    }
+    let (theirs, ours) = (
+        job.spec.model.source.architecture(),
+        spec.model.source.architecture(),
+    );
+    if theirs != ours {
+        return Err(ApiError::spec(
+            field,
+            format!("job {source} trained another model ({theirs:?}); this spec's is {ours:?}"),
+        ));
+    }
+    Ok(())
+}
+
 fn within_limits(spec: &JobSpec, limits: &Limits) -> Result<(), ApiError> {
     let steps = spec.training.steps.get();
     if steps > limits.max_steps {

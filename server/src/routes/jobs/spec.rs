@@ -104,8 +104,22 @@ fn model() -> serde_json::Value {
                 "description": "A bare parameter count, for closed-form estimates",
             },
             "init_from": {
-                "type": ["string", "null"],
-                "description": "A safetensors file of Hugging Face GPT-2 weights to start from",
+                "description": "The weights to start from: a safetensors file of Hugging Face \
+                    GPT-2 weights (a path the agents' operator allows), or another job's \
+                    export, `{\"job\": ID, \"artifact\": \"model\"}`",
+                "oneOf": [
+                    {"type": "null"},
+                    {"type": "string"},
+                    {
+                        "type": "object",
+                        "required": ["job", "artifact"],
+                        "additionalProperties": false,
+                        "properties": {
+                            "job": {"type": "string"},
+                            "artifact": {"type": "string", "enum": ["model"]},
+                        },
+                    },
+                ],
             },
         },
     })
