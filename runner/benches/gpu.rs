@@ -5,7 +5,7 @@
 //! first in the same run), and with `ZEROTRAIN_BENCH_JSON=FILE` writes the rows there for
 //! `scripts/bench_torch.py`, which prints them beside PyTorch's on the same GPU.
 //!
-//! `cargo bench -p runner --features cuda --bench gpu` (scripts/gpu-check runs it from the
+//! `cargo bench -p runner --bench gpu` (scripts/gpu-check runs it from the
 //! bundle). Without a GPU it says so and exits 0.
 
 use runner::device::Target;

@@ -18,8 +18,9 @@ use object_store::{GetOptions, GetRange, ObjectStore, WriteMultipart};
 use sha2::{Digest, Sha256};
 use wire::artifact::Artifact;
 
+use crate::app::App;
 use crate::domain::{Job, JobState};
-use crate::store::{ArtifactRecord, CheckpointRecord};
+use crate::store::{ArtifactRecord, CheckpointRecord, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
@@ -143,9 +144,18 @@ pub fn key(job_id: &str, attempt: u32, name: &str) -> Key {
     Key::from(format!("jobs/{job_id}/attempts/{attempt}/{name}"))
 }
 
+/// The files `job` has, as [`listed`] decides from the store's records.
+pub async fn of_job(app: &App, job: &Job) -> Result<Vec<ArtifactRecord>, StoreError> {
+    Ok(listed(
+        job,
+        &app.store.artifacts(&job.id).await?,
+        &app.store.checkpoints(&job.id).await?,
+    ))
+}
+
 /// The files `job` has: those of its committed checkpoints and, once it succeeded, its
 /// export; one per name, the newest attempt's, in name order.
-pub fn listed(
+fn listed(
     job: &Job,
     uploads: &[ArtifactRecord],
     committed: &[CheckpointRecord],

@@ -201,19 +201,15 @@ async fn running(
 /// The file `name` job `job_id` lists, streamed.
 async fn file(state: &AppState, job_id: &str, name: &str) -> Result<Body, ApiError> {
     let job = crate::routes::jobs::find(state, job_id).await?;
-    let listed = artifacts::listed(
-        &job,
-        &state.store.artifacts(job_id).await?,
-        &state.store.checkpoints(job_id).await?,
-    );
-    let a = listed
-        .iter()
+    let a = artifacts::of_job(state, &job)
+        .await?
+        .into_iter()
         .find(|a| a.name == name)
         .ok_or(ApiError::NotFound {
             what: "artifact",
             id: name.to_string(),
         })?;
     Ok(Body::from_stream(
-        state.artifacts.get(job_id, a, None).await?,
+        state.artifacts.get(job_id, &a, None).await?,
     ))
 }

@@ -125,11 +125,7 @@ pub async fn download(
 /// Job `id`'s files (a 404 for no such job).
 async fn listed(state: &AppState, id: &str) -> Result<Vec<ArtifactRecord>, ApiError> {
     let job = super::find(state, id).await?;
-    Ok(artifacts::listed(
-        &job,
-        &state.store.artifacts(id).await?,
-        &state.store.checkpoints(id).await?,
-    ))
+    Ok(artifacts::of_job(state, &job).await?)
 }
 
 fn header_value(s: String) -> HeaderValue {

@@ -168,11 +168,7 @@ async fn starts_from(state: &AppState, spec: &JobSpec, source: &str) -> Result<(
     let Some(job) = state.store.get_job(source).await? else {
         return Err(ApiError::spec(field, format!("no job {source:?}")));
     };
-    let listed = artifacts::listed(
-        &job,
-        &state.store.artifacts(source).await?,
-        &state.store.checkpoints(source).await?,
-    );
+    let listed = artifacts::of_job(state, &job).await?;
     if !listed.iter().any(|a| a.name == wire::artifact::MODEL_FILE) {
         return Err(ApiError::spec(
             field,
