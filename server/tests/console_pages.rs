@@ -109,6 +109,44 @@ async fn the_jobs_and_job_pages_render_their_tables_without_javascript() {
 }
 
 #[tokio::test]
+async fn a_finished_job_s_page_links_its_files_which_download_with_the_session() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(1)).await;
+    app.schedule().await;
+    app.beat(&node, vec![], vec![]).await;
+    let cookie = app.login(VIEWER).await;
+    let before = page(&app, &format!("/jobs/{id}"), &cookie).await;
+    assert!(before.text.contains("No files yet"), "{}", before.text);
+    for (name, text) in [("model.safetensors", "weights"), ("config.json", "{}")] {
+        app.upload(&node, &id, 1, name, text).await;
+    }
+    let finished = wire::agent::Report::Finished {
+        job_id: id.clone(),
+        attempt: 1,
+        final_loss: 1.0,
+    };
+    app.beat(&node, vec![finished], vec![]).await;
+    let after = page(&app, &format!("/jobs/{id}"), &cookie).await;
+    let href = format!("/v1/jobs/{id}/artifacts/model.safetensors");
+    assert!(
+        after.text.contains(r#"<table id="files">"#),
+        "{}",
+        after.text
+    );
+    assert!(
+        after
+            .text
+            .contains(&format!(r#"<a href="{href}" download>"#))
+    );
+    let file = app.browser(Method::GET, &href, &cookie, None, None).await;
+    assert_eq!(
+        (file.status, file.text.as_str()),
+        (StatusCode::OK, "weights")
+    );
+}
+
+#[tokio::test]
 async fn assets_are_embedded_with_an_etag_and_a_long_cache() {
     let app = TestApp::new().await;
     let cookie = app.login(VIEWER).await;

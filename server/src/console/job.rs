@@ -1,7 +1,8 @@
 //! `/jobs/{id}`: a job's state and history, spec and plan, memory measured against predicted,
 //! bytes sent per collective and its log, as tables that need no JavaScript; the charts (from
 //! `GET /v1/jobs/{id}/metrics`) and the followed log (`…/logs?follow=true`) are drawn by the
-//! console script. `/jobs/{id}/log.txt` downloads the whole log.
+//! console script. `/jobs/{id}/log.txt` downloads the whole log; the files the job has (its
+//! committed checkpoints and its export) link to their downloads.
 
 use askama::Template;
 use axum::extract::{Path, State};
@@ -33,6 +34,15 @@ struct MemoryRow {
     cells: Vec<(String, String)>,
 }
 
+/// One file of the job: its name, where it downloads, size, step and SHA-256.
+struct FileRow {
+    name: String,
+    href: String,
+    bytes: String,
+    step: u32,
+    sha256: String,
+}
+
 struct CommRow {
     rank: u32,
     ops: Vec<(String, String)>,
@@ -61,6 +71,7 @@ struct JobPage {
     comm: Vec<CommRow>,
     spec: String,
     log: Vec<LogLine>,
+    files: Vec<FileRow>,
     can_cancel: bool,
     can_submit: bool,
 }
@@ -85,6 +96,17 @@ async fn load(
     let job = d.job;
     let metrics = job_metrics(state, job.clone()).await?;
     let log = state.store.logs(id, 0, LOG_PAGE).await?;
+    let files = crate::artifacts::of_job(state, &job)
+        .await?
+        .into_iter()
+        .map(|a| FileRow {
+            href: format!("/v1/jobs/{id}/artifacts/{}", a.name.replace('/', "%2F")),
+            bytes: view::bytes(a.bytes),
+            step: a.step,
+            sha256: a.sha256,
+            name: a.name,
+        })
+        .collect();
     let (chosen, per_rank) = (&job.plan.chosen, &job.plan.per_rank_bytes);
     let memory = Category::ALL
         .iter()
@@ -170,6 +192,7 @@ async fn load(
         comm,
         spec: serde_json::to_string_pretty(&job.spec).unwrap_or_default(),
         log,
+        files,
         can_cancel: live && (caller.role >= Role::Admin || caller.name == job.owner),
         can_submit: caller.role.allows(Role::Submitter),
         id: job.id,
