@@ -18,8 +18,8 @@ use scheduler::plan::{Choices, Plan};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
 use server::store::{
-    Backend, Decision, FreeDevice, HeldRanks, JobFilter, JobSort, Revoked, Store, StoreError,
-    token_hash,
+    ArtifactRecord, Backend, Decision, FreeDevice, HeldRanks, JobFilter, JobSort, Revoked, Store,
+    StoreError, token_hash,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::SqlitePoolOptions;
@@ -191,6 +191,7 @@ suite! {
     #[tokio::test] rank_memory_is_replaced_per_rank,
     #[tokio::test] log_lines_are_numbered_per_job_and_paged_after_a_sequence_number,
     #[tokio::test] checkpoints_are_listed_by_step,
+    #[tokio::test] uploads_are_recorded_at_the_current_attempt_only_and_removed_by_kind,
     #[tokio::test] reports_for_an_unknown_job_fail_naming_it,
     #[tokio::test] tokens_are_stored_hashed_and_looked_up_with_their_role,
     #[tokio::test] a_token_name_is_taken_once_and_revoking_frees_it,
@@ -1480,6 +1481,67 @@ async fn checkpoints_are_listed_by_step(db: TestDb) {
             (2, 150, "/ckpt/a2/step-150".to_string())
         ]
     );
+}
+
+async fn uploads_are_recorded_at_the_current_attempt_only_and_removed_by_kind(db: TestDb) {
+    let s = &db.store;
+    let j = submit(s, "a", 0, 1).await;
+    let record = |attempt, name: &str, bytes| ArtifactRecord {
+        attempt,
+        name: name.into(),
+        step: 10,
+        bytes,
+        sha256: format!("{bytes:064x}"),
+        at: 1,
+    };
+    let manifest = "checkpoints/step-00000010/manifest.json";
+    assert!(
+        s.add_artifact(&j.id, &record(1, manifest, 5))
+            .await
+            .unwrap()
+    );
+    assert!(
+        s.add_artifact(&j.id, &record(1, "model.safetensors", 1 << 40))
+            .await
+            .unwrap()
+    );
+    // The same name again replaces the record; another attempt's is not taken.
+    assert!(
+        s.add_artifact(&j.id, &record(1, manifest, 6))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.add_artifact(&j.id, &record(2, manifest, 7))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.add_artifact("nope", &record(1, manifest, 7))
+            .await
+            .unwrap()
+    );
+    let got = s.artifacts(&j.id).await.unwrap();
+    assert_eq!(
+        got,
+        [
+            record(1, manifest, 6),
+            record(1, "model.safetensors", 1 << 40)
+        ],
+        "by name, every field round-trips (sizes past 2^32 too)"
+    );
+    assert_eq!(s.jobs_with_artifacts().await.unwrap(), [j.id.clone()]);
+    assert_eq!(s.remove_artifacts(&j.id, true).await.unwrap(), 1);
+    let left: Vec<String> = s
+        .artifacts(&j.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.name)
+        .collect();
+    assert_eq!(left, ["model.safetensors"], "checkpoints only");
+    assert_eq!(s.remove_artifacts(&j.id, false).await.unwrap(), 1);
+    assert!(s.jobs_with_artifacts().await.unwrap().is_empty());
 }
 
 async fn reports_for_an_unknown_job_fail_naming_it(db: TestDb) {
