@@ -1530,7 +1530,10 @@ async fn uploads_are_recorded_at_the_current_attempt_only_and_removed_by_kind(db
         ],
         "by name, every field round-trips (sizes past 2^32 too)"
     );
-    assert_eq!(s.jobs_with_artifacts().await.unwrap(), std::slice::from_ref(&j.id));
+    assert_eq!(
+        s.jobs_with_artifacts().await.unwrap(),
+        std::slice::from_ref(&j.id)
+    );
     assert_eq!(s.remove_artifacts(&j.id, true).await.unwrap(), 1);
     let left: Vec<String> = s
         .artifacts(&j.id)
