@@ -26,7 +26,7 @@ use crate::Error;
 use crate::data::{DataRoots, Position, describe};
 use crate::device::{Cpu, Device};
 use crate::loss_scale;
-use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, rank_file, step_name};
+use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, checkpoint_dir, rank_file, step_name};
 pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
 
 /// Where a run's files go once written, besides its output folder (an agent's: the server's
@@ -141,7 +141,7 @@ pub fn staging_dir(out: &Path, step: u32) -> PathBuf {
 
 /// Where the checkpoint of `step` is published under `out`.
 pub fn step_dir(out: &Path, step: u32) -> PathBuf {
-    out.join(CHECKPOINTS).join(step_name(step))
+    out.join(checkpoint_dir(step))
 }
 
 /// Starts assembling a checkpoint in `tmp` (rank 0, before the ranks write).

@@ -180,8 +180,8 @@ fn listed(
     out.into_values().cloned().collect()
 }
 
-/// Whether `uploads` hold every file of the checkpoint of `step` by `attempt` with
-/// `world_size` ranks; the first missing one otherwise.
+/// The first file of the checkpoint of `step` by `attempt` with `world_size` ranks that
+/// `uploads` lack; `None` when it is complete.
 pub fn missing_from_checkpoint(
     uploads: &[ArtifactRecord],
     attempt: u32,

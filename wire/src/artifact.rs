@@ -18,6 +18,26 @@ pub fn step_name(step: u32) -> String {
     format!("step-{step:08}")
 }
 
+/// `checkpoints/step-00000010`: a checkpoint's folder under a run's output folder (and under
+/// an attempt's in the artifact store).
+pub fn checkpoint_dir(step: u32) -> String {
+    format!("{CHECKPOINTS}/{}", step_name(step))
+}
+
+/// `name` as one segment of a URL path: unreserved characters as they are, every other byte
+/// percent-encoded (so the `/`s of a checkpoint file's name become `%2F`).
+pub fn url_segment(name: &str) -> String {
+    let mut s = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            s.push(b as char);
+        } else {
+            s.push_str(&format!("%{b:02X}"));
+        }
+    }
+    s
+}
+
 /// `rank-00003.safetensors`: one rank's buffers in a checkpoint.
 pub fn rank_file(rank: usize) -> String {
     format!("rank-{rank:05}.safetensors")
@@ -63,11 +83,9 @@ impl Artifact {
     /// Its name (the inverse of [`Artifact::parse`]).
     pub fn name(self) -> String {
         match self {
-            Artifact::Manifest { step } => {
-                format!("{CHECKPOINTS}/{}/{MANIFEST_FILE}", step_name(step))
-            }
+            Artifact::Manifest { step } => format!("{}/{MANIFEST_FILE}", checkpoint_dir(step)),
             Artifact::Rank { step, rank } => {
-                format!("{CHECKPOINTS}/{}/{}", step_name(step), rank_file(rank))
+                format!("{}/{}", checkpoint_dir(step), rank_file(rank))
             }
             Artifact::Model => MODEL_FILE.into(),
             Artifact::Config => CONFIG_FILE.into(),
@@ -115,6 +133,15 @@ mod tests {
             Artifact::Rank { step: 7, rank: 2 }.name(),
             "checkpoints/step-00000007/rank-00002.safetensors"
         );
+    }
+
+    #[test]
+    fn slashes_in_names_are_percent_encoded() {
+        assert_eq!(
+            url_segment("checkpoints/step-00000020/manifest.json"),
+            "checkpoints%2Fstep-00000020%2Fmanifest.json"
+        );
+        assert_eq!(url_segment("model.safetensors"), "model.safetensors");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use crate::Error;
 use crate::checkpoint::Upload;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse};
-use wire::artifact::Artifact;
+use wire::artifact::{Artifact, url_segment};
 
 /// Longest pause between two tries before jitter, which adds up to as much again: well inside
 /// the server's heartbeat timeout (30 s by default), so a node cut off for a while, or a
@@ -176,7 +176,7 @@ impl Files {
             "{}/attempts/{}/artifacts/{}",
             self.base,
             self.attempt,
-            encoded(a)
+            url_segment(&a.name())
         );
         self.with_tries(&url, || {
             let body = File::open(file).map_err(|e| Failure::Final(e.to_string()))?;
@@ -192,7 +192,10 @@ impl Files {
 
     /// Fetches the job's artifact `a` into `to`.
     pub fn get(&self, a: Artifact, to: &Path) -> Result<(), Error> {
-        self.fetch(&format!("{}/artifacts/{}", self.base, encoded(a)), to)
+        self.fetch(
+            &format!("{}/artifacts/{}", self.base, url_segment(&a.name())),
+            to,
+        )
     }
 
     /// Fetches the model the job's `model.init_from` names (another job's export) into `to`.
@@ -276,11 +279,6 @@ impl Upload for Files {
             reason: e.to_string(),
         })
     }
-}
-
-/// An artifact's name as one URL path segment (names hold only `[a-z0-9./-]`).
-fn encoded(a: Artifact) -> String {
-    a.name().replace('/', "%2F")
 }
 
 /// Sleeps `d`, waking early once `stop` is set.

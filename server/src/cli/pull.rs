@@ -13,7 +13,7 @@ use reqwest::{Method, StatusCode, header};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt, BufWriter};
-use wire::artifact::{CONFIG_FILE, MODEL_FILE};
+use wire::artifact::{CONFIG_FILE, MODEL_FILE, url_segment};
 
 use super::client::{Client, Connection, check_id};
 
@@ -138,19 +138,6 @@ fn local_path(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
 fn part_path(path: &Path) -> PathBuf {
     let file = path.file_name().unwrap_or_default().to_string_lossy();
     path.with_file_name(format!(".{file}.part"))
-}
-
-/// `name` as one segment of a URL path (`/` becomes `%2F`).
-fn url_segment(name: &str) -> String {
-    let mut s = String::with_capacity(name.len());
-    for b in name.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            s.push(b as char);
-        } else {
-            s.push_str(&format!("%{b:02X}"));
-        }
-    }
-    s
 }
 
 /// What to do with the part file an interrupted pull left.
@@ -394,15 +381,6 @@ mod tests {
             part_path(Path::new("out/model.safetensors")),
             Path::new("out/.model.safetensors.part")
         );
-    }
-
-    #[test]
-    fn slashes_in_names_are_percent_encoded() {
-        assert_eq!(
-            url_segment("checkpoints/step-00000020/manifest.json"),
-            "checkpoints%2Fstep-00000020%2Fmanifest.json"
-        );
-        assert_eq!(url_segment("model.safetensors"), "model.safetensors");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use crate::domain::{LogLine, Role};
 use crate::error::ApiError;
 use crate::routes::jobs::get::detail;
 use crate::routes::jobs::metrics::job_metrics;
+use wire::artifact::url_segment;
 
 /// Log lines a page shows before following.
 const LOG_PAGE: u32 = 1000;
@@ -100,7 +101,7 @@ async fn load(
         .await?
         .into_iter()
         .map(|a| FileRow {
-            href: format!("/v1/jobs/{id}/artifacts/{}", a.name.replace('/', "%2F")),
+            href: format!("/v1/jobs/{id}/artifacts/{}", url_segment(&a.name)),
             bytes: view::bytes(a.bytes),
             step: a.step,
             sha256: a.sha256,

@@ -18,7 +18,6 @@ use wire::artifact::{Artifact, MODEL_FILE};
 
 use super::reports::View;
 use crate::app::{AppState, now_ms};
-use crate::artifacts;
 use crate::auth::AgentNode;
 use crate::domain::{Job, NodeRecord};
 use crate::error::{ApiError, Problem};
@@ -88,14 +87,9 @@ pub async fn upload(
         Artifact::Manifest { .. } | Artifact::Model | Artifact::Config => 0,
     };
     let view = View::load(&state, &job_id, &node).await?;
-    let refused = |reason: RefusalReason| {
-        state.metrics.refused(reason, 1);
-        ApiError::Refused {
-            what: name.clone(),
-            reason,
-        }
-    };
-    let job = view.holds(attempt, Some(rank)).map_err(refused)?;
+    let job = view
+        .holds(attempt, Some(rank))
+        .map_err(|reason| refused(&state, &name, reason))?;
     let step = artifact
         .step()
         .unwrap_or_else(|| job.spec.training.steps.get());
@@ -112,7 +106,7 @@ pub async fn upload(
         at: now_ms(),
     };
     if !state.store.add_artifact(&job_id, &record).await? {
-        return Err(refused(RefusalReason::AttemptOver));
+        return Err(refused(&state, &name, RefusalReason::AttemptOver));
     }
     Ok((StatusCode::CREATED, Json(ArtifactView::from(&record))))
 }
@@ -189,26 +183,23 @@ async fn running(
     what: &str,
 ) -> Result<Job, ApiError> {
     let view = View::load(state, job_id, node).await?;
-    view.current().cloned().map_err(|reason| {
-        state.metrics.refused(reason, 1);
-        ApiError::Refused {
-            what: what.to_string(),
-            reason,
-        }
-    })
+    view.current()
+        .cloned()
+        .map_err(|reason| refused(state, what, reason))
 }
 
-/// The file `name` job `job_id` lists, streamed.
+/// The answer to a request about `what` that this node may not make, counted as a refusal.
+fn refused(state: &AppState, what: &str, reason: RefusalReason) -> ApiError {
+    state.metrics.refused(reason, 1);
+    ApiError::Refused {
+        what: what.to_string(),
+        reason,
+    }
+}
+
+/// The file `name` job `job_id` has, streamed.
 async fn file(state: &AppState, job_id: &str, name: &str) -> Result<Body, ApiError> {
-    let job = crate::routes::jobs::find(state, job_id).await?;
-    let a = artifacts::of_job(state, &job)
-        .await?
-        .into_iter()
-        .find(|a| a.name == name)
-        .ok_or(ApiError::NotFound {
-            what: "artifact",
-            id: name.to_string(),
-        })?;
+    let a = crate::routes::jobs::artifacts::named(state, job_id, name).await?;
     Ok(Body::from_stream(
         state.artifacts.get(job_id, &a, None).await?,
     ))

@@ -184,7 +184,8 @@ pub(super) async fn apply(
                     tracing::warn!(job = job.id, attempt, step, "checkpoint without {name}");
                     Some(RefusalReason::Incomplete)
                 } else {
-                    let path = artifacts::key(&job.id, attempt, &checkpoint_dir(step));
+                    let path =
+                        artifacts::key(&job.id, attempt, &wire::artifact::checkpoint_dir(step));
                     let added = app
                         .store
                         .add_checkpoint(&job.id, attempt, step, path.as_ref())
@@ -268,15 +269,6 @@ impl Pending {
         }
         Ok(())
     }
-}
-
-/// `checkpoints/step-NNNNNNNN`: where a checkpoint's files are under its attempt.
-fn checkpoint_dir(step: u32) -> String {
-    format!(
-        "{}/{}",
-        wire::artifact::CHECKPOINTS,
-        wire::artifact::step_name(step)
-    )
 }
 
 /// Keeps the beat's view of a job current after it moved.

@@ -74,14 +74,7 @@ pub async fn download(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let Path((id, name)) = path;
-    let a = listed(&state, &id)
-        .await?
-        .into_iter()
-        .find(|a| a.name == name)
-        .ok_or_else(|| ApiError::NotFound {
-            what: "artifact",
-            id: name.clone(),
-        })?;
+    let a = named(&state, &id, &name).await?;
     let asked = headers.get(header::RANGE).and_then(|v| v.to_str().ok());
     let range = match asked.map(|r| byte_range(r, a.bytes)) {
         None | Some(Ask::Whole) => None,
@@ -126,6 +119,22 @@ pub async fn download(
 async fn listed(state: &AppState, id: &str) -> Result<Vec<ArtifactRecord>, ApiError> {
     let job = super::find(state, id).await?;
     Ok(artifacts::of_job(state, &job).await?)
+}
+
+/// The file `name` job `id` has (a 404 for no such job or file).
+pub(crate) async fn named(
+    state: &AppState,
+    id: &str,
+    name: &str,
+) -> Result<ArtifactRecord, ApiError> {
+    listed(state, id)
+        .await?
+        .into_iter()
+        .find(|a| a.name == name)
+        .ok_or_else(|| ApiError::NotFound {
+            what: "artifact",
+            id: name.to_string(),
+        })
 }
 
 fn header_value(s: String) -> HeaderValue {
