@@ -11,7 +11,6 @@
 //! On completion the model is exported as Hugging Face GPT-2: `model.safetensors` (fp32,
 //! `transformer.`-prefixed names, LM head tied) and `config.json`.
 
-use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -296,29 +295,81 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
     Ok(())
 }
 
-/// Writes `model.safetensors` and `config.json` in Hugging Face GPT-2 form from each unit's
-/// fp32 values.
-pub fn export(out: &Path, shape: &GptShape, units: &[Vec<f32>]) -> Result<(), Error> {
-    fs::create_dir_all(out).map_err(|e| io(out, e))?;
-    let layout = Units::new(shape, 1);
-    let mut tensors: Vec<(String, TensorView<'_>)> = Vec::new();
-    for (unit, values) in layout.iter().zip(units) {
-        for t in &unit.tensors {
-            let data: &[u8] = bytemuck::cast_slice(&values[t.range()]);
-            let name = format!("transformer.{}", t.kind.hf_name(unit.layer()));
-            let view =
-                TensorView::new(Dtype::F32, t.dims.to_vec(), data).map_err(|e| io(out, e))?;
-            tensors.push((name, view));
+/// `model.safetensors` in Hugging Face GPT-2 form, written in place as the ranks' shards
+/// arrive: the header comes from the shape alone, and each unit's fp32 values, concatenated
+/// in unit order, are written where they belong, so no rank ever holds the whole model.
+pub struct ModelFile {
+    file: File,
+    tmp: PathBuf,
+    out: PathBuf,
+    shape: GptShape,
+    /// Where each unit's first value lies in the file.
+    unit_starts: Vec<u64>,
+}
+
+impl ModelFile {
+    /// Creates the file under a temporary name in `out` and writes its header.
+    pub fn create(out: &Path, shape: &GptShape) -> Result<ModelFile, Error> {
+        fs::create_dir_all(out).map_err(|e| io(out, e))?;
+        let layout = Units::new(shape, 1);
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+        let mut unit_offsets = Vec::new();
+        let mut at = 0u64;
+        for unit in layout.iter() {
+            unit_offsets.push(at);
+            for t in &unit.tensors {
+                let r = t.range();
+                let (begin, end) = (at + 4 * r.start as u64, at + 4 * r.end as u64);
+                header.insert(
+                    format!("transformer.{}", t.kind.hf_name(unit.layer())),
+                    serde_json::json!({
+                        "dtype": "F32",
+                        "shape": t.dims.to_vec(),
+                        "data_offsets": [begin, end],
+                    }),
+                );
+            }
+            at += 4 * unit.len as u64;
         }
+        let mut json = serde_json::to_vec(&header).map_err(|e| io(out, e))?;
+        // Values start 8-byte aligned, as safetensors' own writer pads them.
+        json.resize(json.len().next_multiple_of(8), b' ');
+        let tmp = out.join(format!(".{MODEL_FILE}.tmp"));
+        let mut file = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        file.write_all(&(json.len() as u64).to_le_bytes())
+            .and_then(|_| file.write_all(&json))
+            .map_err(|e| io(&tmp, e))?;
+        let data = 8 + json.len() as u64;
+        Ok(ModelFile {
+            file,
+            tmp,
+            out: out.to_path_buf(),
+            shape: *shape,
+            unit_starts: unit_offsets.into_iter().map(|o| data + o).collect(),
+        })
     }
-    let model = out.join(MODEL_FILE);
-    let tmp = out.join(format!(".{MODEL_FILE}.tmp"));
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors, Some(metadata), &tmp).map_err(|e| io(&tmp, e))?;
-    File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| io(&tmp, e))?;
-    fs::rename(&tmp, &model).map_err(|e| io(&model, e))?;
+
+    /// Writes `values` as elements `at..` of unit `unit`.
+    pub fn write(&self, unit: usize, at: usize, values: &[f32]) -> Result<(), Error> {
+        use std::os::unix::fs::FileExt;
+        let offset = self.unit_starts[unit] + 4 * at as u64;
+        self.file
+            .write_all_at(bytemuck::cast_slice(values), offset)
+            .map_err(|e| io(&self.tmp, e))
+    }
+
+    /// Syncs the file, renames it into place and writes `config.json` beside it.
+    pub fn finish(self) -> Result<(), Error> {
+        self.file.sync_all().map_err(|e| io(&self.tmp, e))?;
+        let model = self.out.join(MODEL_FILE);
+        fs::rename(&self.tmp, &model).map_err(|e| io(&model, e))?;
+        write_config(&self.out, &self.shape)
+    }
+}
+
+/// Writes the Hugging Face `config.json` of `shape` into `out`.
+fn write_config(out: &Path, shape: &GptShape) -> Result<(), Error> {
     let config = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -453,9 +453,12 @@ fn train_rank<X: Num + Wire, D: Device>(
     }
     let comm_bytes_sent = engine.sent_bytes();
     if let Some(out) = out {
-        let units = engine.unit_values()?;
-        if rank == 0 {
-            checkpoint::export(out, &shape, &units)?;
+        let file = (rank == 0)
+            .then(|| checkpoint::ModelFile::create(out, &shape))
+            .transpose()?;
+        engine.export(file.as_ref())?;
+        if let Some(file) = file {
+            file.finish()?;
             if let Some(up) = &opts.upload {
                 up.upload(Artifact::Model, &out.join(checkpoint::MODEL_FILE))?;
                 up.upload(Artifact::Config, &out.join(checkpoint::CONFIG_FILE))?;

@@ -1,5 +1,5 @@
 //! Setting and reading the model's weights: GPT-2's initialisation, Hugging Face weights, and
-//! the gathered fp32 values the export writes.
+//! the fp32 values the export writes.
 
 use std::ops::Range;
 
@@ -11,7 +11,8 @@ use scheduler::model::TensorKind;
 use super::Engine;
 use super::layout::Part;
 use crate::Error;
-use crate::comm::Wire;
+use crate::checkpoint::ModelFile;
+use crate::comm::{Collective, Wire};
 use crate::device::{Device, Num};
 
 impl<X: Num + Wire, D: Device> Engine<X, D> {
@@ -26,32 +27,70 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
         Ok(())
     }
 
-    /// Each unit's fp32 weights (the master copy in mixed precision), gathered from every rank
-    /// where they are sharded, for the final export.
-    pub fn unit_values(&mut self) -> Result<Vec<Vec<f32>>, Error> {
-        let layout = &self.layout;
-        let mut out = Vec::with_capacity(self.bufs.params.len());
-        for (u, unit) in self.units.iter().enumerate() {
-            let held = layout.held(Part::State, u);
-            let mut full = vec![0f32; unit.padded_len];
-            match &self.master {
-                Some(m) => full[held].copy_from_slice(&self.dev.to_host(m[u].view())?),
-                None => {
-                    let within = layout.held_within(Part::State, Part::Params, u);
-                    let mine = self.dev.to_host(self.bufs.params[u].at(within))?;
-                    full[held]
-                        .iter_mut()
-                        .zip(mine)
-                        .for_each(|(f, x)| *f = x.to_f32());
-                }
-            }
-            if layout.sharded(Part::State) {
-                self.comm.all_gather(&mut full)?;
-            }
-            full.truncate(unit.len);
-            out.push(full);
+    /// Writes each unit's fp32 weights (the master copy in mixed precision) into `file`, which
+    /// rank 0 holds (the others pass `None`). Sharded units are gathered piece by piece through
+    /// the logits buffer, dead once training is over, so the export holds no byte the memory
+    /// model does not already count.
+    pub fn export(&mut self, file: Option<&ModelFile>) -> Result<(), Error> {
+        let Engine {
+            dev,
+            units,
+            layout,
+            bufs,
+            master,
+            acts,
+            comm,
+            ..
+        } = self;
+        let (n, rank) = (comm.world_size(), comm.rank());
+        let part = if master.is_some() {
+            Part::State
+        } else {
+            Part::Params
+        };
+        let piece = acts.logits.len() / n;
+        if layout.sharded(part) && piece == 0 {
+            return Err(Error::Untrainable {
+                reason: format!(
+                    "the logits buffer is too small to gather the model through ({n} ranks)"
+                ),
+            });
         }
-        Ok(out)
+        for (u, unit) in units.iter().enumerate() {
+            let weights = match master {
+                Some(m) => m[u].view_mut(),
+                None => D::as_f32_mut(bufs.params[u].view_mut())
+                    .expect("without master weights the parameters are fp32"),
+            };
+            if !layout.sharded(part) {
+                if let Some(file) = file {
+                    dev.on_host(weights, |w| file.write(u, 0, &w[..unit.len]))??;
+                }
+                continue;
+            }
+            let weights = D::freeze(weights);
+            let shard = layout.held(part, u).len();
+            // A piece is no longer than a shard: the ring's scratch holds one shard's chunk.
+            let piece = piece.min(shard);
+            for start in (0..shard).step_by(piece) {
+                let len = piece.min(shard - start);
+                let mut pieces = acts.logits.at_mut(0..n * piece);
+                dev.copy(
+                    D::slice_mut(D::reborrow(&mut pieces), rank * piece..rank * piece + len),
+                    D::slice(D::reborrow_ref(&weights), start..start + len),
+                )?;
+                dev.collective(comm, Collective::AllGather, D::reborrow(&mut pieces))?;
+                let Some(file) = file else { continue };
+                dev.on_host(pieces, |p| {
+                    (0..n).try_for_each(|r| {
+                        let at = r * shard + start;
+                        let len = len.min(unit.len.saturating_sub(at));
+                        file.write(u, at, &p[r * piece..r * piece + len])
+                    })
+                })??;
+            }
+        }
+        Ok(())
     }
 
     /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
