@@ -46,7 +46,7 @@ pub struct App {
     /// `settings.data_roots` resolved: submissions naming a file outside them are refused,
     /// and `zerotrain up`'s local agent reads only inside them.
     pub data_roots: DataRoots,
-    /// Where jobs' checkpoints and exports are kept (`settings.artifacts_dir()`).
+    /// Where jobs' checkpoints and exports are kept (`settings.artifacts()`).
     pub artifacts: Artifacts,
     /// Every Prometheus series this server exports.
     pub metrics: Metrics,
@@ -131,7 +131,7 @@ impl AppState {
     /// data dir).
     pub fn new(store: Store, settings: Settings) -> Result<AppState, BuildError> {
         let data_roots = settings.open_data_roots().map_err(BuildError::DataRoots)?;
-        let artifacts = Artifacts::local(&settings.artifacts_dir())?;
+        let artifacts = Artifacts::open(&settings.artifacts(), &settings.s3)?;
         let auth_throttle = AuthThrottle::new(settings.limits.auth_failures_per_minute);
         Ok(AppState(Arc::new(App {
             store,

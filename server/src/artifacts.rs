@@ -1,5 +1,5 @@
-//! A job's files in the store the server owns (`object_store`; a local directory,
-//! `<data dir>/artifacts`, by default). Agents upload each file as it is written — every rank
+//! A job's files in the store the server owns (`object_store`: a local directory,
+//! `<data dir>/artifacts` by default, or S3 and S3-compatible stores). Agents upload each file as it is written — every rank
 //! its own file of a checkpoint, rank 0 the manifest and the final export — under
 //! `jobs/ID/attempts/N/NAME`, so no two attempts write the same object, and the store records
 //! each upload's size and SHA-256. What a job *has* is decided from those records: the files
@@ -12,14 +12,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt, TryStreamExt};
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as Key;
+use object_store::prefix::PrefixStore;
 use object_store::{GetOptions, GetRange, ObjectStore, WriteMultipart};
 use sha2::{Digest, Sha256};
 use wire::artifact::Artifact;
 
 use crate::app::App;
 use crate::domain::{Job, JobState};
+use crate::settings::S3Options;
 use crate::store::{ArtifactRecord, CheckpointRecord, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +52,29 @@ pub struct Written {
 }
 
 impl Artifacts {
+    /// The store at `location`: `s3://bucket/prefix`, configured by `s3`, or a directory.
+    pub fn open(location: &str, s3: &S3Options) -> Result<Artifacts, ArtifactError> {
+        let Some(rest) = location.strip_prefix("s3://") else {
+            return Artifacts::local(Path::new(location));
+        };
+        let mut builder = AmazonS3Builder::new();
+        for (key, value) in &s3.0 {
+            if let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
+                builder = builder.with_config(key, value);
+            }
+        }
+        let bucket = builder.with_url(location).build()?;
+        let prefix = rest
+            .split_once('/')
+            .map_or("", |(_, p)| p.trim_matches('/'));
+        let store: Arc<dyn ObjectStore> = if prefix.is_empty() {
+            Arc::new(bucket)
+        } else {
+            Arc::new(PrefixStore::new(bucket, prefix))
+        };
+        Ok(Artifacts { store })
+    }
+
     /// A local directory (created if missing).
     pub fn local(dir: &Path) -> Result<Artifacts, ArtifactError> {
         std::fs::create_dir_all(dir).map_err(|source| ArtifactError::Dir {

@@ -58,8 +58,27 @@ pub struct Settings {
     /// clusters whose GPU nodes join later (`ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES`, default
     /// false).
     pub queue_unregistered_devices: bool,
+    /// Where jobs' checkpoints and exports are kept (`ZEROTRAIN_ARTIFACTS`): `s3://bucket/prefix`
+    /// (any S3-compatible store) or a directory; `None` means `<data_dir>/artifacts`.
+    pub artifacts: Option<String>,
+    /// The S3 store's configuration: the `AWS_*` variables the server started with
+    /// (credentials, `AWS_REGION`, `AWS_ENDPOINT_URL` for another S3-compatible store, ...).
+    pub s3: S3Options,
     /// What one owner (token name) may ask of the service.
     pub limits: Limits,
+}
+
+/// `object_store`'s S3 configuration as `(key, value)` pairs, keys as the `AWS_*` variables
+/// spell them; shown without its values, which hold secrets.
+#[derive(Clone, Default, PartialEq)]
+pub struct S3Options(pub Vec<(String, String)>);
+
+impl std::fmt::Debug for S3Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|(k, _)| k))
+            .finish()
+    }
 }
 
 /// Limits an operator sets; every one has a default that keeps one client from exhausting the
@@ -130,6 +149,8 @@ impl Default for Settings {
             session_ttl: Duration::from_secs(12 * 3600),
             expect_local_agent: false,
             queue_unregistered_devices: false,
+            artifacts: None,
+            s3: S3Options::default(),
             limits: Limits::default(),
         }
     }
@@ -138,7 +159,13 @@ impl Default for Settings {
 impl Settings {
     /// The defaults with every `ZEROTRAIN_*` variable that is set applied over them.
     pub fn from_env() -> Result<Settings, SettingsError> {
-        Settings::from_vars(|name| std::env::var(name).ok())
+        let mut s = Settings::from_vars(|name| std::env::var(name).ok())?;
+        s.s3 = S3Options(
+            std::env::vars()
+                .filter(|(k, _)| k.starts_with("AWS_"))
+                .collect(),
+        );
+        Ok(s)
     }
 
     fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsError> {
@@ -159,6 +186,9 @@ impl Settings {
         }
         if let Some((_, v)) = read("ZEROTRAIN_DATABASE_URL") {
             s.database_url = Some(v);
+        }
+        if let Some(v) = read("ZEROTRAIN_ARTIFACTS") {
+            s.artifacts = Some(parse(v, parse_artifacts)?);
         }
         if let Some(v) = read("ZEROTRAIN_HEARTBEAT_TIMEOUT") {
             s.heartbeat_timeout = parse(v, parse_duration)?;
@@ -240,9 +270,21 @@ impl Settings {
         Some(PathBuf::from(path.split('?').next().unwrap_or(path)))
     }
 
-    /// The artifact store's directory: jobs' checkpoints and exports, as agents upload them.
-    pub fn artifacts_dir(&self) -> PathBuf {
-        self.data_dir.join("artifacts")
+    /// The artifact store in effect: `artifacts`, or `<data_dir>/artifacts`.
+    pub fn artifacts(&self) -> String {
+        self.artifacts
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("artifacts").display().to_string())
+    }
+}
+
+/// `s3://bucket[/prefix]` or an absolute directory.
+pub fn parse_artifacts(v: &str) -> Result<String, String> {
+    match v.strip_prefix("s3://") {
+        Some(rest) if rest.split('/').next().is_some_and(|b| !b.is_empty()) => Ok(v.into()),
+        Some(_) => Err("s3:// needs a bucket: s3://bucket/prefix".into()),
+        None if Path::new(v).is_absolute() => Ok(v.into()),
+        None => Err("expected s3://bucket/prefix or an absolute directory".into()),
     }
 }
 
@@ -364,6 +406,28 @@ mod tests {
             Duration::from_secs(7 * 86400)
         );
         assert!(parse_duration("2 fortnights").is_err());
+    }
+
+    #[test]
+    fn artifacts_go_to_s3_or_an_absolute_directory() {
+        assert_eq!(
+            parse_artifacts("s3://models/team-a").unwrap(),
+            "s3://models/team-a"
+        );
+        assert!(parse_artifacts("/srv/zerotrain/artifacts").is_ok());
+        for bad in ["s3://", "s3:///prefix", "artifacts", "gs://bucket"] {
+            assert!(parse_artifacts(bad).is_err(), "{bad}");
+        }
+        let s = Settings {
+            data_dir: PathBuf::from("/var/lib/zt"),
+            ..Settings::default()
+        };
+        assert_eq!(s.artifacts(), "/var/lib/zt/artifacts");
+        let secret = S3Options(vec![("AWS_SECRET_ACCESS_KEY".into(), "hunter2".into())]);
+        assert!(
+            !format!("{secret:?}").contains("hunter2"),
+            "secrets stay out of logs"
+        );
     }
 
     #[test]

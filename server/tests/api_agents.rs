@@ -779,7 +779,7 @@ async fn a_node_uploads_only_its_own_ranks_files_and_only_artifact_names() {
     let stored = app.state.store.artifacts(&id).await.unwrap();
     let names: Vec<&str> = stored.iter().map(|a| a.name.as_str()).collect();
     assert_eq!(names, [rank_file(0), rank_file(1)]);
-    let mut on_disk: Vec<String> = walk(&app.state.settings.artifacts_dir());
+    let mut on_disk: Vec<String> = walk(app.state.settings.artifacts().as_ref());
     on_disk.sort();
     assert_eq!(
         on_disk,
@@ -809,7 +809,121 @@ fn walk(dir: &Path) -> Vec<String> {
 
 #[tokio::test]
 async fn a_download_serves_byte_ranges_and_viewers_may_download() {
-    let app = TestApp::new().await;
+    downloads_serve_byte_ranges(&TestApp::new().await).await;
+}
+
+/// An S3-compatible server for one test: moto, from the environment `scripts/pyenv` makes,
+/// on a free port it reports on its first line.
+struct Moto {
+    server: std::process::Child,
+    endpoint: String,
+}
+
+impl Moto {
+    fn start() -> Moto {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        let pyenv = Command::new(format!("{root}/scripts/pyenv"))
+            .output()
+            .unwrap();
+        assert!(
+            pyenv.status.success(),
+            "scripts/pyenv: {}",
+            String::from_utf8_lossy(&pyenv.stderr)
+        );
+        let python = String::from_utf8(pyenv.stdout).unwrap();
+        // It serves until its stdin closes: when the test ends, however it ends.
+        let script = "import logging, sys\n\
+            from moto.server import ThreadedMotoServer\n\
+            logging.getLogger('werkzeug').setLevel(logging.ERROR)\n\
+            s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n\
+            s.start()\n\
+            print(s.get_host_and_port()[1], flush=True)\n\
+            sys.stdin.read()\n";
+        let mut server = Command::new(python.trim())
+            .args(["-c", script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut port = String::new();
+        std::io::BufReader::new(server.stdout.take().unwrap())
+            .read_line(&mut port)
+            .unwrap();
+        let port: u16 = port
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("moto said {port:?}"));
+        Moto {
+            server,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    /// The configuration the server would read from `AWS_*` variables.
+    fn options(&self) -> server::settings::S3Options {
+        let pairs = [
+            ("AWS_ENDPOINT_URL", self.endpoint.as_str()),
+            ("AWS_ALLOW_HTTP", "true"),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+        ];
+        server::settings::S3Options(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
+#[tokio::test]
+async fn artifacts_go_to_s3_under_the_configured_prefix() {
+    let moto = Moto::start();
+    let http = reqwest::Client::new();
+    let bucket = format!("{}/zerotrain-test", moto.endpoint);
+    let made = http.put(&bucket).send().await.unwrap();
+    assert!(made.status().is_success(), "{}", made.status());
+    let options = moto.options();
+    let app = TestApp::with(|s| {
+        s.artifacts = Some("s3://zerotrain-test/team/a".into());
+        s.s3 = options;
+    })
+    .await;
+    let id = downloads_serve_byte_ranges(&app).await;
+
+    // The objects are in the bucket under the prefix, where the store's records say.
+    let object = format!("{bucket}/team/a/jobs/{id}/attempts/1/model.safetensors");
+    let got = http.get(&object).send().await.unwrap();
+    assert_eq!(got.status(), reqwest::StatusCode::OK);
+    assert_eq!(got.text().await.unwrap(), "0123456789");
+    assert!(
+        !holds_files(&app.dir.path().join("artifacts")),
+        "nothing was written to the local default"
+    );
+    // Retention removes them there.
+    let removed = app.state.artifacts.remove(&id, |_| false).await.unwrap();
+    assert_eq!(removed, 2);
+    let gone = http.get(&object).send().await.unwrap();
+    assert_eq!(gone.status(), reqwest::StatusCode::NOT_FOUND);
+}
+
+fn holds_files(dir: &Path) -> bool {
+    dir.exists() && !walk(dir).is_empty()
+}
+
+/// Uploads a job's export, lets the job succeed, and checks what its download serves; returns
+/// the job's id.
+async fn downloads_serve_byte_ranges(app: &TestApp) -> String {
     let node = app.register("n1", 1, 2 * GIB).await;
     let id = app.submit_ok(&tiny_spec(1)).await;
     app.schedule().await;
@@ -890,6 +1004,7 @@ async fn a_download_serves_byte_ranges_and_viewers_may_download() {
         .get(&format!("/v1/jobs/{id}/artifacts/checkpoints%2Fnope"))
         .await;
     assert_eq!(none.status, StatusCode::NOT_FOUND);
+    id
 }
 
 /// Returns once a heartbeat is waiting at the server (after it looked for work and found none).

@@ -337,10 +337,7 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
         }
     }
     let kept = |id: &str| {
-        let objects = app
-            .state
-            .settings
-            .artifacts_dir()
+        let objects = std::path::PathBuf::from(app.state.settings.artifacts())
             .join("jobs")
             .join(id)
             .join("attempts/1");

@@ -8,7 +8,7 @@ use anyhow::Context;
 
 use crate::app::Server;
 use crate::auth::{self, AdminFile};
-use crate::settings::{Settings, parse_duration, parse_margin};
+use crate::settings::{Settings, parse_artifacts, parse_duration, parse_margin};
 
 /// The server's flags, shared by `serve` and `up`.
 #[derive(clap::Args)]
@@ -32,6 +32,10 @@ pub struct Args {
     /// directory].
     #[arg(long)]
     database_url: Option<String>,
+    /// Where checkpoints and exports are kept: s3://bucket/prefix (configured by the usual
+    /// AWS_* variables) or a directory [env: ZEROTRAIN_ARTIFACTS; default DATA_DIR/artifacts].
+    #[arg(long, value_parser = parse_artifacts)]
+    artifacts: Option<String>,
     /// A node silent this long is lost, e.g. 30s [env: ZEROTRAIN_HEARTBEAT_TIMEOUT].
     #[arg(long, value_parser = parse_duration)]
     heartbeat_timeout: Option<std::time::Duration>,
@@ -63,6 +67,9 @@ impl Args {
         }
         if let Some(url) = self.database_url {
             settings.database_url = Some(url);
+        }
+        if let Some(location) = self.artifacts {
+            settings.artifacts = Some(location);
         }
         if let Some(timeout) = self.heartbeat_timeout {
             settings.heartbeat_timeout = timeout;
