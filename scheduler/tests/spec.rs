@@ -147,6 +147,33 @@ const INVALID: &[Invalid] = &[
         "model.init_from.job",
         "must be a job's id",
     ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny"}, "resume_from": {"job": "j", "artifact": "model"}}"#,
+        "resume_from.artifact",
+        "must be a checkpoint",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny"}, "resume_from": {"job": "j", "artifact": "checkpoints/step-2"}}"#,
+        "resume_from.artifact",
+        "must be a checkpoint",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny"}, "resume_from": {"job": " ", "artifact": "checkpoints/step-00000002"}}"#,
+        "resume_from.job",
+        "must be a job's id",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2},
+            "resume_from": {"job": "j", "artifact": "checkpoints/step-00000002"}}"#,
+        "training.steps",
+        "more than the 2 steps",
+    ),
+    train(
+        r#"{"model": {"preset": "gpt2-tiny", "init_from": "w.safetensors"},
+            "resume_from": {"job": "j", "artifact": "checkpoints/step-00000002"}}"#,
+        "model.init_from",
+        "takes its weights from there",
+    ),
     // unknown fields, top level and nested
     train(
         r#"{"model": {"preset": "gpt2-tiny"}, "epochs": 3}"#,

@@ -518,6 +518,84 @@ async fn a_job_started_from_another_job_s_model_computes_that_model_s_last_loss(
     thread.join().unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_resumed_from_another_job_s_checkpoint_continues_it_exactly() {
+    let s = service().await;
+    let (stop, thread) = agent(&s, "resumer", 2, 1 << 30);
+    s.wait_nodes(1).await;
+    let spec = |stage: u8, optimizer: &str, resume_from: Value| {
+        json!({"model": {"preset": "gpt2-tiny"}, "precision": {"dtype": "fp32"},
+            "optimizer": {"type": optimizer}, "world_size": 2, "zero": {"stage": stage},
+            "checkpoint": {"every_steps": 2},
+            "training": {"steps": 4, "micro_batch_size": 2, "seq_len": 32},
+            "resume_from": resume_from})
+    };
+    let (status, created) = s.submit(spec(0, "adamw", Value::Null)).await;
+    assert_eq!(status, 201, "{created}");
+    let first = job_id(&created);
+    let done = s.finished(&first, Duration::from_secs(60)).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+
+    let step_2 = json!({"job": first, "artifact": "checkpoints/step-00000002"});
+    for (bad, field) in [
+        (
+            spec(
+                0,
+                "adamw",
+                json!({"job": first, "artifact": "checkpoints/step-00000003"}),
+            ),
+            "resume_from.artifact",
+        ),
+        (spec(0, "lion", step_2.clone()), "resume_from.job"),
+        (
+            spec(
+                0,
+                "adamw",
+                json!({"job": "nope", "artifact": "checkpoints/step-00000002"}),
+            ),
+            "resume_from.job",
+        ),
+    ] {
+        let (status, refused) = s.submit(bad).await;
+        assert_eq!(status, 422, "{refused}");
+        assert_eq!(refused["field"], field, "{refused}");
+    }
+    // Stage 2 takes over a stage-0 checkpoint, resharded (each rank's own shard of the state).
+    let (status, created) = s.submit(spec(2, "adamw", step_2)).await;
+    assert_eq!(status, 201, "{created}");
+    let second = job_id(&created);
+    let resumed = s.finished(&second, Duration::from_secs(60)).await;
+    assert_eq!(resumed["state"], "succeeded", "{resumed}");
+    let s = &s;
+    let losses = |id: String| async move {
+        let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+        m["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["step"].as_u64().unwrap(), p["loss"].as_f64().unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let (theirs, ours) = (losses(first.clone()).await, losses(second.clone()).await);
+    let steps = |l: &[(u64, f64)]| l.iter().map(|p| p.0).collect::<Vec<_>>();
+    assert_eq!(steps(&ours), [3, 4], "trained on from step 3: {ours:?}");
+    assert_eq!(ours, theirs[2..], "the same steps 3 and 4");
+    // The weights are the same bits at every stage, so the two models are the same file.
+    let model = |id: String| async move {
+        let listed = s.get(&format!("/v1/jobs/{id}/artifacts")).await;
+        listed["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["name"] == "model.safetensors")
+            .map(|a| a["sha256"].clone())
+            .unwrap()
+    };
+    assert_eq!(model(second).await, model(first).await);
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+}
+
 /// The newest checkpoint step rank 0 wrote under `attempt_dir` that is still waiting there to
 /// be uploaded (a file is removed once the server has it).
 fn newest_unsent(attempt_dir: &Path) -> Option<u32> {

@@ -19,9 +19,9 @@ pub fn step_name(step: u32) -> String {
 }
 
 /// `checkpoints/step-00000010`: a checkpoint's folder under a run's output folder (and under
-/// an attempt's in the artifact store).
+/// an attempt's in the artifact store), as a spec's `resume_from` names it.
 pub fn checkpoint_dir(step: u32) -> String {
-    format!("{CHECKPOINTS}/{}", step_name(step))
+    scheduler::spec::checkpoint_artifact(step)
 }
 
 /// `name` as one segment of a URL path: unreserved characters as they are, every other byte
@@ -132,6 +132,14 @@ mod tests {
         assert_eq!(
             Artifact::Rank { step: 7, rank: 2 }.name(),
             "checkpoints/step-00000007/rank-00002.safetensors"
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_folder_is_the_steps_folder_under_checkpoints() {
+        assert_eq!(
+            checkpoint_dir(10),
+            format!("{CHECKPOINTS}/{}", step_name(10))
         );
     }
 

@@ -9,9 +9,9 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::{
-    AdamW, Auto, Checkpoint, Data, DynamicLossScale, JobSpec, Lion, LossScale, LrSchedule,
-    ModelSpec, Momentum, Optimizer, Parsed, Precision, Sgd, Training, WarmupType, Zero, ZeroStage,
-    from_value,
+    AdamW, Auto, Checkpoint, Data, DynamicLossScale, JobArtifact, JobSpec, Lion, LossScale,
+    LrSchedule, ModelSpec, Momentum, Optimizer, Parsed, Precision, Sgd, Training, WarmupType, Zero,
+    ZeroStage, from_value,
 };
 use crate::error::Error;
 use crate::memory::DeviceKind;
@@ -37,6 +37,8 @@ struct DeepSpeedJob {
     training: Extra,
     #[serde(default = "super::auto")]
     device: Auto<DeviceKind>,
+    #[serde(default)]
+    resume_from: Option<JobArtifact>,
 }
 
 /// Training fields a DeepSpeed config has no key for.
@@ -105,6 +107,7 @@ pub(super) fn translate(value: Value) -> Result<Parsed, Error> {
             data: job.data,
             checkpoint: job.checkpoint,
             device: job.device,
+            resume_from: job.resume_from,
         },
         unsupported_keys: unsupported,
     })

@@ -178,6 +178,16 @@ pub struct JobSpec {
     /// when any are registered, else CPU devices. A job never mixes kinds.
     #[serde(default = "auto")]
     pub device: Auto<DeviceKind>,
+    /// Another job's committed checkpoint to continue from, `{"job": ID, "artifact":
+    /// "checkpoints/step-NNNNNNNN"}` (the folder its artifact list names the files in):
+    /// weights, optimizer state, loss scale and data position, at any world size and stage.
+    #[serde(default)]
+    pub resume_from: Option<JobArtifact>,
+}
+
+/// The folder of the checkpoint of `step` among a job's artifacts.
+pub fn checkpoint_artifact(step: u32) -> String {
+    format!("checkpoints/step-{step:08}")
 }
 
 /// What a spec is for: a bare parameter count can be estimated but not trained.
@@ -265,6 +275,28 @@ impl JobSpec {
         }
         if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
             p.note(self.data.validate(arch));
+        }
+        if let Some(from) = self.resume_from.as_ref().filter(|_| read("resume_from")) {
+            p.ensure(!from.job.trim().is_empty(), "resume_from.job", || {
+                "must be a job's id".into()
+            });
+            let step = from.checkpoint_step();
+            p.ensure(step.is_some(), "resume_from.artifact", || {
+                format!(
+                    "{:?}: must be a checkpoint, as \"checkpoints/step-00000100\"",
+                    from.artifact
+                )
+            });
+            if let Some(step) = step.filter(|_| read("training")) {
+                p.ensure(self.training.steps.get() > step, "training.steps", || {
+                    format!("must be more than the {step} steps the checkpoint has taken")
+                });
+            }
+            p.ensure(
+                self.model.init_from.is_none() || !read("model"),
+                "model.init_from",
+                || "a job resuming from a checkpoint takes its weights from there".into(),
+            );
         }
     }
 

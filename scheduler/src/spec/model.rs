@@ -31,8 +31,21 @@ pub enum InitFrom {
 #[serde(deny_unknown_fields)]
 pub struct JobArtifact {
     pub job: String,
-    /// `model`: the job's exported `model.safetensors`.
+    /// `model`: the job's exported `model.safetensors`; for `resume_from`, one of its
+    /// checkpoints (`checkpoints/step-NNNNNNNN`).
     pub artifact: String,
+}
+
+impl JobArtifact {
+    /// The step of the checkpoint `artifact` names (`checkpoints/step-NNNNNNNN`), if it names one.
+    pub fn checkpoint_step(&self) -> Option<u32> {
+        let step = self
+            .artifact
+            .strip_prefix("checkpoints/step-")?
+            .parse()
+            .ok()?;
+        (super::checkpoint_artifact(step) == self.artifact).then_some(step)
+    }
 }
 
 impl InitFrom {

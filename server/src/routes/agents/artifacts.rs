@@ -136,8 +136,14 @@ pub async fn download(
     path: Path<(String, String, String)>,
 ) -> Result<Body, ApiError> {
     let Path((_, job_id, name)) = path;
-    running(&state, &node, &job_id, &name).await?;
-    file(&state, &job_id, &name).await
+    let job = running(&state, &node, &job_id, &name).await?;
+    // The files of the checkpoint another job's spec resumes from are that job's (this job's
+    // own checkpoints come after it, in other folders).
+    let owner = match &job.spec.resume_from {
+        Some(from) if name.starts_with(&format!("{}/", from.artifact)) => from.job.as_str(),
+        _ => job_id.as_str(),
+    };
+    file(&state, owner, &name).await
 }
 
 /// The model a job this node runs starts from (its agent token).

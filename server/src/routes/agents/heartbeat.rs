@@ -191,23 +191,36 @@ async fn assignments(
 }
 
 /// The newest checkpoint an earlier attempt committed (the server recorded it, with all its
-/// files), and the names of its files.
+/// files), else the other job's checkpoint the spec's `resume_from` names; and the names of
+/// its files (the agent fetches them through this job, `agents::artifacts::download`).
 async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, ApiError> {
     let committed = state.store.checkpoints(&job.id).await?;
-    let Some(newest) = committed.iter().rev().find(|c| c.attempt < job.attempt) else {
-        return Ok(None);
+    let (source, attempt, step) = match committed.iter().rev().find(|c| c.attempt < job.attempt) {
+        Some(newest) => (job.id.as_str(), Some(newest.attempt), newest.step),
+        None => match &job.spec.resume_from {
+            Some(from) => (
+                from.job.as_str(),
+                None,
+                from.checkpoint_step().expect("admission checked the name"),
+            ),
+            None => return Ok(None),
+        },
     };
-    let uploads = state.store.artifacts(&job.id).await?;
-    let files = uploads
+    // Another job's checkpoint is the one of its files (the newest attempt's, once listed).
+    let listed = match attempt {
+        Some(_) => state.store.artifacts(source).await?,
+        None => match state.store.get_job(source).await? {
+            Some(other) => crate::artifacts::of_job(state, &other).await?,
+            None => Vec::new(),
+        },
+    };
+    let files = listed
         .into_iter()
         .filter(|a| {
-            a.attempt == newest.attempt
-                && Artifact::parse(&a.name).and_then(Artifact::step) == Some(newest.step)
+            attempt.is_none_or(|n| a.attempt == n)
+                && Artifact::parse(&a.name).and_then(Artifact::step) == Some(step)
         })
         .map(|a| a.name)
         .collect();
-    Ok(Some(ResumeFrom {
-        step: newest.step,
-        files,
-    }))
+    Ok(Some(ResumeFrom { step, files }))
 }

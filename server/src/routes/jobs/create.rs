@@ -8,9 +8,11 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use scheduler::memory::Breakdown;
 use scheduler::plan;
-use scheduler::spec::{InitFrom, JobSpec, Purpose};
+use scheduler::spec::{InitFrom, JobArtifact, JobSpec, Purpose, checkpoint_artifact};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
+
+use wire::artifact::Artifact;
 
 use crate::app::{AppState, now_ms};
 use crate::artifacts;
@@ -109,6 +111,9 @@ pub async fn create(
     if let Some(InitFrom::Artifact(from)) = &parsed.spec.model.init_from {
         starts_from(&state, &parsed.spec, &from.job).await?;
     }
+    if let Some(from) = &parsed.spec.resume_from {
+        resumes_from(&state, &parsed.spec, from).await?;
+    }
     let nodes = state.store.nodes().await?;
     let plan = match plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings)) {
         // The operator queues jobs for capacity still to come: planned on unbounded devices
@@ -160,15 +165,11 @@ pub async fn create(
     Ok((status, [(header::LOCATION, location)], Json(created)).into_response())
 }
 
-/// The operator's limits on one job: its steps, and its ranks against what one owner may run.
 /// A job may start from job `source`'s model when that job succeeded (its export is listed)
 /// and trained the same architecture.
 async fn starts_from(state: &AppState, spec: &JobSpec, source: &str) -> Result<(), ApiError> {
     let field = "model.init_from.job";
-    let Some(job) = state.store.get_job(source).await? else {
-        return Err(ApiError::spec(field, format!("no job {source:?}")));
-    };
-    let listed = artifacts::of_job(state, &job).await?;
+    let (job, listed) = source_job(state, field, source).await?;
     if !listed.iter().any(|a| a.name == wire::artifact::MODEL_FILE) {
         return Err(ApiError::spec(
             field,
@@ -178,19 +179,93 @@ async fn starts_from(state: &AppState, spec: &JobSpec, source: &str) -> Result<(
             ),
         ));
     }
-    let (theirs, ours) = (
-        job.spec.model.source.architecture(),
-        spec.model.source.architecture(),
-    );
-    if theirs != ours {
+    same_model(field, &job, spec)
+}
+
+/// A job may resume from another's checkpoint when that checkpoint is committed (the job
+/// lists its files) and was written by the same model, dtype and optimizer; the world size and
+/// stage may differ (the trainer reshards).
+async fn resumes_from(
+    state: &AppState,
+    spec: &JobSpec,
+    from: &JobArtifact,
+) -> Result<(), ApiError> {
+    let field = "resume_from.job";
+    let (job, listed) = source_job(state, field, &from.job).await?;
+    let folder = format!("{}/", from.artifact);
+    if !listed.iter().any(|a| a.name.starts_with(&folder)) {
+        let mut steps: Vec<u32> = listed
+            .iter()
+            .filter_map(|a| Artifact::parse(&a.name).and_then(Artifact::step))
+            .collect();
+        steps.dedup();
+        return Err(ApiError::spec(
+            "resume_from.artifact",
+            format!(
+                "job {} has no committed checkpoint {:?} (its checkpoints: {})",
+                from.job,
+                from.artifact,
+                if steps.is_empty() {
+                    "none".to_string()
+                } else {
+                    steps
+                        .iter()
+                        .map(|&s| checkpoint_artifact(s))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            ),
+        ));
+    }
+    same_model(field, &job, spec)?;
+    let (theirs, ours) = (&job.spec, spec);
+    if (theirs.precision.dtype, theirs.optimizer.name())
+        != (ours.precision.dtype, ours.optimizer.name())
+    {
         return Err(ApiError::spec(
             field,
-            format!("job {source} trained another model ({theirs:?}); this spec's is {ours:?}"),
+            format!(
+                "job {} trained in {:?} with {}; this spec trains in {:?} with {}",
+                from.job,
+                theirs.precision.dtype,
+                theirs.optimizer.name(),
+                ours.precision.dtype,
+                ours.optimizer.name()
+            ),
         ));
     }
     Ok(())
 }
 
+/// Job `id`, which `field` names, and the files it has.
+async fn source_job(
+    state: &AppState,
+    field: &str,
+    id: &str,
+) -> Result<(Job, Vec<crate::store::ArtifactRecord>), ApiError> {
+    let Some(job) = state.store.get_job(id).await? else {
+        return Err(ApiError::spec(field, format!("no job {id:?}")));
+    };
+    let listed = artifacts::of_job(state, &job).await?;
+    Ok((job, listed))
+}
+
+/// Refuses `spec` (at `field`) unless it trains the architecture `job` trained.
+fn same_model(field: &str, job: &Job, spec: &JobSpec) -> Result<(), ApiError> {
+    let (theirs, ours) = (job.spec.architecture(), spec.architecture());
+    if theirs != ours {
+        return Err(ApiError::spec(
+            field,
+            format!(
+                "job {} trained another model ({theirs:?}); this spec's is {ours:?}",
+                job.id
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The operator's limits on one job: its steps, and its ranks against what one owner may run.
 fn within_limits(spec: &JobSpec, limits: &Limits) -> Result<(), ApiError> {
     let steps = spec.training.steps.get();
     if steps > limits.max_steps {

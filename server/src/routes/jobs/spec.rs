@@ -67,6 +67,25 @@ impl PartialSchema for JobSpecBody {
                 },
                 "deepspeed": section("A DeepSpeed config; keys zerotrain does not support are \
                     returned in `unsupported_keys`"),
+                "resume_from": {
+                    "description": "Another job's committed checkpoint to continue from (its \
+                        weights, optimizer state, loss scale and data position), as its artifact \
+                        list names the folder: `{\"job\": ID, \"artifact\": \
+                        \"checkpoints/step-00000100\"}`; same model, dtype and optimizer, any \
+                        world size and stage",
+                    "oneOf": [
+                        {"type": "null"},
+                        {
+                            "type": "object",
+                            "required": ["job", "artifact"],
+                            "additionalProperties": false,
+                            "properties": {
+                                "job": {"type": "string"},
+                                "artifact": {"type": "string", "pattern": "^checkpoints/step-[0-9]{8,}$"},
+                            },
+                        },
+                    ],
+                },
             },
         });
         serde_json::from_value(schema).expect("the job spec's schema is a schema")
