@@ -12,10 +12,10 @@
 //! `transformer.`-prefixed names, LM head tied) and `config.json`.
 
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
 use scheduler::bytes::human;
 use scheduler::model::{GptShape, Units};
 use scheduler::spec::Dtype as Precision;
@@ -25,6 +25,7 @@ use crate::Error;
 use crate::data::{DataRoots, Position, describe};
 use crate::device::{Cpu, Device};
 use crate::loss_scale;
+use crate::tensor_file::TensorFile;
 use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, checkpoint_dir, rank_file, step_name};
 pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
 
@@ -259,40 +260,36 @@ pub fn load_manifest(dir: &Path) -> Result<Manifest, Error> {
 pub fn read_rank(
     dir: &Path,
     rank: usize,
-    read: impl FnOnce(&SafeTensors<'_>) -> Result<(), String>,
+    read: impl FnOnce(&TensorFile) -> Result<(), String>,
 ) -> Result<(), Error> {
     let path = dir.join(rank_file(rank));
-    let bytes = fs::read(&path).map_err(|e| io(&path, e))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
+    let file = File::open(&path).map_err(|e| io(&path, e))?;
+    let file = TensorFile::new(file).map_err(|e| io(&path, e))?;
     read(&file).map_err(|e| io(&path, e))
 }
 
-/// Fills `tensors` from `rank`'s file of the checkpoint in `dir`: every name must be there
-/// with the same dtype and size.
+/// Fills `tensors` from `rank`'s file of the checkpoint in `dir`, each read straight into its
+/// buffer: every name must be there with the same dtype and size.
 pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Result<(), Error> {
-    let path = dir.join(rank_file(rank));
-    let bytes = fs::read(&path).map_err(|e| io(&path, e))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
-    for t in tensors.iter_mut() {
-        let view = file
-            .tensor(&t.name)
-            .map_err(|e| io(&path, format!("{}: {e}", t.name)))?;
-        if view.dtype() != t.dtype || view.data().len() != t.bytes.len() {
-            return Err(io(
-                &path,
-                format!(
-                    "{} is {:?} of {} bytes; this run needs {:?} of {} bytes",
+    read_rank(dir, rank, |file| {
+        for t in tensors.iter_mut() {
+            let info = file
+                .info(&t.name)
+                .ok_or_else(|| format!("{}: missing", t.name))?;
+            let bytes = info.data_offsets.1 - info.data_offsets.0;
+            if info.dtype != t.dtype || bytes != t.bytes.len() {
+                return Err(format!(
+                    "{} is {:?} of {bytes} bytes; this run needs {:?} of {} bytes",
                     t.name,
-                    view.dtype(),
-                    view.data().len(),
+                    info.dtype,
                     t.dtype,
                     t.bytes.len()
-                ),
-            ));
+                ));
+            }
+            file.read(&t.name, 0, &mut t.bytes)?;
         }
-        t.bytes.copy_from_slice(view.data());
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// `model.safetensors` in Hugging Face GPT-2 form, written in place as the ranks' shards
@@ -422,106 +419,202 @@ pub fn max_hf_file_bytes(shape: &GptShape) -> u64 {
     8 + 4 * (values + extra_values) + HEADER_BYTES_PER_TENSOR * (tensors + extra_tensors) + 4096
 }
 
-/// Reads Hugging Face GPT-2 weights (names with or without the `transformer.` prefix; the
-/// causal-mask buffers `attn.bias`/`attn.masked_bias` and a tied `lm_head.weight` ignored)
-/// into one fp32 vector per unit of `shape`'s single-rank layout. `path` is the spec's
-/// `model.init_from`, opened only inside `roots`; a file larger than `max_hf_file_bytes` is
-/// refused before a byte of it is read.
-pub fn load_hf(roots: &DataRoots, path: &str, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
+/// Hugging Face GPT-2 weights of a shape, checked and read a chunk at a time: names with or
+/// without the `transformer.` prefix, the causal-mask buffers `attn.bias`/`attn.masked_bias`
+/// and a tied `lm_head.weight` ignored, tensors in F32, F16 or BF16.
+#[derive(Debug)]
+pub struct HfWeights {
+    file: TensorFile,
+    layout: Units,
+    /// Per unit, per tensor: its name in the file.
+    names: Vec<Vec<String>>,
+}
+
+/// Values read from the file at a time (64 KiB of f32).
+const READ_CHUNK: usize = 1 << 14;
+
+/// The spec's `model.init_from`, opened only inside `roots`; a file larger than
+/// `max_hf_file_bytes` is refused before a byte of it is read.
+pub fn load_hf(roots: &DataRoots, path: &str, shape: &GptShape) -> Result<HfWeights, Error> {
     let (_, file) = roots.open("model.init_from", path)?;
-    read_hf(file, describe("model.init_from", path), shape)
+    HfWeights::new(file, describe("model.init_from", path), shape)
 }
 
 /// [`load_hf`] of a file the host fetched itself (an agent: another job's export, from the
 /// server), read wherever it is.
-pub fn load_hf_file(path: &Path, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
+pub fn load_hf_file(path: &Path, shape: &GptShape) -> Result<HfWeights, Error> {
     let what = path.display().to_string();
     let file = File::open(path).map_err(|e| Error::Data {
         what: what.clone(),
         reason: format!("cannot open: {}", e.kind()),
     })?;
-    read_hf(file, what, shape)
+    HfWeights::new(file, what, shape)
 }
 
-fn read_hf(file: File, what: String, shape: &GptShape) -> Result<Vec<Vec<f32>>, Error> {
-    let fail = |reason: String| Error::Data {
-        what: what.clone(),
-        reason,
-    };
-    let limit = max_hf_file_bytes(shape);
-    let size = file
-        .metadata()
-        .map_err(|e| fail(format!("cannot read its size: {}", e.kind())))?
-        .len();
-    let too_large = || {
-        fail(format!(
-            "larger than a weights file of this model can be ({} at most)",
-            human(limit)
-        ))
-    };
-    if size > limit {
-        return Err(too_large());
-    }
-    let mut bytes = Vec::with_capacity(size as usize);
-    // A file growing while it is read still stops at the limit.
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
-    if bytes.len() as u64 > limit {
-        return Err(too_large());
-    }
-    let file =
-        SafeTensors::deserialize(&bytes).map_err(|_| fail("not a safetensors file".into()))?;
-    let layout = Units::new(shape, 1);
-    let known: Vec<String> = layout
-        .iter()
-        .flat_map(|u| u.tensors.iter().map(move |t| t.kind.hf_name(u.layer())))
-        .collect();
-    let unexpected: Vec<&str> = file
-        .names()
-        .into_iter()
-        .filter(|n| {
-            let local = n.strip_prefix("transformer.").unwrap_or(n);
-            let ignored = local.ends_with("attn.bias")
-                || local.ends_with("attn.masked_bias")
-                || *n == "lm_head.weight";
-            !ignored && !known.iter().any(|k| k == local)
-        })
-        .collect();
-    if !unexpected.is_empty() {
-        // Their names are the file's content: count them only.
-        return Err(fail(format!(
-            "has {} tensor(s) this model does not have",
-            unexpected.len()
-        )));
-    }
-    layout
-        .iter()
-        .map(|unit| {
-            let mut values = vec![0f32; unit.padded_len];
+impl HfWeights {
+    fn new(file: File, what: String, shape: &GptShape) -> Result<HfWeights, Error> {
+        let fail = |reason: String| Error::Data {
+            what: what.clone(),
+            reason,
+        };
+        let limit = max_hf_file_bytes(shape);
+        let size = file
+            .metadata()
+            .map_err(|e| fail(format!("cannot read its size: {}", e.kind())))?
+            .len();
+        if size > limit {
+            return Err(fail(format!(
+                "larger than a weights file of this model can be ({} at most)",
+                human(limit)
+            )));
+        }
+        let file = TensorFile::new(file).map_err(fail)?;
+        let layout = Units::new(shape, 1);
+        let known: Vec<String> = layout
+            .iter()
+            .flat_map(|u| u.tensors.iter().map(move |t| t.kind.hf_name(u.layer())))
+            .collect();
+        let unexpected = file
+            .names()
+            .into_iter()
+            .filter(|n| {
+                let local = n.strip_prefix("transformer.").unwrap_or(n);
+                let ignored = local.ends_with("attn.bias")
+                    || local.ends_with("attn.masked_bias")
+                    || n == "lm_head.weight";
+                !ignored && !known.iter().any(|k| k == local)
+            })
+            .count();
+        if unexpected > 0 {
+            // Their names are the file's content: count them only.
+            return Err(fail(format!(
+                "has {unexpected} tensor(s) this model does not have"
+            )));
+        }
+        let mut names = Vec::new();
+        for unit in layout.iter() {
+            let mut unit_names = Vec::new();
             for t in &unit.tensors {
                 let name = t.kind.hf_name(unit.layer());
-                let view = file
-                    .tensor(&format!("transformer.{name}"))
-                    .or_else(|_| file.tensor(&name))
-                    .map_err(|_| fail(format!("missing tensor {name}")))?;
+                let prefixed = format!("transformer.{name}");
+                let (in_file, info) = [prefixed, name.clone()]
+                    .into_iter()
+                    .find_map(|n| file.info(&n).cloned().map(|i| (n, i)))
+                    .ok_or_else(|| fail(format!("missing tensor {name}")))?;
                 let want = t.dims.to_vec();
-                if view.shape() != want.as_slice() {
-                    let got = view.shape();
+                if info.shape != want {
                     return Err(fail(format!(
-                        "{name} has shape {got:?}; the model needs {want:?}"
+                        "{name} has shape {:?}; the model needs {want:?}",
+                        info.shape
                     )));
                 }
-                widen(view.dtype(), view.data(), &mut values[t.range()]).map_err(|dtype| {
-                    fail(format!("{name} is {dtype:?}; expected F32, F16 or BF16"))
-                })?;
+                if !matches!(info.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+                    return Err(fail(format!(
+                        "{name} is {:?}; expected F32, F16 or BF16",
+                        info.dtype
+                    )));
+                }
+                unit_names.push(in_file);
             }
-            Ok(values)
+            names.push(unit_names);
+        }
+        Ok(HfWeights {
+            file,
+            layout,
+            names,
         })
-        .collect()
+    }
+
+    /// Unit `u`'s values in order (`len` of them, no padding), read a chunk at a time; a read
+    /// that fails ends them early, with its error in [`UnitValues::error`].
+    pub fn unit(&self, u: usize) -> UnitValues<'_> {
+        UnitValues {
+            weights: self,
+            unit: u,
+            tensor: 0,
+            at: 0,
+            chunk: Vec::with_capacity(READ_CHUNK),
+            pos: 0,
+            error: None,
+        }
+    }
+
+    /// Unit `u`'s values, whole.
+    pub fn unit_values(&self, u: usize) -> Result<Vec<f32>, Error> {
+        let mut values = self.unit(u);
+        let out: Vec<f32> = values.by_ref().collect();
+        values.result().map(|()| out)
+    }
 }
 
-/// Little-endian F32/F16/BF16 bytes (at any alignment) to f32; other dtypes are refused.
+/// The values of one unit of [`HfWeights`], as an iterator.
+pub struct UnitValues<'a> {
+    weights: &'a HfWeights,
+    unit: usize,
+    tensor: usize,
+    /// Elements of the tensor read so far.
+    at: usize,
+    chunk: Vec<f32>,
+    pos: usize,
+    error: Option<String>,
+}
+
+impl UnitValues<'_> {
+    /// Whether every value was read.
+    pub fn result(&self) -> Result<(), Error> {
+        match &self.error {
+            None => Ok(()),
+            Some(reason) => Err(Error::Data {
+                what: "model.init_from".into(),
+                reason: reason.clone(),
+            }),
+        }
+    }
+
+    /// Reads the next chunk of the unit's values; false at its end or on an error.
+    fn refill(&mut self) -> bool {
+        let w = self.weights;
+        let unit = w
+            .layout
+            .iter()
+            .nth(self.unit)
+            .expect("a unit of the layout");
+        while let Some(t) = unit.tensors.get(self.tensor) {
+            let numel = t.range().len();
+            if self.at == numel {
+                (self.tensor, self.at) = (self.tensor + 1, 0);
+                continue;
+            }
+            let name = &w.names[self.unit][self.tensor];
+            let dtype = w.file.info(name).expect("checked on opening").dtype;
+            let width = dtype.bitsize() / 8;
+            let n = READ_CHUNK.min(numel - self.at);
+            let mut bytes = vec![0u8; n * width];
+            if let Err(e) = w.file.read(name, self.at * width, &mut bytes) {
+                self.error = Some(e);
+                return false;
+            }
+            self.chunk.resize(n, 0.0);
+            widen(dtype, &bytes, &mut self.chunk).expect("checked on opening");
+            (self.at, self.pos) = (self.at + n, 0);
+            return true;
+        }
+        false
+    }
+}
+
+impl Iterator for UnitValues<'_> {
+    type Item = f32;
+
+    fn next(&mut self) -> Option<f32> {
+        if self.pos == self.chunk.len() && (self.error.is_some() || !self.refill()) {
+            return None;
+        }
+        self.pos += 1;
+        Some(self.chunk[self.pos - 1])
+    }
+}
+
 fn widen(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), Dtype> {
     match dtype {
         Dtype::F32 => {

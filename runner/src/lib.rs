@@ -13,6 +13,7 @@ pub mod loss_scale;
 pub mod lr_schedule;
 pub mod optimizer;
 pub mod process;
+pub mod tensor_file;
 pub mod train;
 pub mod zero;
 

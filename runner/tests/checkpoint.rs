@@ -156,7 +156,7 @@ fn the_export_is_hugging_face_gpt2_and_loads_back() {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    assert_eq!(&units[0][..512 * 64], &wte_values[..]);
+    assert_eq!(&units.unit_values(0).unwrap()[..512 * 64], &wte_values[..]);
 }
 
 #[test]
@@ -191,7 +191,16 @@ fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_sha
     };
     let from = load(&hf, &Preset::Tiny.shape()).unwrap();
     let original = load(&out.path().join("model.safetensors"), &Preset::Tiny.shape()).unwrap();
-    assert_eq!(from, original);
+    let units = scheduler::model::Units::new(&Preset::Tiny.shape(), 1)
+        .iter()
+        .count();
+    for u in 0..units {
+        let (a, b) = (
+            from.unit_values(u).unwrap(),
+            original.unit_values(u).unwrap(),
+        );
+        assert_eq!(a, b, "unit {u}");
+    }
     let json = format!(
         r#"{{"model": {{"preset": "gpt2-tiny", "init_from": {:?}}}, "training": {{"steps": 1}}}}"#,
         hf.display().to_string()

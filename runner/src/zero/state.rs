@@ -123,22 +123,18 @@ fn reshard(
     for (old_rank, old_layout) in old_layouts.iter().enumerate() {
         checkpoint::read_rank(dir, old_rank, |file| {
             for (t, target) in tensors.iter_mut().zip(targets) {
-                let view = file
-                    .tensor(&t.name)
-                    .map_err(|e| format!("{}: {e}", t.name))?;
                 let elem = t.dtype.bitsize() / 8;
                 match target {
-                    None if old_rank == 0 => t.bytes.copy_from_slice(view.data()),
+                    None if old_rank == 0 => file.read(&t.name, 0, &mut t.bytes)?,
                     None => {}
                     Some((_, new)) => {
                         let (_, old) = placement(&t.name, old_units, old_layout)?
                             .expect("placed in both layouts");
                         let (start, end) = (new.start.max(old.start), new.end.min(old.end));
                         if start < end {
-                            let src =
-                                &view.data()[(start - old.start) * elem..(end - old.start) * elem];
-                            t.bytes[(start - new.start) * elem..(end - new.start) * elem]
-                                .copy_from_slice(src);
+                            let dst =
+                                &mut t.bytes[(start - new.start) * elem..(end - new.start) * elem];
+                            file.read(&t.name, (start - old.start) * elem, dst)?;
                         }
                     }
                 }

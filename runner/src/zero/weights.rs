@@ -11,18 +11,19 @@ use scheduler::model::TensorKind;
 use super::Engine;
 use super::layout::Part;
 use crate::Error;
-use crate::checkpoint::ModelFile;
+use crate::checkpoint::{HfWeights, ModelFile};
 use crate::comm::{Collective, Wire};
 use crate::device::{Device, Num};
 
 impl<X: Num + Wire, D: Device> Engine<X, D> {
-    /// Sets every parameter from one fp32 vector per unit of the single-rank layout (e.g.
-    /// Hugging Face weights), keeping this rank's part.
-    pub fn load_weights(&mut self, units: &[Vec<f32>]) -> Result<(), Error> {
-        for (ui, values) in units.iter().enumerate() {
-            let len = values.len().min(self.unit_len(ui));
-            let mut it = values[..len].iter().copied();
-            self.write_tensor(ui, 0..len, || it.next().unwrap_or(0.0))?;
+    /// Sets every parameter from Hugging Face weights, keeping this rank's part: each unit's
+    /// values stream from the file a chunk at a time.
+    pub fn load_weights(&mut self, weights: &HfWeights) -> Result<(), Error> {
+        for ui in 0..self.units.iter().count() {
+            let len = self.unit_len(ui);
+            let mut values = weights.unit(ui);
+            self.write_tensor(ui, 0..len, || values.next().unwrap_or(0.0))?;
+            values.result()?;
         }
         Ok(())
     }
