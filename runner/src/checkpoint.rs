@@ -286,7 +286,7 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
                     t.bytes.len()
                 ));
             }
-            file.read(&t.name, 0, &mut t.bytes)?;
+            file.read(&t.name, 0, t.bytes)?;
         }
         Ok(())
     })

@@ -125,7 +125,7 @@ fn reshard(
             for (t, target) in tensors.iter_mut().zip(targets) {
                 let elem = t.dtype.bitsize() / 8;
                 match target {
-                    None if old_rank == 0 => file.read(&t.name, 0, &mut t.bytes)?,
+                    None if old_rank == 0 => file.read(&t.name, 0, t.bytes)?,
                     None => {}
                     Some((_, new)) => {
                         let (_, old) = placement(&t.name, old_units, old_layout)?
