@@ -2,6 +2,7 @@
 //! reports moving jobs, cancellations, lost nodes, and what followers of a job see.
 
 mod api_helpers;
+mod pyenv;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -823,16 +824,7 @@ impl Moto {
     fn start() -> Moto {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
-        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-        let pyenv = Command::new(format!("{root}/scripts/pyenv"))
-            .output()
-            .unwrap();
-        assert!(
-            pyenv.status.success(),
-            "scripts/pyenv: {}",
-            String::from_utf8_lossy(&pyenv.stderr)
-        );
-        let python = String::from_utf8(pyenv.stdout).unwrap();
+        let python = pyenv::interpreter();
         // It serves until its stdin closes: when the test ends, however it ends.
         let script = "import logging, sys\n\
             from moto.server import ThreadedMotoServer\n\
@@ -841,7 +833,7 @@ impl Moto {
             s.start()\n\
             print(s.get_host_and_port()[1], flush=True)\n\
             sys.stdin.read()\n";
-        let mut server = Command::new(python.trim())
+        let mut server = Command::new(python)
             .args(["-c", script])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -2,6 +2,7 @@
 //! processes) training real jobs end to end.
 
 mod live;
+mod pyenv;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -781,20 +782,12 @@ async fn an_agent_serves_its_own_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_package_passes_its_tests_against_a_live_server() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let pyenv = Command::new(format!("{root}/scripts/pyenv"))
-        .output()
-        .unwrap();
-    assert!(
-        pyenv.status.success(),
-        "scripts/pyenv: {}",
-        String::from_utf8_lossy(&pyenv.stderr)
-    );
-    let interpreter = String::from_utf8(pyenv.stdout).unwrap();
+    let interpreter = pyenv::interpreter();
 
     let s = service().await;
     let (stop, agent) = agent(&s, "local", 2, 1 << 30);
     s.wait_nodes(1).await;
-    let mut pytest = Command::new(interpreter.trim());
+    let mut pytest = Command::new(interpreter);
     pytest
         .args(["-m", "pytest", "-q", "-rs", "clients/python/tests"])
         .current_dir(root)
