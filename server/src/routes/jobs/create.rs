@@ -11,7 +11,6 @@ use scheduler::plan;
 use scheduler::spec::{InitFrom, JobArtifact, JobSpec, Purpose, checkpoint_artifact};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
-
 use wire::artifact::Artifact;
 
 use crate::app::{AppState, now_ms};
