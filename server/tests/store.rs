@@ -1449,38 +1449,28 @@ async fn log_lines_are_numbered_per_job_and_paged_after_a_sequence_number(db: Te
 async fn checkpoints_are_listed_by_step(db: TestDb) {
     let s = &db.store;
     let j = submit(s, "a", 0, 1).await;
-    let add = |attempt, step, path: &'static str| s.add_checkpoint(&j.id, attempt, step, path);
-    assert!(add(1, 100, "/ckpt/step-100").await.unwrap());
-    assert!(add(1, 50, "/ckpt/step-50").await.unwrap());
-    assert!(
-        !add(2, 150, "/ckpt/a2/step-150").await.unwrap(),
-        "not yet attempt 2"
-    );
-    assert!(add(1, 100, "/ckpt/step-100b").await.unwrap());
+    let add = |attempt, step| s.add_checkpoint(&j.id, attempt, step);
+    assert!(add(1, 100).await.unwrap());
+    assert!(add(1, 50).await.unwrap());
+    assert!(!add(2, 150).await.unwrap(), "not yet attempt 2");
+    assert!(add(1, 100).await.unwrap(), "the same checkpoint again");
     s.transition(&j.id, &[JobState::Queued], JobState::Queued, "requeued")
         .await
         .unwrap()
         .unwrap();
     assert!(
-        !add(1, 200, "/ckpt/step-200").await.unwrap(),
+        !add(1, 200).await.unwrap(),
         "attempt 1 is over: its checkpoints are not committed"
     );
-    assert!(add(2, 150, "/ckpt/a2/step-150").await.unwrap());
-    let got: Vec<(u32, u32, String)> = s
+    assert!(add(2, 150).await.unwrap());
+    let got: Vec<(u32, u32)> = s
         .checkpoints(&j.id)
         .await
         .unwrap()
         .into_iter()
-        .map(|c| (c.attempt, c.step, c.path))
+        .map(|c| (c.attempt, c.step))
         .collect();
-    assert_eq!(
-        got,
-        vec![
-            (1, 50, "/ckpt/step-50".to_string()),
-            (1, 100, "/ckpt/step-100b".to_string()),
-            (2, 150, "/ckpt/a2/step-150".to_string())
-        ]
-    );
+    assert_eq!(got, vec![(1, 50), (1, 100), (2, 150)]);
 }
 
 async fn uploads_are_recorded_at_the_current_attempt_only_and_removed_by_kind(db: TestDb) {
@@ -1557,7 +1547,7 @@ async fn reports_for_an_unknown_job_fail_naming_it(db: TestDb) {
     assert!(unknown(
         s.append_logs("nope", &[(0, "x".into())]).await.map(|_| ())
     ));
-    assert!(!s.add_checkpoint("nope", 1, 1, "/x").await.unwrap());
+    assert!(!s.add_checkpoint("nope", 1, 1).await.unwrap());
     let memory = RankMemoryRecord {
         rank: 0,
         measured: breakdown(1),

@@ -20,7 +20,7 @@ static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
 
 // `migrate!` embeds the migrations when this crate compiles; naming the files here makes cargo
 // recompile (and re-embed) when one of them is edited. A new migration file needs a line here.
-const _: [&str; 12] = [
+const _: [&str; 14] = [
     include_str!("../../../migrations/sqlite/0001_init.sql"),
     include_str!("../../../migrations/postgres/0001_init.sql"),
     include_str!("../../../migrations/sqlite/0002_token_names.sql"),
@@ -33,6 +33,8 @@ const _: [&str; 12] = [
     include_str!("../../../migrations/postgres/0006_owner_limits.sql"),
     include_str!("../../../migrations/sqlite/0007_artifacts.sql"),
     include_str!("../../../migrations/postgres/0007_artifacts.sql"),
+    include_str!("../../../migrations/sqlite/0008_checkpoint_path.sql"),
+    include_str!("../../../migrations/postgres/0008_checkpoint_path.sql"),
 ];
 
 /// How long a SQLite writer waits for another writer before failing with "database is locked".

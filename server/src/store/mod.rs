@@ -155,7 +155,6 @@ pub struct Decision {
 pub struct CheckpointRecord {
     pub attempt: u32,
     pub step: u32,
-    pub path: String,
     pub at: i64,
 }
 
@@ -452,20 +451,18 @@ impl Store {
 
     /// Records (commits) a checkpoint if `attempt` is still the job's current attempt; false,
     /// writing nothing, when it is not or the job does not exist. The same attempt and step
-    /// again replaces the path.
+    /// again records the later time.
     pub async fn add_checkpoint(
         &self,
         job_id: &str,
         attempt: u32,
         step: u32,
-        path: &str,
     ) -> Result<bool, StoreError> {
         reports::add_checkpoint(
             &mut self.pool.acquire().await?.conn(),
             job_id,
             attempt,
             step,
-            path,
             now_ms(),
         )
         .await

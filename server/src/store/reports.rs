@@ -193,21 +193,19 @@ pub(super) async fn add_checkpoint(
     job_id: &str,
     attempt: u32,
     step: u32,
-    path: &str,
     now: i64,
 ) -> Result<bool, StoreError> {
     // Recorded only while `attempt` is the job's current one, checked in the same statement: a
     // requeue committed meanwhile wins.
     let result: Result<u64, StoreError> = on!(c, c => {
         sqlx::query(
-            "INSERT INTO checkpoints (job_id, attempt, step, path, at) \
-             SELECT id, attempt, $3, $4, $5 FROM jobs WHERE id = $1 AND attempt = $2 \
-             ON CONFLICT (job_id, attempt, step) DO UPDATE SET path = excluded.path, at = excluded.at",
+            "INSERT INTO checkpoints (job_id, attempt, step, at) \
+             SELECT id, attempt, $3, $4 FROM jobs WHERE id = $1 AND attempt = $2 \
+             ON CONFLICT (job_id, attempt, step) DO UPDATE SET at = excluded.at",
         )
         .bind(job_id)
         .bind(i64::from(attempt))
         .bind(i64::from(step))
-        .bind(path)
         .bind(now)
         .execute(&mut **c)
         .await
@@ -222,8 +220,8 @@ pub(super) async fn checkpoints(
     job_id: &str,
 ) -> Result<Vec<CheckpointRecord>, StoreError> {
     let rows = on!(c, c => {
-        sqlx::query_as::<_, (i64, i64, String, i64)>(
-            "SELECT attempt, step, path, at FROM checkpoints WHERE job_id = $1 \
+        sqlx::query_as::<_, (i64, i64, i64)>(
+            "SELECT attempt, step, at FROM checkpoints WHERE job_id = $1 \
              ORDER BY step, attempt",
         )
         .bind(job_id)
@@ -231,11 +229,10 @@ pub(super) async fn checkpoints(
         .await?
     });
     rows.into_iter()
-        .map(|(attempt, step, path, at)| {
+        .map(|(attempt, step, at)| {
             Ok(CheckpointRecord {
                 attempt: to_u32(attempt, "checkpoint attempt")?,
                 step: to_u32(step, "checkpoint step")?,
-                path,
                 at,
             })
         })

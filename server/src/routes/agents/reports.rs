@@ -184,12 +184,7 @@ pub(super) async fn apply(
                     tracing::warn!(job = job.id, attempt, step, "checkpoint without {name}");
                     Some(RefusalReason::Incomplete)
                 } else {
-                    let path =
-                        artifacts::key(&job.id, attempt, &wire::artifact::checkpoint_dir(step));
-                    let added = app
-                        .store
-                        .add_checkpoint(&job.id, attempt, step, path.as_ref())
-                        .await?;
+                    let added = app.store.add_checkpoint(&job.id, attempt, step).await?;
                     // Not added: requeued since this beat read the job.
                     (!added).then_some(RefusalReason::AttemptOver)
                 };
