@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 use scheduler::bytes::human;
-use scheduler::model::{GptShape, Units};
+use scheduler::model::{GptShape, ParamTensor, Units};
 use scheduler::spec::Dtype as Precision;
 use serde::{Deserialize, Serialize};
 
@@ -425,6 +425,8 @@ pub fn max_hf_file_bytes(shape: &GptShape) -> u64 {
 #[derive(Debug)]
 pub struct HfWeights {
     file: TensorFile,
+    /// The file, as errors name it.
+    what: String,
     layout: Units,
     /// Per unit, per tensor: its name in the file.
     names: Vec<Vec<String>>,
@@ -520,26 +522,30 @@ impl HfWeights {
         }
         Ok(HfWeights {
             file,
+            what,
             layout,
             names,
         })
     }
 
     /// Unit `u`'s values in order (`len` of them, no padding), read a chunk at a time; a read
-    /// that fails ends them early, with its error in [`UnitValues::error`].
+    /// that fails ends them early, and [`UnitValues::result`] says why.
     pub fn unit(&self, u: usize) -> UnitValues<'_> {
+        let unit = self.layout.iter().nth(u).expect("a unit of the layout");
         UnitValues {
             weights: self,
-            unit: u,
+            tensors: &unit.tensors,
+            names: &self.names[u],
             tensor: 0,
             at: 0,
-            chunk: Vec::with_capacity(READ_CHUNK),
+            bytes: Vec::new(),
+            chunk: Vec::new(),
             pos: 0,
             error: None,
         }
     }
 
-    /// Unit `u`'s values, whole.
+    /// Unit `u`'s values, whole (for checks; the trainer streams them).
     pub fn unit_values(&self, u: usize) -> Result<Vec<f32>, Error> {
         let mut values = self.unit(u);
         let out: Vec<f32> = values.by_ref().collect();
@@ -550,10 +556,14 @@ impl HfWeights {
 /// The values of one unit of [`HfWeights`], as an iterator.
 pub struct UnitValues<'a> {
     weights: &'a HfWeights,
-    unit: usize,
+    tensors: &'a [ParamTensor],
+    /// Each tensor's name in the file.
+    names: &'a [String],
     tensor: usize,
     /// Elements of the tensor read so far.
     at: usize,
+    /// The chunk as read, and widened to f32.
+    bytes: Vec<u8>,
     chunk: Vec<f32>,
     pos: usize,
     error: Option<String>,
@@ -565,7 +575,7 @@ impl UnitValues<'_> {
         match &self.error {
             None => Ok(()),
             Some(reason) => Err(Error::Data {
-                what: "model.init_from".into(),
+                what: self.weights.what.clone(),
                 reason: reason.clone(),
             }),
         }
@@ -573,29 +583,24 @@ impl UnitValues<'_> {
 
     /// Reads the next chunk of the unit's values; false at its end or on an error.
     fn refill(&mut self) -> bool {
-        let w = self.weights;
-        let unit = w
-            .layout
-            .iter()
-            .nth(self.unit)
-            .expect("a unit of the layout");
-        while let Some(t) = unit.tensors.get(self.tensor) {
+        while let Some(t) = self.tensors.get(self.tensor) {
             let numel = t.range().len();
             if self.at == numel {
                 (self.tensor, self.at) = (self.tensor + 1, 0);
                 continue;
             }
-            let name = &w.names[self.unit][self.tensor];
-            let dtype = w.file.info(name).expect("checked on opening").dtype;
+            let name = &self.names[self.tensor];
+            let file = &self.weights.file;
+            let dtype = file.info(name).expect("checked on opening").dtype;
             let width = dtype.bitsize() / 8;
             let n = READ_CHUNK.min(numel - self.at);
-            let mut bytes = vec![0u8; n * width];
-            if let Err(e) = w.file.read(name, self.at * width, &mut bytes) {
+            self.bytes.resize(n * width, 0);
+            if let Err(e) = file.read(name, self.at * width, &mut self.bytes) {
                 self.error = Some(e);
                 return false;
             }
             self.chunk.resize(n, 0.0);
-            widen(dtype, &bytes, &mut self.chunk).expect("checked on opening");
+            widen(dtype, &self.bytes, &mut self.chunk).expect("checked on opening");
             (self.at, self.pos) = (self.at + n, 0);
             return true;
         }
@@ -615,6 +620,7 @@ impl Iterator for UnitValues<'_> {
     }
 }
 
+/// Little-endian F32/F16/BF16 bytes (at any alignment) to f32; other dtypes are refused.
 fn widen(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), Dtype> {
     match dtype {
         Dtype::F32 => {
