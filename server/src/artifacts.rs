@@ -1,8 +1,8 @@
 //! A job's files in the store the server owns (`object_store`: a local directory,
-//! `<data dir>/artifacts` by default, or S3 and S3-compatible stores). Agents upload each file as it is written — every rank
-//! its own file of a checkpoint, rank 0 the manifest and the final export — under
-//! `jobs/ID/attempts/N/NAME`, so no two attempts write the same object, and the store records
-//! each upload's size and SHA-256. What a job *has* is decided from those records: the files
+//! `<data dir>/artifacts` by default, or S3 and S3-compatible stores). Agents upload each file
+//! as it is written — every rank its own file of a checkpoint, rank 0 the manifest and the
+//! final export — under `jobs/ID/attempts/N/NAME`, so no two attempts write the same object,
+//! and the store records each upload's size and SHA-256. What a job *has* is decided from those records: the files
 //! of its committed checkpoints (complete: the manifest and one file per rank, reported by
 //! rank 0 after all were uploaded) and the export of the attempt that succeeded. A node that
 //! dies loses nothing committed, and a job resumes on any node from here.

@@ -100,6 +100,12 @@ impl Artifact {
         }
     }
 
+    /// The step of the checkpoint the file `name` belongs to; `None` for the export and for
+    /// names that are no artifact's.
+    pub fn step_of(name: &str) -> Option<u32> {
+        Artifact::parse(name).and_then(Artifact::step)
+    }
+
     /// The files a checkpoint of `step` by `world_size` ranks is complete with.
     pub fn checkpoint(step: u32, world_size: usize) -> impl Iterator<Item = Artifact> {
         std::iter::once(Artifact::Manifest { step })

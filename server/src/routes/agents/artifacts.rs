@@ -138,9 +138,9 @@ pub async fn download(
     let Path((_, job_id, name)) = path;
     let job = running(&state, &node, &job_id, &name).await?;
     // The files of the checkpoint another job's spec resumes from are that job's (this job's
-    // own checkpoints come after it, in other folders).
+    // own checkpoints come after it, at later steps).
     let owner = match &job.spec.resume_from {
-        Some(from) if name.starts_with(&format!("{}/", from.artifact)) => from.job.as_str(),
+        Some(from) if Artifact::step_of(&name) == from.checkpoint_step() => from.job.as_str(),
         _ => job_id.as_str(),
     };
     file(&state, owner, &name).await

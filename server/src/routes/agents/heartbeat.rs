@@ -195,31 +195,25 @@ async fn assignments(
 /// its files (the agent fetches them through this job, `agents::artifacts::download`).
 async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, ApiError> {
     let committed = state.store.checkpoints(&job.id).await?;
-    let (source, attempt, step) = match committed.iter().rev().find(|c| c.attempt < job.attempt) {
-        Some(newest) => (job.id.as_str(), Some(newest.attempt), newest.step),
-        None => match &job.spec.resume_from {
-            Some(from) => (
-                from.job.as_str(),
-                None,
-                from.checkpoint_step().expect("admission checked the name"),
-            ),
-            None => return Ok(None),
-        },
-    };
-    // Another job's checkpoint is the one of its files (the newest attempt's, once listed).
-    let listed = match attempt {
-        Some(_) => state.store.artifacts(source).await?,
-        None => match state.store.get_job(source).await? {
-            Some(other) => crate::artifacts::of_job(state, &other).await?,
-            None => Vec::new(),
-        },
-    };
-    let files = listed
+    let (step, uploads) =
+        if let Some(newest) = committed.iter().rev().find(|c| c.attempt < job.attempt) {
+            let mut uploads = state.store.artifacts(&job.id).await?;
+            uploads.retain(|a| a.attempt == newest.attempt);
+            (newest.step, uploads)
+        } else if let Some(from) = &job.spec.resume_from {
+            // Another job's: the files it lists (of each name, its newest attempt's).
+            let listed = match state.store.get_job(&from.job).await? {
+                Some(other) => crate::artifacts::of_job(state, &other).await?,
+                None => Vec::new(),
+            };
+            let step = from.checkpoint_step().expect("admission checked the name");
+            (step, listed)
+        } else {
+            return Ok(None);
+        };
+    let files = uploads
         .into_iter()
-        .filter(|a| {
-            attempt.is_none_or(|n| a.attempt == n)
-                && Artifact::parse(&a.name).and_then(Artifact::step) == Some(step)
-        })
+        .filter(|a| Artifact::step_of(&a.name) == Some(step))
         .map(|a| a.name)
         .collect();
     Ok(Some(ResumeFrom { step, files }))

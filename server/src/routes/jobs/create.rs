@@ -191,12 +191,11 @@ async fn resumes_from(
 ) -> Result<(), ApiError> {
     let field = "resume_from.job";
     let (job, listed) = source_job(state, field, &from.job).await?;
-    let folder = format!("{}/", from.artifact);
-    if !listed.iter().any(|a| a.name.starts_with(&folder)) {
-        let mut steps: Vec<u32> = listed
-            .iter()
-            .filter_map(|a| Artifact::parse(&a.name).and_then(Artifact::step))
-            .collect();
+    let mut steps: Vec<u32> = listed
+        .iter()
+        .filter_map(|a| Artifact::step_of(&a.name))
+        .collect();
+    if !steps.contains(&from.checkpoint_step().expect("the spec checked the name")) {
         steps.dedup();
         return Err(ApiError::spec(
             "resume_from.artifact",
