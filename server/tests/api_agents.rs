@@ -935,7 +935,7 @@ async fn artifacts_go_to_s3_under_the_configured_prefix() {
     assert!(read(None).await == big, "the whole file");
     let (from, to) = (5 << 20, (5 << 20) + 10);
     assert_eq!(read(Some(from as u64..to as u64)).await, big[from..to]);
-    // Retention removes them there.
+    // What retention calls removes them there.
     let removed = app.state.artifacts.remove(&id, |_| false).await.unwrap();
     assert_eq!(removed, 3);
     let gone = http.get(&object).send().await.unwrap();

@@ -1,7 +1,8 @@
 //! `zerotrain train` as the operating system sees it: the process's peak resident set, export
 //! included, never exceeds what the memory model predicts for it (every rank it runs plus the
-//! process overhead once), and for gpt2-124M-sized runs the prediction wastes at most 5%. Four shapes, each as
-//! one rank and as four ranks that are threads of the one process.
+//! process overhead once), and for gpt2-124M-sized runs the prediction wastes at most 5%. Four
+//! shapes, each as one rank and as four ranks that are threads of the one process; the largest
+//! also resumed from its checkpoint and started from its export.
 
 use std::path::Path;
 use std::process::Command;
@@ -53,10 +54,11 @@ enum Start {
     Exported,
 }
 
-/// Runs `shape` for two steps on `world` ranks, writing under `out`; returns the process's
-/// peak resident set and its predicted total. Two steps, because the first runs its backward
-/// (where the peak is) before anything has written Adam's zeroed moments: their pages become
-/// resident only in its optimizer step, so only the second step's peak is the steady state.
+/// Runs `shape` for two steps (resumed: the two after its checkpoint) on `world` ranks,
+/// writing under `out`; returns the process's peak resident set and its predicted total. Two
+/// steps, because the first runs its backward (where the peak is) before anything has written
+/// Adam's zeroed moments: their pages become resident only in its optimizer step, so only the
+/// second step's peak is the steady state.
 fn peak_and_prediction(shape: &Shape, world: u32, out: &Path, start: Start) -> (u64, u64) {
     let mut spec: Value = serde_json::from_str(shape.spec).unwrap();
     spec["activation_checkpointing"] = spec
