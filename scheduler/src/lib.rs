@@ -9,6 +9,7 @@ pub mod memory;
 pub mod model;
 pub mod placement;
 pub mod plan;
+pub mod pool;
 pub mod report;
 pub mod spec;
 

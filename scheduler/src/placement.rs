@@ -3,6 +3,8 @@
 //! kind's). Fewest nodes first (a ring that stays inside a node is cheapest), then best fit:
 //! the devices whose free memory exceeds the need by the least, so large devices stay free for
 //! large jobs. Consecutive ranks share a node.
+//! `place` is the plain statement of the rule, for one job; a scheduling pass places job after
+//! job with [`Pool`](crate::pool::Pool), which makes the same choices faster.
 
 use serde::Serialize;
 
