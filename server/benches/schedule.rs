@@ -1,37 +1,42 @@
 //! The time of one scheduling pass: 10,000 queued jobs over 1,000 simulated nodes of 8 devices,
-//! on SQLite and (when reachable) PostgreSQL. `decide` is the realistic one: in queue order
-//! (priority, then FIFO) each job is gang-placed with `scheduler::placement::place` on the
-//! devices still free, and jobs that do not fit are passed over so smaller ones backfill.
+//! on SQLite and (when reachable) PostgreSQL, with the server's own pass (`Store::schedule` on
+//! the scheduler's board) and policy (`scheduling::decide`): in queue order (priority, then
+//! FIFO) each job is gang-placed on the devices still free, and jobs that do not fit wait while
+//! smaller ones behind them backfill.
 //!
-//! Two passes are timed, each the median of several:
+//! Three passes are timed, each the median of several, split into reading (renewing the lease
+//! and bringing the board up to date), deciding and writing (through the commit):
+//! - load: the first pass of a replica that takes the lease, which loads the board from the
+//!   tables (it places nothing here, so the next passes start from the same state);
 //! - placing: every device free, so the pass places jobs until the cluster is full (the database
-//!   is put back between passes);
-//! - full: after that, the common case of each tick: a long queue and almost nothing free.
+//!   and the board are put back between passes);
+//! - full: after that, the common case of each tick: a long queue and nothing free.
 //!
 //! `cargo bench -p server --bench schedule` (`ZEROTRAIN_BENCH_PG_URL` picks the PostgreSQL
 //! server, default `postgres://postgres@127.0.0.1:5432/test`, `none` skips it; a schema of its
 //! own is created and dropped).
 
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use scheduler::inventory::{Device, Inventory, Node};
+use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
-use scheduler::placement::place;
 use scheduler::plan::{Choices, Plan};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState};
-use server::store::{Decision, FreeDevice, Store, token_hash};
+use server::scheduling::{OwnerQuota, decide};
+use server::store::{Board, Pass, Store, token_hash};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const JOBS: usize = 10_000;
 const NODES: usize = 1_000;
 const DEVICES_PER_NODE: usize = 8;
+const LOADS: usize = 3;
 const PLACING_PASSES: usize = 5;
 const FULL_PASSES: usize = 9;
 const MARGIN: f64 = 0.05;
+const LEASE: Duration = Duration::from_secs(600);
 const GB: u64 = 1_000_000_000;
 
 fn main() {
@@ -48,8 +53,7 @@ struct Row {
     queued: usize,
     free: usize,
     placed: usize,
-    total: Vec<Duration>,
-    decide: Vec<Duration>,
+    passes: Vec<Timed>,
 }
 
 async fn run() {
@@ -115,25 +119,32 @@ async fn run() {
     println!();
     println!(
         "One scheduling pass: {JOBS} queued jobs, {NODES} nodes x {DEVICES_PER_NODE} devices \
-         (median of {PLACING_PASSES} placing / {FULL_PASSES} full passes)"
+         (medians of {LOADS} loads, {PLACING_PASSES} placing and {FULL_PASSES} full passes)"
     );
     println!();
     println!(
-        "| store | pass | queued | free devices | placed | pass (median) | of which decide | min–max |"
+        "| store | pass | queued | free devices | placed | read | decide | write | pass (median) | min–max |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
+        let median_of = |f: fn(&Timed) -> Duration| {
+            let v: Vec<Duration> = r.passes.iter().map(f).collect();
+            ms(median(&v))
+        };
+        let totals: Vec<Duration> = r.passes.iter().map(|p| p.total).collect();
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {}–{} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {}–{} |",
             r.store,
             r.pass,
             r.queued,
             r.free,
             r.placed,
-            ms(median(&r.total)),
-            ms(median(&r.decide)),
-            ms(*r.total.iter().min().unwrap()),
-            ms(*r.total.iter().max().unwrap()),
+            median_of(|p| p.pass.read),
+            median_of(|p| p.pass.decide),
+            median_of(|p| p.pass.write),
+            ms(median(&totals)),
+            ms(*totals.iter().min().unwrap()),
+            ms(*totals.iter().max().unwrap()),
         );
     }
 }
@@ -230,7 +241,7 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
             bytes_by_rank: Vec::new(),
         },
         unsupported_keys: Vec::new(),
-        owner: "bench".to_string(),
+        owner: format!("team-{}", i % 20),
         reason: String::new(),
         master: None,
         created_at: 0,
@@ -238,96 +249,40 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
     }
 }
 
-/// Bytes one rank of `job` needs before device overhead: the plan's per-rank total less the
-/// overhead of the device kind it was planned for.
-fn need_before_overhead(job: &Job) -> u64 {
-    let bytes = &job.plan.per_rank_bytes;
-    bytes.total() - bytes.overhead
-}
-
-/// Priority-then-FIFO gang placement with backfill: each job in queue order is placed with
-/// `place` on the devices no earlier decision of the pass took.
-fn decide(jobs: &[Job], free: &[FreeDevice]) -> Vec<Decision> {
-    // The free devices as an inventory, nodes in the order given, with their store ids.
-    let mut inventory = Inventory::default();
-    let mut ids: Vec<Vec<(String, u32)>> = Vec::new();
-    for f in free {
-        if ids.last().is_none_or(|d| d[0].0 != f.node_id) {
-            inventory.nodes.push(Node {
-                name: f.node_id.clone(),
-                devices: Vec::new(),
-            });
-            ids.push(Vec::new());
-        }
-        inventory.nodes.last_mut().unwrap().devices.push(f.spec);
-        ids.last_mut().unwrap().push((f.node_id.clone(), f.device));
-    }
-    let mut remaining = free.len();
-    let mut decisions = Vec::new();
-    for job in jobs {
-        let world_size = job.world_size as usize;
-        if world_size > remaining {
-            continue;
-        }
-        let kind = job.plan.device;
-        let need = need_before_overhead(job) + kind.overhead_bytes();
-        let Some(slots) = place(&inventory, world_size, MARGIN, kind, need) else {
-            continue;
-        };
-        decisions.push(Decision {
-            job_id: job.id.clone(),
-            slots: slots
-                .iter()
-                .map(|s| ids[s.node][s.device].clone())
-                .collect(),
-        });
-        // Take the devices out, highest index first so the others keep theirs.
-        let mut taken: Vec<(usize, usize)> = slots.iter().map(|s| (s.node, s.device)).collect();
-        taken.sort_unstable_by(|a, b| b.cmp(a));
-        for (node, device) in taken {
-            inventory.nodes[node].devices.remove(device);
-            ids[node].remove(device);
-        }
-        for node in (0..inventory.nodes.len()).rev() {
-            if inventory.nodes[node].devices.is_empty() {
-                inventory.nodes.remove(node);
-                ids.remove(node);
-            }
-        }
-        remaining -= world_size;
-    }
-    decisions
-}
-
-struct Pass {
+/// One pass with the scheduler's policy, no owner limit (the default of 64 ranks per owner
+/// would stop 20 owners at 1,280 devices), and how long the whole call took.
+struct Timed {
+    pass: Pass,
     total: Duration,
-    decide: Duration,
     queued: usize,
     free: usize,
-    placed: usize,
 }
 
-async fn timed_pass(store: &Store) -> Pass {
-    let seen = Arc::new(Mutex::new((Duration::ZERO, 0, 0)));
-    let seen_in = seen.clone();
+async fn timed_pass(store: &Store, board: &mut Board) -> Timed {
+    let mut shown = (0, 0);
     let start = Instant::now();
-    let applied = store
-        .schedule(move |jobs, free, _| {
-            let t = Instant::now();
-            let decisions = decide(jobs, free);
-            *seen_in.lock().unwrap() = (t.elapsed(), jobs.len(), free.len());
-            decisions
+    let pass = store
+        .schedule(board, LEASE, |b| {
+            let free = b
+                .nodes()
+                .iter()
+                .flat_map(|n| &n.devices)
+                .filter(|d| !d.held);
+            shown = (b.queue().count(), free.count());
+            let quota = OwnerQuota {
+                held: b.held_ranks(),
+                limit: u32::MAX,
+            };
+            decide(b.queue(), b.nodes(), MARGIN, quota)
         })
         .await
-        .unwrap();
-    let total = start.elapsed();
-    let (decide, queued, free) = *seen.lock().unwrap();
-    Pass {
-        total,
-        decide,
-        queued,
-        free,
-        placed: applied.len(),
+        .unwrap()
+        .expect("the bench's replica holds the scheduler lease");
+    Timed {
+        total: start.elapsed(),
+        queued: shown.0,
+        free: shown.1,
+        pass,
     }
 }
 
@@ -336,40 +291,68 @@ where
     R: Fn() -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
+    let mut loads = Vec::new();
+    let mut loaded = Board::default();
+    for i in 0..LOADS {
+        loaded = Board::default();
+        let start = Instant::now();
+        let pass = store
+            .schedule(&mut loaded, LEASE, |_| Vec::new())
+            .await
+            .unwrap()
+            .expect("the bench's replica holds the scheduler lease");
+        assert!(pass.loaded);
+        let total = start.elapsed();
+        let free = loaded.nodes().iter().flat_map(|n| &n.devices);
+        loads.push(Timed {
+            total,
+            queued: loaded.queue().count(),
+            free: free.filter(|d| !d.held).count(),
+            pass,
+        });
+        eprintln!("{store_name} load {i}: {}", ms(loads[i].total));
+    }
     let mut placing = Vec::new();
+    let mut board = loaded.clone();
     for i in 0..PLACING_PASSES {
         if i > 0 {
             reset().await;
+            board = loaded.clone();
         }
-        placing.push(timed_pass(store).await);
+        placing.push(timed_pass(store, &mut board).await);
+        let p = &placing[i];
+        assert!(!p.pass.loaded, "the board was kept");
         eprintln!(
-            "{store_name} placing pass {i}: {} placed in {}",
-            placing[i].placed,
-            ms(placing[i].total)
+            "{store_name} placing pass {i}: {} placed in {} (read {}, decide {}, write {})",
+            p.pass.placed.len(),
+            ms(p.total),
+            ms(p.pass.read),
+            ms(p.pass.decide),
+            ms(p.pass.write),
         );
     }
     let mut full = Vec::new();
     for i in 0..FULL_PASSES {
-        full.push(timed_pass(store).await);
+        full.push(timed_pass(store, &mut board).await);
         eprintln!(
             "{store_name} full pass {i}: {} free, {} placed in {}",
             full[i].free,
-            full[i].placed,
+            full[i].pass.placed.len(),
             ms(full[i].total)
         );
     }
-    let row = |pass: &'static str, passes: &[Pass]| Row {
+    let row = |pass: &'static str, passes: Vec<Timed>| Row {
         store: store_name,
         pass,
         queued: passes[0].queued,
         free: passes[0].free,
-        placed: passes[0].placed,
-        total: passes.iter().map(|p| p.total).collect(),
-        decide: passes.iter().map(|p| p.decide).collect(),
+        placed: passes[0].pass.placed.len(),
+        passes,
     };
     vec![
-        row("placing (all devices free)", &placing),
-        row("full (queue waits)", &full[1..]),
+        row("load (lease taken)", loads),
+        row("placing (all devices free)", placing),
+        row("full (queue waits)", full),
     ]
 }
 

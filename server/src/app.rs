@@ -16,7 +16,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, broadcast, watch};
+use tokio::sync::{Mutex, Notify, broadcast, watch};
 use tokio::task::JoinHandle;
 use tower_http::compression::CompressionLayer;
 use tower_http::compression::predicate::{DefaultPredicate, NotForContentType, Predicate};
@@ -35,7 +35,7 @@ use crate::metrics::Metrics;
 use crate::routes;
 use crate::scheduling;
 use crate::settings::Settings;
-use crate::store::{Store, StoreError};
+use crate::store::{Board, Store, StoreError};
 use crate::throttle::{AuthThrottle, throttle_failed_auth};
 
 /// What every handler and background task shares.
@@ -55,6 +55,9 @@ pub struct App {
     pub events: broadcast::Sender<JobEvent>,
     /// Starts a scheduling pass now (a job arrived or devices freed up).
     pub wake_scheduler: Notify,
+    /// The queue and devices as the scheduling loop keeps them between passes, while this
+    /// replica holds the scheduler lease (empty otherwise).
+    pub board: Mutex<Board>,
     /// Wakes agents' waiting heartbeats: `Some(node)` when that node has a new assignment,
     /// `None` when any node may have one or must stop an attempt (a job was requeued,
     /// cancelled or failed, or a rendezvous address became known). Waiting heartbeats also
@@ -141,6 +144,7 @@ impl AppState {
             metrics: Metrics::default(),
             events: broadcast::channel(1024).0,
             wake_scheduler: Notify::new(),
+            board: Mutex::new(Board::default()),
             agent_wake: broadcast::channel(1024).0,
             devices_free: AtomicBool::new(true),
             shutdown: watch::channel(false).0,

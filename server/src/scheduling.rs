@@ -1,23 +1,24 @@
 //! The scheduling loop: every scheduling interval (or sooner, when a job arrives or devices free
-//! up), declare silent nodes lost, then place queued jobs on free devices. `decide` is the
-//! policy, a pure function: priority, then submission order; gang placement of all of a job's
-//! ranks on devices of its plan's kind (`scheduler::placement::place`, with the safety margin);
-//! and backfill: while the head of the queue waits for devices of a kind, jobs of that kind
-//! smaller than it that fit now start (a job waiting for GPUs holds up no CPU job).
+//! up), declare silent nodes lost, then place queued jobs on free devices. Only the replica
+//! holding the scheduler lease places; it keeps the queue and the devices on its board between
+//! passes (`store::Board`). `decide` is the policy, a pure function: priority, then submission
+//! order; gang placement of all of a job's ranks on devices of its plan's kind
+//! (`scheduler::placement::place`'s choices, with the safety margin); and backfill: while the
+//! head of the queue waits for devices of a kind, jobs of that kind smaller than it that fit now
+//! start (a job waiting for GPUs holds up no CPU job).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use scheduler::inventory::{Device, Inventory, Node};
 use scheduler::memory::DeviceKind;
-use scheduler::placement::place;
 use scheduler::plan::Plan;
+use scheduler::pool::Pool;
 
-use crate::app::{AppState, now_ms};
-use crate::domain::{Job, JobState};
+use crate::app::{AppState, JobEvent, now_ms};
+use crate::domain::JobState;
 use crate::retention;
-use crate::store::{Decision, FreeDevice, HeldRanks, StoreError};
+use crate::store::{BoardNode, Decision, HeldRanks, Placement, QueuedJob, StoreError};
 
 /// How much of the cluster one owner may hold: `held` ranks now, at most `limit` at once.
 #[derive(Debug, Clone, Copy)]
@@ -26,29 +27,24 @@ pub struct OwnerQuota<'a> {
     pub limit: u32,
 }
 
-/// Placements for as many of `jobs` as fit on `free`, keeping `margin` of every device free. A
-/// job that would take its owner past `quota` waits, without holding up other owners' jobs.
-pub fn decide(
-    jobs: &[Job],
-    free: &[FreeDevice],
+/// Placements for as many of `queue` (in scheduling order) as fit on the free devices of
+/// `nodes`, keeping `margin` of every device free. A job that would take its owner past `quota`
+/// waits, without holding up other owners' jobs.
+pub fn decide<'a>(
+    queue: impl IntoIterator<Item = &'a QueuedJob>,
+    nodes: &[BoardNode],
     margin: f64,
     quota: OwnerQuota<'_>,
 ) -> Vec<Decision> {
     let mut held: HeldRanks = quota.held.clone();
-    let mut order: Vec<&Job> = jobs.iter().collect();
-    order.sort_by(|a, b| {
-        (b.priority.cmp(&a.priority))
-            .then(a.created_at.cmp(&b.created_at))
-            .then(a.id.cmp(&b.id))
-    });
-    let mut pool = Pool::new(free);
+    let mut free = Free::new(nodes);
     let mut decisions = Vec::new();
     // Per kind, bytes the first job that had to wait needs in all; only smaller jobs may pass.
     let mut head_waits: HashMap<DeviceKind, u128> = HashMap::new();
     // Free devices only shrink during a pass, so a shape that did not fit never will.
     let mut failed: HashSet<(u32, u64, DeviceKind)> = HashSet::new();
-    for job in order {
-        if pool.is_empty() {
+    for job in queue {
+        if free.pool.is_empty() {
             break;
         }
         let plan = &job.plan;
@@ -66,7 +62,7 @@ pub fn decide(
         if owner_ranks.saturating_add(job.world_size) > quota.limit {
             continue;
         }
-        match pool.place(job.world_size as usize, margin, plan) {
+        match free.place(job.world_size as usize, margin, plan) {
             Some(slots) => {
                 held.insert(job.owner.clone(), owner_ranks + job.world_size);
                 decisions.push(Decision {
@@ -83,97 +79,58 @@ pub fn decide(
     decisions
 }
 
-/// The free devices left in a pass, as an inventory (node names are node ids) with the device
-/// index each inventory slot stands for.
-struct Pool {
-    inventory: Inventory,
-    indices: Vec<Vec<u32>>,
+/// The free devices of a pass in a placement pool, nodes by id (placement's tie-break), with
+/// the node id and device index each pool slot stands for.
+struct Free<'a> {
+    pool: Pool,
+    slots: Vec<(&'a str, Vec<u32>)>,
 }
 
-impl Pool {
-    fn new(free: &[FreeDevice]) -> Pool {
-        let mut sorted: Vec<&FreeDevice> = free.iter().collect();
-        sorted.sort_by(|a, b| (&a.node_id, a.device).cmp(&(&b.node_id, b.device)));
-        let mut inventory = Inventory::default();
-        let mut indices: Vec<Vec<u32>> = Vec::new();
-        for d in sorted {
-            if inventory.nodes.last().is_none_or(|n| n.name != d.node_id) {
-                inventory.nodes.push(Node {
-                    name: d.node_id.clone(),
-                    devices: Vec::new(),
-                });
-                indices.push(Vec::new());
-            }
-            let device: Device = d.spec;
-            inventory
-                .nodes
-                .last_mut()
-                .expect("pushed")
-                .devices
-                .push(device);
-            indices.last_mut().expect("pushed").push(d.device);
+impl<'a> Free<'a> {
+    fn new(nodes: &'a [BoardNode]) -> Free<'a> {
+        let mut order: Vec<&BoardNode> = nodes
+            .iter()
+            .filter(|n| n.devices.iter().any(|d| !d.held))
+            .collect();
+        order.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+        let mut pool = Pool::default();
+        let mut slots = Vec::with_capacity(order.len());
+        for node in order {
+            let free = || node.devices.iter().filter(|d| !d.held);
+            pool.add_node(free().map(|d| d.spec));
+            slots.push((node.id.as_str(), free().map(|d| d.index).collect()));
         }
-        Pool { inventory, indices }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.indices.iter().all(Vec::is_empty)
+        Free { pool, slots }
     }
 
     /// Places every rank or none, taking the devices used out of the pool.
     fn place(&mut self, ranks: usize, margin: f64, plan: &Plan) -> Option<Vec<(String, u32)>> {
-        let need = plan.need_on(plan.device);
-        let slots = place(&self.inventory, ranks, margin, plan.device, need)?;
-        let chosen: Vec<(String, u32)> = slots
-            .iter()
-            .map(|s| {
-                (
-                    self.inventory.nodes[s.node].name.clone(),
-                    self.indices[s.node][s.device],
-                )
-            })
-            .collect();
-        let mut taken: Vec<(usize, usize)> = slots.iter().map(|s| (s.node, s.device)).collect();
-        taken.sort_unstable_by(|a, b| b.cmp(a));
-        for (node, device) in taken {
-            self.inventory.nodes[node].devices.remove(device);
-            self.indices[node].remove(device);
-        }
-        Some(chosen)
+        let slots = self
+            .pool
+            .place(ranks, margin, plan.device, plan.need_on(plan.device))?;
+        Some(
+            slots
+                .iter()
+                .map(|s| {
+                    let (node, devices) = &self.slots[s.node];
+                    (node.to_string(), devices[s.device])
+                })
+                .collect(),
+        )
     }
 }
 
-/// While no device is free, placing passes run only when something may have freed one (a job
-/// ended, a node registered: both wake the loop) and at least this often, in case another
-/// replica saw that event alone.
-const PLACE_AT_LEAST_EVERY: Duration = Duration::from_secs(30);
-
-/// Runs scheduling passes until the server shuts down.
+/// Runs scheduling passes until the server shuts down, then hands the scheduler lease over.
 pub async fn run(state: AppState) {
     let mut stop = state.shutdown.subscribe();
-    let mut last_placing = Instant::now();
     let mut last_retention: Option<Instant> = None;
     loop {
-        let woken = tokio::select! {
-            () = tokio::time::sleep(state.settings.scheduling_interval) => false,
-            () = state.wake_scheduler.notified() => true,
-            _ = stop.wait_for(|stopped| *stopped) => return,
-        };
-        let place = woken
-            || state.devices_free.load(Ordering::Relaxed)
-            || last_placing.elapsed() >= PLACE_AT_LEAST_EVERY;
-        let done = if place {
-            last_placing = Instant::now();
-            pass(&state).await.map(drop)
-        } else {
-            // Placing would find nothing free, and would hold the store's scheduling lock
-            // over the whole queue for nothing.
-            match reap(&state).await {
-                Ok(()) => housekeeping(&state).await,
-                Err(e) => Err(e),
-            }
-        };
-        if let Err(e) = done {
+        tokio::select! {
+            () = tokio::time::sleep(state.settings.scheduling_interval) => {}
+            () = state.wake_scheduler.notified() => {}
+            _ = stop.wait_for(|stopped| *stopped) => break,
+        }
+        if let Err(e) = pass(&state).await {
             tracing::warn!("scheduling pass failed: {e}");
         }
         if last_retention.is_none_or(|t| t.elapsed() >= retention::EVERY) {
@@ -187,41 +144,65 @@ pub async fn run(state: AppState) {
             }
         }
     }
+    if let Err(e) = state.store.release_lease().await {
+        tracing::warn!("releasing the scheduler lease failed: {e}");
+    }
 }
 
-/// One pass: requeue the jobs of lost nodes, place what fits, refresh the job gauges and drop
-/// the series of jobs that ended a while ago. Returns the placements made.
-pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
+/// One pass: requeue the jobs of lost nodes, place what fits (if this replica is the
+/// scheduler), refresh the job gauges and drop the series of jobs that ended a while ago.
+/// Returns the placements made.
+pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
     let start = Instant::now();
     reap(state).await?;
     let margin = state.settings.safety_margin;
     let limit = state.settings.limits.running_ranks_per_owner;
-    let mut queued_since = Vec::new();
-    let mut left_free = true;
-    let decisions = state
+    let mut board = state.board.lock().await;
+    let done = state
         .store
-        .schedule(|jobs, free, held| {
-            let decisions = decide(jobs, free, margin, OwnerQuota { held, limit });
-            queued_since = jobs.iter().map(|j| (j.id.clone(), j.updated_at)).collect();
-            let taken: usize = decisions.iter().map(|d| d.slots.len()).sum();
-            left_free = free.len() > taken;
-            decisions
+        .schedule(&mut board, state.settings.scheduler_lease, |b| {
+            let quota = OwnerQuota {
+                held: b.held_ranks(),
+                limit,
+            };
+            decide(b.queue(), b.nodes(), margin, quota)
         })
         .await?;
-    state.devices_free.store(left_free, Ordering::Relaxed);
-    let now = now_ms();
-    for d in &decisions {
-        if let Some((_, since)) = queued_since.iter().find(|(id, _)| *id == d.job_id) {
-            let waited = (now - since).max(0) as f64 / 1000.0;
-            state.metrics.server.queue_wait_seconds.observe(waited);
-        }
-        if let Some(job) = state.store.get_job(&d.job_id).await? {
-            state.announce(&job);
-        }
-    }
-    let mut nodes: Vec<&str> = decisions
+    let left_free = board
+        .nodes()
         .iter()
-        .flat_map(|d| d.slots.iter().map(|(node, _)| node.as_str()))
+        .any(|n| n.devices.iter().any(|d| !d.held));
+    drop(board);
+    let placed = match done {
+        Some(pass) => {
+            tracing::debug!(
+                placed = pass.placed.len(),
+                loaded = pass.loaded,
+                read_ms = pass.read.as_secs_f64() * 1e3,
+                decide_ms = pass.decide.as_secs_f64() * 1e3,
+                write_ms = pass.write.as_secs_f64() * 1e3,
+                "scheduling pass"
+            );
+            pass.placed
+        }
+        // Another replica schedules.
+        None => Vec::new(),
+    };
+    state.devices_free.store(left_free, Ordering::Relaxed);
+    for p in &placed {
+        let waited = (p.at - p.queued_at).max(0) as f64 / 1000.0;
+        state.metrics.server.queue_wait_seconds.observe(waited);
+        state.publish(JobEvent::State {
+            job_id: p.job_id.clone(),
+            state: JobState::Scheduled,
+            attempt: p.attempt,
+            reason: p.reason.clone(),
+            at: p.at,
+        });
+    }
+    let mut nodes: Vec<&str> = placed
+        .iter()
+        .flat_map(|p| p.slots.iter().map(|(node, _)| node.as_str()))
         .collect();
     nodes.sort_unstable();
     nodes.dedup();
@@ -234,7 +215,7 @@ pub async fn pass(state: &AppState) -> Result<Vec<Decision>, StoreError> {
         .server
         .scheduling_pass_duration_seconds
         .observe(start.elapsed().as_secs_f64());
-    Ok(decisions)
+    Ok(placed)
 }
 
 /// Declares nodes silent past the heartbeat timeout lost; their jobs go back to the queue. A
@@ -300,35 +281,33 @@ fn short_duration(d: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
+    use scheduler::inventory::Device;
     use scheduler::memory::Breakdown;
     use scheduler::plan::Choices;
-    use scheduler::spec::{JobSpec, Purpose, ZeroStage};
+    use scheduler::spec::ZeroStage;
 
     use super::*;
+    use crate::store::BoardDevice;
 
     /// `decide` with no owner holding anything and no owner limit.
-    fn decide(jobs: &[Job], free: &[FreeDevice], margin: f64) -> Vec<Decision> {
+    fn decide(queue: &[QueuedJob], nodes: &[BoardNode], margin: f64) -> Vec<Decision> {
         let held = HeldRanks::new();
         let quota = OwnerQuota {
             held: &held,
             limit: u32::MAX,
         };
-        super::decide(jobs, free, margin, quota)
+        super::decide(queue, nodes, margin, quota)
     }
 
     const GB: u64 = 1_000_000_000;
 
-    fn job(id: &str, priority: i32, created_at: i64, world_size: u32, gb_per_rank: u64) -> Job {
-        Job {
+    fn job(id: &str, world_size: u32, gb_per_rank: u64) -> QueuedJob {
+        QueuedJob {
             id: id.into(),
-            name: None,
-            state: JobState::Queued,
-            priority,
+            owner: "t".into(),
+            priority: 0,
             attempt: 1,
             world_size,
-            spec: JobSpec::parse(r#"{"model": {"preset": "gpt2-tiny"}}"#, Purpose::Train)
-                .unwrap()
-                .spec,
             plan: Plan {
                 chosen: Choices {
                     zero_stage: ZeroStage::Gradients,
@@ -345,27 +324,29 @@ mod tests {
                 devices_that_fit: 1,
                 bytes_by_rank: Vec::new(),
             },
-            unsupported_keys: vec![],
-            owner: "t".into(),
-            reason: String::new(),
-            master: None,
-            created_at,
-            updated_at: created_at,
+            created_at: 0,
+            queued_at: 0,
         }
     }
 
-    fn devices(node: &str, gbs: &[u64]) -> Vec<FreeDevice> {
-        gbs.iter()
-            .enumerate()
-            .map(|(i, &gb)| FreeDevice {
-                node_id: node.into(),
-                device: i as u32,
-                spec: Device {
-                    kind: DeviceKind::Cpu,
-                    memory_bytes: gb * GB,
-                },
-            })
-            .collect()
+    /// A node of free CPU devices of `gbs` GB.
+    fn node(id: &str, gbs: &[u64]) -> BoardNode {
+        BoardNode {
+            id: id.into(),
+            name: id.into(),
+            devices: gbs
+                .iter()
+                .enumerate()
+                .map(|(i, &gb)| BoardDevice {
+                    index: i as u32,
+                    spec: Device {
+                        kind: DeviceKind::Cpu,
+                        memory_bytes: gb * GB,
+                    },
+                    held: false,
+                })
+                .collect(),
+        }
     }
 
     fn placed(decisions: &[Decision]) -> Vec<&str> {
@@ -373,23 +354,18 @@ mod tests {
     }
 
     #[test]
-    fn higher_priority_runs_first_then_submission_order() {
-        let jobs = [
-            job("old", 0, 1, 1, 10),
-            job("urgent", 5, 3, 1, 10),
-            job("new", 0, 2, 1, 10),
-        ];
-        let free = devices("n", &[16, 16]);
-        assert_eq!(placed(&decide(&jobs, &free, 0.0)), ["urgent", "old"]);
+    fn the_queue_is_served_in_order_until_the_devices_run_out() {
+        let queue = [job("urgent", 1, 10), job("old", 1, 10), job("new", 1, 10)];
+        let nodes = [node("n", &[16, 16])];
+        assert_eq!(placed(&decide(&queue, &nodes, 0.0)), ["urgent", "old"]);
     }
 
     #[test]
     fn all_ranks_of_a_job_are_placed_or_none() {
-        let jobs = [job("four", 0, 1, 4, 10)];
-        let free = devices("n", &[16, 16, 16]);
-        assert!(decide(&jobs, &free, 0.0).is_empty());
-        let free = [devices("a", &[16, 16]), devices("b", &[16, 16])].concat();
-        let d = decide(&jobs, &free, 0.0);
+        let queue = [job("four", 4, 10)];
+        assert!(decide(&queue, &[node("n", &[16, 16, 16])], 0.0).is_empty());
+        let nodes = [node("a", &[16, 16]), node("b", &[16, 16])];
+        let d = decide(&queue, &nodes, 0.0);
         assert_eq!(
             d[0].slots,
             [("a", 0), ("a", 1), ("b", 0), ("b", 1)].map(|(n, i)| (n.to_string(), i))
@@ -397,67 +373,95 @@ mod tests {
     }
 
     #[test]
+    fn held_devices_are_not_offered() {
+        let mut nodes = [node("a", &[16, 16]), node("b", &[16, 16])];
+        nodes[0].devices[0].held = true;
+        nodes[1].devices[1].held = true;
+        let d = decide(&[job("two", 2, 10)], &nodes, 0.0);
+        assert_eq!(
+            d[0].slots,
+            [("a", 1), ("b", 0)].map(|(n, i)| (n.to_string(), i))
+        );
+    }
+
+    #[test]
+    fn nodes_are_tried_in_id_order_whatever_order_they_come_in() {
+        let nodes = [node("b", &[16]), node("a", &[16])];
+        let d = decide(&[job("one", 1, 10)], &nodes, 0.0);
+        assert_eq!(d[0].slots, [("a".to_string(), 0)]);
+    }
+
+    #[test]
     fn smaller_jobs_backfill_while_the_head_waits() {
-        let jobs = [
-            job("head", 0, 1, 4, 10),
-            job("small", 0, 2, 1, 10),
-            job("same-size", 0, 3, 4, 10),
+        let queue = [
+            job("head", 4, 10),
+            job("small", 1, 10),
+            job("same-size", 4, 10),
         ];
-        let free = devices("n", &[16, 16, 16]);
-        assert_eq!(placed(&decide(&jobs, &free, 0.0)), ["small"]);
+        let nodes = [node("n", &[16, 16, 16])];
+        assert_eq!(placed(&decide(&queue, &nodes, 0.0)), ["small"]);
     }
 
     #[test]
     fn a_job_as_large_as_the_waiting_head_does_not_pass_it() {
-        let jobs = [job("head", 0, 1, 2, 20), job("wide", 0, 2, 4, 10)];
-        let free = devices("n", &[16, 16, 16, 16]);
-        assert!(decide(&jobs, &free, 0.0).is_empty());
+        let queue = [job("head", 2, 20), job("wide", 4, 10)];
+        assert!(decide(&queue, &[node("n", &[16, 16, 16, 16])], 0.0).is_empty());
     }
 
     #[test]
     fn devices_taken_by_one_job_are_not_given_to_another() {
-        let jobs = [job("a", 0, 1, 2, 10), job("b", 0, 2, 2, 10)];
-        let free = devices("n", &[16, 16, 16]);
-        let d = decide(&jobs, &free, 0.0);
+        let queue = [job("a", 2, 10), job("b", 2, 10)];
+        let d = decide(&queue, &[node("n", &[16, 16, 16])], 0.0);
         assert_eq!(placed(&d), ["a"]);
         assert_eq!(d[0].slots.len(), 2);
     }
 
     #[test]
     fn the_safety_margin_keeps_part_of_each_device_free() {
-        let jobs = [job("j", 0, 1, 1, 15)];
-        let free = devices("n", &[16]);
-        assert_eq!(decide(&jobs, &free, 0.0).len(), 1);
-        assert!(decide(&jobs, &free, 0.1).is_empty(), "15 GB > 90% of 16 GB");
+        let queue = [job("j", 1, 15)];
+        let nodes = [node("n", &[16])];
+        assert_eq!(decide(&queue, &nodes, 0.0).len(), 1);
+        assert!(
+            decide(&queue, &nodes, 0.1).is_empty(),
+            "15 GB > 90% of 16 GB"
+        );
+    }
+
+    /// `node` with its devices made GPUs.
+    fn gpu_node(id: &str, gbs: &[u64]) -> BoardNode {
+        let mut n = node(id, gbs);
+        for d in &mut n.devices {
+            d.spec.kind = DeviceKind::Cuda;
+        }
+        n
+    }
+
+    fn gpu_job(id: &str, world_size: u32, gb_per_rank: u64) -> QueuedJob {
+        let mut j = job(id, world_size, gb_per_rank);
+        j.plan.device = DeviceKind::Cuda;
+        j
     }
 
     #[test]
     fn a_cuda_device_pays_its_runtime_overhead() {
-        let mut jobs = [job("j", 0, 1, 1, 15)];
-        jobs[0].plan.device = DeviceKind::Cuda;
-        let mut free = devices("gpu", &[16]);
-        free[0].spec.kind = DeviceKind::Cuda;
-        free[0].spec.memory_bytes = 15 * GB + DeviceKind::Cuda.overhead_bytes() - 1;
-        assert!(decide(&jobs, &free, 0.0).is_empty());
-        free[0].spec.memory_bytes += 1;
-        assert_eq!(decide(&jobs, &free, 0.0).len(), 1);
+        let queue = [gpu_job("j", 1, 15)];
+        let mut nodes = [gpu_node("gpu", &[16])];
+        nodes[0].devices[0].spec.memory_bytes = 15 * GB + DeviceKind::Cuda.overhead_bytes() - 1;
+        assert!(decide(&queue, &nodes, 0.0).is_empty());
+        nodes[0].devices[0].spec.memory_bytes += 1;
+        assert_eq!(decide(&queue, &nodes, 0.0).len(), 1);
     }
 
     #[test]
     fn jobs_land_on_their_kind_and_a_job_waiting_for_gpus_holds_up_no_cpu_job() {
-        let mut gpu_head = job("gpu-head", 0, 1, 4, 10);
-        gpu_head.plan.device = DeviceKind::Cuda;
-        let mut gpu_small = job("gpu-small", 0, 2, 1, 10);
-        gpu_small.plan.device = DeviceKind::Cuda;
-        // Larger than the waiting GPU head, but it waits for other devices.
-        let cpu_wide = job("cpu-wide", 0, 3, 3, 15);
-        let mut free = devices("cpu", &[16, 16, 16]);
-        let mut gpus = devices("gpu", &[80, 80]);
-        for d in &mut gpus {
-            d.spec.kind = DeviceKind::Cuda;
-        }
-        free.extend(gpus);
-        let d = decide(&[gpu_head, gpu_small, cpu_wide], &free, 0.0);
+        let queue = [
+            gpu_job("gpu-head", 4, 10),
+            gpu_job("gpu-small", 1, 10),
+            // Larger than the waiting GPU head, but it waits for other devices.
+            job("cpu-wide", 3, 15),
+        ];
+        let nodes = [node("cpu", &[16, 16, 16]), gpu_node("gpu", &[80, 80])];
+        let d = decide(&queue, &nodes, 0.0);
         assert_eq!(placed(&d), ["gpu-small", "cpu-wide"]);
         assert_eq!(d[0].slots, [("gpu".to_string(), 0)]);
         assert!(d[1].slots.iter().all(|(node, _)| node == "cpu"), "{d:?}");
@@ -465,14 +469,10 @@ mod tests {
 
     #[test]
     fn an_owner_past_its_running_ranks_waits_while_others_run() {
-        let mut jobs = [
-            job("alice-1", 0, 1, 2, 1),
-            job("alice-2", 0, 2, 2, 1),
-            job("bob", 0, 3, 2, 1),
-        ];
-        jobs[0].owner = "alice".into();
-        jobs[1].owner = "alice".into();
-        let free = devices("n", &[16; 8]);
+        let mut queue = [job("alice-1", 2, 1), job("alice-2", 2, 1), job("bob", 2, 1)];
+        queue[0].owner = "alice".into();
+        queue[1].owner = "alice".into();
+        let nodes = [node("n", &[16; 8])];
         let mut held = HeldRanks::new();
         held.insert("alice".into(), 1);
         let quota = OwnerQuota {
@@ -480,7 +480,7 @@ mod tests {
             limit: 4,
         };
         // alice holds 1: her first job takes her to 3, the second would pass 4 and waits.
-        let d = super::decide(&jobs, &free, 0.0, quota);
+        let d = super::decide(&queue, &nodes, 0.0, quota);
         assert_eq!(placed(&d), ["alice-1", "bob"]);
         let none_held = HeldRanks::new();
         let quota = OwnerQuota {
@@ -488,14 +488,14 @@ mod tests {
             limit: 4,
         };
         assert_eq!(
-            placed(&super::decide(&jobs, &free, 0.0, quota)),
+            placed(&super::decide(&queue, &nodes, 0.0, quota)),
             ["alice-1", "alice-2", "bob"]
         );
     }
 
     #[test]
     fn the_need_replaces_the_planned_device_overhead() {
-        let mut j = job("j", 0, 1, 1, 10);
+        let mut j = job("j", 1, 10);
         j.plan.per_rank_bytes.overhead = DeviceKind::Cuda.overhead_bytes();
         let plan = &j.plan;
         assert_eq!(

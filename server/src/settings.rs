@@ -33,6 +33,11 @@ pub struct Settings {
     /// Time between scheduling passes; submissions and finished jobs also start one
     /// (`ZEROTRAIN_SCHEDULING_INTERVAL`, default 1s).
     pub scheduling_interval: Duration,
+    /// How long the scheduler lease lasts unrenewed: the replica holding it places jobs and
+    /// renews it every pass; when it stops (killed, cut off from the database), another replica
+    /// takes over this long after its last pass (`ZEROTRAIN_SCHEDULER_LEASE`, default 10s). A
+    /// server that shuts down hands it over at once.
+    pub scheduler_lease: Duration,
     /// Fraction of each device's memory placement keeps free (`ZEROTRAIN_SAFETY_MARGIN`,
     /// default 0.05).
     pub safety_margin: f64,
@@ -141,6 +146,7 @@ impl Default for Settings {
             heartbeat_timeout: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(2),
             scheduling_interval: Duration::from_secs(1),
+            scheduler_lease: Duration::from_secs(10),
             safety_margin: 0.05,
             body_limit: 4 << 20,
             request_timeout: Duration::from_secs(30),
@@ -198,6 +204,9 @@ impl Settings {
         }
         if let Some(v) = read("ZEROTRAIN_SCHEDULING_INTERVAL") {
             s.scheduling_interval = parse(v, parse_duration)?;
+        }
+        if let Some(v) = read("ZEROTRAIN_SCHEDULER_LEASE") {
+            s.scheduler_lease = parse(v, parse_duration)?;
         }
         if let Some(v) = read("ZEROTRAIN_SAFETY_MARGIN") {
             s.safety_margin = parse(v, parse_margin)?;
@@ -362,6 +371,7 @@ mod tests {
             ("ZEROTRAIN_SAFETY_MARGIN", "0.1"),
             ("ZEROTRAIN_BODY_LIMIT", "1MiB"),
             ("ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES", "true"),
+            ("ZEROTRAIN_SCHEDULER_LEASE", "3s"),
         ];
         let s = Settings::from_vars(|name| {
             vars.iter()
@@ -374,6 +384,7 @@ mod tests {
         assert_eq!(s.safety_margin, 0.1);
         assert_eq!(s.body_limit, 1 << 20);
         assert!(s.queue_unregistered_devices);
+        assert_eq!(s.scheduler_lease, Duration::from_secs(3));
         assert_eq!(
             s.scheduling_interval,
             Settings::default().scheduling_interval

@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -18,8 +18,8 @@ use scheduler::plan::{Choices, Plan};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
 use server::store::{
-    ArtifactRecord, Backend, Decision, FreeDevice, HeldRanks, JobFilter, JobSort, Revoked, Store,
-    StoreError, token_hash,
+    ArtifactRecord, Backend, Board, Decision, HeldRanks, JobFilter, JobSort, Placement, QueuedJob,
+    Revoked, Store, StoreError, token_hash,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::SqlitePoolOptions;
@@ -203,6 +203,9 @@ suite! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     an_owner_s_queued_limit_holds_under_concurrent_submissions,
     #[tokio::test] a_pass_sees_each_owner_s_held_ranks_and_old_attempts_are_found,
+    #[tokio::test] a_board_kept_between_passes_matches_one_loaded_afresh,
+    #[tokio::test] only_the_lease_holder_schedules_and_another_takes_over_when_it_stops,
+    #[tokio::test] two_servers_schedule_one_at_a_time_and_the_second_takes_over,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -276,12 +279,42 @@ async fn node(store: &Store, name: &str, count: usize) -> server::domain::NodeRe
         .unwrap()
 }
 
+/// The scheduler lease the tests' passes take: long enough never to lapse unless a test means
+/// it to.
+const LEASE: Duration = Duration::from_secs(60);
+
+/// A device no job holds, as a pass saw it.
+#[derive(Debug, Clone, PartialEq)]
+struct FreeDevice {
+    node_id: String,
+    device: u32,
+    spec: Device,
+}
+
+/// The free devices on `board`, nodes in registration order, devices by index.
+fn free_devices(board: &Board) -> Vec<FreeDevice> {
+    board
+        .nodes()
+        .iter()
+        .flat_map(|n| {
+            n.devices.iter().filter(|d| !d.held).map(|d| FreeDevice {
+                node_id: n.id.clone(),
+                device: d.index,
+                spec: d.spec,
+            })
+        })
+        .collect()
+}
+
 /// Places each job, in queue order, on the first free devices not taken yet; skips jobs that
 /// do not fit (so smaller ones behind them backfill).
-fn first_fit(jobs: &[Job], free: &[FreeDevice]) -> Vec<Decision> {
+fn first_fit<'a>(
+    queue: impl IntoIterator<Item = &'a QueuedJob>,
+    free: &[FreeDevice],
+) -> Vec<Decision> {
     let mut taken = vec![false; free.len()];
     let mut decisions = Vec::new();
-    for job in jobs {
+    for job in queue {
         let picks: Vec<usize> = (0..free.len())
             .filter(|&i| !taken[i])
             .take(job.world_size as usize)
@@ -303,19 +336,44 @@ fn first_fit(jobs: &[Job], free: &[FreeDevice]) -> Vec<Decision> {
     decisions
 }
 
-/// One pass with `first_fit`; returns the free devices the pass saw and the decisions applied.
-async fn schedule_first_fit(store: &Store) -> (Vec<FreeDevice>, Vec<Decision>) {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let seen_in = seen.clone();
-    let applied = store
-        .schedule(move |jobs, free, _| {
-            *seen_in.lock().unwrap() = free.to_vec();
-            first_fit(jobs, free)
+/// One pass of `store`'s replica with a board loaded afresh, `decide` shown the queue, the
+/// free devices and the ranks each owner holds; the placements made.
+async fn pass_with<F>(store: &Store, decide: F) -> Vec<Placement>
+where
+    F: FnOnce(&[&QueuedJob], &[FreeDevice], &HeldRanks) -> Vec<Decision>,
+{
+    let mut board = Board::default();
+    store
+        .schedule(&mut board, LEASE, |b| {
+            let queue: Vec<&QueuedJob> = b.queue().collect();
+            decide(&queue, &free_devices(b), b.held_ranks())
         })
         .await
-        .unwrap();
-    let seen = seen.lock().unwrap().clone();
-    (seen, applied)
+        .unwrap()
+        .expect("this replica holds the scheduler lease")
+        .placed
+}
+
+/// One pass with `first_fit`; returns the free devices the pass saw and the placements made.
+async fn schedule_first_fit(store: &Store) -> (Vec<FreeDevice>, Vec<Placement>) {
+    let mut seen = Vec::new();
+    let placed = pass_with(store, |queue, free, _| {
+        seen = free.to_vec();
+        first_fit(queue.iter().copied(), free)
+    })
+    .await;
+    (seen, placed)
+}
+
+/// The job id and slots of each placement.
+fn decisions(placed: &[Placement]) -> Vec<Decision> {
+    placed
+        .iter()
+        .map(|p| Decision {
+            job_id: p.job_id.clone(),
+            slots: p.slots.clone(),
+        })
+        .collect()
 }
 
 fn now_ms() -> i64 {
@@ -926,39 +984,30 @@ async fn reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices(db: T
     let across = submit(s, "across", 2, 2).await;
     let on_alive = submit(s, "on-alive", 1, 1).await;
     let waiting = submit(s, "waiting", 0, 4).await;
-    let applied = s
-        .schedule(|jobs, free, _| {
-            let slot = |node: &str, d: u32| {
-                let f = free
-                    .iter()
-                    .find(|f| f.node_id == node && f.device == d)
-                    .unwrap();
-                (f.node_id.clone(), f.device)
-            };
-            let id = |name: &str| {
-                jobs.iter()
-                    .find(|j| j.name.as_deref() == Some(name))
-                    .unwrap()
-                    .id
-                    .clone()
-            };
-            vec![
-                Decision {
-                    job_id: id("on-quiet"),
-                    slots: vec![slot(&quiet.id, 0)],
-                },
-                Decision {
-                    job_id: id("across"),
-                    slots: vec![slot(&quiet.id, 1), slot(&alive.id, 0)],
-                },
-                Decision {
-                    job_id: id("on-alive"),
-                    slots: vec![slot(&alive.id, 1)],
-                },
-            ]
-        })
-        .await
-        .unwrap();
+    let applied = pass_with(s, |_, free, _| {
+        let slot = |node: &str, d: u32| {
+            let f = free
+                .iter()
+                .find(|f| f.node_id == node && f.device == d)
+                .unwrap();
+            (f.node_id.clone(), f.device)
+        };
+        vec![
+            Decision {
+                job_id: on_quiet.id.clone(),
+                slots: vec![slot(&quiet.id, 0)],
+            },
+            Decision {
+                job_id: across.id.clone(),
+                slots: vec![slot(&quiet.id, 1), slot(&alive.id, 0)],
+            },
+            Decision {
+                job_id: on_alive.id.clone(),
+                slots: vec![slot(&alive.id, 1)],
+            },
+        ]
+    })
+    .await;
     assert_eq!(applied.len(), 3);
     s.transition(
         &across.id,
@@ -1063,17 +1112,14 @@ async fn schedule_shows_the_queue_by_priority_then_age_and_the_free_devices(db: 
     .await
     .unwrap()
     .unwrap();
-    let seen = Arc::new(Mutex::new((Vec::new(), Vec::new())));
-    let seen_in = seen.clone();
-    let applied = s
-        .schedule(move |jobs, free, _| {
-            *seen_in.lock().unwrap() = (ids(jobs), free.to_vec());
-            Vec::new()
-        })
-        .await
-        .unwrap();
+    let mut seen = (Vec::new(), Vec::new());
+    let applied = pass_with(s, |queue, free, _| {
+        seen = (queue.iter().map(|j| j.id.clone()).collect(), free.to_vec());
+        Vec::new()
+    })
+    .await;
     assert!(applied.is_empty());
-    let (queue, free) = seen.lock().unwrap().clone();
+    let (queue, free) = seen;
     assert_eq!(queue, vec![high.id, mid.id, low_old.id.clone(), low_new.id]);
     let slots: Vec<(String, u32, u64)> = free
         .iter()
@@ -1206,9 +1252,9 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
             slots: vec![slot(2), slot(2)],
         },
     ];
-    let applied = s.schedule(move |_, _, _| decisions).await.unwrap();
+    let applied = pass_with(s, |_, _, _| decisions).await;
     assert_eq!(
-        applied,
+        self::decisions(&applied),
         vec![Decision {
             job_id: d.id.clone(),
             slots: vec![slot(1)]
@@ -1656,8 +1702,9 @@ async fn the_database_refuses_a_second_holder_of_a_device(db: TestDb) {
 // ---------------------------------------------------------------------------------------------
 // Replicas
 
-/// Two stores on one database (two server replicas) run scheduling passes in loops while jobs
-/// start and finish and a node is lost and comes back. Afterwards the tables must show every
+/// Two stores on one database (two server replicas) run scheduling passes in loops, handing
+/// the scheduler lease back and forth, while jobs start and finish and a node is lost and comes
+/// back. Afterwards the tables must show every
 /// job attempt placed at most once, each with one assignment per rank, and no device held by
 /// two job attempts at once (hold intervals ordered by transition id), and every job done.
 async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
@@ -1677,16 +1724,28 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
     }
 
     let done = Arc::new(AtomicBool::new(false));
+    // Each replica keeps its board between passes and hands the lease over every few passes
+    // it places in, so both schedule, each loading the board when it takes the lease over and
+    // then keeping it up to date with what the other and the loop below changed.
     let passes = |store: Store| {
         let done = done.clone();
         tokio::spawn(async move {
-            let mut placed = 0;
+            let mut board = Board::default();
+            let (mut placed, mut held) = (0, 0);
             while !done.load(Ordering::Relaxed) {
-                placed += store
-                    .schedule(|jobs, free, _| first_fit(jobs, free))
+                let pass = store
+                    .schedule(&mut board, LEASE, |b| {
+                        first_fit(b.queue(), &free_devices(b))
+                    })
                     .await
-                    .unwrap()
-                    .len();
+                    .unwrap();
+                if let Some(pass) = pass {
+                    placed += pass.placed.len();
+                    held += 1;
+                    if held % 5 == 0 {
+                        store.release_lease().await.unwrap();
+                    }
+                }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             placed
@@ -1770,6 +1829,7 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
     done.store(true, Ordering::Relaxed);
     let (placed_a, placed_b) = (replica_a.await.unwrap(), replica_b.await.unwrap());
     eprintln!("replica a placed {placed_a} job attempts, replica b {placed_b}");
+    assert!(placed_a > 0 && placed_b > 0, "both replicas scheduled");
     let placed = placed_a + placed_b;
     assert!(lost_once);
 
@@ -2030,15 +2090,12 @@ async fn a_pass_sees_each_owner_s_held_ranks_and_old_attempts_are_found(db: Test
         .await
         .unwrap();
     schedule_first_fit(s).await;
-    let seen = Arc::new(Mutex::new(HeldRanks::new()));
-    let seen_in = seen.clone();
-    s.schedule(move |_, _, held| {
-        *seen_in.lock().unwrap() = held.clone();
+    let mut held = HeldRanks::new();
+    pass_with(s, |_, _, seen| {
+        held = seen.clone();
         Vec::new()
     })
-    .await
-    .unwrap();
-    let held = seen.lock().unwrap().clone();
+    .await;
     assert_eq!(
         held,
         HeldRanks::from([("alice".into(), 2), ("bob".into(), 1)])
@@ -2063,4 +2120,271 @@ async fn a_pass_sees_each_owner_s_held_ranks_and_old_attempts_are_found(db: Test
         s.placed_before(now_ms() + 1000).await.unwrap(),
         [(narrow.id.clone(), 1)]
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scheduler's board and lease
+
+/// A first-fit pass with the replica's kept `board`, which must then show what a board loaded
+/// from the tables shows.
+async fn kept_pass(store: &Store, board: &mut Board) -> server::store::Pass {
+    let pass = store
+        .schedule(board, LEASE, |b| first_fit(b.queue(), &free_devices(b)))
+        .await
+        .unwrap()
+        .expect("this replica holds the scheduler lease");
+    let mut fresh = Board::default();
+    let loading = store.schedule(&mut fresh, LEASE, |_| Vec::new()).await;
+    assert!(loading.unwrap().unwrap().loaded);
+    assert_eq!(*board, fresh);
+    pass
+}
+
+/// The ids of the jobs placed, in order.
+fn placed_ids(pass: &server::store::Pass) -> Vec<String> {
+    pass.placed.iter().map(|p| p.job_id.clone()).collect()
+}
+
+/// A replica's board, kept between passes, shows what one loaded from the tables shows after
+/// each kind of change another replica or an agent makes: submissions, cancellations, jobs
+/// starting, ending and going back to the queue, nodes registering (again) and being lost.
+/// Only its first pass loads.
+async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
+    let s = &db.store;
+    let other = db.replica().await;
+    let mut board = Board::default();
+    let n1 = node(&other, "n1", 2).await;
+    let n2 = node(&other, "n2", 2).await;
+    let a = submit(&other, "a", 1, 1).await;
+    let b = other
+        .insert_job(&job("b", "bob", 0, 2), None)
+        .await
+        .unwrap();
+    let c = submit(s, "c", 0, 4).await;
+    let first = kept_pass(s, &mut board).await;
+    assert!(first.loaded);
+    assert_eq!(placed_ids(&first), [a.id.clone(), b.id.clone()]);
+    assert_eq!(board.held_ranks()["bob"], 2);
+    let idle = kept_pass(s, &mut board).await;
+    assert!(!idle.loaded && idle.placed.is_empty());
+
+    // `a` runs and ends, `b` starts, `c` is cancelled and `d` arrives: `d` gets `a`'s device.
+    let to = |id: &str, from: JobState, to: JobState| {
+        let other = other.clone();
+        let id = id.to_string();
+        async move {
+            other
+                .transition(&id, &[from], to, "test")
+                .await
+                .unwrap()
+                .unwrap();
+        }
+    };
+    to(&a.id, JobState::Scheduled, JobState::Running).await;
+    to(&a.id, JobState::Running, JobState::Succeeded).await;
+    to(&b.id, JobState::Scheduled, JobState::Running).await;
+    to(&c.id, JobState::Queued, JobState::Cancelled).await;
+    let d = submit(&other, "d", 0, 1).await;
+    let pass = kept_pass(s, &mut board).await;
+    assert!(!pass.loaded);
+    assert_eq!(placed_ids(&pass), [d.id.clone()]);
+
+    // A new node: `e` fits only once its devices are known.
+    let e = submit(&other, "e", 0, 3).await;
+    assert!(kept_pass(s, &mut board).await.placed.is_empty());
+    let n3 = node(&other, "n3", 4).await;
+    let pass = kept_pass(s, &mut board).await;
+    assert!(!pass.loaded);
+    assert_eq!(placed_ids(&pass), [e.id.clone()]);
+
+    // n1 (holding `b` or `d`) is lost, n2 registers again with fewer devices: their jobs go
+    // back to the queue at a new attempt.
+    let later = now_ms() + 600_000;
+    for n in [&n2, &n3] {
+        other.heartbeat(&n.id, later).await.unwrap();
+    }
+    let lost = other.reap_lost_nodes(later - 1).await.unwrap();
+    assert!(!lost.is_empty());
+    kept_pass(s, &mut board).await;
+    other
+        .register_node("n2", "10.0.0.2", &devices(1), &token_hash("n2-token"))
+        .await
+        .unwrap();
+    let pass = kept_pass(s, &mut board).await;
+    assert!(!pass.loaded);
+    assert!(board.nodes().iter().all(|n| n.id != n1.id), "n1 is lost");
+
+    // An agent's report sends a running job back to the queue.
+    let scheduled: Vec<Job> = s
+        .list_jobs(&JobFilter {
+            state: Some(JobState::Scheduled),
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert!(!scheduled.is_empty());
+    for j in scheduled {
+        to(&j.id, JobState::Scheduled, JobState::Queued).await;
+    }
+    assert!(!kept_pass(s, &mut board).await.loaded);
+    other.close().await;
+}
+
+/// A first-fit pass of `store`'s replica with `board`, taking or renewing the lease for
+/// `lease`; `None` when another replica holds it.
+async fn try_pass(
+    store: &Store,
+    board: &mut Board,
+    lease: Duration,
+) -> Option<server::store::Pass> {
+    store
+        .schedule(board, lease, |b| first_fit(b.queue(), &free_devices(b)))
+        .await
+        .unwrap()
+}
+
+async fn state_of(store: &Store, id: &str) -> JobState {
+    store.get_job(id).await.unwrap().unwrap().state
+}
+
+/// Only the replica holding the scheduler lease places: while it renews the lease another
+/// replica's passes change nothing. When it stops (as if killed), the other takes over once
+/// the lease has lapsed, loading its board from the tables; the one that stopped, coming back,
+/// places nothing and forgets its board; a lease handed over is taken at the next pass.
+async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db: TestDb) {
+    let a = &db.store;
+    let b = db.replica().await;
+    node(a, "n", 4).await;
+    let (mut board_a, mut board_b) = (Board::default(), Board::default());
+
+    let one = submit(a, "one", 0, 1).await;
+    let pass = try_pass(a, &mut board_a, LEASE).await.unwrap();
+    assert_eq!(placed_ids(&pass), [one.id.clone()]);
+    let two = submit(&b, "two", 0, 1).await;
+    assert!(
+        try_pass(&b, &mut board_b, LEASE).await.is_none(),
+        "a holds the lease"
+    );
+    assert_eq!(state_of(a, &two.id).await, JobState::Queued);
+    // a's last pass renews the lease for a moment only; then a stops.
+    let pass = try_pass(a, &mut board_a, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(placed_ids(&pass), [two.id.clone()]);
+
+    let three = submit(&b, "three", 0, 1).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let taken = loop {
+        if let Some(pass) = try_pass(&b, &mut board_b, LEASE).await {
+            break pass;
+        }
+        assert!(Instant::now() < deadline, "b never took the lease over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(taken.loaded, "a new holder loads its board");
+    assert_eq!(placed_ids(&taken), [three.id.clone()]);
+
+    // a comes back: b holds the lease, so a places nothing, and forgets its board.
+    let four = submit(a, "four", 0, 1).await;
+    assert!(try_pass(a, &mut board_a, LEASE).await.is_none());
+    assert!(board_a.nodes().is_empty() && board_a.queue().next().is_none());
+    assert_eq!(state_of(a, &four.id).await, JobState::Queued);
+
+    // b hands the lease over, as a server shutting down does: a takes it at once, and loads.
+    b.release_lease().await.unwrap();
+    let pass = try_pass(a, &mut board_a, LEASE)
+        .await
+        .expect("a handed-over lease is free");
+    assert!(pass.loaded);
+    assert_eq!(placed_ids(&pass), [four.id.clone()]);
+    assert!(board_a.nodes()[0].devices.iter().all(|d| d.held));
+    b.close().await;
+}
+
+/// Two servers' scheduling passes on one database: the one holding the lease places and
+/// publishes its placements, the other places nothing; when the first dies (its connections
+/// closed without handing the lease over), the second takes over once the lease lapses.
+async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb) {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = server::settings::Settings {
+        data_dir: dir.path().to_path_buf(),
+        safety_margin: 0.0,
+        scheduler_lease: Duration::from_secs(2),
+        ..server::settings::Settings::default()
+    };
+    let first = server::AppState::new(db.replica().await, settings.clone()).unwrap();
+    let second = server::AppState::new(db.store.clone(), settings).unwrap();
+    let s = &db.store;
+    node(s, "n", 2).await;
+    let one = submit(s, "one", 0, 1).await;
+    let placed = server::scheduling::pass(&first).await.unwrap();
+    assert_eq!(placed.len(), 1);
+    let two = submit(s, "two", 0, 1).await;
+    assert!(server::scheduling::pass(&second).await.unwrap().is_empty());
+    assert_eq!(state_of(s, &two.id).await, JobState::Queued);
+    assert_eq!(state_of(s, &one.id).await, JobState::Scheduled);
+
+    // The first server dies.
+    first.store.close().await;
+    drop(first);
+    let mut events = second.events.subscribe();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let placed = server::scheduling::pass(&second).await.unwrap();
+        if !placed.is_empty() {
+            assert_eq!(placed[0].job_id, two.id);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second server never took over"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(state_of(s, &two.id).await, JobState::Scheduled);
+    match events.try_recv().unwrap() {
+        server::app::JobEvent::State { job_id, state, .. } => {
+            assert_eq!((job_id, state), (two.id.clone(), JobState::Scheduled));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// PostgreSQL numbers a transition when it is inserted, not when it commits: a change whose
+/// transaction commits after a later one was read must still reach a kept board.
+#[tokio::test]
+async fn a_change_committed_after_a_later_one_still_reaches_the_board() {
+    on_postgres(|db| async move {
+        let s = &db.store;
+        node(s, "n", 1).await;
+        let wide = submit(s, "wide", 0, 2).await;
+        let mut board = Board::default();
+        assert!(kept_pass(s, &mut board).await.placed.is_empty());
+        let Raw::Postgres(pool) = &db.raw else {
+            unreachable!()
+        };
+        // Cancel `wide` in a transaction left open while a later job is submitted and placed.
+        let mut slow = pool.begin().await.unwrap();
+        sqlx::query("UPDATE jobs SET state = 'cancelled' WHERE id = $1")
+            .bind(&wide.id)
+            .execute(&mut *slow)
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO transitions (job_id, attempt, from_state, to_state, reason, at)              VALUES ($1, 1, 'queued', 'cancelled', 'test', 0)",
+        )
+        .bind(&wide.id)
+        .execute(&mut *slow)
+        .await
+        .unwrap();
+        let narrow = submit(s, "narrow", 0, 1).await;
+        let pass = kept_pass(s, &mut board).await;
+        assert_eq!(placed_ids(&pass), [narrow.id.clone()]);
+        assert!(board.queued(&wide.id).is_some());
+        slow.commit().await.unwrap();
+        let pass = kept_pass(s, &mut board).await;
+        assert!(!pass.loaded);
+        assert!(board.queued(&wide.id).is_none(), "the cancellation arrived");
+    })
+    .await;
 }

@@ -11,7 +11,9 @@ use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction};
+use sqlx::{
+    PgConnection, PgPool, Postgres, Row, Sqlite, SqliteConnection, SqlitePool, Transaction,
+};
 
 use super::{Backend, StoreError};
 
@@ -20,7 +22,7 @@ static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
 
 // `migrate!` embeds the migrations when this crate compiles; naming the files here makes cargo
 // recompile (and re-embed) when one of them is edited. A new migration file needs a line here.
-const _: [&str; 14] = [
+const _: [&str; 16] = [
     include_str!("../../../migrations/sqlite/0001_init.sql"),
     include_str!("../../../migrations/postgres/0001_init.sql"),
     include_str!("../../../migrations/sqlite/0002_token_names.sql"),
@@ -35,6 +37,8 @@ const _: [&str; 14] = [
     include_str!("../../../migrations/postgres/0007_artifacts.sql"),
     include_str!("../../../migrations/sqlite/0008_checkpoint_path.sql"),
     include_str!("../../../migrations/postgres/0008_checkpoint_path.sql"),
+    include_str!("../../../migrations/sqlite/0009_scheduler_lease.sql"),
+    include_str!("../../../migrations/postgres/0009_scheduler_lease.sql"),
 ];
 
 /// How long a SQLite writer waits for another writer before failing with "database is locked".
@@ -107,32 +111,13 @@ impl Conn<'_> {
             Conn::Postgres(_) => format!("${n}"),
         }
     }
-
-    /// `(p(first), p(first+1), …), (…)`: `rows` tuples of `cols` parameters.
-    pub(super) fn placeholders(&self, rows: usize, cols: usize, first: usize) -> String {
-        let mut s = String::with_capacity(rows * cols * 6);
-        for r in 0..rows {
-            if r > 0 {
-                s.push_str(", ");
-            }
-            s.push('(');
-            for c in 0..cols {
-                if c > 0 {
-                    s.push_str(", ");
-                }
-                s.push_str(&self.param(first + r * cols + c));
-            }
-            s.push(')');
-        }
-        s
-    }
 }
 
-/// Rows per multi-row INSERT: keeps the parameter count far below SQLite's 32,766 and
-/// PostgreSQL's 65,535 for the widest table.
-pub(super) const ROWS_PER_INSERT: usize = 1000;
+/// Rows per multi-row INSERT on SQLite: keeps the parameter count far below its 32,766 for the
+/// widest table.
+const ROWS_PER_INSERT: usize = 1000;
 
-/// Inserts `rows` (each `cols` values) with `INSERT INTO {into} VALUES … {suffix}`, in batches.
+/// Inserts `rows` (each `cols` values) with `INSERT INTO {into} … {suffix}`.
 pub(super) async fn insert_rows(
     c: &mut Conn<'_>,
     into: &str,
@@ -140,19 +125,133 @@ pub(super) async fn insert_rows(
     rows: Vec<Vec<Arg>>,
     suffix: &str,
 ) -> Result<(), StoreError> {
-    let mut rows = rows.into_iter().peekable();
-    while rows.peek().is_some() {
-        let batch: Vec<Vec<Arg>> = rows.by_ref().take(ROWS_PER_INSERT).collect();
-        let sql = format!(
-            "INSERT INTO {into} VALUES {} {suffix}",
-            c.placeholders(batch.len(), cols, 1)
-        );
-        let args = batch.into_iter().flatten();
-        on!(c, c => {
-            bind_args!(sqlx::query(&sql), args).execute(&mut **c).await?;
-        });
+    insert(c, into, cols, rows, suffix, false).await.map(drop)
+}
+
+/// Inserts `rows` into a table with an `id` column the database numbers: the ids given.
+pub(super) async fn insert_rows_returning_ids(
+    c: &mut Conn<'_>,
+    into: &str,
+    cols: usize,
+    rows: Vec<Vec<Arg>>,
+) -> Result<Vec<i64>, StoreError> {
+    insert(c, into, cols, rows, "RETURNING id", true).await
+}
+
+/// PostgreSQL: one statement whatever the number of rows, each column bound as one array
+/// (`INSERT … SELECT * FROM UNNEST($1::bigint[], $2::text[], …)`), which it parses and plans
+/// once instead of a VALUES list of thousands of parameters. SQLite: multi-row VALUES in
+/// batches (numbered `?` parameters, see [`Conn::param`]).
+async fn insert(
+    c: &mut Conn<'_>,
+    into: &str,
+    cols: usize,
+    rows: Vec<Vec<Arg>>,
+    suffix: &str,
+    returning: bool,
+) -> Result<Vec<i64>, StoreError> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
     }
-    Ok(())
+    match c {
+        Conn::Postgres(c) => {
+            let columns = Column::transpose(rows, cols);
+            let arrays: Vec<String> = columns
+                .iter()
+                .enumerate()
+                .map(|(i, col)| format!("${}::{}", i + 1, col.array_type()))
+                .collect();
+            let sql = format!(
+                "INSERT INTO {into} SELECT * FROM UNNEST({}) {suffix}",
+                arrays.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for col in columns {
+                q = match col {
+                    Column::Int(v) => q.bind(v),
+                    Column::Real(v) => q.bind(v),
+                    Column::Text(v) => q.bind(v),
+                    Column::Bool(v) => q.bind(v),
+                };
+            }
+            if !returning {
+                q.execute(&mut **c).await?;
+                return Ok(Vec::new());
+            }
+            let rows = q.fetch_all(&mut **c).await?;
+            Ok(rows
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<_, _>>()?)
+        }
+        Conn::Sqlite(c) => {
+            let mut ids = Vec::new();
+            let mut rows = rows.into_iter().peekable();
+            while rows.peek().is_some() {
+                let batch: Vec<Vec<Arg>> = rows.by_ref().take(ROWS_PER_INSERT).collect();
+                let row = format!("({})", vec!["?"; cols].join(", "));
+                let sql = format!(
+                    "INSERT INTO {into} VALUES {} {suffix}",
+                    vec![row; batch.len()].join(", ")
+                );
+                let q = bind_args!(sqlx::query(&sql), batch.into_iter().flatten());
+                if returning {
+                    for r in q.fetch_all(&mut **c).await? {
+                        ids.push(r.try_get(0)?);
+                    }
+                } else {
+                    q.execute(&mut **c).await?;
+                }
+            }
+            Ok(ids)
+        }
+    }
+}
+
+/// One column of rows to insert, as the array PostgreSQL unnests.
+enum Column {
+    Int(Vec<i64>),
+    Real(Vec<Option<f64>>),
+    Text(Vec<String>),
+    Bool(Vec<bool>),
+}
+
+impl Column {
+    /// The columns of `rows` (each `cols` values, column by column of one type).
+    fn transpose(rows: Vec<Vec<Arg>>, cols: usize) -> Vec<Column> {
+        let n = rows.len();
+        let mut columns: Vec<Column> = rows[0]
+            .iter()
+            .map(|arg| match arg {
+                Arg::Int(_) => Column::Int(Vec::with_capacity(n)),
+                Arg::Real(_) => Column::Real(Vec::with_capacity(n)),
+                Arg::Text(_) => Column::Text(Vec::with_capacity(n)),
+                Arg::Bool(_) => Column::Bool(Vec::with_capacity(n)),
+            })
+            .collect();
+        assert_eq!(columns.len(), cols, "a row of {cols} values");
+        for row in rows {
+            for (col, arg) in columns.iter_mut().zip(row) {
+                match (col, arg) {
+                    (Column::Int(v), Arg::Int(x)) => v.push(x),
+                    (Column::Real(v), Arg::Real(x)) => v.push(x),
+                    (Column::Text(v), Arg::Text(x)) => v.push(x),
+                    (Column::Bool(v), Arg::Bool(x)) => v.push(x),
+                    _ => panic!("values of one column must be of one type"),
+                }
+            }
+        }
+        columns
+    }
+
+    fn array_type(&self) -> &'static str {
+        match self {
+            Column::Int(_) => "bigint[]",
+            Column::Real(_) => "double precision[]",
+            Column::Text(_) => "text[]",
+            Column::Bool(_) => "boolean[]",
+        }
+    }
 }
 
 /// A pooled connection, or a write transaction (`BEGIN IMMEDIATE` on SQLite, so a transaction

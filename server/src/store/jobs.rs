@@ -1,8 +1,6 @@
 //! Jobs: insertion with idempotency keys, lookups and pages, and compare-and-set transitions
 //! that record their reason and release devices.
 
-use std::collections::HashMap;
-
 use super::backend::{Arg, Conn, bind_args, on};
 use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, new_id, state, to_json, to_u32};
 use super::{JobFilter, SortKey, StoreError};
@@ -146,22 +144,6 @@ pub(super) async fn placed_before(
     rows.into_iter()
         .map(|(id, attempt)| Ok((id, to_u32(attempt, "attempt")?)))
         .collect()
-}
-
-/// Ranks each owner's scheduled and running jobs hold, by owner.
-pub(super) async fn held_ranks(c: &mut Conn<'_>) -> Result<HashMap<String, u32>, StoreError> {
-    let rows = on!(c, c => {
-        sqlx::query_as::<_, (String, i64)>(
-            "SELECT owner, CAST(SUM(world_size) AS BIGINT) FROM jobs \
-             WHERE state IN ('scheduled', 'running') GROUP BY owner",
-        )
-        .fetch_all(&mut **c)
-        .await?
-    });
-    Ok(rows
-        .into_iter()
-        .map(|(owner, n)| (owner, u32::try_from(n).unwrap_or(u32::MAX)))
-        .collect())
 }
 
 pub(super) async fn get(c: &mut Conn<'_>, id: &str) -> Result<Option<Job>, StoreError> {
@@ -353,16 +335,4 @@ pub(super) async fn count_by_state(c: &mut Conn<'_>) -> Result<Vec<(JobState, i6
         }
     }
     Ok(counts)
-}
-
-/// The queued jobs in scheduling order: priority descending, then oldest first.
-pub(super) async fn queue(c: &mut Conn<'_>) -> Result<Vec<Job>, StoreError> {
-    let sql = format!(
-        "SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'queued' \
-         ORDER BY priority DESC, created_at, id"
-    );
-    let rows = on!(c, c => {
-        sqlx::query_as::<_, JobRow>(&sql).fetch_all(&mut **c).await?
-    });
-    rows.into_iter().map(Job::try_from).collect()
 }

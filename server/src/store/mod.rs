@@ -2,15 +2,18 @@
 //! method is one transaction; state changes are compare-and-set on the job's current state and
 //! record a `Transition`. Migrations (`migrations/sqlite`, `migrations/postgres`) run at connect.
 //!
-//! Exclusivity of placement: every scheduling pass, node registration and lost-node reaping
-//! holds the scheduling lock for its whole transaction (PostgreSQL: a transaction-scoped
-//! advisory lock; SQLite: `BEGIN IMMEDIATE`, one writer at a time). The database backs it up:
-//! an attempt's ranks are a primary key, and a partial unique index allows one unreleased
-//! assignment per device.
+//! Exclusivity of placement: only the replica holding the scheduler lease places jobs (see
+//! `lease`), and every scheduling pass, node registration and lost-node reaping holds the
+//! scheduling lock for its whole transaction (PostgreSQL: a transaction-scoped advisory lock;
+//! SQLite: `BEGIN IMMEDIATE`, one writer at a time). The database backs it up: an attempt's
+//! ranks are a primary key, and a partial unique index allows one unreleased assignment per
+//! device.
 
 mod artifacts;
 mod backend;
+mod board;
 mod jobs;
+mod lease;
 mod nodes;
 mod reports;
 mod rows;
@@ -18,12 +21,16 @@ mod schedule;
 mod sessions;
 mod tokens;
 
+use std::time::Duration;
+
 use scheduler::inventory::Device;
 use sqlx::postgres::PgConnectOptions;
 
 use backend::Pool;
+pub use board::{Board, BoardDevice, BoardNode, QueuedJob, RESYNC_EVERY};
 pub use jobs::DEFAULT_PAGE;
 use rows::now_ms;
+pub use schedule::{Pass, Placement};
 use tokens::OnConflict;
 pub use tokens::{Revoked, token_hash};
 
@@ -131,14 +138,6 @@ impl JobSort {
     }
 }
 
-/// A device no job holds now: node id, device index, the device.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FreeDevice {
-    pub node_id: String,
-    pub device: u32,
-    pub spec: Device,
-}
-
 /// Ranks held by each owner's scheduled and running jobs, by owner (token name).
 pub type HeldRanks = std::collections::HashMap<String, u32>;
 
@@ -170,26 +169,32 @@ pub struct ArtifactRecord {
     pub at: i64,
 }
 
-/// The store: cheap to clone (a pool of connections).
+/// The store: cheap to clone (a pool of connections). Clones are one replica: they share its
+/// name as a holder of the scheduler lease.
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: Pool,
+    /// This replica's name in the scheduler lease, new at each connect.
+    holder: String,
 }
 
 impl Store {
     /// Connects to `url` (`sqlite://PATH` creates the file; `postgres://…`) and migrates.
     pub async fn connect(url: &str) -> Result<Store, StoreError> {
-        Ok(Store {
-            pool: Pool::connect(url).await?,
-        })
+        Ok(Store::over(Pool::connect(url).await?))
     }
 
     /// Connects to PostgreSQL with `options` (for instance with a `search_path` choosing the
     /// schema) and migrates.
     pub async fn connect_postgres(options: PgConnectOptions) -> Result<Store, StoreError> {
-        Ok(Store {
-            pool: Pool::connect_postgres(options).await?,
-        })
+        Ok(Store::over(Pool::connect_postgres(options).await?))
+    }
+
+    fn over(pool: Pool) -> Store {
+        Store {
+            pool,
+            holder: rows::new_id(),
+        }
     }
 
     /// Closes the pool: waits for connections in use to come back, then closes them all.
@@ -336,20 +341,42 @@ impl Store {
         Ok(requeued)
     }
 
-    /// One scheduling pass, atomic and exclusive across server replicas: `decide` sees the
-    /// queued jobs (priority descending, then oldest first), the free devices of live nodes
-    /// and the ranks each owner's scheduled and running jobs hold, and returns placements; those jobs move to `scheduled` with their assignments recorded.
-    /// Returns the decisions applied (a job another replica moved meanwhile is skipped). A
-    /// decision for a job `decide` was not shown, with a slot count other than the job's world
-    /// size, or with a device not shown free or used twice in the pass is dropped with a warning.
-    pub async fn schedule<F>(&self, decide: F) -> Result<Vec<Decision>, StoreError>
+    /// One scheduling pass, atomic, by the one scheduler among server replicas. It takes or
+    /// renews the scheduler lease for `lease` and returns `None`, changing nothing, when
+    /// another replica holds it. Otherwise it brings `board` (this replica's; one per store)
+    /// up to date with the tables, reading only what changed since its last pass (or
+    /// everything, the first time), lets `decide` place jobs on it, and moves the jobs placed
+    /// to `scheduled` with their assignments. A decision for a job not queued on the board,
+    /// with a slot count other than the job's world size, or with a device not free on the
+    /// board or used twice in the pass is dropped with a warning; a job someone else moved
+    /// meanwhile is skipped.
+    pub async fn schedule<F>(
+        &self,
+        board: &mut Board,
+        lease: Duration,
+        decide: F,
+    ) -> Result<Option<Pass>, StoreError>
     where
-        F: FnOnce(&[Job], &[FreeDevice], &HeldRanks) -> Vec<Decision> + Send,
+        F: FnOnce(&Board) -> Vec<Decision>,
     {
         let mut tx = self.pool.write().await?;
-        let applied = schedule::pass(&mut tx.conn(), decide, now_ms()).await?;
+        let started =
+            schedule::pass(&mut tx.conn(), board, &self.holder, lease, decide, now_ms()).await?;
+        let Some((mut pass, held, transitions)) = started else {
+            tx.commit().await?;
+            return Ok(None);
+        };
+        let commit = std::time::Instant::now();
         tx.commit().await?;
-        Ok(applied)
+        pass.write += commit.elapsed();
+        schedule::committed(board, &pass, held, transitions);
+        Ok(Some(pass))
+    }
+
+    /// Gives up the scheduler lease if this replica holds it, so another takes it over at its
+    /// next pass instead of when the lease lapses.
+    pub async fn release_lease(&self) -> Result<(), StoreError> {
+        lease::release(&mut self.pool.acquire().await?.conn(), &self.holder).await
     }
 
     /// The assignments of jobs holding devices (scheduled or running) on `node_id`, with their

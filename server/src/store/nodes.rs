@@ -5,11 +5,11 @@ use scheduler::inventory::Device;
 
 use super::StoreError;
 use super::backend::{Arg, Conn, insert_rows, lock_scheduling, on};
-use super::jobs;
 use super::rows::{
     A_ASSIGNMENT_COLUMNS, AssignmentRow, J_JOB_COLUMNS, JobRow, NODE_DEVICE_COLUMNS, NodeDeviceRow,
     kind_name, new_id, nodes_from_rows, to_u32,
 };
+use super::{jobs, lease};
 use crate::domain::{AssignmentRecord, Job, JobState, NodeRecord};
 
 pub(super) async fn register(
@@ -82,6 +82,7 @@ pub(super) async fn register(
         })
         .collect();
     insert_rows(c, "devices (node_id, idx, kind, memory_bytes)", 4, rows, "").await?;
+    lease::nodes_changed(c).await?;
     Ok(NodeRecord {
         id,
         name: name.to_string(),
@@ -135,12 +136,16 @@ pub(super) async fn reap(
     now: i64,
 ) -> Result<Vec<String>, StoreError> {
     lock_scheduling(c).await?;
-    on!(c, c => {
+    let lost = on!(c, c => {
         sqlx::query("UPDATE nodes SET lost = TRUE WHERE NOT lost AND last_heartbeat < $1")
             .bind(before)
             .execute(&mut **c)
-            .await?;
+            .await?
+            .rows_affected()
     });
+    if lost > 0 {
+        lease::nodes_changed(c).await?;
+    }
     // Every job still holding a device of any lost node, not only of those lost just now.
     requeue_jobs_on(c, "n.lost", None, "lost", now).await
 }

@@ -1,113 +1,136 @@
-//! One scheduling pass: read the queue and the free devices, let the caller decide, and apply
-//! the decisions that are still valid, all in one transaction that no other replica's pass
-//! can interleave with.
+//! One scheduling pass, in one transaction that no other replica's pass, node registration or
+//! reaping can interleave with: renew the scheduler lease, bring the board up to date, let the
+//! caller decide, and write the decisions that are still valid.
 
 use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
-use scheduler::inventory::Device;
+use super::backend::{
+    Arg, Conn, bind_args, insert_rows, insert_rows_returning_ids, lock_scheduling,
+};
+use super::board::{self, Board};
+use super::rows::to_u32;
+use super::{Decision, StoreError, lease};
+use crate::domain::JobState;
 
-use super::backend::{Arg, Conn, bind_args, insert_rows, lock_scheduling, on};
-use super::rows::{kind, to_u32};
-use super::{Decision, FreeDevice, HeldRanks, StoreError, jobs};
-use crate::domain::{Job, JobState};
-
-/// Decisions applied per UPDATE statement.
+/// Jobs moved per UPDATE statement on SQLite.
 const DECISIONS_PER_UPDATE: usize = 500;
 
+/// What a pass did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pass {
+    /// The placements committed, in the order decided.
+    pub placed: Vec<Placement>,
+    /// Whether the board was loaded from the tables rather than brought up to date.
+    pub loaded: bool,
+    /// Renewing the lease and reading what changed (or loading).
+    pub read: Duration,
+    pub decide: Duration,
+    /// Writing the placements and committing.
+    pub write: Duration,
+}
+
+/// A job moved to `scheduled` at `at`: its attempt, one slot (node id, device index) per rank,
+/// the reason recorded, and since when it had been queued.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    pub job_id: String,
+    pub attempt: u32,
+    pub slots: Vec<(String, u32)>,
+    pub reason: String,
+    pub at: i64,
+    pub queued_at: i64,
+}
+
+/// Everything of a pass but the commit; the board is out of step until the caller commits and
+/// calls [`committed`].
 pub(super) async fn pass<F>(
     c: &mut Conn<'_>,
+    board: &mut Board,
+    holder: &str,
+    lease_for: Duration,
     decide: F,
     now: i64,
-) -> Result<Vec<Decision>, StoreError>
+) -> Result<Option<(Pass, lease::Held, Vec<i64>)>, StoreError>
 where
-    F: FnOnce(&[Job], &[FreeDevice], &HeldRanks) -> Vec<Decision> + Send,
+    F: FnOnce(&Board) -> Vec<Decision>,
 {
+    let start = Instant::now();
     lock_scheduling(c).await?;
-    let queue = jobs::queue(c).await?;
-    let (free, node_names) = free_devices(c).await?;
-    let held = jobs::held_ranks(c).await?;
-    let decisions = decide(&queue, &free, &held);
-    let valid = validate(decisions, &queue, &free);
-    let mut applied = Vec::with_capacity(valid.len());
-    for batch in valid.chunks(DECISIONS_PER_UPDATE) {
-        apply(c, batch, &node_names, now, &mut applied).await?;
+    let until = now.saturating_add(i64::try_from(lease_for.as_millis()).unwrap_or(i64::MAX));
+    let Some(held) = lease::renew(c, holder, now, until).await? else {
+        board.clear();
+        return Ok(None);
+    };
+    let stale = board.stale(held);
+    board.begin();
+    let loaded = stale || !board::sync(c, board, held).await?;
+    if loaded {
+        board::load(c, board, held).await?;
     }
-    Ok(applied)
+    let read = start.elapsed();
+    let start = Instant::now();
+    let decisions = decide(board);
+    let decide = start.elapsed();
+    let start = Instant::now();
+    let valid = validate(decisions, board);
+    let (placed, transitions) = write(c, valid, board, now).await?;
+    Ok(Some((
+        Pass {
+            placed,
+            loaded,
+            read,
+            decide,
+            write: start.elapsed(),
+        },
+        held,
+        transitions,
+    )))
 }
 
-/// Devices of live nodes that no unreleased assignment holds, by node registration then index;
-/// and node names by id, for reasons.
-async fn free_devices(
-    c: &mut Conn<'_>,
-) -> Result<(Vec<FreeDevice>, HashMap<String, String>), StoreError> {
-    let rows = on!(c, c => {
-        sqlx::query_as::<_, (String, String, i64, String, i64)>(
-            "SELECT d.node_id, n.name, d.idx, d.kind, d.memory_bytes \
-             FROM devices d JOIN nodes n ON n.id = d.node_id \
-             WHERE NOT n.lost AND NOT EXISTS (SELECT 1 FROM assignments a \
-                 WHERE a.node_id = d.node_id AND a.device = d.idx AND a.released_at IS NULL) \
-             ORDER BY n.registered_at, n.id, d.idx",
-        )
-        .fetch_all(&mut **c)
-        .await?
-    });
-    let mut names = HashMap::new();
-    let mut free = Vec::with_capacity(rows.len());
-    for (node_id, name, idx, kind_name, bytes) in rows {
-        if !names.contains_key(&node_id) {
-            names.insert(node_id.clone(), name);
-        }
-        free.push(FreeDevice {
-            node_id,
-            device: to_u32(idx, "device index")?,
-            spec: Device {
-                kind: kind(&kind_name)?,
-                memory_bytes: bytes as u64,
-            },
-        });
+/// Records on the board what a committed pass wrote.
+pub(super) fn committed(board: &mut Board, pass: &Pass, held: lease::Held, transitions: Vec<i64>) {
+    for p in &pass.placed {
+        board.placed(&p.job_id, p.attempt, &p.slots);
     }
-    Ok((free, names))
+    board.saw(transitions);
+    board.in_step(held);
 }
 
-/// Keeps the decisions that place a job `decide` was shown, once, with one slot per rank on
-/// devices it was shown as free, no device twice in the pass. The rest are bugs in `decide`:
+/// Keeps the decisions that place a job queued on the board, once, with one slot per rank on
+/// devices free on the board, no device twice in the pass. The rest are bugs in `decide`:
 /// logged and dropped, so they never reach the database.
-fn validate(decisions: Vec<Decision>, queue: &[Job], free: &[FreeDevice]) -> Vec<Decision> {
-    let world_sizes: HashMap<&str, u32> = queue
-        .iter()
-        .map(|j| (j.id.as_str(), j.world_size))
-        .collect();
-    let free: HashSet<(&str, u32)> = free
-        .iter()
-        .map(|f| (f.node_id.as_str(), f.device))
-        .collect();
-    let mut taken: HashSet<(String, u32)> = HashSet::new();
+fn validate(decisions: Vec<Decision>, board: &Board) -> Vec<Decision> {
+    let mut taken: HashSet<(usize, u32)> = HashSet::new();
     let mut placed: HashSet<String> = HashSet::new();
     let mut valid = Vec::with_capacity(decisions.len());
     for d in decisions {
-        let problem = match world_sizes.get(d.job_id.as_str()) {
+        let problem = match board.queued(&d.job_id) {
             None => Some("the job is not queued".to_string()),
             Some(_) if placed.contains(&d.job_id) => Some("the job is placed twice".to_string()),
-            Some(&n) if d.slots.len() != n as usize => {
-                Some(format!("{} slots for world size {n}", d.slots.len()))
+            Some(j) if d.slots.len() != j.world_size as usize => Some(format!(
+                "{} slots for world size {}",
+                d.slots.len(),
+                j.world_size
+            )),
+            Some(_) => {
+                let mut mine = HashSet::new();
+                d.slots
+                    .iter()
+                    .find(|(node, device)| {
+                        board
+                            .free_slot(node, *device)
+                            .is_none_or(|s| taken.contains(&s) || !mine.insert(s))
+                    })
+                    .map(|(node, device)| format!("device {device} of node {node} is not free"))
             }
-            Some(_) => d
-                .slots
-                .iter()
-                .enumerate()
-                .find(|(i, (node, device))| {
-                    !free.contains(&(node.as_str(), *device))
-                        || taken.contains(&(node.clone(), *device))
-                        || d.slots[..*i].contains(&(node.clone(), *device))
-                })
-                .map(|(_, (node, device))| format!("device {device} of node {node} is not free")),
         };
         match problem {
             Some(problem) => {
                 tracing::warn!(job = %d.job_id, "scheduling decision dropped: {problem}");
             }
             None => {
-                taken.extend(d.slots.iter().cloned());
+                taken.extend(d.slots.iter().filter_map(|(n, i)| board.free_slot(n, *i)));
                 placed.insert(d.job_id.clone());
                 valid.push(d);
             }
@@ -116,84 +139,69 @@ fn validate(decisions: Vec<Decision>, queue: &[Job], free: &[FreeDevice]) -> Vec
     valid
 }
 
-/// Moves the batch's jobs from queued to scheduled (compare-and-set: a job someone moved since
-/// the queue was read is skipped) and records their transitions and assignments.
-async fn apply(
+/// Moves the decided jobs from queued to scheduled (compare-and-set: a job someone moved since
+/// the board last saw it is skipped) and records their transitions and assignments. Returns
+/// the placements and the ids of the transitions written.
+async fn write(
     c: &mut Conn<'_>,
-    batch: &[Decision],
-    node_names: &HashMap<String, String>,
+    decisions: Vec<Decision>,
+    board: &Board,
     now: i64,
-    applied: &mut Vec<Decision>,
-) -> Result<(), StoreError> {
-    let reasons: HashMap<&str, String> = batch
-        .iter()
-        .map(|d| (d.job_id.as_str(), reason(d, node_names)))
-        .collect();
-    // Primary-key lookups on both databases (SQLite plans UPDATE … FROM (VALUES …) as a scan:
-    // 0.2-0.4 s per 500 jobs); the reason per job is a CASE. Parameters in textual order.
-    let mut args = vec![Arg::Int(now)];
-    let mut n = 1;
-    let mut param = || {
-        n += 1;
-        c.param(n)
-    };
-    let mut cases = String::new();
-    for d in batch {
-        cases.push_str(&format!(" WHEN {} THEN {}", param(), param()));
-        args.push(Arg::Text(d.job_id.clone()));
-        args.push(Arg::Text(reasons[d.job_id.as_str()].clone()));
+) -> Result<(Vec<Placement>, Vec<i64>), StoreError> {
+    if decisions.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
     }
-    let mut ids = Vec::with_capacity(batch.len());
-    for d in batch {
-        ids.push(param());
-        args.push(Arg::Text(d.job_id.clone()));
-    }
-    let sql = format!(
-        "UPDATE jobs SET state = 'scheduled', updated_at = {}, reason = CASE id{cases} END \
-         WHERE id IN ({}) AND state = 'queued' RETURNING id, attempt",
-        c.param(1),
-        ids.join(", ")
-    );
-    let moved = on!(c, c => {
-        bind_args!(sqlx::query_as::<_, (String, i64)>(&sql), args)
-            .fetch_all(&mut **c)
-            .await?
-    });
-    let attempts: HashMap<String, i64> = moved.into_iter().collect();
-    let mut transitions = Vec::with_capacity(attempts.len());
-    let mut assignments = Vec::new();
-    for d in batch {
-        let Some(&attempt) = attempts.get(&d.job_id) else {
+    let reasons: Vec<String> = decisions.iter().map(|d| reason(d, board)).collect();
+    let attempts = move_to_scheduled(c, &decisions, &reasons, now).await?;
+    let mut placed = Vec::with_capacity(attempts.len());
+    for (d, reason) in decisions.into_iter().zip(reasons) {
+        let (Some(&attempt), Some(job)) = (attempts.get(&d.job_id), board.queued(&d.job_id)) else {
             continue;
         };
-        transitions.push(vec![
-            Arg::Text(d.job_id.clone()),
-            Arg::Int(attempt),
-            Arg::Text(JobState::Queued.as_str().to_string()),
-            Arg::Text(JobState::Scheduled.as_str().to_string()),
-            Arg::Text(reasons[d.job_id.as_str()].clone()),
-            Arg::Int(now),
-        ]);
-        for (rank, (node, device)) in d.slots.iter().enumerate() {
-            assignments.push(vec![
-                Arg::Text(d.job_id.clone()),
-                Arg::Int(attempt),
-                Arg::Int(rank as i64),
-                Arg::Text(node.clone()),
-                Arg::Int(i64::from(*device)),
-                Arg::Int(now),
-            ]);
-        }
-        applied.push(d.clone());
+        placed.push(Placement {
+            attempt: to_u32(attempt, "job attempt")?,
+            queued_at: job.queued_at,
+            job_id: d.job_id,
+            slots: d.slots,
+            reason,
+            at: now,
+        });
     }
-    insert_rows(
+    let transitions = placed
+        .iter()
+        .map(|p| {
+            vec![
+                Arg::Text(p.job_id.clone()),
+                Arg::Int(i64::from(p.attempt)),
+                Arg::Text(JobState::Queued.as_str().to_string()),
+                Arg::Text(JobState::Scheduled.as_str().to_string()),
+                Arg::Text(p.reason.clone()),
+                Arg::Int(now),
+            ]
+        })
+        .collect();
+    let ids = insert_rows_returning_ids(
         c,
         "transitions (job_id, attempt, from_state, to_state, reason, at)",
         6,
         transitions,
-        "",
     )
     .await?;
+    let assignments = placed
+        .iter()
+        .flat_map(|p| {
+            p.slots.iter().enumerate().map(|(rank, (node, device))| {
+                vec![
+                    Arg::Text(p.job_id.clone()),
+                    Arg::Int(i64::from(p.attempt)),
+                    Arg::Int(rank as i64),
+                    Arg::Text(node.clone()),
+                    Arg::Int(i64::from(*device)),
+                    Arg::Int(now),
+                ]
+            })
+        })
+        .collect();
     insert_rows(
         c,
         "assignments (job_id, attempt, rank, node_id, device, assigned_at)",
@@ -202,17 +210,70 @@ async fn apply(
         "",
     )
     .await?;
-    Ok(())
+    Ok((placed, ids))
+}
+
+/// `UPDATE jobs SET state = 'scheduled'` for the decided jobs still queued, with each job's
+/// reason: their attempts, by id.
+async fn move_to_scheduled(
+    c: &mut Conn<'_>,
+    decisions: &[Decision],
+    reasons: &[String],
+    now: i64,
+) -> Result<HashMap<String, i64>, StoreError> {
+    let mut attempts = HashMap::with_capacity(decisions.len());
+    match c {
+        // One statement over arrays: a primary-key lookup per job.
+        Conn::Postgres(c) => {
+            let ids: Vec<&str> = decisions.iter().map(|d| d.job_id.as_str()).collect();
+            let moved = sqlx::query_as::<_, (String, i64)>(
+                "UPDATE jobs SET state = 'scheduled', updated_at = $1, reason = p.reason \
+                 FROM UNNEST($2::text[], $3::text[]) AS p (id, reason) \
+                 WHERE jobs.id = p.id AND jobs.state = 'queued' RETURNING jobs.id, jobs.attempt",
+            )
+            .bind(now)
+            .bind(ids)
+            .bind(reasons)
+            .fetch_all(&mut **c)
+            .await?;
+            attempts.extend(moved);
+        }
+        // SQLite plans UPDATE … FROM (VALUES …) as a scan (0.2-0.4 s per 500 jobs), so ids go
+        // in an IN list (primary-key lookups) and the reason per job in a CASE; parameters in
+        // textual order.
+        Conn::Sqlite(c) => {
+            for (batch, reasons) in decisions
+                .chunks(DECISIONS_PER_UPDATE)
+                .zip(reasons.chunks(DECISIONS_PER_UPDATE))
+            {
+                let mut args = vec![Arg::Int(now)];
+                let mut cases = String::new();
+                for (d, reason) in batch.iter().zip(reasons) {
+                    cases.push_str(" WHEN ? THEN ?");
+                    args.push(Arg::Text(d.job_id.clone()));
+                    args.push(Arg::Text(reason.clone()));
+                }
+                args.extend(batch.iter().map(|d| Arg::Text(d.job_id.clone())));
+                let sql = format!(
+                    "UPDATE jobs SET state = 'scheduled', updated_at = ?, reason = CASE id{cases} \
+                     END WHERE id IN ({}) AND state = 'queued' RETURNING id, attempt",
+                    vec!["?"; batch.len()].join(", ")
+                );
+                let moved = bind_args!(sqlx::query_as::<_, (String, i64)>(&sql), args)
+                    .fetch_all(&mut **c)
+                    .await?;
+                attempts.extend(moved);
+            }
+        }
+    }
+    Ok(attempts)
 }
 
 /// "placed on gpu-a[0,1,2,3] gpu-b[0,1]": nodes in rank order with their devices.
-fn reason(d: &Decision, node_names: &HashMap<String, String>) -> String {
-    let mut parts: Vec<(String, Vec<String>)> = Vec::new();
+fn reason(d: &Decision, board: &Board) -> String {
+    let mut parts: Vec<(&str, Vec<String>)> = Vec::new();
     for (node, device) in &d.slots {
-        let name = node_names
-            .get(node)
-            .cloned()
-            .unwrap_or_else(|| node.clone());
+        let name = board.node_name(node).unwrap_or(node);
         match parts.last_mut() {
             Some((last, devices)) if *last == name => devices.push(device.to_string()),
             _ => parts.push((name, vec![device.to_string()])),
