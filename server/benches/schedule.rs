@@ -207,10 +207,10 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
         spec: JobSpec::parse(
             &serde_json::json!({
                 "name": name,
-                "model": { "preset": "gpt2-1.5B" },
-                "training": { "micro_batch_size": 4, "seq_len": 1024, "steps": 1000 },
+                "model": { "preset": "gpt2-1558M" },
+                "training": { "micro_batch_size": 4, "seq_len": 1024, "steps": 1000, "lr": 3e-4 },
                 "precision": { "dtype": "bf16" },
-                "optimizer": { "type": "adamw", "lr": 3e-4 },
+                "optimizer": { "type": "adamw" },
                 "zero": { "stage": "auto" },
                 "world_size": world_size,
             })
@@ -377,6 +377,14 @@ async fn reset_postgres(raw: &sqlx::PgPool) {
     for sql in RESET {
         sqlx::query(sql).execute(&mut *tx).await.unwrap();
     }
+    // Numbers the next transitions where the board's cursor expects them, as SQLite does
+    // when the last rows are deleted.
+    sqlx::query(
+        "SELECT setval(pg_get_serial_sequence('transitions', 'id'), (SELECT MAX(id) FROM transitions))",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     sqlx::query("VACUUM ANALYZE jobs")
         .execute(raw)

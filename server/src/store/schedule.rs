@@ -114,15 +114,26 @@ fn validate(decisions: Vec<Decision>, board: &Board) -> Vec<Decision> {
                 j.world_size
             )),
             Some(_) => {
-                let mut mine = HashSet::new();
-                d.slots
-                    .iter()
-                    .find(|(node, device)| {
-                        board
-                            .free_slot(node, *device)
-                            .is_none_or(|s| taken.contains(&s) || !mine.insert(s))
-                    })
-                    .map(|(node, device)| format!("device {device} of node {node} is not free"))
+                let mut mine = Vec::with_capacity(d.slots.len());
+                let busy =
+                    d.slots
+                        .iter()
+                        .find(|(node, device)| match board.free_slot(node, *device) {
+                            Some(slot) if !taken.contains(&slot) && !mine.contains(&slot) => {
+                                mine.push(slot);
+                                false
+                            }
+                            _ => true,
+                        });
+                match busy {
+                    None => {
+                        taken.extend(mine);
+                        None
+                    }
+                    Some((node, device)) => {
+                        Some(format!("device {device} of node {node} is not free"))
+                    }
+                }
             }
         };
         match problem {
@@ -130,7 +141,6 @@ fn validate(decisions: Vec<Decision>, board: &Board) -> Vec<Decision> {
                 tracing::warn!(job = %d.job_id, "scheduling decision dropped: {problem}");
             }
             None => {
-                taken.extend(d.slots.iter().filter_map(|(n, i)| board.free_slot(n, *i)));
                 placed.insert(d.job_id.clone());
                 valid.push(d);
             }
