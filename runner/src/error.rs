@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use scheduler::bytes::human;
 use scheduler::memory::Category;
+use wire::data_roots::RootsError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -89,4 +90,14 @@ pub enum Error {
     /// The server could not be reached or refused a request.
     #[error("server {url}: {reason}")]
     Server { url: String, reason: String },
+}
+
+impl From<RootsError> for Error {
+    fn from(e: RootsError) -> Error {
+        match e {
+            RootsError::Data { what, reason } => Error::Data { what, reason },
+            RootsError::OutsideDataRoots { field } => Error::OutsideDataRoots { field },
+            RootsError::DataRoot { root, reason } => Error::DataRoot { root, reason },
+        }
+    }
 }

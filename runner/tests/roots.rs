@@ -13,6 +13,7 @@ use runner::checkpoint::{load_hf, max_hf_file_bytes};
 use runner::data::{BatchLayout, DataLoader, DataRoots};
 use scheduler::model::Preset;
 use scheduler::spec::Data;
+use wire::data_roots::RootsError;
 
 /// `base/data` is a data dir holding an admin token; its one root is `base/data/datasets`,
 /// with a text file, a token shard and an admin-token look-alike outside.
@@ -287,7 +288,7 @@ fn a_root_holding_the_data_dir_or_the_database_is_refused() {
     let refused = |roots: &[PathBuf], extra: &[PathBuf]| match DataRoots::for_data_dir(
         roots, &data_dir, extra,
     ) {
-        Err(e @ Error::DataRoot { .. }) => e.to_string(),
+        Err(e @ RootsError::DataRoot { .. }) => e.to_string(),
         other => panic!("{roots:?}: {other:?}"),
     };
     assert!(refused(&[base.path().into()], &[]).contains("holds the service's tokens"));

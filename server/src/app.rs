@@ -25,7 +25,7 @@ use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::ToSchema;
 
-use runner::data::DataRoots;
+use wire::data_roots::{DataRoots, RootsError};
 
 use crate::artifacts::{ArtifactError, Artifacts};
 use crate::console;
@@ -330,7 +330,7 @@ pub enum BuildError {
     #[error(transparent)]
     Artifacts(#[from] ArtifactError),
     #[error(transparent)]
-    DataRoots(runner::Error),
+    DataRoots(RootsError),
     #[error("listening on {addr}: {source}")]
     Bind {
         addr: String,

@@ -1,9 +1,9 @@
-//! zerotrain's service: the HTTP API, the store, the scheduling loop and the command line.
+//! zerotrain's service: the HTTP API, the store, the scheduling loop and the console. The
+//! `zerotrain` binary (crate `cli`) runs it; this library does not link the trainer.
 
 pub mod app;
 pub mod artifacts;
 pub mod auth;
-pub mod cli;
 pub mod console;
 pub mod domain;
 pub mod error;

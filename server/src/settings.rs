@@ -6,8 +6,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use runner::data::DataRoots;
 use scheduler::bytes::{number_and_unit, parse_size};
+use wire::data_roots::{DataRoots, RootsError};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
@@ -53,7 +53,7 @@ pub struct Settings {
     /// behind a TLS-terminating proxy, `https://zerotrain.example.com` (`ZEROTRAIN_PUBLIC_URL`).
     /// Its origin is what cookie-authenticated requests must come from; with `https` the
     /// console's cookie is `Secure` and `__Host-` prefixed.
-    pub public_url: Option<reqwest::Url>,
+    pub public_url: Option<url::Url>,
     /// How long a console login lasts (`ZEROTRAIN_SESSION_TTL`, default 12h).
     pub session_ttl: Duration,
     /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
@@ -267,7 +267,7 @@ impl Settings {
 
     /// The data roots, checked: `data_roots`, or `<data_dir>/datasets` (created if missing);
     /// none may hold the data dir or the SQLite database.
-    pub fn open_data_roots(&self) -> Result<DataRoots, runner::Error> {
+    pub fn open_data_roots(&self) -> Result<DataRoots, RootsError> {
         let database: Vec<PathBuf> = self.sqlite_path().into_iter().collect();
         DataRoots::for_data_dir(&self.data_roots, &self.data_dir, &database)
     }
@@ -331,8 +331,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// An `http` or `https` URL of a host, with no path: where browsers reach the server.
-pub fn parse_public_url(s: &str) -> Result<reqwest::Url, String> {
-    let url = reqwest::Url::parse(s).map_err(|e| e.to_string())?;
+pub fn parse_public_url(s: &str) -> Result<url::Url, String> {
+    let url = url::Url::parse(s).map_err(|e| e.to_string())?;
     if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
         return Err("expected http://HOST[:PORT] or https://HOST[:PORT]".into());
     }

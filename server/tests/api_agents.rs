@@ -2,6 +2,8 @@
 //! reports moving jobs, cancellations, lost nodes, and what followers of a job see.
 
 mod api_helpers;
+// The Python environment helper of the end-to-end tests (tests/pyenv).
+#[path = "../../tests/pyenv/mod.rs"]
 mod pyenv;
 
 use std::collections::BTreeMap;

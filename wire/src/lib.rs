@@ -1,9 +1,11 @@
 //! What zerotrain's server and its runner agents agree on, and nothing else: the agent
-//! protocol (`agent`), the names of a job's files (`artifact`) and the names of the collectives
-//! whose bytes agents report (`op`). The server links this, not the trainer.
+//! protocol (`agent`), the names of a job's files (`artifact`), the names of the collectives
+//! whose bytes agents report (`op`) and where jobs may read (`data_roots`, which the server
+//! checks at submission and the agent when it opens). The server links this, not the trainer.
 
 pub mod agent;
 pub mod artifact;
+pub mod data_roots;
 mod op;
 
 pub use op::Op;

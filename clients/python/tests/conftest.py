@@ -1,5 +1,5 @@
 """The client's tests run against a live server with one agent of two or more devices:
-ZEROTRAIN_URL and ZEROTRAIN_TOKEN say where (the Rust test `cargo test -p server --test e2e
+ZEROTRAIN_URL and ZEROTRAIN_TOKEN say where (the Rust test `cargo test -p zerotrain --test e2e
 python` starts both and runs `pytest clients/python/tests` with the interpreter
 `scripts/pyenv` prints). By hand, against `zerotrain up`:
 

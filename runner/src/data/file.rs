@@ -5,8 +5,8 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 
-use super::roots::open_regular;
 use crate::error::Error;
+use wire::data_roots::open_regular;
 
 const SHARD_MAGIC: i32 = 20240520;
 const SHARD_VERSION: i32 = 1;
@@ -135,7 +135,7 @@ impl TokenFile {
 
     /// Opens the file again (it is checked again: still a regular file, no symlink swapped in).
     pub(super) fn open(&self) -> Result<File, Error> {
-        open_regular(&self.path, &self.what)
+        Ok(open_regular(&self.path, &self.what)?)
     }
 }
 

@@ -9,7 +9,6 @@
 //! for the next one, and after the last file the data starts over (a new epoch).
 
 mod file;
-mod roots;
 mod synthetic;
 mod windows;
 
@@ -23,9 +22,9 @@ use crate::error::Error;
 use synthetic::Synthetic;
 use windows::Windows;
 
-pub use roots::DataRoots;
-pub(crate) use roots::describe;
 pub use synthetic::{MAX_SYNTHETIC_VOCAB, SUCCESSOR_PROBABILITIES, entropy_floor, synthetic_vocab};
+pub use wire::data_roots::DataRoots;
+pub(crate) use wire::data_roots::describe;
 
 /// How one rank's batches are shaped and which slice of the world's batch it reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

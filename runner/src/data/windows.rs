@@ -14,10 +14,10 @@ use rand::Rng;
 use scheduler::memory::Category;
 
 use super::file::{TokenFile, data_error};
-use super::roots::{DataRoots, describe};
 use super::{BatchLayout, Position, Stream, rng, split_window};
 use crate::accounting::{Accountant, Buffer};
 use crate::error::Error;
+use wire::data_roots::{DataRoots, describe};
 
 pub(super) struct Windows {
     files: Vec<TokenFile>,

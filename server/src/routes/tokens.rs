@@ -120,7 +120,7 @@ pub async fn revoke(
 }
 
 /// 1-64 characters of `A-Z a-z 0-9 . _ -` (the CLI's `--bootstrap` checks the same).
-pub(crate) fn check_name(name: &str) -> Result<(), ApiError> {
+pub fn check_name(name: &str) -> Result<(), ApiError> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
     if name.is_empty() || name.len() > MAX_NAME || !name.chars().all(allowed) {
         return Err(ApiError::BadRequest {

@@ -1,4 +1,4 @@
-//! `roots`: the directories a node's operator lets jobs read (`zerotrain agent --data-root`),
+//! `data_roots`: the directories a node's operator lets jobs read (`zerotrain agent --data-root`),
 //! and the one way a job's inputs (`data.path`, its glob's matches, `model.init_from`) are
 //! opened.
 //!
@@ -6,10 +6,14 @@
 //! It must then lie inside a root, and again once every symlink is resolved (`canonicalize`).
 //! Only regular files are opened, without following a last symlink and without blocking (a
 //! FIFO swapped in would otherwise hang the open), and the open handle is checked once more.
-//! Every refusal of a path outside the roots is the same `Error::OutsideDataRoots`: nothing
+//! Every refusal of a path outside the roots is the same `RootsError::OutsideDataRoots`: nothing
 //! about whether the file exists, its size, its bytes or what a glob matched.
 //!
 //! A root may not contain the service's data dir (its tokens and database): `new` refuses it.
+//!
+//! Here, in the crate the server and the agents share, because both enforce it: the server
+//! refuses a submission whose paths lie outside its roots (`refused_input`), the agent opens
+//! nothing outside its own.
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -18,7 +22,22 @@ use std::path::{Component, Path, PathBuf};
 
 use scheduler::spec::{Data, InitFrom, JobSpec};
 
-use crate::error::Error;
+/// Why a data root, or a job input under the roots, was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RootsError {
+    /// A data file (or glob pattern) under the data roots that cannot be used: missing,
+    /// unreadable, not a regular file. `what` is the spec field and the path as the spec wrote
+    /// it; the reason never quotes the file's bytes or size.
+    #[error("{what}: {reason}")]
+    Data { what: String, reason: String },
+    /// A job input outside the data roots (or leading outside through a symlink or `..`).
+    /// Says nothing else about the file: not whether it exists, nor what it holds.
+    #[error("{field}: outside the data roots")]
+    OutsideDataRoots { field: &'static str },
+    /// A configured data root that cannot be one.
+    #[error("data root {}: {reason}", root.display())]
+    DataRoot { root: PathBuf, reason: String },
+}
 
 /// Where jobs may read. `anywhere()` (the default, for `zerotrain train` in a user's own
 /// process) resolves any path (regular files only still); the agent always runs with roots.
@@ -60,9 +79,9 @@ impl DataRoots {
 
     /// The directories `dirs` (each must exist), none of which may contain or be one of
     /// `secrets` (the data dir with the service's tokens, its SQLite database).
-    pub fn new(dirs: &[PathBuf], secrets: &[PathBuf]) -> Result<DataRoots, Error> {
+    pub fn new(dirs: &[PathBuf], secrets: &[PathBuf]) -> Result<DataRoots, RootsError> {
         if dirs.is_empty() {
-            return Err(Error::DataRoot {
+            return Err(RootsError::DataRoot {
                 root: PathBuf::new(),
                 reason: "at least one data root is needed".into(),
             });
@@ -83,7 +102,7 @@ impl DataRoots {
         let roots = dirs
             .iter()
             .map(|dir| {
-                let fail = |reason: String| Error::DataRoot {
+                let fail = |reason: String| RootsError::DataRoot {
                     root: dir.clone(),
                     reason,
                 };
@@ -112,10 +131,10 @@ impl DataRoots {
         dirs: &[PathBuf],
         data_dir: &Path,
         other_secrets: &[PathBuf],
-    ) -> Result<DataRoots, Error> {
+    ) -> Result<DataRoots, RootsError> {
         let default = [data_dir.join("datasets")];
         let dirs = if dirs.is_empty() {
-            std::fs::create_dir_all(&default[0]).map_err(|e| Error::DataRoot {
+            std::fs::create_dir_all(&default[0]).map_err(|e| RootsError::DataRoot {
                 root: default[0].clone(),
                 reason: format!("cannot create it: {e}"),
             })?;
@@ -161,14 +180,16 @@ impl DataRoots {
 
     /// The file `path` names, resolved (see the module documentation); `field` is the spec
     /// field it came from, for errors.
-    pub fn resolve(&self, field: &'static str, path: &str) -> Result<PathBuf, Error> {
+    pub fn resolve(&self, field: &'static str, path: &str) -> Result<PathBuf, RootsError> {
         let Some(roots) = &self.roots else {
-            return Path::new(path).canonicalize().map_err(|e| Error::Data {
-                what: describe(field, path),
-                reason: format!("cannot open: {}", e.kind()),
-            });
+            return Path::new(path)
+                .canonicalize()
+                .map_err(|e| RootsError::Data {
+                    what: describe(field, path),
+                    reason: format!("cannot open: {}", e.kind()),
+                });
         };
-        let outside = Error::OutsideDataRoots { field };
+        let outside = RootsError::OutsideDataRoots { field };
         if !self.admits(path) {
             return Err(outside);
         }
@@ -185,7 +206,7 @@ impl DataRoots {
                 let missing_inside = existing
                     .is_some_and(|a| a != lexical && a.canonicalize().is_ok_and(|a| inside(&a)));
                 if missing_inside {
-                    Err(Error::Data {
+                    Err(RootsError::Data {
                         what: describe(field, path),
                         reason: "no such file under the data roots".into(),
                     })
@@ -198,7 +219,7 @@ impl DataRoots {
     }
 
     /// `resolve`, then opens it: a regular file or an error.
-    pub fn open(&self, field: &'static str, path: &str) -> Result<(PathBuf, File), Error> {
+    pub fn open(&self, field: &'static str, path: &str) -> Result<(PathBuf, File), RootsError> {
         let resolved = self.resolve(field, path)?;
         let file = open_regular(&resolved, &describe(field, path))?;
         Ok((resolved, file))
@@ -206,12 +227,12 @@ impl DataRoots {
 
     /// The regular files a glob pattern matches, sorted, each resolved inside the roots (a
     /// match leading outside fails the whole pattern); a pattern without wildcards is one file.
-    pub fn glob(&self, field: &'static str, pattern: &str) -> Result<Vec<PathBuf>, Error> {
+    pub fn glob(&self, field: &'static str, pattern: &str) -> Result<Vec<PathBuf>, RootsError> {
         if glob::Pattern::escape(pattern) == pattern {
             return Ok(vec![self.resolve(field, pattern)?]);
         }
         let what = describe(field, pattern);
-        let fail = |reason: String| Error::Data {
+        let fail = |reason: String| RootsError::Data {
             what: what.clone(),
             reason,
         };
@@ -219,7 +240,7 @@ impl DataRoots {
             None => PathBuf::from(pattern),
             Some(roots) => {
                 if !self.admits(pattern) {
-                    return Err(Error::OutsideDataRoots { field });
+                    return Err(RootsError::OutsideDataRoots { field });
                 }
                 fold(&roots[0].canonical, Path::new(pattern))
             }
@@ -249,15 +270,15 @@ impl DataRoots {
 
 /// How errors name an input: its spec field and the path as the spec wrote it (never what it
 /// resolved to).
-pub(crate) fn describe(field: &str, path: &str) -> String {
+pub fn describe(field: &str, path: &str) -> String {
     format!("{field} {path:?}")
 }
 
 /// Opens a resolved path for reading if it is a regular file: checked before opening (no
 /// FIFO or device is ever opened), opened without following a symlink put in its place and
 /// without blocking, and checked again on the handle.
-pub(crate) fn open_regular(path: &Path, what: &str) -> Result<File, Error> {
-    let fail = |reason: String| Error::Data {
+pub fn open_regular(path: &Path, what: &str) -> Result<File, RootsError> {
+    let fail = |reason: String| RootsError::Data {
         what: what.to_string(),
         reason,
     };

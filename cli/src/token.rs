@@ -9,11 +9,11 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::client::{Client, Connection};
-use crate::auth;
-use crate::routes::tokens::check_name;
-use crate::settings::Settings;
-use crate::store::Store;
+use crate::client::{Client, Connection};
+use server::auth;
+use server::routes::tokens::check_name;
+use server::settings::Settings;
+use server::store::Store;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -9,7 +9,7 @@ use reqwest::{Method, RequestBuilder, Response};
 use scheduler::FieldError;
 use serde::de::DeserializeOwned;
 
-use crate::settings::default_data_dir;
+use server::settings::default_data_dir;
 
 #[derive(clap::Args, Clone)]
 pub struct Connection {

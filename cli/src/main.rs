@@ -1,4 +1,5 @@
-//! The `zerotrain` command line: one subcommand per module.
+//! The `zerotrain` command line: one subcommand per module. The one crate that links the
+//! service (`server`) and the trainer (`runner`): `train`, `agent` and `up` run ranks here.
 
 mod agent;
 mod cancel;
@@ -56,7 +57,7 @@ enum Command {
     Token(token::Args),
 }
 
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Up(args) => up::run(args),

@@ -5,7 +5,7 @@ use futures::StreamExt;
 use reqwest::Method;
 use serde::Deserialize;
 
-use super::client::{Client, Connection, check_id};
+use crate::client::{Client, Connection, check_id};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -5,7 +5,7 @@ use std::process::{Command, Output};
 fn zerotrain(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_zerotrain"))
         .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures"))
         .output()
         .expect("zerotrain runs")
 }

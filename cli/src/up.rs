@@ -16,7 +16,7 @@ use scheduler::memory::DeviceKind;
 
 use runner::agent::AgentMetrics;
 
-use super::{agent, serve};
+use crate::{agent, serve};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -46,7 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         eprintln!(
             "local agent: {}; jobs read files only under {}; metrics at {metrics_url}",
             describe(&devices),
-            super::agent::roots_list(&data_roots)
+            crate::agent::roots_list(&data_roots)
         );
         let stop = Arc::new(AtomicBool::new(false));
         let cfg = runner::agent::AgentConfig {

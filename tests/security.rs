@@ -2,6 +2,8 @@
 //! roots (at submission and on the agent), the per-owner and per-job limits, the throttle of
 //! failed authentications, non-JSON bodies, huge echoed values, and an admin locked out.
 
+// The API tests' in-process server (tower oneshot), shared with the server crate's tests.
+#[path = "../server/tests/api_helpers/mod.rs"]
 mod api_helpers;
 mod live;
 

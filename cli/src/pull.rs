@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt, BufWriter};
 use wire::artifact::{CONFIG_FILE, MODEL_FILE, url_segment};
 
-use super::client::{Client, Connection, check_id};
+use crate::client::{Client, Connection, check_id};
 
 #[derive(clap::Args)]
 pub struct Args {

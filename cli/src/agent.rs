@@ -10,14 +10,14 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use runner::agent::AgentMetrics;
-use runner::data::DataRoots;
+use wire::data_roots::DataRoots;
 
 use runner::agent::gpus::{self, Gpu, Selection};
 use runner::agent::offered_devices;
 use scheduler::bytes::{human, parse_size};
 use scheduler::inventory::Device;
 
-use crate::settings::default_data_dir;
+use server::settings::default_data_dir;
 
 #[derive(clap::Args)]
 pub struct Args {

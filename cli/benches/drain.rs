@@ -5,8 +5,10 @@
 //! and reports back; jobs/s counts from the first submission to the last success. Prints each
 //! run and the median of `--runs` (3).
 //!
-//!     cargo bench -p server --bench drain [-- --jobs 200 --runs 3]
+//!     cargo bench -p zerotrain --bench drain [-- --jobs 200 --runs 3]
 
+// The benchmarks' flag parsing, shared with the server's benches.
+#[path = "../../server/benches/support/mod.rs"]
 mod support;
 
 use std::sync::Arc;

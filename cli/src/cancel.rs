@@ -4,7 +4,7 @@ use anyhow::Context;
 use reqwest::Method;
 use serde::Deserialize;
 
-use super::client::{Client, Connection, check_id};
+use crate::client::{Client, Connection, check_id};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use reqwest::Method;
 use serde::Deserialize;
 
-use super::client::{Client, Connection};
+use crate::client::{Client, Connection};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::app::Server;
-use crate::auth::{self, AdminFile};
-use crate::settings::{Settings, parse_artifacts, parse_duration, parse_margin};
+use server::Server;
+use server::auth::{self, AdminFile};
+use server::settings::{Settings, parse_artifacts, parse_duration, parse_margin};
 
 /// The server's flags, shared by `serve` and `up`.
 #[derive(clap::Args)]
@@ -109,7 +109,7 @@ pub(super) async fn stop_requested() {
 /// Builds the server, creates its tokens on first start and says where to find them.
 pub(super) async fn start(settings: Settings) -> anyhow::Result<(Server, auth::Bootstrap)> {
     let data_dir = settings.data_dir.clone();
-    let server = crate::build(settings).await?;
+    let server = server::build(settings).await?;
     let admin = std::env::var("ZEROTRAIN_TOKEN").ok();
     let tokens = auth::bootstrap(&server.state().store, &data_dir, admin.as_deref()).await?;
     eprintln!("zerotrain serving at {}", server.url());
