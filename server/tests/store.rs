@@ -2187,7 +2187,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     let d = submit(&other, "d", 0, 1).await;
     let pass = kept_pass(s, &mut board).await;
     assert!(!pass.loaded);
-    assert_eq!(placed_ids(&pass), [d.id.clone()]);
+    assert_eq!(placed_ids(&pass), [d.id.as_str()]);
 
     // A new node: `e` fits only once its devices are known.
     let e = submit(&other, "e", 0, 3).await;
@@ -2195,7 +2195,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     let n3 = node(&other, "n3", 4).await;
     let pass = kept_pass(s, &mut board).await;
     assert!(!pass.loaded);
-    assert_eq!(placed_ids(&pass), [e.id.clone()]);
+    assert_eq!(placed_ids(&pass), [e.id.as_str()]);
 
     // n1 (holding `b` or `d`) is lost, n2 registers again with fewer devices: their jobs go
     // back to the queue at a new attempt.
@@ -2259,7 +2259,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
 
     let one = submit(a, "one", 0, 1).await;
     let pass = try_pass(a, &mut board_a, LEASE).await.unwrap();
-    assert_eq!(placed_ids(&pass), [one.id.clone()]);
+    assert_eq!(placed_ids(&pass), [one.id.as_str()]);
     let two = submit(&b, "two", 0, 1).await;
     assert!(
         try_pass(&b, &mut board_b, LEASE).await.is_none(),
@@ -2270,7 +2270,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
     let pass = try_pass(a, &mut board_a, Duration::from_millis(200))
         .await
         .unwrap();
-    assert_eq!(placed_ids(&pass), [two.id.clone()]);
+    assert_eq!(placed_ids(&pass), [two.id.as_str()]);
 
     let three = submit(&b, "three", 0, 1).await;
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -2282,7 +2282,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(taken.loaded, "a new holder loads its board");
-    assert_eq!(placed_ids(&taken), [three.id.clone()]);
+    assert_eq!(placed_ids(&taken), [three.id.as_str()]);
 
     // a comes back: b holds the lease, so a places nothing, and forgets its board.
     let four = submit(a, "four", 0, 1).await;
@@ -2296,7 +2296,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
         .await
         .expect("a handed-over lease is free");
     assert!(pass.loaded);
-    assert_eq!(placed_ids(&pass), [four.id.clone()]);
+    assert_eq!(placed_ids(&pass), [four.id.as_str()]);
     assert!(board_a.nodes()[0].devices.iter().all(|d| d.held));
     b.close().await;
 }
@@ -2379,7 +2379,7 @@ async fn a_change_committed_after_a_later_one_still_reaches_the_board() {
         .unwrap();
         let narrow = submit(s, "narrow", 0, 1).await;
         let pass = kept_pass(s, &mut board).await;
-        assert_eq!(placed_ids(&pass), [narrow.id.clone()]);
+        assert_eq!(placed_ids(&pass), [narrow.id.as_str()]);
         assert!(board.queued(&wide.id).is_some());
         slow.commit().await.unwrap();
         let pass = kept_pass(s, &mut board).await;
