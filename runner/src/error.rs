@@ -18,13 +18,9 @@ pub enum Error {
     /// its files); the reason never quotes the file's bytes or size.
     #[error("{what}: {reason}")]
     Data { what: String, reason: String },
-    /// A job input outside the node's data roots (or leading outside through a symlink or
-    /// `..`). Says nothing else about the file: not whether it exists, nor what it holds.
-    #[error("{field}: outside the data roots")]
-    OutsideDataRoots { field: &'static str },
-    /// A configured data root that cannot be one.
-    #[error("data root {}: {reason}", root.display())]
-    DataRoot { root: PathBuf, reason: String },
+    /// A job input outside the node's data roots, or a configured root that cannot be one.
+    #[error(transparent)]
+    Roots(RootsError),
     /// A token the model cannot embed; `index` counts tokens from the start of the file's data.
     #[error("{what}: the token at index {index} is not below the model's vocab_size {vocab_size}")]
     TokenOutOfRange {
@@ -92,12 +88,12 @@ pub enum Error {
     Server { url: String, reason: String },
 }
 
+/// A data file the roots refused to open is a data error like the runner's own.
 impl From<RootsError> for Error {
     fn from(e: RootsError) -> Error {
         match e {
             RootsError::Data { what, reason } => Error::Data { what, reason },
-            RootsError::OutsideDataRoots { field } => Error::OutsideDataRoots { field },
-            RootsError::DataRoot { root, reason } => Error::DataRoot { root, reason },
+            other => Error::Roots(other),
         }
     }
 }

@@ -73,7 +73,7 @@ fn tokens(path: &str) -> Data {
 /// The refusal: exactly the field and "outside the data roots", nothing about the file.
 fn assert_outside<T>(result: Result<T, Error>, field: &str, case: &str) {
     match result {
-        Err(e @ Error::OutsideDataRoots { .. }) => {
+        Err(e @ Error::Roots(RootsError::OutsideDataRoots { .. })) => {
             assert_eq!(
                 e.to_string(),
                 format!("{field}: outside the data roots"),
