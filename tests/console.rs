@@ -325,7 +325,7 @@ async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
         .await
         .unwrap();
     let labels: Vec<String> = serde_json::from_value(labels).unwrap();
-    for category in Category::ALL {
+    for &category in Category::ALL {
         let n = labels.iter().filter(|l| *l == category.name()).count();
         assert_eq!(n, 1, "memory chart series {labels:?}: one per category");
     }

@@ -191,7 +191,8 @@ async fn an_fp16_zero2_job_on_four_devices_trains_and_reports_its_memory() {
     let planned = &m["predicted_per_rank_bytes"];
     for r in ranks {
         for c in Category::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|&c| c != Category::Overhead)
         {
             let bytes = |of: &Value| of[c.name()].as_u64().unwrap();
@@ -623,9 +624,9 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
     let store = &s.server.state().store;
     let counter = |m: &AgentMetrics| {
         (
-            m.registrations.get(),
-            m.attempts_fenced.get(),
-            m.jobs_running.get(),
+            m.series.registrations_total.get(),
+            m.series.attempts_fenced_total.get(),
+            m.series.jobs_running.get(),
         )
     };
     // Registration waits out a server that is down, backing off and trying again.
@@ -642,7 +643,7 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
     );
     let second = Duration::from_secs(1);
     poll(20 * second, Duration::from_millis(10), || async {
-        let failures = zombie.registration_failures.get();
+        let failures = zombie.series.registration_failures_total.get();
         (failures >= 2)
             .then_some(())
             .ok_or(format!("{failures} failures"))

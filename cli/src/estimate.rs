@@ -90,14 +90,14 @@ fn table(r: &Report, device_memory: u64) -> String {
     );
     let _ = writeln!(out, "\nper rank:");
     let mut header = format!("{:<6}", "stage");
-    for c in Category::ALL {
+    for &c in Category::ALL {
         let _ = write!(header, "{:>12}", c.name());
     }
     let _ = writeln!(out, "{header}{:>12}{:>14}", "total", "comm/step");
     for row in &r.stages {
         let b = &row.per_rank_bytes;
         let mut line = format!("{:<6}", row.stage);
-        for c in Category::ALL {
+        for &c in Category::ALL {
             let _ = write!(line, "{:>12}", human(b.get(c)));
         }
         let _ = writeln!(

@@ -1,91 +1,33 @@
-//! `zerotrain serve [--port] [--data-dir] [--database-url]`: the server alone (agents join it
+//! `zerotrain serve [--port] [--data-dir] [--database-url] …`: the server alone (agents join it
 //! with `zerotrain agent`). On first start it creates an admin token and an agent join token.
-
-use std::net::IpAddr;
-use std::path::PathBuf;
 
 use anyhow::Context;
 
 use server::Server;
 use server::auth::{self, AdminFile};
-use server::settings::{Settings, parse_artifacts, parse_duration, parse_margin};
+use server::settings::{S3Options, Settings};
 
-/// The server's flags, shared by `serve` and `up`.
+/// The server's settings, shared by `serve` and `up`: each a flag and a `ZEROTRAIN_*` variable.
 #[derive(clap::Args)]
 // `up` flattens these in among its own arguments: the group needs a name of its own.
 #[group(id = "server")]
 pub struct Args {
-    /// Port to listen on [env: ZEROTRAIN_PORT; default 8080].
-    #[arg(long)]
-    port: Option<u16>,
-    /// Address to listen on [env: ZEROTRAIN_LISTEN; default 127.0.0.1].
-    #[arg(long)]
-    listen: Option<IpAddr>,
-    /// Database, tokens and job outputs [env: ZEROTRAIN_DATA_DIR].
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    /// A directory jobs may read input files from (repeatable) [env: ZEROTRAIN_DATA_ROOTS,
-    /// `:`-separated; default DATA_DIR/datasets]. `up`'s local agent reads only there.
-    #[arg(long = "data-root", value_name = "DIR")]
-    data_roots: Vec<PathBuf>,
-    /// sqlite://PATH or postgres://… [env: ZEROTRAIN_DATABASE_URL; default SQLite in the data
-    /// directory].
-    #[arg(long)]
-    database_url: Option<String>,
-    /// Where checkpoints and exports are kept: s3://bucket/prefix (configured by the usual
-    /// AWS_* variables) or a directory [env: ZEROTRAIN_ARTIFACTS; default DATA_DIR/artifacts].
-    #[arg(long, value_parser = parse_artifacts)]
-    artifacts: Option<String>,
-    /// A node silent this long is lost, e.g. 30s [env: ZEROTRAIN_HEARTBEAT_TIMEOUT].
-    #[arg(long, value_parser = parse_duration)]
-    heartbeat_timeout: Option<std::time::Duration>,
-    /// Fraction of each device placement keeps free [env: ZEROTRAIN_SAFETY_MARGIN; 0.05].
-    #[arg(long, value_parser = parse_margin)]
-    safety_margin: Option<f64>,
-    /// Queue jobs that ask for a device kind no node has registered yet (e.g. `"device":
-    /// "cuda"` before the GPU nodes join) instead of refusing them [env:
-    /// ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES; default false].
-    #[arg(long)]
-    queue_unregistered_devices: bool,
+    #[command(flatten)]
+    settings: Settings,
 }
 
 impl Args {
-    /// The settings: defaults ← `ZEROTRAIN_*` ← these flags.
-    pub(super) fn settings(self) -> anyhow::Result<Settings> {
-        let mut settings = Settings::from_env()?;
-        if let Some(port) = self.port {
-            settings.port = port;
+    /// The settings: defaults ← `ZEROTRAIN_*` ← flags, and the `AWS_*` variables for S3.
+    pub(super) fn settings(self) -> Settings {
+        Settings {
+            s3: S3Options::from_env(),
+            ..self.settings
         }
-        if let Some(listen) = self.listen {
-            settings.listen = listen;
-        }
-        if let Some(dir) = self.data_dir {
-            settings.data_dir = dir;
-        }
-        if !self.data_roots.is_empty() {
-            settings.data_roots = self.data_roots;
-        }
-        if let Some(url) = self.database_url {
-            settings.database_url = Some(url);
-        }
-        if let Some(location) = self.artifacts {
-            settings.artifacts = Some(location);
-        }
-        if let Some(timeout) = self.heartbeat_timeout {
-            settings.heartbeat_timeout = timeout;
-        }
-        if let Some(margin) = self.safety_margin {
-            settings.safety_margin = margin;
-        }
-        if self.queue_unregistered_devices {
-            settings.queue_unregistered_devices = true;
-        }
-        Ok(settings)
     }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let settings = args.settings()?;
+    let settings = args.settings();
     init_tracing();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {

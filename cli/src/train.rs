@@ -106,7 +106,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
     );
     for r in &summary.ranks {
         println!("rank {} peak memory (measured / predicted):", r.rank);
-        for c in Category::ALL {
+        for &c in Category::ALL {
             let (m, p) = (r.measured_peak_bytes.get(c), r.predicted_bytes.get(c));
             println!("  {:<12}{:>12} / {}", c.name(), human(m), human(p));
         }

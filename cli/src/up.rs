@@ -33,7 +33,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let mut settings = args.server.settings()?;
+    let mut settings = args.server.settings();
     settings.expect_local_agent = true;
     serve::init_tracing();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;

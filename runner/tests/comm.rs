@@ -256,7 +256,7 @@ mod nccl {
         };
         assert_eq!(over_nccl.losses, ring.losses);
         let r = &over_nccl.ranks[0];
-        for c in Category::ALL {
+        for &c in Category::ALL {
             assert_eq!(
                 r.measured_peak_bytes.get(c),
                 r.predicted_bytes.get(c),

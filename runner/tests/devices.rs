@@ -64,7 +64,7 @@ fn gpus() -> Vec<Target> {
 
 fn assert_measured_is_predicted(device: Target, dtype: &str, s: &Summary) {
     for r in &s.ranks {
-        for c in Category::ALL {
+        for &c in Category::ALL {
             assert_eq!(
                 r.measured_peak_bytes.get(c),
                 r.predicted_bytes.get(c),

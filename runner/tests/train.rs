@@ -84,7 +84,7 @@ fn measured_peak_memory_equals_the_model_over_72_configurations() {
                             "precision": {{"dtype": "{dtype}"}}}}"#
                     );
                     let r = &train(&json).ranks[0];
-                    for c in Category::ALL {
+                    for &c in Category::ALL {
                         assert_eq!(
                             r.measured_peak_bytes.get(c),
                             r.predicted_bytes.get(c),

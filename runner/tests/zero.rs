@@ -134,7 +134,7 @@ fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
                 let summary = train(&json, None);
                 assert_eq!(summary.ranks.len(), world);
                 for r in &summary.ranks {
-                    for c in Category::ALL {
+                    for &c in Category::ALL {
                         assert_eq!(
                             r.measured_peak_bytes.get(c),
                             r.predicted_bytes.get(c),

@@ -139,7 +139,8 @@ impl Plan {
         let planned = self.rank_bytes(rank);
         let have = memory::rank_breakdown_on(setup, rank, device);
         Category::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|&c| c != Category::Overhead)
             .map(|c| (c, planned.get(c), have.get(c)))
             .find(|(_, p, h)| p != h)

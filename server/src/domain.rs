@@ -8,15 +8,30 @@ use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
+use strum::{EnumString, IntoStaticStr, VariantArray};
 use utoipa::ToSchema;
 use wire::Op;
 
 /// queued → scheduled → running → succeeded | failed | cancelled; a job whose node is lost goes
 /// back to queued with its attempt raised.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    ToSchema,
+    IntoStaticStr,
+    EnumString,
+    VariantArray,
 )]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum JobState {
     Queued,
     Scheduled,
@@ -27,28 +42,14 @@ pub enum JobState {
 }
 
 impl JobState {
-    pub const ALL: [JobState; 6] = [
-        JobState::Queued,
-        JobState::Scheduled,
-        JobState::Running,
-        JobState::Succeeded,
-        JobState::Failed,
-        JobState::Cancelled,
-    ];
+    pub const ALL: &[JobState] = <JobState as VariantArray>::VARIANTS;
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "queued",
-            JobState::Scheduled => "scheduled",
-            JobState::Running => "running",
-            JobState::Succeeded => "succeeded",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
+        self.into()
     }
 
     pub fn parse(s: &str) -> Option<JobState> {
-        JobState::ALL.into_iter().find(|j| j.as_str() == s)
+        s.parse().ok()
     }
 
     pub fn is_terminal(self) -> bool {
@@ -177,8 +178,23 @@ pub struct TokenRecord {
 
 /// What a bearer token may do: viewers read, submitters also submit and cancel, admins also
 /// manage; agents only speak the agent protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    ToSchema,
+    IntoStaticStr,
+    EnumString,
+    VariantArray,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Role {
     Viewer,
     Submitter,
@@ -189,18 +205,11 @@ pub enum Role {
 
 impl Role {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Viewer => "viewer",
-            Role::Submitter => "submitter",
-            Role::Admin => "admin",
-            Role::AgentJoin => "agent_join",
-        }
+        self.into()
     }
 
     pub fn parse(s: &str) -> Option<Role> {
-        [Role::Viewer, Role::Submitter, Role::Admin, Role::AgentJoin]
-            .into_iter()
-            .find(|r| r.as_str() == s)
+        s.parse().ok()
     }
 
     /// Whether this role may do what `needed` may (agent join tokens only join).
@@ -209,6 +218,23 @@ impl Role {
             (Role::AgentJoin, n) => n == Role::AgentJoin,
             (_, Role::AgentJoin) => false,
             (have, n) => have >= n,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strum_names_are_serde_names() {
+        for &state in JobState::ALL {
+            assert_eq!(serde_json::to_value(state).unwrap(), state.as_str());
+            assert_eq!(JobState::parse(state.as_str()), Some(state));
+        }
+        for &role in Role::VARIANTS {
+            assert_eq!(serde_json::to_value(role).unwrap(), role.as_str());
+            assert_eq!(Role::parse(role.as_str()), Some(role));
         }
     }
 }

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramVec, IntCounterVec, IntGaugeVec, Registry,
+    TextEncoder,
 };
 use scheduler::memory::{Breakdown, Category};
 use wire::Op;
@@ -17,97 +17,9 @@ use wire::agent::RefusalReason;
 
 use crate::domain::{JobState, StepRecord};
 
-/// A metric type the `metrics!` macro can build from its name, HELP, labels and buckets.
-trait Metric: Clone + prometheus::core::Collector + 'static {
-    fn build(name: &str, help: &str, labels: &[&str], buckets: Option<Vec<f64>>) -> Self;
-}
-
-impl Metric for IntGaugeVec {
-    fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
-        IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
-    }
-}
-
-impl Metric for GaugeVec {
-    fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
-        GaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
-    }
-}
-
-impl Metric for IntCounterVec {
-    fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
-        IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
-    }
-}
-
-impl Metric for HistogramVec {
-    fn build(name: &str, help: &str, labels: &[&str], buckets: Option<Vec<f64>>) -> Self {
-        let mut opts = HistogramOpts::new(name, help);
-        if let Some(b) = buckets {
-            opts = opts.buckets(b);
-        }
-        HistogramVec::new(opts, labels).expect("valid metric")
-    }
-}
-
-impl Metric for Histogram {
-    fn build(name: &str, help: &str, _: &[&str], buckets: Option<Vec<f64>>) -> Self {
-        let mut opts = HistogramOpts::new(name, help);
-        if let Some(b) = buckets {
-            opts = opts.buckets(b);
-        }
-        Histogram::with_opts(opts).expect("valid metric")
-    }
-}
-
-impl Metric for Gauge {
-    fn build(name: &str, help: &str, _: &[&str], _: Option<Vec<f64>>) -> Self {
-        Gauge::with_opts(Opts::new(name, help)).expect("valid metric")
-    }
-}
-
-/// A struct of metrics registered under `zerotrain_<field>`, HELP from the field's doc comment.
-macro_rules! metrics {
-    (
-        $(#[$meta:meta])*
-        pub struct $name:ident {
-            $(
-                #[doc = $help:literal]
-                pub $field:ident: $ty:ty
-                    $(, labels = [$($label:literal),+])?
-                    $(, buckets = $buckets:expr)?
-            ;)*
-        }
-    ) => {
-        $(#[$meta])*
-        pub struct $name {
-            $(#[doc = $help] pub $field: $ty,)*
-        }
-
-        impl $name {
-            fn new(registry: &Registry) -> Self {
-                $name {
-                    $($field: {
-                        let labels: &[&str] = &[$($($label),+)?];
-                        let buckets: Option<Vec<f64>> = None $(.or(Some($buckets)))?;
-                        let m = <$ty as Metric>::build(
-                            concat!("zerotrain_", stringify!($field)),
-                            $help.trim(),
-                            labels,
-                            buckets,
-                        );
-                        registry.register(Box::new(m.clone())).expect("unique metric names");
-                        m
-                    },)*
-                }
-            }
-        }
-    };
-}
-
-metrics! {
+wire::metrics! {
     /// The server's own series.
-    pub struct ServerMetrics {
+    pub struct ServerMetrics("zerotrain_") {
         /// Jobs in each state.
         pub jobs: IntGaugeVec, labels = ["state"];
         /// Seconds a job waited in the queue before it was scheduled.
@@ -128,9 +40,9 @@ metrics! {
     }
 }
 
-metrics! {
+wire::metrics! {
     /// Series of running jobs, as their agents report them.
-    pub struct TrainingMetrics {
+    pub struct TrainingMetrics("zerotrain_") {
         /// Peak bytes a rank holds, by category: measured by the trainer or predicted by the memory model; on a GPU also the device's used memory as its driver reports it (category total, source device).
         pub training_memory_bytes: IntGaugeVec, labels = ["job", "rank", "category", "source"];
         /// Training loss of the job's last step.
@@ -171,7 +83,7 @@ impl Default for Metrics {
         let registry = Registry::new();
         let server = ServerMetrics::new(&registry);
         // Every reason is exported from the start, at 0.
-        for reason in RefusalReason::ALL {
+        for &reason in RefusalReason::ALL {
             server
                 .agent_reports_refused_total
                 .with_label_values(&[reason.as_str()]);
@@ -205,7 +117,7 @@ impl Metrics {
     }
 
     pub fn set_job_counts(&self, counts: &[(JobState, i64)]) {
-        for state in JobState::ALL {
+        for &state in JobState::ALL {
             let n = counts.iter().find(|(s, _)| *s == state).map_or(0, |c| c.1);
             self.server.jobs.with_label_values(&[state.as_str()]).set(n);
         }
@@ -248,7 +160,7 @@ impl Metrics {
         let mut series = self.job_series.lock().expect("metrics lock");
         let series = series.entry(job.to_string()).or_default();
         for (source, bytes) in [("measured", measured), ("predicted", predicted)] {
-            for c in Category::ALL {
+            for &c in Category::ALL {
                 let value = i64::try_from(bytes.get(c)).unwrap_or(i64::MAX);
                 self.training
                     .training_memory_bytes

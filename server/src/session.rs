@@ -20,7 +20,7 @@ use crate::domain::Role;
 use crate::error::ApiError;
 use crate::settings::Settings;
 
-const COOKIE: &str = "zerotrain_session";
+pub(crate) const COOKIE: &str = "zerotrain_session";
 const SECURE_COOKIE: &str = "__Host-zerotrain_session";
 
 /// Whether browsers reach this server over HTTPS (as `ZEROTRAIN_PUBLIC_URL` says).

@@ -1,82 +1,117 @@
 //! The server's settings, layered: defaults ← `ZEROTRAIN_*` environment variables ← command-line
-//! flags (the CLI assigns its flags over `Settings::from_env()`). The defaults work on a fresh
-//! machine: loopback on port 8080, SQLite under the user's data directory.
+//! flags, one clap argument each (the CLI flattens `Settings` into `serve` and `up`). The
+//! defaults work on a fresh machine: loopback on port 8080, SQLite under the user's data
+//! directory.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use clap::builder::BoolishValueParser;
+use clap::{Args as _, Command, FromArgMatches as _};
 use scheduler::bytes::{number_and_unit, parse_size};
 use wire::data_roots::{DataRoots, RootsError};
 
-#[derive(Debug, Clone, PartialEq)]
+/// Every field but the last three is a flag of `zerotrain serve` and `up` and a `ZEROTRAIN_*`
+/// variable (the flag's name upper-cased); `zerotrain serve --help` lists them with defaults.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct Settings {
-    /// Address to listen on (`ZEROTRAIN_LISTEN`, default 127.0.0.1).
+    /// Address to listen on.
+    #[arg(long, env = "ZEROTRAIN_LISTEN", default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
     pub listen: IpAddr,
-    /// Port to listen on; 0 picks a free one (`ZEROTRAIN_PORT`, default 8080).
+    /// Port to listen on; 0 picks a free one.
+    #[arg(long, env = "ZEROTRAIN_PORT", default_value_t = 8080)]
     pub port: u16,
-    /// Where the SQLite database, job outputs and token files live (`ZEROTRAIN_DATA_DIR`,
-    /// default `$XDG_DATA_HOME/zerotrain` or `~/.local/share/zerotrain`).
+    /// Where the SQLite database, job outputs and token files live [default:
+    /// $XDG_DATA_HOME/zerotrain, else ~/.local/share/zerotrain].
+    #[arg(long, env = "ZEROTRAIN_DATA_DIR", default_value_os_t = default_data_dir(), hide_default_value = true)]
     pub data_dir: PathBuf,
-    /// The directories jobs may name input files in (`ZEROTRAIN_DATA_ROOTS`, `:`-separated;
-    /// default `<data_dir>/datasets`). Submissions naming a file outside them are refused;
-    /// `zerotrain up`'s local agent reads only inside them. They may not contain `data_dir`.
+    /// A directory jobs may name input files in (repeatable; the variable is `:`-separated)
+    /// [default: DATA_DIR/datasets]. Submissions naming a file outside them are refused; `up`'s
+    /// local agent reads only inside them. They may not contain the data directory.
+    #[arg(
+        long = "data-root",
+        value_name = "DIR",
+        env = "ZEROTRAIN_DATA_ROOTS",
+        value_delimiter = ':'
+    )]
     pub data_roots: Vec<PathBuf>,
-    /// `sqlite://PATH` or `postgres://…` (`ZEROTRAIN_DATABASE_URL`); `None` means
-    /// `sqlite://<data_dir>/zerotrain.db`.
+    /// sqlite://PATH or postgres://… [default: sqlite://DATA_DIR/zerotrain.db].
+    #[arg(long, env = "ZEROTRAIN_DATABASE_URL")]
     pub database_url: Option<String>,
-    /// A node silent this long is lost and its jobs go back to the queue
-    /// (`ZEROTRAIN_HEARTBEAT_TIMEOUT`, default 30s).
+    /// A node silent this long is lost and its jobs go back to the queue.
+    #[arg(long, env = "ZEROTRAIN_HEARTBEAT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub heartbeat_timeout: Duration,
-    /// How often agents are told to heartbeat (`ZEROTRAIN_HEARTBEAT_INTERVAL`, default 2s).
+    /// How often agents are told to heartbeat.
+    #[arg(long, env = "ZEROTRAIN_HEARTBEAT_INTERVAL", default_value = "2s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
-    /// Time between scheduling passes; submissions and finished jobs also start one
-    /// (`ZEROTRAIN_SCHEDULING_INTERVAL`, default 1s).
+    /// Time between scheduling passes; submissions and finished jobs also start one.
+    #[arg(long, env = "ZEROTRAIN_SCHEDULING_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub scheduling_interval: Duration,
     /// How long the scheduler lease lasts unrenewed: the replica holding it places jobs and
     /// renews it every pass; when it stops (killed, cut off from the database), another replica
-    /// takes over this long after its last pass (`ZEROTRAIN_SCHEDULER_LEASE`, default 10s). A
-    /// server that shuts down hands it over at once.
+    /// takes over this long after its last pass. A server that shuts down hands it over at once.
+    #[arg(long, env = "ZEROTRAIN_SCHEDULER_LEASE", default_value = "10s", value_parser = parse_duration)]
     pub scheduler_lease: Duration,
-    /// Fraction of each device's memory placement keeps free (`ZEROTRAIN_SAFETY_MARGIN`,
-    /// default 0.05).
+    /// Fraction of each device's memory placement keeps free.
+    #[arg(long, env = "ZEROTRAIN_SAFETY_MARGIN", default_value = "0.05", value_parser = parse_margin)]
     pub safety_margin: f64,
-    /// Largest request body accepted (`ZEROTRAIN_BODY_LIMIT`, default 4MiB).
+    /// Largest request body accepted.
+    #[arg(long, env = "ZEROTRAIN_BODY_LIMIT", default_value = "4MiB", value_parser = parse_body_limit)]
     pub body_limit: usize,
-    /// Longest a request may take to produce its response headers
-    /// (`ZEROTRAIN_REQUEST_TIMEOUT`, default 30s); streams run on past it.
+    /// Longest a request may take to produce its response headers; streams run on past it.
+    #[arg(long, env = "ZEROTRAIN_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub request_timeout: Duration,
     /// How long a finished job's training series stay on `/metrics`, so the last scrape sees
-    /// its final values (`ZEROTRAIN_FINISHED_SERIES_TTL`, default 60s).
+    /// its final values.
+    #[arg(long, env = "ZEROTRAIN_FINISHED_SERIES_TTL", default_value = "60s", value_parser = parse_duration)]
     pub finished_series_ttl: Duration,
     /// The URL browsers reach the server at, when it is not `http://` + the `Host` they send:
-    /// behind a TLS-terminating proxy, `https://zerotrain.example.com` (`ZEROTRAIN_PUBLIC_URL`).
-    /// Its origin is what cookie-authenticated requests must come from; with `https` the
-    /// console's cookie is `Secure` and `__Host-` prefixed.
+    /// behind a TLS-terminating proxy, `https://zerotrain.example.com`. Its origin is what
+    /// cookie-authenticated requests must come from; with `https` the console's cookie is
+    /// `Secure` and `__Host-` prefixed.
+    #[arg(long, env = "ZEROTRAIN_PUBLIC_URL", value_parser = parse_public_url)]
     pub public_url: Option<url::Url>,
-    /// How long a console login lasts (`ZEROTRAIN_SESSION_TTL`, default 12h).
+    /// How long a console login lasts.
+    #[arg(long, env = "ZEROTRAIN_SESSION_TTL", default_value = "12h", value_parser = parse_duration)]
     pub session_ttl: Duration,
-    /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
-    pub expect_local_agent: bool,
     /// Queue a job that asks for a kind of device (`"device": "cuda"`) of which no node has
     /// registered any, planned as if such devices held it, instead of refusing it with 422: for
-    /// clusters whose GPU nodes join later (`ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES`, default
-    /// false).
+    /// clusters whose GPU nodes join later.
+    #[arg(long, env = "ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES", value_parser = BoolishValueParser::new())]
     pub queue_unregistered_devices: bool,
-    /// Where jobs' checkpoints and exports are kept (`ZEROTRAIN_ARTIFACTS`): `s3://bucket/prefix`
-    /// (any S3-compatible store) or a directory; `None` means `<data_dir>/artifacts`.
+    /// Where jobs' checkpoints and exports are kept: `s3://bucket/prefix` (any S3-compatible
+    /// store, configured by the usual `AWS_*` variables) or an absolute directory [default:
+    /// DATA_DIR/artifacts].
+    #[arg(long, env = "ZEROTRAIN_ARTIFACTS", value_parser = parse_artifacts)]
     pub artifacts: Option<String>,
+    /// What one owner (token name) may ask of the service.
+    #[command(flatten)]
+    pub limits: Limits,
+    /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
+    #[arg(skip)]
+    pub expect_local_agent: bool,
     /// The S3 store's configuration: the `AWS_*` variables the server started with
     /// (credentials, `AWS_REGION`, `AWS_ENDPOINT_URL` for another S3-compatible store, ...).
+    #[arg(skip)]
     pub s3: S3Options,
-    /// What one owner (token name) may ask of the service.
-    pub limits: Limits,
 }
 
 /// `object_store`'s S3 configuration as `(key, value)` pairs, keys as the `AWS_*` variables
 /// spell them; shown without its values, which hold secrets.
 #[derive(Clone, Default, PartialEq)]
 pub struct S3Options(pub Vec<(String, String)>);
+
+impl S3Options {
+    /// The `AWS_*` variables of this process.
+    pub fn from_env() -> S3Options {
+        S3Options(
+            std::env::vars()
+                .filter(|(k, _)| k.starts_with("AWS_"))
+                .collect(),
+        )
+    }
+}
 
 impl std::fmt::Debug for S3Options {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -88,174 +123,70 @@ impl std::fmt::Debug for S3Options {
 
 /// Limits an operator sets; every one has a default that keeps one client from exhausting the
 /// service.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct Limits {
-    /// Queued jobs one owner may have; a submission past it gets 429
-    /// (`ZEROTRAIN_MAX_QUEUED_PER_OWNER`, default 1000).
+    /// Queued jobs one owner may have; a submission past it gets 429.
+    #[arg(
+        long = "max-queued-per-owner",
+        env = "ZEROTRAIN_MAX_QUEUED_PER_OWNER",
+        default_value_t = 1000
+    )]
     pub queued_per_owner: u32,
     /// Ranks one owner's scheduled and running jobs may hold at once; further jobs wait, and
-    /// a job of more ranks is refused (`ZEROTRAIN_MAX_RUNNING_RANKS_PER_OWNER`, default 64).
+    /// a job of more ranks is refused.
+    #[arg(
+        long = "max-running-ranks-per-owner",
+        env = "ZEROTRAIN_MAX_RUNNING_RANKS_PER_OWNER",
+        default_value_t = 64
+    )]
     pub running_ranks_per_owner: u32,
-    /// Largest `training.steps` accepted (`ZEROTRAIN_MAX_STEPS`, default 1000000).
+    /// Largest `training.steps` accepted.
+    #[arg(long, env = "ZEROTRAIN_MAX_STEPS", default_value_t = 1_000_000)]
     pub max_steps: u32,
-    /// How long an attempt may hold its devices before the job fails
-    /// (`ZEROTRAIN_MAX_WALL_TIME`, default 72h).
+    /// How long an attempt may hold its devices before the job fails.
+    #[arg(long, env = "ZEROTRAIN_MAX_WALL_TIME", default_value = "72h", value_parser = parse_duration)]
     pub max_wall_time: Duration,
-    /// A finished job's checkpoints are removed this long after it ended
-    /// (`ZEROTRAIN_CHECKPOINT_RETENTION`, default 7d).
+    /// A finished job's checkpoints are removed this long after it ended.
+    #[arg(long, env = "ZEROTRAIN_CHECKPOINT_RETENTION", default_value = "7d", value_parser = parse_duration)]
     pub checkpoint_retention: Duration,
     /// A finished job's whole output directory (the final model too) is removed this long
-    /// after it ended; `None` keeps the model (`ZEROTRAIN_MODEL_RETENTION`, default unset).
+    /// after it ended [default: kept].
+    #[arg(long, env = "ZEROTRAIN_MODEL_RETENTION", value_parser = parse_duration)]
     pub model_retention: Option<Duration>,
     /// Failed authentications (unknown tokens) one client address may make per minute before
-    /// its requests get 429 with `Retry-After`; 0 turns the limit off
-    /// (`ZEROTRAIN_AUTH_FAILURES_PER_MINUTE`, default 30).
+    /// its requests get 429 with `Retry-After`; 0 turns the limit off.
+    #[arg(long, env = "ZEROTRAIN_AUTH_FAILURES_PER_MINUTE", default_value_t = 30)]
     pub auth_failures_per_minute: u32,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            queued_per_owner: 1000,
-            running_ranks_per_owner: 64,
-            max_steps: 1_000_000,
-            max_wall_time: Duration::from_secs(72 * 3600),
-            checkpoint_retention: Duration::from_secs(7 * 24 * 3600),
-            model_retention: None,
-            auth_failures_per_minute: 30,
-        }
+        Settings::default().limits
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("{var}={value:?}: {reason}")]
-pub struct SettingsError {
-    pub var: &'static str,
-    pub value: String,
-    pub reason: String,
-}
-
+/// The defaults, whatever the environment says.
 impl Default for Settings {
     fn default() -> Self {
-        Settings {
-            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            port: 8080,
-            data_dir: default_data_dir(),
-            data_roots: Vec::new(),
-            database_url: None,
-            heartbeat_timeout: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_secs(2),
-            scheduling_interval: Duration::from_secs(1),
-            scheduler_lease: Duration::from_secs(10),
-            safety_margin: 0.05,
-            body_limit: 4 << 20,
-            request_timeout: Duration::from_secs(30),
-            finished_series_ttl: Duration::from_secs(60),
-            public_url: None,
-            session_ttl: Duration::from_secs(12 * 3600),
-            expect_local_agent: false,
-            queue_unregistered_devices: false,
-            artifacts: None,
-            s3: S3Options::default(),
-            limits: Limits::default(),
-        }
+        let command = Settings::augment_args(Command::new("zerotrain")).mut_args(|a| a.env(None));
+        Settings::from_command(command, ["zerotrain"]).expect("the defaults parse")
     }
 }
 
 impl Settings {
     /// The defaults with every `ZEROTRAIN_*` variable that is set applied over them.
-    pub fn from_env() -> Result<Settings, SettingsError> {
-        let mut s = Settings::from_vars(|name| std::env::var(name).ok())?;
-        s.s3 = S3Options(
-            std::env::vars()
-                .filter(|(k, _)| k.starts_with("AWS_"))
-                .collect(),
-        );
-        Ok(s)
+    pub fn from_env() -> Result<Settings, clap::Error> {
+        Settings::from_command(
+            Settings::augment_args(Command::new("zerotrain")),
+            ["zerotrain"],
+        )
     }
 
-    fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsError> {
-        // Parses variable `name` with `parse` when it is set.
-        let read = |name: &'static str| var(name).map(|value| (name, value));
-        let mut s = Settings::default();
-        if let Some(v) = read("ZEROTRAIN_LISTEN") {
-            s.listen = parse(v, |v| v.parse().map_err(|e| format!("{e}")))?;
-        }
-        if let Some(v) = read("ZEROTRAIN_PORT") {
-            s.port = parse(v, |v| v.parse().map_err(|e| format!("{e}")))?;
-        }
-        if let Some((_, v)) = read("ZEROTRAIN_DATA_DIR") {
-            s.data_dir = PathBuf::from(v);
-        }
-        if let Some((_, v)) = read("ZEROTRAIN_DATA_ROOTS") {
-            s.data_roots = std::env::split_paths(&v).collect();
-        }
-        if let Some((_, v)) = read("ZEROTRAIN_DATABASE_URL") {
-            s.database_url = Some(v);
-        }
-        if let Some(v) = read("ZEROTRAIN_ARTIFACTS") {
-            s.artifacts = Some(parse(v, parse_artifacts)?);
-        }
-        if let Some(v) = read("ZEROTRAIN_HEARTBEAT_TIMEOUT") {
-            s.heartbeat_timeout = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_HEARTBEAT_INTERVAL") {
-            s.heartbeat_interval = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_SCHEDULING_INTERVAL") {
-            s.scheduling_interval = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_SCHEDULER_LEASE") {
-            s.scheduler_lease = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_SAFETY_MARGIN") {
-            s.safety_margin = parse(v, parse_margin)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_BODY_LIMIT") {
-            s.body_limit = parse(v, |v| {
-                let bytes = parse_size(v).map_err(|e| e.to_string())?;
-                usize::try_from(bytes).map_err(|e| e.to_string())
-            })?;
-        }
-        if let Some(v) = read("ZEROTRAIN_REQUEST_TIMEOUT") {
-            s.request_timeout = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_FINISHED_SERIES_TTL") {
-            s.finished_series_ttl = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_PUBLIC_URL") {
-            s.public_url = Some(parse(v, parse_public_url)?);
-        }
-        if let Some(v) = read("ZEROTRAIN_SESSION_TTL") {
-            s.session_ttl = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES") {
-            s.queue_unregistered_devices = parse(v, parse_bool)?;
-        }
-        let count = |v: &str| v.parse::<u32>().map_err(|e| e.to_string());
-        let l = &mut s.limits;
-        if let Some(v) = read("ZEROTRAIN_MAX_QUEUED_PER_OWNER") {
-            l.queued_per_owner = parse(v, count)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_MAX_RUNNING_RANKS_PER_OWNER") {
-            l.running_ranks_per_owner = parse(v, count)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_MAX_STEPS") {
-            l.max_steps = parse(v, count)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_MAX_WALL_TIME") {
-            l.max_wall_time = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_CHECKPOINT_RETENTION") {
-            l.checkpoint_retention = parse(v, parse_duration)?;
-        }
-        if let Some(v) = read("ZEROTRAIN_MODEL_RETENTION") {
-            l.model_retention = Some(parse(v, parse_duration)?);
-        }
-        if let Some(v) = read("ZEROTRAIN_AUTH_FAILURES_PER_MINUTE") {
-            l.auth_failures_per_minute = parse(v, count)?;
-        }
-        Ok(s)
+    fn from_command<I: IntoIterator<Item = &'static str>>(
+        command: Command,
+        args: I,
+    ) -> Result<Settings, clap::Error> {
+        Settings::from_arg_matches(&command.try_get_matches_from(args)?)
     }
 
     /// The database URL in effect.
@@ -288,7 +219,7 @@ impl Settings {
 }
 
 /// `s3://bucket[/prefix]` or an absolute directory.
-pub fn parse_artifacts(v: &str) -> Result<String, String> {
+fn parse_artifacts(v: &str) -> Result<String, String> {
     match v.strip_prefix("s3://") {
         Some(rest) if rest.split('/').next().is_some_and(|b| !b.is_empty()) => Ok(v.into()),
         Some(_) => Err("s3:// needs a bucket: s3://bucket/prefix".into()),
@@ -297,11 +228,10 @@ pub fn parse_artifacts(v: &str) -> Result<String, String> {
     }
 }
 
-fn parse<T>(
-    (var, value): (&'static str, String),
-    parse: impl Fn(&str) -> Result<T, String>,
-) -> Result<T, SettingsError> {
-    parse(&value).map_err(|reason| SettingsError { var, value, reason })
+/// A size such as `4MiB` or `1048576`, as a count of bytes.
+fn parse_body_limit(s: &str) -> Result<usize, String> {
+    let bytes = parse_size(s).map_err(|e| e.to_string())?;
+    usize::try_from(bytes).map_err(|e| e.to_string())
 }
 
 /// `$XDG_DATA_HOME/zerotrain`, else `~/.local/share/zerotrain`, else `./zerotrain-data`.
@@ -316,7 +246,7 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 /// `500ms`, `2s`, `5m`, `1h`, `7d`, or a plain number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+fn parse_duration(s: &str) -> Result<Duration, String> {
     let (value, unit) =
         number_and_unit(s).ok_or("expected a number with an optional unit: ms, s, m, h or d")?;
     let seconds = match unit {
@@ -342,17 +272,8 @@ pub fn parse_public_url(s: &str) -> Result<url::Url, String> {
     Ok(url)
 }
 
-/// `true`/`false` (or `1`/`0`).
-pub fn parse_bool(s: &str) -> Result<bool, String> {
-    match s.trim() {
-        "true" | "1" => Ok(true),
-        "false" | "0" => Ok(false),
-        _ => Err("expected true or false".to_string()),
-    }
-}
-
 /// A fraction in [0, 1).
-pub fn parse_margin(s: &str) -> Result<f64, String> {
+fn parse_margin(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(m) if (0.0..1.0).contains(&m) => Ok(m),
         _ => Err("expected a fraction in [0, 1), e.g. 0.05".to_string()),
@@ -363,21 +284,26 @@ pub fn parse_margin(s: &str) -> Result<f64, String> {
 mod tests {
     use super::*;
 
+    fn parse(args: &[&'static str]) -> Result<Settings, clap::Error> {
+        let command = Settings::augment_args(Command::new("zerotrain")).mut_args(|a| a.env(None));
+        Settings::from_command(
+            command,
+            std::iter::once("zerotrain").chain(args.iter().copied()),
+        )
+    }
+
     #[test]
-    fn environment_variables_override_the_defaults() {
-        let vars = [
-            ("ZEROTRAIN_PORT", "9000"),
-            ("ZEROTRAIN_HEARTBEAT_TIMEOUT", "1500ms"),
-            ("ZEROTRAIN_SAFETY_MARGIN", "0.1"),
-            ("ZEROTRAIN_BODY_LIMIT", "1MiB"),
-            ("ZEROTRAIN_QUEUE_UNREGISTERED_DEVICES", "true"),
-            ("ZEROTRAIN_SCHEDULER_LEASE", "3s"),
-        ];
-        let s = Settings::from_vars(|name| {
-            vars.iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        })
+    fn flags_override_the_defaults() {
+        let s = parse(&[
+            "--port=9000",
+            "--heartbeat-timeout=1500ms",
+            "--safety-margin=0.1",
+            "--body-limit=1MiB",
+            "--queue-unregistered-devices",
+            "--scheduler-lease=3s",
+            "--max-queued-per-owner=5",
+            "--data-root=/srv/a:/srv/b",
+        ])
         .unwrap();
         assert_eq!(s.port, 9000);
         assert_eq!(s.heartbeat_timeout, Duration::from_millis(1500));
@@ -385,18 +311,55 @@ mod tests {
         assert_eq!(s.body_limit, 1 << 20);
         assert!(s.queue_unregistered_devices);
         assert_eq!(s.scheduler_lease, Duration::from_secs(3));
+        assert_eq!(s.limits.queued_per_owner, 5);
         assert_eq!(
-            s.scheduling_interval,
-            Settings::default().scheduling_interval
+            s.data_roots,
+            [PathBuf::from("/srv/a"), PathBuf::from("/srv/b")]
         );
+        let d = Settings::default();
+        assert_eq!(s.scheduling_interval, d.scheduling_interval);
+        assert_eq!(
+            (d.port, d.body_limit, d.limits.max_steps),
+            (8080, 4 << 20, 1_000_000)
+        );
+        assert_eq!(d.limits.model_retention, None);
+        assert!(!d.queue_unregistered_devices);
     }
 
     #[test]
-    fn a_bad_variable_is_named() {
-        let err =
-            Settings::from_vars(|name| (name == "ZEROTRAIN_SAFETY_MARGIN").then(|| "2".into()))
-                .unwrap_err();
-        assert_eq!(err.var, "ZEROTRAIN_SAFETY_MARGIN");
+    fn every_setting_is_a_flag_and_the_variable_of_its_name() {
+        let command = Settings::augment_args(Command::new("zerotrain"));
+        let mut names = Vec::new();
+        for arg in command.get_arguments() {
+            let long = arg.get_long().expect("every setting has a flag");
+            let mut var = format!("ZEROTRAIN_{}", long.to_uppercase().replace('-', "_"));
+            if long == "data-root" {
+                var.push('S'); // one root per flag, all of them in the variable
+            }
+            let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+            assert_eq!(env.as_deref(), Some(var.as_str()), "--{long}");
+            assert!(arg.get_help().is_some(), "--{long} says what it does");
+            names.push(var);
+        }
+        for flattened in [
+            "ZEROTRAIN_SCHEDULER_LEASE",
+            "ZEROTRAIN_AUTH_FAILURES_PER_MINUTE",
+        ] {
+            assert!(names.iter().any(|n| n == flattened), "{names:?}");
+        }
+    }
+
+    #[test]
+    fn a_bad_value_is_named_with_its_reason() {
+        let err = parse(&["--safety-margin=2"]).unwrap_err().to_string();
+        assert!(
+            err.contains("--safety-margin") && err.contains("[0, 1)"),
+            "{err}"
+        );
+        let err = parse(&["--heartbeat-timeout=2 fortnights"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--heartbeat-timeout"), "{err}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Every route rejects a missing or unknown token (401) and an under-privileged one (403); the
-//! table must list every operation of the OpenAPI document, so a new route cannot skip it. The
+//! Every route rejects a missing or unknown token (401) and an under-privileged one (403): the
+//! routes and the role each needs are read from the router's OpenAPI document, so a new route
+//! cannot skip these tests, and its documented role is the one the server enforces. The
 //! console's session cookie gets exactly its token's access, and only from the server's origin.
 
 mod api_helpers;
@@ -22,62 +23,66 @@ enum Needs {
     Session,
 }
 
-const ROUTES: &[(&str, &str, Needs)] = &[
-    ("GET", "/healthz", Needs::Nobody),
-    ("GET", "/readyz", Needs::Viewer),
-    ("GET", "/metrics", Needs::Viewer),
-    ("GET", "/openapi.json", Needs::Viewer),
-    ("POST", "/v1/jobs", Needs::Submitter),
-    ("GET", "/v1/jobs", Needs::Viewer),
-    ("GET", "/v1/jobs/{id}", Needs::Viewer),
-    ("POST", "/v1/jobs/{id}/cancel", Needs::Submitter),
-    ("GET", "/v1/jobs/{id}/metrics", Needs::Viewer),
-    ("GET", "/v1/jobs/{id}/logs", Needs::Viewer),
-    ("GET", "/v1/jobs/{id}/events", Needs::Viewer),
-    ("GET", "/v1/jobs/{id}/artifacts", Needs::Viewer),
-    ("GET", "/v1/jobs/{id}/artifacts/{name}", Needs::Viewer),
-    ("POST", "/v1/estimate", Needs::Viewer),
-    ("GET", "/v1/nodes", Needs::Viewer),
-    ("POST", "/v1/session", Needs::Viewer),
-    ("DELETE", "/v1/session", Needs::Session),
-    ("POST", "/v1/tokens", Needs::Admin),
-    ("GET", "/v1/tokens", Needs::Admin),
-    ("DELETE", "/v1/tokens/{name}", Needs::Admin),
-    ("POST", "/v1/agents/register", Needs::Join),
-    ("POST", "/v1/agents/{node}/heartbeat", Needs::NodeToken),
-    (
-        "PUT",
-        "/v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}",
-        Needs::NodeToken,
-    ),
-    (
-        "GET",
-        "/v1/agents/{node}/jobs/{job}/artifacts/{name}",
-        Needs::NodeToken,
-    ),
-    (
-        "GET",
-        "/v1/agents/{node}/jobs/{job}/init_from",
-        Needs::NodeToken,
-    ),
-];
-
-#[test]
-fn the_table_lists_every_operation_of_the_api() {
+/// Every operation of the router's document with the role its security requirement names
+/// (the bearer scheme's one scope, or the session scheme): the routes are listed once, by
+/// `routes::api`, and these tests cross each one's boundary with every other kind of token.
+fn routes() -> Vec<(String, String, Needs)> {
     let doc = serde_json::to_value(document()).unwrap();
-    let mut operations: Vec<(String, String)> = Vec::new();
+    let mut routes = Vec::new();
     for (path, item) in doc["paths"].as_object().unwrap() {
-        for method in item.as_object().unwrap().keys() {
-            operations.push((method.to_uppercase(), path.clone()));
+        for (method, op) in item.as_object().unwrap() {
+            let requirements = op["security"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{method} {path} names its own security"));
+            let named: Vec<(&String, &serde_json::Value)> = requirements
+                .iter()
+                .flat_map(|r| r.as_object().unwrap())
+                .collect();
+            let needs = match named.as_slice() {
+                [] => Needs::Nobody,
+                [(scheme, scopes)] => {
+                    match (scheme.as_str(), scopes.as_array().unwrap().as_slice()) {
+                        ("session", []) => Needs::Session,
+                        ("bearer", [role]) => match role.as_str().unwrap() {
+                            "viewer" => Needs::Viewer,
+                            "submitter" => Needs::Submitter,
+                            "admin" => Needs::Admin,
+                            "agent_join" => Needs::Join,
+                            "node" => Needs::NodeToken,
+                            other => panic!("{method} {path}: unknown role {other}"),
+                        },
+                        _ => panic!("{method} {path}: a bearer requirement names one role: {op}"),
+                    }
+                }
+                _ => panic!("{method} {path}: one scheme with its role: {op}"),
+            };
+            routes.push((method.to_uppercase(), path.clone(), needs));
         }
     }
-    operations.sort();
-    let mut table: Vec<(String, String)> = ROUTES
-        .iter()
-        .map(|(m, p, _)| (m.to_string(), p.to_string()))
-        .collect();
-    table.sort();
-    assert_eq!(table, operations);
+    routes
+}
+
+#[test]
+fn the_document_names_a_role_for_every_operation() {
+    let routes = routes();
+    let needs = |m: &str, p: &str| {
+        routes
+            .iter()
+            .find(|(method, path, _)| (method.as_str(), path.as_str()) == (m, p))
+            .map(|r| r.2)
+    };
+    // The boundaries a wrong annotation would open: the tests below prove the server holds
+    // each route to what the document says, these that the document says what it must.
+    assert_eq!(needs("GET", "/healthz"), Some(Needs::Nobody));
+    assert_eq!(needs("POST", "/v1/jobs"), Some(Needs::Submitter));
+    assert_eq!(needs("POST", "/v1/tokens"), Some(Needs::Admin));
+    assert_eq!(needs("GET", "/v1/tokens"), Some(Needs::Admin));
+    assert_eq!(needs("POST", "/v1/agents/register"), Some(Needs::Join));
+    for (method, path, n) in &routes {
+        if path.starts_with("/v1/agents/{node}") {
+            assert_eq!(*n, Needs::NodeToken, "{method} {path}");
+        }
+    }
 }
 
 #[tokio::test]
@@ -89,7 +94,7 @@ async fn every_route_rejects_missing_unknown_and_under_privileged_tokens() {
     let cancel = format!("/v1/jobs/{job}/cancel");
     app.call(Method::POST, &cancel, Some(SUBMITTER), None).await;
     let body = json!({});
-    for &(method, template, needs) in ROUTES {
+    for (method, template, needs) in routes() {
         // A token name nobody has: an allowed DELETE answers 404 and revokes nothing.
         let path = template
             .replace("{id}", &job)
@@ -186,15 +191,15 @@ async fn a_session_cookie_has_exactly_its_tokens_access_on_every_route() {
     )
     .await;
     for role_token in [VIEWER, SUBMITTER, ADMIN] {
-        for &(method, template, needs) in ROUTES {
+        for (method, template, needs) in routes() {
             if needs == Needs::Nobody {
                 continue;
             }
-            if (method, template) == ("POST", "/v1/session") {
+            if (method.as_str(), template.as_str()) == ("POST", "/v1/session") {
                 // Logging in takes a token, not a session.
                 let cookie = app.login(role_token).await;
                 let a = app
-                    .browser(Method::POST, template, &cookie, Some(ORIGIN), None)
+                    .browser(Method::POST, &template, &cookie, Some(ORIGIN), None)
                     .await;
                 assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{}", a.text);
                 continue;

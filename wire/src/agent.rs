@@ -30,6 +30,7 @@ use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
+use strum::{IntoStaticStr, VariantArray};
 
 use crate::Op;
 
@@ -246,8 +247,11 @@ pub struct Refusal {
     pub reason: RefusalReason,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, IntoStaticStr, VariantArray,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum RefusalReason {
     /// There is no such job.
     UnknownJob,
@@ -258,6 +262,7 @@ pub enum RefusalReason {
     /// A report about the whole job (rendezvous, start, step, checkpoint) from a node that does
     /// not run its rank 0.
     #[serde(rename = "not_rank_0")]
+    #[strum(serialize = "not_rank_0")]
     NotRank0,
     /// The node was declared lost: the whole beat was answered 410.
     NodeLost,
@@ -266,24 +271,10 @@ pub enum RefusalReason {
 }
 
 impl RefusalReason {
-    pub const ALL: [RefusalReason; 6] = [
-        RefusalReason::UnknownJob,
-        RefusalReason::NotAssigned,
-        RefusalReason::AttemptOver,
-        RefusalReason::NotRank0,
-        RefusalReason::NodeLost,
-        RefusalReason::Incomplete,
-    ];
+    pub const ALL: &[RefusalReason] = <RefusalReason as VariantArray>::VARIANTS;
 
     /// The name on the wire (and the `reason` label of the refused-reports counter).
     pub fn as_str(self) -> &'static str {
-        match self {
-            RefusalReason::UnknownJob => "unknown_job",
-            RefusalReason::NotAssigned => "not_assigned",
-            RefusalReason::AttemptOver => "attempt_over",
-            RefusalReason::NotRank0 => "not_rank_0",
-            RefusalReason::NodeLost => "node_lost",
-            RefusalReason::Incomplete => "incomplete",
-        }
+        self.into()
     }
 }

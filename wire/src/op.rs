@@ -1,10 +1,25 @@
 //! The collectives, by the names the agent protocol and the metrics use.
 
 use serde::{Deserialize, Serialize};
+use strum::{IntoStaticStr, VariantArray};
 
 /// A collective between the data-parallel ranks, for counting what each one sends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    IntoStaticStr,
+    VariantArray,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Op {
     AllReduce,
     ReduceScatter,
@@ -14,36 +29,28 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 5] = [
-        Op::AllReduce,
-        Op::ReduceScatter,
-        Op::AllGather,
-        Op::Broadcast,
-        Op::Barrier,
-    ];
+    pub const ALL: &[Op] = <Op as VariantArray>::VARIANTS;
 
     /// The name on the wire (and the `op` label of the comm-bytes counter).
     pub fn as_str(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-            Op::Broadcast => "broadcast",
-            Op::Barrier => "barrier",
-        }
+        self.into()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::Op;
+    use crate::agent::RefusalReason;
 
     #[test]
-    fn each_op_serializes_as_its_name() {
-        for op in Op::ALL {
+    fn strum_names_are_serde_names() {
+        for &op in Op::ALL {
             let json = serde_json::to_string(&op).unwrap();
             assert_eq!(json, format!("\"{}\"", op.as_str()));
             assert_eq!(serde_json::from_str::<Op>(&json).unwrap(), op);
+        }
+        for &r in RefusalReason::ALL {
+            assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());
         }
     }
 }

@@ -100,6 +100,7 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Resu
     metrics.watch_gpus(&cfg.gpus);
     for (i, d) in cfg.devices.iter().enumerate() {
         metrics
+            .series
             .device_memory_bytes
             .with_label_values(&[&i.to_string()])
             .set(d.memory_bytes as i64);
@@ -112,7 +113,7 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Resu
     };
     loop {
         let registered = client.register(&cfg.join_token, &request, stop, |e, again| {
-            metrics.registration_failures.inc();
+            metrics.series.registration_failures_total.inc();
             eprintln!(
                 "agent {}: registering failed ({e}); trying again in {again:.1?}",
                 cfg.name
@@ -121,7 +122,7 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Resu
         let Some(registered) = registered else {
             return Ok(());
         };
-        metrics.registrations.inc();
+        metrics.series.registrations_total.inc();
         match Session::new(cfg, &client, metrics, registered).run(stop) {
             Ended::Stopped => return Ok(()),
             Ended::Lost => eprintln!(

@@ -209,12 +209,12 @@ impl<'a> Session<'a> {
     fn answered(&mut self, reply: HeartbeatResponse, sent: &[Report]) {
         self.retry_at = None;
         self.backoff = None;
-        self.metrics.heartbeats.inc();
+        self.metrics.series.heartbeats_total.inc();
         let steps = sent
             .iter()
             .filter(|r| matches!(r, Report::Step { .. }))
             .count();
-        self.metrics.steps.inc_by(steps as u64);
+        self.metrics.series.steps_total.inc_by(steps as u64);
         for r in &reply.refused {
             if let Some(report) = sent.get(r.index) {
                 let (job, attempt) = report.key();
@@ -256,7 +256,7 @@ impl<'a> Session<'a> {
             {
                 cancel.store(true, Ordering::Relaxed);
                 *stopping = true;
-                self.metrics.attempts_fenced.inc();
+                self.metrics.series.attempts_fenced_total.inc();
             }
         }
         self.count_running();
@@ -264,7 +264,7 @@ impl<'a> Session<'a> {
 
     /// The request failed: its reports go with the next, which waits for the backoff's delay.
     fn failed(&mut self, mut sent: Vec<Report>, e: &CallError) {
-        self.metrics.heartbeat_failures.inc();
+        self.metrics.series.heartbeat_failures_total.inc();
         sent.append(&mut self.unsent);
         self.unsent = sent;
         let delay = self
@@ -300,7 +300,7 @@ impl<'a> Session<'a> {
             .values()
             .filter(|run| matches!(run, Run::Running { .. }))
             .count();
-        self.metrics.jobs_running.set(n as i64);
+        self.metrics.series.jobs_running.set(n as i64);
     }
 
     /// Tells every running attempt to stop; when the node was lost, waits until they have, so
@@ -311,7 +311,7 @@ impl<'a> Session<'a> {
             if let Run::Running { cancel, thread, .. } = run {
                 cancel.store(true, Ordering::Relaxed);
                 if wait {
-                    self.metrics.attempts_fenced.inc();
+                    self.metrics.series.attempts_fenced_total.inc();
                 }
                 threads.push(thread);
             }
@@ -320,7 +320,7 @@ impl<'a> Session<'a> {
             for t in threads {
                 let _ = t.join();
             }
-            self.metrics.jobs_running.set(0);
+            self.metrics.series.jobs_running.set(0);
         }
     }
 }

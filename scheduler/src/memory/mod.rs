@@ -11,13 +11,28 @@ pub use comm::Comm;
 
 use serde::ser::SerializeStruct;
 use serde::{Deserialize, Serialize, Serializer};
+use strum::{EnumString, IntoStaticStr, VariantArray};
 
 use crate::model::{Activations, GptShape, Units};
 use crate::spec::{Architecture, Dtype, JobSpec, MAX_SYNTHETIC_VOCAB, Optimizer, ZeroStage};
 
 /// What a byte is held for. The trainer's accounting allocator uses the same categories.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    IntoStaticStr,
+    VariantArray,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum Category {
     /// Weights in the compute dtype (fp32 training: the only copy).
     Params,
@@ -36,30 +51,30 @@ pub enum Category {
 }
 
 impl Category {
-    pub const ALL: [Category; 6] = [
-        Category::Params,
-        Category::Grads,
-        Category::Optimizer,
-        Category::Activations,
-        Category::Buffers,
-        Category::Overhead,
-    ];
+    pub const ALL: &[Category] = <Category as VariantArray>::VARIANTS;
 
     pub fn name(self) -> &'static str {
-        match self {
-            Category::Params => "params",
-            Category::Grads => "grads",
-            Category::Optimizer => "optimizer",
-            Category::Activations => "activations",
-            Category::Buffers => "buffers",
-            Category::Overhead => "overhead",
-        }
+        self.into()
     }
 }
 
 /// The kind of device a rank runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    Serialize,
+    Deserialize,
+    IntoStaticStr,
+    EnumString,
+    VariantArray,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum DeviceKind {
     /// A virtual CPU device with a memory budget.
     #[default]
@@ -80,14 +95,9 @@ pub const CUDA_CONTEXT_BYTES: u64 = (1 << 30) - CUDA_GEMM_RESIDENT_BYTES;
 pub const CUDA_OVERHEAD_BYTES: u64 = CUDA_CONTEXT_BYTES + CUDA_GEMM_RESIDENT_BYTES;
 
 impl DeviceKind {
-    pub const ALL: [DeviceKind; 2] = [DeviceKind::Cpu, DeviceKind::Cuda];
-
     /// The name job specs and the agent protocol use: `cpu`, `cuda`.
     pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceKind::Cpu => "cpu",
-            DeviceKind::Cuda => "cuda",
-        }
+        self.into()
     }
 
     /// What a rank pays beside its buffers, planned for before the node is known: a CUDA
@@ -153,7 +163,7 @@ impl Breakdown {
 impl Serialize for Breakdown {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut st = s.serialize_struct("Breakdown", 7)?;
-        for c in Category::ALL {
+        for &c in Category::ALL {
             st.serialize_field(c.name(), &self.get(c))?;
         }
         st.serialize_field("total", &self.total())?;
@@ -382,5 +392,21 @@ fn closed_form(setup: &Setup, psi: u64) -> Breakdown {
         optimizer: rounded[2]
             + optimizer::closed_form_extra_bytes(&setup.optimizer, psi, opt_ranks),
         ..Breakdown::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strum_names_are_serde_names() {
+        for &c in Category::ALL {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.name());
+        }
+        for &k in DeviceKind::VARIANTS {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+            assert_eq!(k.as_str().parse::<DeviceKind>(), Ok(k));
+        }
     }
 }

@@ -3,11 +3,13 @@
 //! matrices.
 
 use serde::{Deserialize, Serialize};
+use strum::IntoStaticStr;
 
 use crate::error::Problems;
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, IntoStaticStr)]
 #[serde(tag = "type", rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum Optimizer {
     Sgd(Sgd),
     Momentum(Momentum),
@@ -145,15 +147,9 @@ impl Optimizer {
         }
     }
 
+    /// The `type` it is written with.
     pub fn name(&self) -> &'static str {
-        match self {
-            Optimizer::Sgd(_) => "sgd",
-            Optimizer::Momentum(_) => "momentum",
-            Optimizer::Adamw(_) => "adamw",
-            Optimizer::Lion(_) => "lion",
-            Optimizer::Adafactor(_) => "adafactor",
-            Optimizer::Adam8bit(_) => "adam8bit",
-        }
+        self.into()
     }
 
     pub(super) fn validate(&self, p: &mut Problems) {

@@ -52,6 +52,7 @@ pub struct NodeFit {
     post,
     path = "/v1/estimate", operation_id = "estimate",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     request_body(content = JobSpecBody, content_type = "application/json"),
     responses(
         (status = 200, body = Estimate),

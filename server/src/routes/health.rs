@@ -26,6 +26,7 @@ pub async fn healthz() -> &'static str {
     get,
     path = "/readyz", operation_id = "readyz",
     tag = "health",
+    security(("bearer" = ["viewer"])),
     responses(
         (status = 200, description = "ready", body = String, content_type = "text/plain"),
         (status = 503, body = Problem, content_type = "application/problem+json"),

@@ -14,6 +14,7 @@ use crate::error::ApiError;
     get,
     path = "/metrics", operation_id = "prometheus_metrics",
     tag = "health",
+    security(("bearer" = ["viewer"])),
     responses((status = 200, body = String, content_type = "text/plain; version=0.0.4")),
 )]
 pub async fn metrics(

@@ -16,7 +16,13 @@ pub struct NodeList {
 }
 
 /// Registered nodes, lost ones included (`lost: true`).
-#[utoipa::path(get, path = "/v1/nodes", operation_id = "list_nodes", tag = "nodes", responses((status = 200, body = NodeList)))]
+#[utoipa::path(
+    get,
+    path = "/v1/nodes", operation_id = "list_nodes",
+    tag = "nodes",
+    security(("bearer" = ["viewer"])),
+    responses((status = 200, body = NodeList)),
+)]
 pub async fn list(State(state): State<AppState>, _: Viewer) -> Result<Json<NodeList>, ApiError> {
     Ok(Json(NodeList {
         nodes: state.store.nodes().await?,

@@ -9,7 +9,9 @@ use axum::response::IntoResponse;
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::path::Operation;
 use utoipa::openapi::request_body::RequestBody;
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::security::{
+    ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+};
 use utoipa::openapi::{
     Content, ObjectBuilder, OpenApi as Document, Ref, RefOr, Required, Response, ResponseBuilder,
     Schema, Type,
@@ -28,7 +30,8 @@ use crate::error::{PROBLEM_JSON, Problem};
         description = "ZeRO-sharded mixed-precision training as a service. Every endpoint but \
             /healthz takes a bearer token: viewer < submitter < admin (admins manage tokens at \
             /v1/tokens); agents use the join token \
-            to register and their node's token to heartbeat. Browsers exchange a token for a \
+            to register and their node's token to heartbeat; each operation's bearer \
+            requirement names, as its scope, the role it needs. Browsers exchange a token for a \
             session cookie at /v1/session; cookie-authenticated requests that change state \
             must carry the server's Origin. Errors are RFC 9457 \
             application/problem+json."
@@ -44,9 +47,20 @@ struct BearerAuth;
 impl Modify for BearerAuth {
     fn modify(&self, openapi: &mut Document) {
         let components = openapi.components.get_or_insert_with(Default::default);
+        // An operation's bearer requirement names the role it needs as its one scope (OpenAPI
+        // 3.1 lets non-OAuth schemes list role names): viewer < submitter < admin, agent_join
+        // (the join token) or node (the node's own token, whose `{node}` the path must name).
         components.add_security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        // The console's login, which its person's routes also accept in place of the token.
+        components.add_security_scheme(
+            "session",
+            SecurityScheme::ApiKey(ApiKey::Cookie(ApiKeyValue::with_description(
+                crate::session::COOKIE,
+                "The session cookie POST /v1/session sets (`__Host-` prefixed behind HTTPS)",
+            ))),
         );
     }
 }
@@ -233,6 +247,7 @@ impl Served {
     get,
     path = "/openapi.json", operation_id = "openapi_document",
     tag = "health",
+    security(("bearer" = ["viewer"])),
     responses((status = 200, description = "OpenAPI 3.1 document", body = Object)),
 )]
 pub async fn openapi_json(_: Viewer, Extension(doc): Extension<Served>) -> impl IntoResponse {

@@ -48,7 +48,7 @@ pub struct SessionInfo {
     path = "/v1/session", operation_id = "create_session",
     tag = "session",
     // The token comes as a bearer token or in the form.
-    security((), ("bearer" = [])),
+    security(("bearer" = ["viewer"]), ()),
     request_body(content = Option<LoginForm>, content_type = "application/x-www-form-urlencoded",
         description = "The login form; API clients send the token as a bearer token instead"),
     responses(
@@ -116,6 +116,7 @@ pub async fn create(
     delete,
     path = "/v1/session", operation_id = "delete_session",
     tag = "session",
+    security(("session" = [])),
     responses(
         (status = 204, description = "Logged out",
             headers(("set-cookie" = String, description = "Deletes the cookie"))),

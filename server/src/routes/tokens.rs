@@ -46,6 +46,7 @@ pub struct TokenList {
     post,
     path = "/v1/tokens", operation_id = "create_token",
     tag = "tokens",
+    security(("bearer" = ["admin"])),
     request_body = CreateToken,
     responses(
         (status = 201, body = CreatedToken),
@@ -80,6 +81,7 @@ pub async fn create(
     get,
     path = "/v1/tokens", operation_id = "list_tokens",
     tag = "tokens",
+    security(("bearer" = ["admin"])),
     responses((status = 200, body = TokenList)),
 )]
 pub async fn list(State(state): State<AppState>, _: Admin) -> Result<Json<TokenList>, ApiError> {
@@ -95,6 +97,7 @@ pub async fn list(State(state): State<AppState>, _: Admin) -> Result<Json<TokenL
     delete,
     path = "/v1/tokens/{name}", operation_id = "revoke_token",
     tag = "tokens",
+    security(("bearer" = ["admin"])),
     params(("name" = String, Path, description = "Token name")),
     responses(
         (status = 204, description = "Revoked"),

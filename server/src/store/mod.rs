@@ -85,7 +85,8 @@ pub struct JobSort {
     pub descending: bool,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, strum::IntoStaticStr, strum::EnumString)]
+#[strum(serialize_all = "lowercase")]
 pub enum SortKey {
     /// Submission time (the id is a UUIDv7).
     #[default]
@@ -114,26 +115,13 @@ impl JobSort {
             Some(key) => (true, key),
             None => (false, s),
         };
-        let key = match key {
-            "created" => SortKey::Created,
-            "name" => SortKey::Name,
-            "state" => SortKey::State,
-            "owner" => SortKey::Owner,
-            "priority" => SortKey::Priority,
-            _ => return None,
-        };
+        let key = key.parse().ok()?;
         Some(JobSort { key, descending })
     }
 
     /// The form `parse` reads.
     pub fn as_string(self) -> String {
-        let key = match self.key {
-            SortKey::Created => "created",
-            SortKey::Name => "name",
-            SortKey::State => "state",
-            SortKey::Owner => "owner",
-            SortKey::Priority => "priority",
-        };
+        let key: &str = self.key.into();
         format!("{}{key}", if self.descending { "-" } else { "" })
     }
 }

@@ -7,7 +7,7 @@ use super::StoreError;
 use super::backend::{Arg, Conn, insert_rows, lock_scheduling, on};
 use super::rows::{
     A_ASSIGNMENT_COLUMNS, AssignmentRow, J_JOB_COLUMNS, JobRow, NODE_DEVICE_COLUMNS, NodeDeviceRow,
-    kind_name, new_id, nodes_from_rows, to_u32,
+    new_id, nodes_from_rows, to_u32,
 };
 use super::{jobs, lease};
 use crate::domain::{AssignmentRecord, Job, JobState, NodeRecord};
@@ -76,7 +76,7 @@ pub(super) async fn register(
             vec![
                 Arg::Text(id.clone()),
                 Arg::Int(i as i64),
-                Arg::Text(kind_name(d.kind)),
+                Arg::Text(d.kind.as_str().into()),
                 Arg::Int(d.memory_bytes as i64),
             ]
         })

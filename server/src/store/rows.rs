@@ -54,16 +54,9 @@ pub(super) fn to_json(value: &impl serde::Serialize) -> String {
     serde_json::to_string(value).expect("records serialize to JSON")
 }
 
-pub(super) fn kind_name(kind: DeviceKind) -> String {
-    match serde_json::to_value(kind) {
-        Ok(serde_json::Value::String(s)) => s,
-        other => panic!("DeviceKind serializes as a string, got {other:?}"),
-    }
-}
-
 pub(super) fn kind(name: &str) -> Result<DeviceKind, StoreError> {
-    serde_json::from_value(serde_json::Value::String(name.to_string()))
-        .map_err(|e| corrupt("device kind", e))
+    name.parse()
+        .map_err(|_| corrupt("device kind", format!("unknown kind {name:?}")))
 }
 
 /// SQLite stores NaN as NULL; both stores read NULL back as NaN.

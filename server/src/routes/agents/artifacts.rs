@@ -52,6 +52,7 @@ impl From<&ArtifactRecord> for ArtifactView {
     path = "/v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}",
     operation_id = "agent_upload_artifact",
     tag = "agents",
+    security(("bearer" = ["node"])),
     params(
         ("node" = String, Path, description = "The node id registration returned"),
         ("job" = String, Path, description = "The job id"),
@@ -117,6 +118,7 @@ pub async fn upload(
     path = "/v1/agents/{node}/jobs/{job}/artifacts/{name}",
     operation_id = "agent_download_artifact",
     tag = "agents",
+    security(("bearer" = ["node"])),
     params(
         ("node" = String, Path, description = "The node id registration returned"),
         ("job" = String, Path, description = "The job id"),
@@ -152,6 +154,7 @@ pub async fn download(
     path = "/v1/agents/{node}/jobs/{job}/init_from",
     operation_id = "agent_download_init_from",
     tag = "agents",
+    security(("bearer" = ["node"])),
     params(
         ("node" = String, Path, description = "The node id registration returned"),
         ("job" = String, Path, description = "The job id"),

@@ -25,6 +25,7 @@ use crate::error::{ApiError, Problem};
     post,
     path = "/v1/agents/{node}/heartbeat", operation_id = "agent_heartbeat",
     tag = "agents",
+    security(("bearer" = ["node"])),
     params(("node" = String, Path, description = "The node id registration returned")),
     request_body(content = Object,
         description = "`Heartbeat`: reports since the last beat, the (job, attempt) pairs \

@@ -19,6 +19,7 @@ use crate::store::token_hash;
     post,
     path = "/v1/agents/register", operation_id = "register_agent",
     tag = "agents",
+    security(("bearer" = ["agent_join"])),
     request_body(content = Object,
         description = "`RegisterRequest`: the node's name, its devices ({kind, memory_bytes}) \
             and the host its ranks accept TCP connections on"),

@@ -31,6 +31,7 @@ pub struct ArtifactList {
     get,
     path = "/v1/jobs/{id}/artifacts", operation_id = "list_artifacts",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(("id" = String, Path, description = "Job id")),
     responses(
         (status = 200, body = ArtifactList),
@@ -53,6 +54,7 @@ pub async fn list(
     get,
     path = "/v1/jobs/{id}/artifacts/{name}", operation_id = "download_artifact",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(
         ("id" = String, Path, description = "Job id"),
         ("name" = String, Path, description = "A name the list gives, `/` as `%2F`"),

@@ -14,6 +14,7 @@ use crate::error::{ApiError, Problem};
     post,
     path = "/v1/jobs/{id}/cancel", operation_id = "cancel_job",
     tag = "jobs",
+    security(("bearer" = ["submitter"])),
     params(("id" = String, Path, description = "Job id")),
     responses(
         (status = 200, description = "Cancelled", body = Job),

@@ -55,6 +55,7 @@ const IDEMPOTENCY_KEY: &str = "idempotency-key";
     post,
     path = "/v1/jobs", operation_id = "create_job",
     tag = "jobs",
+    security(("bearer" = ["submitter"])),
     params(
         CreateParams,
         ("Idempotency-Key" = Option<String>, Header,

@@ -28,6 +28,7 @@ pub struct JobEventMessage {
     get,
     path = "/v1/jobs/{id}/events", operation_id = "job_events",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(("id" = String, Path, description = "Job id")),
     responses(
         (status = 200, description = "`state` and `step` events; the stream ends after a \

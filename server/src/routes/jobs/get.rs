@@ -23,6 +23,7 @@ pub struct JobDetail {
     get,
     path = "/v1/jobs/{id}", operation_id = "get_job",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(("id" = String, Path, description = "Job id")),
     responses(
         (status = 200, body = JobDetail),

@@ -50,6 +50,7 @@ pub struct JobPage {
     get,
     path = "/v1/jobs", operation_id = "list_jobs",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(ListParams),
     responses(
         (status = 200, body = JobPage),
@@ -73,7 +74,7 @@ pub(crate) async fn page(state: &AppState, params: ListParams) -> Result<JobPage
             field: "state".into(),
             reason: format!(
                 "{s:?} is not a job state; use one of {}",
-                JobState::ALL.map(JobState::as_str).join(", ")
+                JobState::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
             ),
         })?),
         None => None,

@@ -66,6 +66,7 @@ pub struct LogPage {
     get,
     path = "/v1/jobs/{id}/logs", operation_id = "job_logs",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(("id" = String, Path, description = "Job id"), LogParams),
     responses(
         (status = 200, description = "A page of lines; with `follow=true` a stream of `log` \

@@ -41,6 +41,7 @@ pub struct RankDevice {
     get,
     path = "/v1/jobs/{id}/metrics", operation_id = "job_metrics",
     tag = "jobs",
+    security(("bearer" = ["viewer"])),
     params(("id" = String, Path, description = "Job id")),
     responses(
         (status = 200, body = JobMetrics),
