@@ -12,8 +12,9 @@ use clap::{Args as _, Command, FromArgMatches as _};
 use scheduler::bytes::{number_and_unit, parse_size};
 use wire::data_roots::{DataRoots, RootsError};
 
-/// Every field but the last three is a flag of `zerotrain serve` and `up` and a `ZEROTRAIN_*`
-/// variable (the flag's name upper-cased); `zerotrain serve --help` lists them with defaults.
+/// Every field but the last two (and `limits`, whose fields are) is a flag of `zerotrain serve`
+/// and `up` and a `ZEROTRAIN_*` variable (the flag's name upper-cased); `zerotrain serve
+/// --help` lists them with their defaults.
 #[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct Settings {
     /// Address to listen on.
@@ -168,24 +169,26 @@ impl Default for Limits {
 /// The defaults, whatever the environment says.
 impl Default for Settings {
     fn default() -> Self {
-        let command = Settings::augment_args(Command::new("zerotrain")).mut_args(|a| a.env(None));
-        Settings::from_command(command, ["zerotrain"]).expect("the defaults parse")
+        Settings::parse(false, []).expect("the defaults parse")
     }
 }
 
 impl Settings {
     /// The defaults with every `ZEROTRAIN_*` variable that is set applied over them.
     pub fn from_env() -> Result<Settings, clap::Error> {
-        Settings::from_command(
-            Settings::augment_args(Command::new("zerotrain")),
-            ["zerotrain"],
-        )
+        Settings::parse(true, [])
     }
 
-    fn from_command<I: IntoIterator<Item = &'static str>>(
-        command: Command,
-        args: I,
+    /// `flags` over the defaults, and over the `ZEROTRAIN_*` variables when `with_env`.
+    fn parse<'a>(
+        with_env: bool,
+        flags: impl IntoIterator<Item = &'a str>,
     ) -> Result<Settings, clap::Error> {
+        let mut command = Settings::augment_args(Command::new("zerotrain"));
+        if !with_env {
+            command = command.mut_args(|a| a.env(None));
+        }
+        let args = std::iter::once("zerotrain").chain(flags);
         Settings::from_arg_matches(&command.try_get_matches_from(args)?)
     }
 
@@ -284,12 +287,8 @@ fn parse_margin(s: &str) -> Result<f64, String> {
 mod tests {
     use super::*;
 
-    fn parse(args: &[&'static str]) -> Result<Settings, clap::Error> {
-        let command = Settings::augment_args(Command::new("zerotrain")).mut_args(|a| a.env(None));
-        Settings::from_command(
-            command,
-            std::iter::once("zerotrain").chain(args.iter().copied()),
-        )
+    fn parse(flags: &[&str]) -> Result<Settings, clap::Error> {
+        Settings::parse(false, flags.iter().copied())
     }
 
     #[test]

@@ -13,10 +13,6 @@ pub trait Metric: Clone + prometheus::core::Collector + 'static {
     fn build(name: &str, help: &str, labels: &[&str], buckets: Option<Vec<f64>>) -> Self;
 }
 
-fn opts(name: &str, help: &str) -> Opts {
-    Opts::new(name, help)
-}
-
 fn histogram_opts(name: &str, help: &str, buckets: Option<Vec<f64>>) -> HistogramOpts {
     let opts = HistogramOpts::new(name, help);
     match buckets {
@@ -27,37 +23,37 @@ fn histogram_opts(name: &str, help: &str, buckets: Option<Vec<f64>>) -> Histogra
 
 impl Metric for IntCounter {
     fn build(name: &str, help: &str, _: &[&str], _: Option<Vec<f64>>) -> Self {
-        IntCounter::with_opts(opts(name, help)).expect("valid metric")
+        IntCounter::with_opts(Opts::new(name, help)).expect("valid metric")
     }
 }
 
 impl Metric for IntGauge {
     fn build(name: &str, help: &str, _: &[&str], _: Option<Vec<f64>>) -> Self {
-        IntGauge::with_opts(opts(name, help)).expect("valid metric")
+        IntGauge::with_opts(Opts::new(name, help)).expect("valid metric")
     }
 }
 
 impl Metric for Gauge {
     fn build(name: &str, help: &str, _: &[&str], _: Option<Vec<f64>>) -> Self {
-        Gauge::with_opts(opts(name, help)).expect("valid metric")
+        Gauge::with_opts(Opts::new(name, help)).expect("valid metric")
     }
 }
 
 impl Metric for IntGaugeVec {
     fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
-        IntGaugeVec::new(opts(name, help), labels).expect("valid metric")
+        IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
     }
 }
 
 impl Metric for GaugeVec {
     fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
-        GaugeVec::new(opts(name, help), labels).expect("valid metric")
+        GaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
     }
 }
 
 impl Metric for IntCounterVec {
     fn build(name: &str, help: &str, labels: &[&str], _: Option<Vec<f64>>) -> Self {
-        IntCounterVec::new(opts(name, help), labels).expect("valid metric")
+        IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
     }
 }
 
