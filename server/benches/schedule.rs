@@ -4,12 +4,13 @@
 //! FIFO) each job is gang-placed on the devices still free, and jobs that do not fit wait while
 //! smaller ones behind them backfill.
 //!
-//! Three passes are timed, each the median of several, split into reading (renewing the lease
-//! and bringing the board up to date), deciding and writing (through the commit):
+//! Three kinds of pass are timed, each the median of several, split into reading (renewing the
+//! lease and bringing the board up to date), deciding and writing (through the commit):
 //! - load: the first pass of a replica that takes the lease, which loads the board from the
 //!   tables (it places nothing here, so the next passes start from the same state);
-//! - placing: every device free, so the pass places jobs until the cluster is full (the database
-//!   and the board are put back between passes);
+//! - placing: every device free at first, so passes of at most `scheduling::RANKS_PER_PASS`
+//!   ranks follow one another until the cluster is full, as the scheduling loop runs them (the
+//!   database and the board are put back between fills); the fill's total is printed too;
 //! - full: after that, the common case of each tick: a long queue and nothing free.
 //!
 //! `cargo bench -p server --bench schedule` (`ZEROTRAIN_BENCH_PG_URL` picks the PostgreSQL
@@ -25,7 +26,7 @@ use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState};
-use server::scheduling::{OwnerQuota, decide};
+use server::scheduling::{OwnerQuota, RANKS_PER_PASS, decide};
 use server::store::{Board, Pass, Store, token_hash};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -33,7 +34,7 @@ const JOBS: usize = 10_000;
 const NODES: usize = 1_000;
 const DEVICES_PER_NODE: usize = 8;
 const LOADS: usize = 3;
-const PLACING_PASSES: usize = 5;
+const FILLS: usize = 5;
 const FULL_PASSES: usize = 9;
 const MARGIN: f64 = 0.05;
 const LEASE: Duration = Duration::from_secs(600);
@@ -52,12 +53,20 @@ struct Row {
     pass: &'static str,
     queued: usize,
     free: usize,
-    placed: usize,
+    placed: String,
     passes: Vec<Timed>,
+}
+
+/// Filling the free cluster: how many passes it took and how long, per fill.
+struct Fill {
+    store: &'static str,
+    passes: usize,
+    totals: Vec<Duration>,
 }
 
 async fn run() {
     let mut rows = Vec::new();
+    let mut fills = Vec::new();
 
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("bench.db").display());
@@ -65,12 +74,12 @@ async fn run() {
     let raw = sqlx::SqlitePool::connect(&url).await.unwrap();
     eprintln!("sqlite: populating {JOBS} jobs, {NODES} nodes");
     populate(&store).await;
-    rows.extend(
-        measure("SQLite", &store, || async {
-            reset_sqlite(&raw).await;
-        })
-        .await,
-    );
+    let (r, fill) = measure("SQLite", &store, || async {
+        reset_sqlite(&raw).await;
+    })
+    .await;
+    rows.extend(r);
+    fills.push(fill);
     store.close().await;
 
     let pg_url = std::env::var("ZEROTRAIN_BENCH_PG_URL")
@@ -101,12 +110,12 @@ async fn run() {
             eprintln!("postgres: populating {JOBS} jobs, {NODES} nodes");
             populate(&store).await;
             sqlx::query("ANALYZE").execute(&raw).await.unwrap();
-            rows.extend(
-                measure("PostgreSQL", &store, || async {
-                    reset_postgres(&raw).await;
-                })
-                .await,
-            );
+            let (r, fill) = measure("PostgreSQL", &store, || async {
+                reset_postgres(&raw).await;
+            })
+            .await;
+            rows.extend(r);
+            fills.push(fill);
             store.close().await;
             raw.close().await;
             sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
@@ -118,8 +127,9 @@ async fn run() {
 
     println!();
     println!(
-        "One scheduling pass: {JOBS} queued jobs, {NODES} nodes x {DEVICES_PER_NODE} devices \
-         (medians of {LOADS} loads, {PLACING_PASSES} placing and {FULL_PASSES} full passes)"
+        "One scheduling pass: {JOBS} queued jobs, {NODES} nodes x {DEVICES_PER_NODE} devices, \
+         at most {RANKS_PER_PASS} ranks placed per pass (medians of {LOADS} loads, the placing \
+         passes of {FILLS} fills and {FULL_PASSES} full passes)"
     );
     println!();
     println!(
@@ -145,6 +155,21 @@ async fn run() {
             ms(median(&totals)),
             ms(*totals.iter().min().unwrap()),
             ms(*totals.iter().max().unwrap()),
+        );
+    }
+    println!();
+    println!("Filling the free cluster, pass after pass (the scheduling loop's wake-up excluded):");
+    println!();
+    println!("| store | passes | all passes (median) | min–max |");
+    println!("|---|---:|---:|---:|");
+    for f in fills {
+        println!(
+            "| {} | {} | {} | {}–{} |",
+            f.store,
+            f.passes,
+            ms(median(&f.totals)),
+            ms(*f.totals.iter().min().unwrap()),
+            ms(*f.totals.iter().max().unwrap()),
         );
     }
 }
@@ -258,8 +283,9 @@ struct Timed {
     free: usize,
 }
 
-async fn timed_pass(store: &Store, board: &mut Board) -> Timed {
+async fn timed_pass(store: &Store, board: &mut Board) -> (Timed, bool) {
     let mut shown = (0, 0);
+    let mut capped = false;
     let start = Instant::now();
     let pass = store
         .schedule(board, LEASE, |b| {
@@ -273,20 +299,23 @@ async fn timed_pass(store: &Store, board: &mut Board) -> Timed {
                 held: b.held_ranks(),
                 limit: u32::MAX,
             };
-            decide(b.queue(), b.nodes(), MARGIN, quota)
+            let decided = decide(b.queue(), b.nodes(), MARGIN, quota, RANKS_PER_PASS);
+            capped = decided.capped;
+            decided.decisions
         })
         .await
         .unwrap()
         .expect("the bench's replica holds the scheduler lease");
-    Timed {
+    let timed = Timed {
         total: start.elapsed(),
         queued: shown.0,
         free: shown.1,
         pass,
-    }
+    };
+    (timed, capped)
 }
 
-async fn measure<R, Fut>(store_name: &'static str, store: &Store, reset: R) -> Vec<Row>
+async fn measure<R, Fut>(store_name: &'static str, store: &Store, reset: R) -> (Vec<Row>, Fill)
 where
     R: Fn() -> Fut,
     Fut: std::future::Future<Output = ()>,
@@ -313,27 +342,45 @@ where
         eprintln!("{store_name} load {i}: {}", ms(loads[i].total));
     }
     let mut placing = Vec::new();
+    let mut fill = Fill {
+        store: store_name,
+        passes: 0,
+        totals: Vec::new(),
+    };
+    let mut placed_jobs = 0;
     let mut board = loaded.clone();
-    for i in 0..PLACING_PASSES {
+    for i in 0..FILLS {
         if i > 0 {
             reset().await;
             board = loaded.clone();
         }
-        placing.push(timed_pass(store, &mut board).await);
-        let p = &placing[i];
-        assert!(!p.pass.loaded, "the board was kept");
-        eprintln!(
-            "{store_name} placing pass {i}: {} placed in {} (read {}, decide {}, write {})",
-            p.pass.placed.len(),
-            ms(p.total),
-            ms(p.pass.read),
-            ms(p.pass.decide),
-            ms(p.pass.write),
-        );
+        let (mut passes, mut jobs, mut total) = (0, 0, Duration::ZERO);
+        loop {
+            let (p, capped) = timed_pass(store, &mut board).await;
+            assert!(!p.pass.loaded, "the board was kept");
+            eprintln!(
+                "{store_name} fill {i} pass {passes}: {} placed in {} (read {}, decide {}, write {})",
+                p.pass.placed.len(),
+                ms(p.total),
+                ms(p.pass.read),
+                ms(p.pass.decide),
+                ms(p.pass.write),
+            );
+            passes += 1;
+            jobs += p.pass.placed.len();
+            total += p.total;
+            placing.push(p);
+            if !capped {
+                break;
+            }
+        }
+        fill.passes = passes;
+        fill.totals.push(total);
+        placed_jobs = jobs;
     }
     let mut full = Vec::new();
     for i in 0..FULL_PASSES {
-        full.push(timed_pass(store, &mut board).await);
+        full.push(timed_pass(store, &mut board).await.0);
         eprintln!(
             "{store_name} full pass {i}: {} free, {} placed in {}",
             full[i].free,
@@ -341,19 +388,22 @@ where
             ms(full[i].total)
         );
     }
-    let row = |pass: &'static str, passes: Vec<Timed>| Row {
+    let row = |pass: &'static str, placed: String, passes: Vec<Timed>| Row {
         store: store_name,
         pass,
         queued: passes[0].queued,
         free: passes[0].free,
-        placed: passes[0].pass.placed.len(),
+        placed,
         passes,
     };
-    vec![
-        row("load (lease taken)", loads),
-        row("placing (all devices free)", placing),
-        row("full (queue waits)", full),
-    ]
+    let placed_by = |passes: &[Timed]| passes[0].pass.placed.len().to_string();
+    let placed = format!("{placed_jobs} jobs in {} passes", fill.passes);
+    let rows = vec![
+        row("load (lease taken)", placed_by(&loads), loads),
+        row("placing (all devices free, until full)", placed, placing),
+        row("full (queue waits)", placed_by(&full), full),
+    ];
+    (rows, fill)
 }
 
 /// Puts the database back as before the placing pass: no assignments, the scheduled jobs

@@ -206,6 +206,7 @@ suite! {
     #[tokio::test] a_board_kept_between_passes_matches_one_loaded_afresh,
     #[tokio::test] only_the_lease_holder_schedules_and_another_takes_over_when_it_stops,
     #[tokio::test] two_servers_schedule_one_at_a_time_and_the_second_takes_over,
+    #[tokio::test] a_pass_at_its_rank_budget_wakes_the_next,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2348,6 +2349,42 @@ async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A pass that stops at `RANKS_PER_PASS` with jobs left leaves the scheduling loop a wake-up,
+/// and the next pass places the rest; one that does not stop leaves none.
+async fn a_pass_at_its_rank_budget_wakes_the_next(db: TestDb) {
+    use futures::FutureExt;
+    use server::scheduling::RANKS_PER_PASS;
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = server::settings::Settings {
+        data_dir: dir.path().to_path_buf(),
+        safety_margin: 0.0,
+        ..server::settings::Settings::default()
+    };
+    settings.limits.running_ranks_per_owner = u32::MAX;
+    let state = server::AppState::new(db.store.clone(), settings).unwrap();
+    let s = &db.store;
+    node(s, "n", RANKS_PER_PASS as usize + 1).await;
+    let wide = submit(s, "wide", 0, RANKS_PER_PASS).await;
+    let one = submit(s, "one", 0, 1).await;
+    let woken = || state.wake_scheduler.notified().now_or_never().is_some();
+    assert!(!woken());
+
+    let placed = server::scheduling::pass(&state).await.unwrap();
+    assert_eq!(placed.len(), 1);
+    assert_eq!(placed[0].job_id, wide.id);
+    assert!(woken(), "a capped pass wakes the loop");
+    assert_eq!(state_of(s, &one.id).await, JobState::Queued);
+
+    let placed = server::scheduling::pass(&state).await.unwrap();
+    assert_eq!(placed.len(), 1);
+    assert_eq!(placed[0].job_id, one.id);
+    assert!(
+        !woken(),
+        "a pass that placed all it could leaves no wake-up"
+    );
 }
 
 /// PostgreSQL numbers a transition when it is inserted, not when it commits: a change whose
