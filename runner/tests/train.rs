@@ -21,30 +21,56 @@ fn run_default(spec: &JobSpec) -> Result<Summary, runner::Error> {
     run(spec, &plan, &Options::default(), &mut |_| {})
 }
 
-/// Each optimizer with a learning rate that suits it on gpt2-tiny.
-const OPTIMIZERS: [(&str, f64); 6] = [
-    (r#"{"type": "sgd"}"#, 1.0),
-    (r#"{"type": "momentum"}"#, 0.3),
-    (r#"{"type": "adamw"}"#, 3e-3),
-    (r#"{"type": "lion"}"#, 3e-3),
-    (r#"{"type": "adafactor"}"#, 3e-3),
-    (r#"{"type": "adam8bit"}"#, 3e-3),
-];
+/// An optimizer with a learning rate that suits it on gpt2-tiny, and what training proves.
+struct Optimizer {
+    json: &'static str,
+    lr: f64,
+    steps: usize,
+    /// The mean of the last 5 losses must be below this.
+    bar: f64,
+}
 
 /// The synthetic corpus is an order-2 Markov chain over 32 tokens: uniform guessing scores
-/// ln 32 = 3.47, a bigram model 1.97-1.98 (counted from the chain over seeds 1-5, the first
-/// target of each sequence at ln 32), the floor at T = 64 is 1.24.
-const LOSS_THRESHOLD: f64 = 2.5;
+/// ln 32 = 3.47, the floor at T = 64 is 1.24, and a bigram model 1.985 on seed 1, the one
+/// training uses (`tests/data.rs` counts it). Below that the model attends to the token before.
+///
+/// The adaptive optimizers sit on a plateau near 2.12 until about step 300, then learn to
+/// attend: at 600 steps 1.876-1.902 over the three precisions (300 steps: 2.12-2.14; 400:
+/// 2.01-2.04), so their bar is below the bigram level. SGD and momentum come only just under it
+/// (600 steps: 1.935-1.968 at these learning rates, momentum 1.926 at 0.6, SGD 1.998 at 2.0;
+/// 1,000 steps no lower), too close for a bar, so theirs shows that they train at all, in 150
+/// steps (2.38-2.44).
+const ADAPTIVE: (usize, f64) = (600, 1.94);
+const FIRST_ORDER: (usize, f64) = (150, 2.5);
+
+const OPTIMIZERS: [Optimizer; 6] = [
+    optimizer(r#"{"type": "sgd"}"#, 1.0, FIRST_ORDER),
+    optimizer(r#"{"type": "momentum"}"#, 0.3, FIRST_ORDER),
+    optimizer(r#"{"type": "adamw"}"#, 3e-3, ADAPTIVE),
+    optimizer(r#"{"type": "lion"}"#, 3e-3, ADAPTIVE),
+    optimizer(r#"{"type": "adafactor"}"#, 3e-3, ADAPTIVE),
+    optimizer(r#"{"type": "adam8bit"}"#, 3e-3, ADAPTIVE),
+];
+
+const fn optimizer(json: &'static str, lr: f64, (steps, bar): (usize, f64)) -> Optimizer {
+    Optimizer {
+        json,
+        lr,
+        steps,
+        bar,
+    }
+}
 
 #[test]
-fn every_optimizer_and_precision_trains_gpt2_tiny_below_the_threshold() {
+fn every_optimizer_and_precision_trains_gpt2_tiny_below_its_bar() {
     let mut failures = Vec::new();
-    for (opt, lr) in OPTIMIZERS {
+    for o in OPTIMIZERS {
         for dtype in ["fp32", "fp16", "bf16"] {
             let json = format!(
-                r#"{{"model": {{"preset": "gpt2-tiny"}}, "optimizer": {opt},
-                    "training": {{"steps": 150, "lr": {lr}, "warmup_steps": 5}},
-                    "precision": {{"dtype": "{dtype}"}}}}"#
+                r#"{{"model": {{"preset": "gpt2-tiny"}}, "optimizer": {},
+                    "training": {{"steps": {}, "lr": {}, "warmup_steps": 5}},
+                    "precision": {{"dtype": "{dtype}"}}}}"#,
+                o.json, o.steps, o.lr
             );
             let s = train(&json);
             assert!(
@@ -52,16 +78,20 @@ fn every_optimizer_and_precision_trains_gpt2_tiny_below_the_threshold() {
                 "starts near ln V: {}",
                 s.losses[0]
             );
-            let tail = s.losses[145..].iter().sum::<f64>() / 5.0;
-            if tail.is_nan() || tail >= LOSS_THRESHOLD {
-                failures.push(format!("{opt} {dtype}: mean of last 5 losses {tail:.3}"));
+            let tail = s.losses[o.steps - 5..].iter().sum::<f64>() / 5.0;
+            eprintln!(
+                "{} {dtype}: mean of last 5 losses {tail:.3} (bar {:.2})",
+                o.json, o.bar
+            );
+            if tail.is_nan() || tail >= o.bar {
+                failures.push(format!(
+                    "{} {dtype}: mean of last 5 losses {tail:.3}, not below {:.2}",
+                    o.json, o.bar
+                ));
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "did not train below {LOSS_THRESHOLD}: {failures:#?}"
-    );
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]
@@ -75,7 +105,7 @@ fn measured_peak_memory_equals_the_model_over_72_configurations() {
     ];
     let mut checked = 0;
     for (model, seq_len) in shapes {
-        for (opt, _) in OPTIMIZERS {
+        for Optimizer { json: opt, .. } in OPTIMIZERS {
             for dtype in ["fp32", "fp16", "bf16"] {
                 for ckpt in [false, true] {
                     let json = format!(
