@@ -444,34 +444,49 @@ fn synthetic_data_uses_a_smaller_model_vocabulary() {
     assert!(matches!(too_small, Err(Error::DataConfig { .. })));
 }
 
-/// The corpus has the successor entropy `entropy_floor` assumes: measured from the data, the
-/// entropy of a token given the two before it is 1.208 nats.
-#[test]
-fn synthetic_conditional_entropy_is_the_documented_floor() {
-    let (b, t) = (16, 128);
-    let mut loader = open_loader(&Data::Synthetic, layout(b, t, 0, 1), 9, 512).unwrap();
-    let mut counts: BTreeMap<(u32, u32), BTreeMap<u32, u64>> = BTreeMap::new();
-    for (x, y) in batches(&mut loader, b * t, 256) {
-        for row in 0..b {
-            for i in row * t + 1..(row + 1) * t {
-                *counts
-                    .entry((x[i - 1], x[i]))
-                    .or_default()
-                    .entry(y[i])
-                    .or_default() += 1;
-            }
+/// How often each token follows each context (`context` of the inputs `x` at position `i`)
+/// in `n` synthetic batches of `b` × `t` from `seed`, the first target of each row left out.
+fn successor_counts<K: Ord>(
+    seed: u64,
+    (b, t): (usize, usize),
+    n: usize,
+    context: impl Fn(&[u32], usize) -> K,
+) -> BTreeMap<K, BTreeMap<u32, u64>> {
+    let mut loader = open_loader(&Data::Synthetic, layout(b, t, 0, 1), seed, 512).unwrap();
+    let mut counts: BTreeMap<K, BTreeMap<u32, u64>> = BTreeMap::new();
+    for (x, y) in batches(&mut loader, b * t, n) {
+        for (i, &next) in y.iter().enumerate().filter(|(i, _)| i % t != 0) {
+            *counts
+                .entry(context(&x, i))
+                .or_default()
+                .entry(next)
+                .or_default() += 1;
         }
     }
-    assert!(counts.len() > 1000, "nearly all 32² contexts occur");
+    counts
+}
+
+/// The entropy (nats) of a successor given its context, in sample.
+fn conditional_entropy<K>(counts: &BTreeMap<K, BTreeMap<u32, u64>>) -> f64 {
     let total: u64 = counts.values().flat_map(|c| c.values()).sum();
     let mut entropy = 0.0;
     for successors in counts.values() {
-        assert!(successors.len() <= 4);
         let n: u64 = successors.values().sum();
         for &c in successors.values() {
             entropy -= c as f64 / total as f64 * (c as f64 / n as f64).ln();
         }
     }
+    entropy
+}
+
+/// The corpus has the successor entropy `entropy_floor` assumes: measured from the data, the
+/// entropy of a token given the two before it is 1.208 nats.
+#[test]
+fn synthetic_conditional_entropy_is_the_documented_floor() {
+    let counts = successor_counts(9, (16, 128), 256, |x, i| (x[i - 1], x[i]));
+    assert!(counts.len() > 1000, "nearly all 32² contexts occur");
+    assert!(counts.values().all(|successors| successors.len() <= 4));
+    let entropy = conditional_entropy(&counts);
     assert!((entropy - 1.2080).abs() < 0.01, "measured {entropy}");
     // (ln 32 + 63 · 1.20797) / 64
     assert!(
@@ -487,25 +502,9 @@ fn synthetic_conditional_entropy_is_the_documented_floor() {
 /// token before (`tests/train.rs`).
 #[test]
 fn a_bigram_model_of_the_synthetic_corpus_scores_about_1_98() {
-    let (b, t) = (16, 64);
+    let t = 64;
     for seed in 1..=5 {
-        let mut loader = open_loader(&Data::Synthetic, layout(b, t, 0, 1), seed, 512).unwrap();
-        let mut counts: BTreeMap<u32, BTreeMap<u32, u64>> = BTreeMap::new();
-        for (x, y) in batches(&mut loader, b * t, 256) {
-            for row in 0..b {
-                for i in row * t + 1..(row + 1) * t {
-                    *counts.entry(x[i]).or_default().entry(y[i]).or_default() += 1;
-                }
-            }
-        }
-        let total: u64 = counts.values().flat_map(|c| c.values()).sum();
-        let mut entropy = 0.0;
-        for successors in counts.values() {
-            let n: u64 = successors.values().sum();
-            for &c in successors.values() {
-                entropy -= c as f64 / total as f64 * (c as f64 / n as f64).ln();
-            }
-        }
+        let entropy = conditional_entropy(&successor_counts(seed, (16, t), 256, |x, i| x[i]));
         let loss = (32f64.ln() + (t - 1) as f64 * entropy) / t as f64;
         assert!((1.965..1.99).contains(&loss), "seed {seed}: {loss}");
         if seed == 1 {

@@ -35,8 +35,8 @@ struct Optimizer {
 /// training uses (`tests/data.rs` counts it). Below that the model attends to the token before.
 ///
 /// The adaptive optimizers sit on a plateau near 2.12 until about step 300, then learn to
-/// attend: at 600 steps 1.876-1.902 over the three precisions (300 steps: 2.12-2.14; 400:
-/// 2.01-2.04), so their bar is below the bigram level. SGD and momentum come only just under it
+/// attend: at 600 steps 1.876-1.902 over the three precisions (fp32 at 300 steps: 2.12-2.14;
+/// at 400: 2.01-2.04), so their bar is below the bigram level. SGD and momentum come only just under it
 /// (600 steps: 1.935-1.968 at these learning rates, momentum 1.926 at 0.6, SGD 1.998 at 2.0;
 /// 1,000 steps no lower), too close for a bar, so theirs shows that they train at all, in 150
 /// steps (2.38-2.44).

@@ -374,9 +374,15 @@ where
                 break;
             }
         }
-        fill.passes = passes;
+        if i == 0 {
+            (fill.passes, placed_jobs) = (passes, jobs);
+        }
+        assert_eq!(
+            (passes, jobs),
+            (fill.passes, placed_jobs),
+            "every fill places the same"
+        );
         fill.totals.push(total);
-        placed_jobs = jobs;
     }
     let mut full = Vec::new();
     for i in 0..FULL_PASSES {

@@ -535,15 +535,16 @@ mod tests {
         queue[0] = job("head", 40, 10);
         let mut nodes: Vec<BoardNode> = (0..4).map(|n| node(&format!("n{n}"), &[16; 8])).collect();
         let whole = decide(&queue, &nodes, 0.0);
-        assert!(whole.len() > 4, "{}", placed(&whole).len());
+        assert!(whole.len() > 4, "{:?}", placed(&whole));
 
         let none_held = HeldRanks::new();
         let quota = OwnerQuota {
             held: &none_held,
             limit: u32::MAX,
         };
-        let mut in_passes = Vec::new();
+        let (mut in_passes, mut passes) = (Vec::new(), 0);
         loop {
+            passes += 1;
             let d = super::decide(&queue, &nodes, 0.0, quota, 5);
             let ranks: usize = d.decisions.iter().map(|d| d.slots.len()).sum();
             assert!(
@@ -563,6 +564,7 @@ mod tests {
                 break;
             }
         }
+        assert!(passes > 2, "{passes} passes");
         assert_eq!(in_passes, whole);
     }
 
