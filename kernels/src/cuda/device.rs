@@ -10,7 +10,7 @@ use cudarc::driver::{
 };
 
 use super::matmul::Blas;
-use super::{Error, PROGRAMS, Target, compile};
+use super::{Error, PROGRAMS, Target, compile_all};
 use crate::Float;
 
 /// A storage dtype the kernels take: `f32`, `half::f16`, `half::bf16`.
@@ -39,7 +39,8 @@ pub struct OpeningMemory {
 }
 
 impl Device {
-    /// Open GPU `ordinal`, compile every program as a cubin for its architecture (no JIT) and
+    /// Open GPU `ordinal`, compile every program as a cubin for its architecture (no JIT; kept
+    /// in the process and on disk, so only the first opening compiles: [`compile_all`]) and
     /// allocate cuBLASLt's buffers ([`super::matmul::resident_bytes`]). A machine without the
     /// driver gets [`Error::NoDriver`]: cudarc would panic.
     pub fn new(ordinal: usize) -> Result<Self, Error> {
@@ -56,9 +57,8 @@ impl Device {
             sm: (major * 10 + minor) as u32,
         };
         let mut modules = HashMap::new();
-        for program in PROGRAMS {
-            let module = ctx.load_module(compile(program, target)?.into())?;
-            modules.insert(program.name, module);
+        for (program, image) in PROGRAMS.iter().zip(compile_all(target)?) {
+            modules.insert(program.name, ctx.load_module(image.into())?);
         }
         let after_modules = used()?;
         let stream = ctx.default_stream();

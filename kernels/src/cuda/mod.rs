@@ -16,7 +16,10 @@ pub use cudarc::driver::{
 };
 pub use device::{Device, DeviceFloat, OpeningMemory};
 
-pub use program::{Image, PROGRAMS, Program, Target, compile, nvrtc_present};
+pub use program::{
+    Image, PROGRAMS, Program, Target, cache_dir, cache_file, compile, compile_all, compile_all_in,
+    nvrtc_present,
+};
 
 /// Errors of the CUDA back end.
 #[derive(Debug, thiserror::Error)]
