@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's side of the GPU benchmark: gpt2-124M, bf16 autocast over fp32 weights, fused AdamW,
-T = 1024, B = 16, on synthetic tokens; PyTorch eager and torch.compile.
+T = 1024, B = 16, on synthetic tokens; PyTorch eager and torch.compile (`--eager`: eager only,
+as scripts/gpu-check runs it, sparing torch.compile's minute of compiling).
 
 Prints tokens/s, median step time and MFU: llm.c's FLOP count (6·N + 6·L·C·T per token, N the
 parameters, the tied wte counted once) against the bf16 rate of an 8192³ matmul measured here.
@@ -123,7 +124,8 @@ def main():
           f"{flops_per_step / 1e12:.2f} TFLOP per step (llm.c's count)")
     print(f"{'mode':<14} {'step ms':>8} {'tokens/s':>10} {'MFU':>6}")
     results = {}
-    for name, compiled in (("eager", False), ("torch.compile", True)):
+    modes = (("eager", False),) if "--eager" in sys.argv[1:] else (("eager", False), ("torch.compile", True))
+    for name, compiled in modes:
         step, tps, mfu = bench(compiled, flops_per_step, peak)
         results[name] = (tps, mfu)
         print(f"{name:<14} {step * 1e3:>8.1f} {tps:>10,.0f} {mfu:>6.1%}")
