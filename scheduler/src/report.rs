@@ -7,11 +7,15 @@ use crate::Error;
 use crate::compare::Comparison;
 use crate::inventory::Inventory;
 use crate::memory::{self, Breakdown, Comm, DeviceKind, Setup};
+use crate::model::ModelSummary;
 use crate::plan::{self, Plan};
 use crate::spec::{JobSpec, ZeroStage};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Report {
+    /// The model's family and shape; absent for a bare parameter count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelSummary>,
     /// Trainable parameters Ψ.
     pub parameters: u64,
     pub world_size: u32,
@@ -93,6 +97,7 @@ impl Report {
             Err(other) => return Err(other),
         };
         Ok(Report {
+            model: spec.architecture().model().map(|m| m.summary()),
             parameters: spec.architecture().parameter_count(),
             world_size: spec.world_size.get(),
             micro_batch_size: micro,

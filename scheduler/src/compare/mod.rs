@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::bytes::human;
 use crate::memory::{self, Breakdown};
-use crate::model::GptShape;
+use crate::model::ModelShape;
 use crate::report::StageRow;
 use crate::spec::{Architecture, Dtype, JobSpec, Optimizer};
 
@@ -44,18 +44,32 @@ pub struct Comparison {
     pub reasons: Vec<String>,
 }
 
-/// The Hugging Face GPT-2 module that owns the most parameters directly, and their count: the
-/// token embedding (also the tied LM head), the position embedding, or the MLP expansion.
-pub fn largest_layer(s: &GptShape) -> (&'static str, u64) {
-    let [v, t, c] = [s.vocab_size, s.context_length, s.n_embd].map(|x| x as u64);
-    [
-        ("the token embedding", v * c),
-        ("the position embedding", t * c),
-        ("an MLP expansion", 4 * c * c + 4 * c),
-    ]
-    .into_iter()
-    .max_by_key(|(_, n)| *n)
-    .expect("three candidates")
+/// The Hugging Face module that owns the most parameters directly, and their count. GPT-2: the
+/// token embedding (also the tied LM head), the position embedding, or the MLP expansion;
+/// Llama: the token embedding (or the LM head, of the same size) or an MLP projection.
+pub fn largest_layer(model: &ModelShape) -> (&'static str, u64) {
+    let candidates = match *model {
+        ModelShape::Gpt2(s) => {
+            let [v, t, c] = [s.vocab_size, s.context_length, s.n_embd].map(|x| x as u64);
+            vec![
+                ("the token embedding", v * c),
+                ("the position embedding", t * c),
+                ("an MLP expansion", 4 * c * c + 4 * c),
+            ]
+        }
+        ModelShape::Llama(s) => {
+            let [v, c, i] = [s.vocab_size, s.hidden_size, s.intermediate_size].map(|x| x as u64);
+            let bias = if s.mlp_bias { i } else { 0 };
+            vec![
+                ("the token embedding", v * c),
+                ("an MLP projection", i * c + bias),
+            ]
+        }
+    };
+    candidates
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .expect("candidates")
 }
 
 /// accelerate's dtype argument for a zerotrain compute dtype.
@@ -74,7 +88,7 @@ impl Comparison {
         let arch = spec.architecture();
         let psi = arch.parameter_count();
         let n = spec.world_size.get();
-        let largest = arch.gpt().map(largest_layer);
+        let largest = arch.model().as_ref().map(largest_layer);
         let l = largest.map_or(0, |(_, l)| l);
         let cluster = deepspeed::Cluster::one_node(u64::from(n));
         let ds2 = deepspeed::zero2(psi as f64, &cluster, deepspeed::Offload::None);

@@ -15,9 +15,9 @@
 use serde::Serialize;
 
 use super::Setup;
-use super::optimizer::{ADAFACTOR_SUM_LIMBS, adafactor_factored_len, tensor_count};
+use super::optimizer::ADAFACTOR_SUM_LIMBS;
 use crate::model::Units;
-use crate::spec::{Architecture, Optimizer, ZeroStage};
+use crate::spec::{Optimizer, ZeroStage};
 
 /// Bytes one rank sends, by collective.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -49,20 +49,22 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         return Comm::default();
     }
     let x = setup.dtype.bytes();
-    // The final LayerNorm's backward follows its forward at once (in the loss head), so stage 3
-    // gathers it once per micro-batch rather than twice.
-    let (model_elems, once_gathered, factored, tensors) = match setup.arch {
-        Architecture::Gpt(shape) => {
-            let units = Units::new(&shape, setup.world_size);
-            let norm = units.iter().last().map_or(0, |u| u.padded_len);
+    // The final norm's backward (and an untied LM head's) follows its forward at once (in the
+    // loss head), so stage 3 gathers it once per micro-batch rather than twice.
+    let (model_elems, once_gathered, factored, tensors) = match setup.arch.model() {
+        Some(model) => {
+            let units = model.units(setup.world_size);
             (
                 units.padded_len() as u64,
-                norm as u64,
-                adafactor_factored_len(&shape) as u64,
-                tensor_count(&shape) as u64,
+                units.loss_head_padded_len() as u64,
+                units.factored_len() as u64,
+                units.tensor_count() as u64,
             )
         }
-        Architecture::Params(psi) => (psi, 0, 2 * psi.isqrt().max(1), 1),
+        None => {
+            let psi = setup.arch.parameter_count();
+            (psi, 0, 2 * psi.isqrt().max(1), 1)
+        }
     };
     let pass = ring(x * model_elems, n);
     let micro = setup.grad_accum as u64;
@@ -100,7 +102,7 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
 }
 
 /// The receive buffer of the ring: one chunk of the largest buffer any collective moves.
-pub(super) fn scratch_bytes(setup: &Setup, units: &Units) -> u64 {
+pub(super) fn scratch_bytes<K>(setup: &Setup, units: &Units<K>) -> u64 {
     let n = setup.world_size as u64;
     if n == 1 {
         return 0;
@@ -113,10 +115,10 @@ pub(super) fn scratch_bytes(setup: &Setup, units: &Units) -> u64 {
         setup.dtype.bytes()
     };
     let mut chunk = element * units.largest_shard_len() as u64;
-    if let (Optimizer::Adafactor(_), Architecture::Gpt(shape)) = (setup.optimizer, setup.arch)
+    if let Optimizer::Adafactor(_) = setup.optimizer
         && setup.stage.shards_optimizer()
     {
-        let sums = (ADAFACTOR_SUM_LIMBS * adafactor_factored_len(&shape)) as u64;
+        let sums = (ADAFACTOR_SUM_LIMBS * units.factored_len()) as u64;
         chunk = chunk.max(8 * padded(sums, n) / n);
     }
     chunk

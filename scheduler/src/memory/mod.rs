@@ -1,7 +1,8 @@
 //! The memory model: bytes per rank by category, and bytes each rank sends per step, for one
-//! resolved training configuration. Exact for zerotrain's GPT (its parameter layout, shard
-//! padding and activation tensors come from `crate::model`, the same description the trainer
-//! allocates from); closed-form for a bare parameter count. A pure function: no I/O, no printing.
+//! resolved training configuration. Exact for every model family `crate::model` describes (its
+//! parameter layout, shard padding and activation tensors come from there, the same description
+//! the trainer allocates from); closed-form for a bare parameter count. A pure function: no
+//! I/O, no printing.
 
 mod comm;
 mod optimizer;
@@ -13,7 +14,7 @@ use serde::ser::SerializeStruct;
 use serde::{Deserialize, Serialize, Serializer};
 use strum::{EnumString, IntoStaticStr, VariantArray};
 
-use crate::model::{Activations, GptShape, Units};
+use crate::model::ModelShape;
 use crate::spec::{Architecture, Dtype, JobSpec, MAX_SYNTHETIC_VOCAB, Optimizer, ZeroStage};
 
 /// What a byte is held for. The trainer's accounting allocator uses the same categories.
@@ -243,10 +244,8 @@ pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
 /// Each rank's bytes on a `device`, without its overhead, where ranks differ (exact Adafactor with sharded
 /// states); otherwise only rank 0's, which stands for all.
 pub fn distinct_ranks(setup: &Setup, device: DeviceKind) -> Vec<Breakdown> {
-    let count = match (setup.arch, setup.optimizer) {
-        (Architecture::Gpt(_), Optimizer::Adafactor(_)) if setup.stage.shards_optimizer() => {
-            setup.world_size
-        }
+    let count = match (setup.arch.model(), setup.optimizer) {
+        (Some(_), Optimizer::Adafactor(_)) if setup.stage.shards_optimizer() => setup.world_size,
         _ => 1,
     };
     (0..count)
@@ -257,11 +256,9 @@ pub fn distinct_ranks(setup: &Setup, device: DeviceKind) -> Vec<Breakdown> {
 /// Bytes of the receive buffer of the ring collectives (one chunk of the largest buffer any
 /// of them moves); 0 for a single rank.
 pub fn ring_scratch_bytes(setup: &Setup) -> u64 {
-    match setup.arch {
-        Architecture::Gpt(shape) => {
-            comm::scratch_bytes(setup, &Units::new(&shape, setup.world_size))
-        }
-        Architecture::Params(_) => 0,
+    match setup.arch.model() {
+        Some(model) => comm::scratch_bytes(setup, &model.units(setup.world_size)),
+        None => 0,
     }
 }
 
@@ -273,44 +270,46 @@ pub fn rank_breakdown(setup: &Setup, rank: usize) -> Breakdown {
 /// Bytes rank `rank` holds on a `device`, without its overhead: a GPU's GEMMs widen no tiles
 /// (cuBLASLt reads 16-bit operands), so it has no matmul scratch.
 pub fn rank_breakdown_on(setup: &Setup, rank: usize, device: DeviceKind) -> Breakdown {
-    match setup.arch {
-        Architecture::Gpt(shape) => {
-            let mut b = gpt(setup, &shape, rank);
+    match setup.arch.model() {
+        Some(model) => {
+            let mut b = exact(setup, &model, rank);
             if device == DeviceKind::Cuda {
                 b.buffers -= crate::model::matmul_scratch_bytes(setup.dtype.bytes());
             }
             b
         }
-        Architecture::Params(psi) => closed_form(setup, psi),
+        None => closed_form(setup, setup.arch.parameter_count()),
     }
 }
 
-fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
+/// A described model's bytes, from its units and activations.
+fn exact(setup: &Setup, model: &ModelShape, rank: usize) -> Breakdown {
     let n = setup.world_size;
-    let units = Units::new(shape, n);
+    let units = model.units(n);
     let x = setup.dtype.bytes();
     let (whole, shard) = (units.padded_len() as u64, units.shard_len() as u64);
     let held = |sharded: bool| if sharded { shard } else { whole };
     let stage = setup.stage;
 
-    let acts = Activations::new(
-        shape,
-        setup.micro_batch,
-        setup.seq_len,
-        setup.checkpointing,
-        x,
-    );
+    let acts = model.activations(setup.micro_batch, setup.seq_len, setup.checkpointing, x);
     let mut buffers =
-        acts.buffers + comm::scratch_bytes(setup, &units) + loader_bytes(setup, shape);
+        acts.buffers + comm::scratch_bytes(setup, &units) + loader_bytes(setup, model.vocab_size());
+    // Pinned units: the embeddings when the LM head is tied to them (the encoder and the head
+    // both use them, at the two ends of the step); every other unit is used and released in
+    // turn, so one unit-sized buffer (two when prefetching) holds any of them.
+    let (pinned, streamed) = (
+        units.pinned_padded_len(),
+        units.largest_streamed_padded_len(),
+    );
     if stage.shards_grads() {
-        // Full gradients of the unit in backward, and of the embeddings, which the tied LM head
-        // and the encoder both add to, from the first backward op to the last.
-        buffers += x * (units.embeddings().padded_len + units.largest_other_padded_len()) as u64;
+        // Full gradients of the unit in backward, and of the pinned embeddings, which the tied
+        // LM head and the encoder both add to, from the first backward op to the last.
+        buffers += x * (pinned + streamed) as u64;
     }
     if stage.shards_params() {
-        // Gathered embeddings (encoder, LM head) and two block-sized units (current, prefetched).
-        buffers +=
-            x * (units.embeddings().padded_len + 2 * units.largest_other_padded_len()) as u64;
+        // Gathered pinned embeddings and two streamed units (current, prefetched): for an
+        // untied head, two slots of the largest unit, the token embedding or the LM head.
+        buffers += x * (pinned + 2 * streamed) as u64;
     }
 
     let opt_elems = held(stage.shards_optimizer());
@@ -322,7 +321,7 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
     Breakdown {
         params: x * held(stage.shards_params()),
         grads: x * held(stage.shards_grads()),
-        optimizer: master + optimizer::gpt_state_bytes(setup, shape, &units, rank),
+        optimizer: master + optimizer::state_bytes(setup, &units, rank),
         activations: acts.activations,
         buffers,
         overhead: 0,
@@ -332,11 +331,11 @@ fn gpt(setup: &Setup, shape: &GptShape, rank: usize) -> Breakdown {
 /// The data loader's buffers: for files, one window of `B·T + 1` tokens (u32) and its raw
 /// bytes; for the synthetic corpus, its successor table (four u32 per context of two tokens)
 /// and one row of `T + 1` tokens.
-fn loader_bytes(setup: &Setup, shape: &GptShape) -> u64 {
+fn loader_bytes(setup: &Setup, vocab_size: usize) -> u64 {
     let window = (setup.micro_batch * setup.seq_len + 1) as u64;
     match setup.token_width {
         0 => {
-            let v = shape.vocab_size.min(MAX_SYNTHETIC_VOCAB) as u64;
+            let v = vocab_size.min(MAX_SYNTHETIC_VOCAB) as u64;
             16 * v * v + 4 * (setup.seq_len as u64 + 1)
         }
         width => window * (4 + width as u64),

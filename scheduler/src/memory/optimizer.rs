@@ -1,6 +1,6 @@
 //! Optimizer state bytes beyond the fp32 master weights.
 
-use crate::model::{GptShape, TensorDims, Units};
+use crate::model::{TensorDims, Unit, Units};
 use crate::spec::{Adam8bit, Optimizer};
 
 use super::Setup;
@@ -21,27 +21,13 @@ pub(super) fn per_element_bytes(opt: &Optimizer) -> u64 {
 /// any split of a matrix add up to the same bits, so sharded and whole steps agree exactly.
 pub const ADAFACTOR_SUM_LIMBS: usize = 12;
 
-/// Elements of Adafactor's factored statistics: rows + cols of every matrix. Every rank keeps
-/// all of them (they are small) and all-reduces its partial sums into them each step.
-pub(crate) fn adafactor_factored_len(shape: &GptShape) -> usize {
-    Units::new(shape, 1)
-        .iter()
-        .flat_map(|u| &u.tensors)
-        .map(|t| match t.dims {
-            TensorDims::Matrix(r, c) => r + c,
-            TensorDims::Vector(_) => 0,
-        })
-        .sum()
-}
-
-/// Parameter tensors: one partial sum of squared updates each, for Adafactor's RMS clipping.
-pub(crate) fn tensor_count(shape: &GptShape) -> usize {
-    Units::new(shape, 1).iter().map(|u| u.tensors.len()).sum()
-}
-
-pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, rank: usize) -> u64 {
+/// Optimizer state bytes of rank `rank` for a model laid out as `units`. Adafactor keeps its
+/// factored statistics (rows + cols of every matrix, `Units::factored_len`) on every rank (they
+/// are small) and all-reduces its partial sums into them each step, and one partial sum of
+/// squared updates per tensor (`Units::tensor_count`) for its RMS clipping.
+pub(super) fn state_bytes<K>(setup: &Setup, units: &Units<K>, rank: usize) -> u64 {
     let sharded = setup.stage.shards_optimizer();
-    let held = |u: &crate::model::Unit| {
+    let held = |u: &Unit<K>| {
         if sharded {
             u.shard_range(rank)
         } else {
@@ -80,8 +66,8 @@ pub(super) fn gpt_state_bytes(setup: &Setup, shape: &GptShape, units: &Units, ra
                 .sum();
             // Factored statistics (fp32), the exact partial sums of every row and column and
             // the per-tensor sums of squared updates (f64 limbs), all-reduced each step.
-            let factored = adafactor_factored_len(shape);
-            let sums = ADAFACTOR_SUM_LIMBS * (factored + tensor_count(shape));
+            let factored = units.factored_len();
+            let sums = ADAFACTOR_SUM_LIMBS * (factored + units.tensor_count());
             bytes += 4 * (factored + vector_elems) as u64 + 8 * sums as u64;
         }
         _ => {}

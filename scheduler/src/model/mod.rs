@@ -1,12 +1,19 @@
-//! The GPT-2 architecture zerotrain trains: its shape, its parameter layout in flat per-unit
-//! buffers, and the activations one training step keeps. The trainer allocates exactly what this
-//! module describes and the memory model counts exactly the same, so the two cannot drift apart.
+//! The model families zerotrain describes exactly: for each, its shape, its parameter layout
+//! in flat per-unit buffers (tensors with their Hugging Face names and shapes), and the
+//! activations one training step keeps. GPT-2 (`GptShape`, `TensorKind`, `ActivationTensor`)
+//! and the Llama family (`llama`: Llama, Mistral, Qwen2, Qwen3). The trainer allocates exactly
+//! what this module describes and the memory model counts exactly the same, so the two cannot
+//! drift apart; `ModelShape` is the one place a family is told from another.
 
 mod activations;
+mod llama;
 mod params;
 
 pub use activations::{
     ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32, matmul_scratch_bytes,
+};
+pub use llama::{
+    Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
 };
 pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorKind, Unit, UnitKind, Units};
 
@@ -56,6 +63,14 @@ pub enum Preset {
 }
 
 impl Preset {
+    pub const ALL: [Preset; 5] = [
+        Preset::Tiny,
+        Preset::Gpt2Small,
+        Preset::Gpt2Medium,
+        Preset::Gpt2Large,
+        Preset::Gpt2Xl,
+    ];
+
     pub fn shape(self) -> GptShape {
         let gpt2 = |n_layer, n_head, n_embd| GptShape {
             vocab_size: 50257,
@@ -76,6 +91,163 @@ impl Preset {
             Preset::Gpt2Medium => gpt2(24, 16, 1024),
             Preset::Gpt2Large => gpt2(36, 20, 1280),
             Preset::Gpt2Xl => gpt2(48, 25, 1600),
+        }
+    }
+}
+
+/// A model of a family zerotrain describes exactly: the family and its shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ModelShape {
+    Gpt2(GptShape),
+    Llama(LlamaShape),
+}
+
+/// A parameter tensor of any family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ModelTensor {
+    Gpt2(TensorKind),
+    Llama(LlamaTensor),
+}
+
+impl ModelTensor {
+    /// The tensor's name in the family's Hugging Face state dict (GPT-2's without its
+    /// `transformer.` prefix, as `TensorKind::hf_name`).
+    pub fn hf_name(self, layer: Option<usize>) -> String {
+        match self {
+            ModelTensor::Gpt2(k) => k.hf_name(layer),
+            ModelTensor::Llama(k) => k.hf_name(layer),
+        }
+    }
+}
+
+/// What the estimate report says of a model: its family and shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelSummary {
+    /// `gpt2` or `llama`.
+    pub family: &'static str,
+    /// The Hugging Face `model_type`: gpt2, llama, mistral, qwen2, qwen3.
+    pub model_type: &'static str,
+    pub layers: usize,
+    pub hidden_size: usize,
+    pub attention_heads: usize,
+    pub key_value_heads: usize,
+    pub head_dim: usize,
+    /// Width of the MLP's hidden layer (GPT-2: 4C; Llama: each of gate and up).
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub max_positions: usize,
+    pub tied_embeddings: bool,
+}
+
+impl ModelSummary {
+    /// One line: `llama (qwen3): 28 layers, hidden 1024, 16 heads / 8 KV × 128, MLP 3072, …`.
+    pub fn line(&self) -> String {
+        format!(
+            "{}{}: {} layers, hidden {}, {} heads / {} KV × {}, MLP {}, vocabulary {}, {} positions, {} head",
+            self.family,
+            if self.family == self.model_type {
+                String::new()
+            } else {
+                format!(" ({})", self.model_type)
+            },
+            self.layers,
+            self.hidden_size,
+            self.attention_heads,
+            self.key_value_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.vocab_size,
+            self.max_positions,
+            if self.tied_embeddings {
+                "tied"
+            } else {
+                "untied"
+            },
+        )
+    }
+}
+
+impl ModelShape {
+    /// The units laid out for `world_size` ranks.
+    pub fn units(&self, world_size: usize) -> Units<ModelTensor> {
+        match self {
+            ModelShape::Gpt2(s) => Units::new(s, world_size).map_kinds(ModelTensor::Gpt2),
+            ModelShape::Llama(s) => s.units(world_size).map_kinds(ModelTensor::Llama),
+        }
+    }
+
+    /// Bytes of activations and buffers of one micro-batch of `b` × `t` tokens.
+    pub fn activations(
+        &self,
+        b: usize,
+        t: usize,
+        checkpointing: bool,
+        compute: u64,
+    ) -> Activations {
+        match self {
+            ModelShape::Gpt2(s) => Activations::new(s, b, t, checkpointing, compute),
+            ModelShape::Llama(s) => Activations::llama(s, b, t, checkpointing, compute),
+        }
+    }
+
+    pub fn parameter_count(&self) -> u64 {
+        match self {
+            ModelShape::Gpt2(s) => s.parameter_count(),
+            ModelShape::Llama(s) => s.parameter_count(),
+        }
+    }
+
+    /// Whether zerotrain's trainer runs this family yet (the Llama family is estimate-only
+    /// until the runner learns its passes).
+    pub fn trainable(&self) -> bool {
+        matches!(self, ModelShape::Gpt2(_))
+    }
+
+    /// The longest sequence the model takes.
+    pub fn max_positions(&self) -> usize {
+        self.summary().max_positions
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.summary().vocab_size
+    }
+
+    /// The attention window some layer slides, if any: sequences must fit in it.
+    pub fn sliding_window(&self) -> Option<usize> {
+        match self {
+            ModelShape::Gpt2(_) => None,
+            ModelShape::Llama(s) => s.sliding_window,
+        }
+    }
+
+    pub fn summary(&self) -> ModelSummary {
+        match *self {
+            ModelShape::Gpt2(s) => ModelSummary {
+                family: "gpt2",
+                model_type: "gpt2",
+                layers: s.n_layer,
+                hidden_size: s.n_embd,
+                attention_heads: s.n_head,
+                key_value_heads: s.n_head,
+                head_dim: s.head_size(),
+                intermediate_size: 4 * s.n_embd,
+                vocab_size: s.vocab_size,
+                max_positions: s.context_length,
+                tied_embeddings: true,
+            },
+            ModelShape::Llama(s) => ModelSummary {
+                family: "llama",
+                model_type: s.model_type.name(),
+                layers: s.num_hidden_layers,
+                hidden_size: s.hidden_size,
+                attention_heads: s.num_attention_heads,
+                key_value_heads: s.num_key_value_heads,
+                head_dim: s.head_dim,
+                intermediate_size: s.intermediate_size,
+                vocab_size: s.vocab_size,
+                max_positions: s.max_position_embeddings,
+                tied_embeddings: s.tie_word_embeddings,
+            },
         }
     }
 }

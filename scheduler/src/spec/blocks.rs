@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use serde_json::{Map, Value, json};
 
-use super::{JobSpec, from_value};
+use super::{HfConfig, JobSpec, from_value};
 use crate::error::{Error, FieldError, Problems};
 
 /// The top-level members of `spec` that are in error, after recording every mistake found in
@@ -23,6 +23,13 @@ pub(super) fn read(
         failed.insert("model".to_string());
     }
     for (key, value) in spec {
+        // A config's mistakes are all read at once, each at its own field.
+        if let Some(Value::Object(config)) = value.get("config").filter(|_| key == "model")
+            && p.note(HfConfig::read(config.clone())).is_none()
+        {
+            failed.insert(key.clone());
+            continue;
+        }
         let mut alone = Map::new();
         if key != "model" {
             alone.insert("model".into(), stand_in_model());

@@ -67,12 +67,9 @@ impl Data {
                 ensure(!path.trim().is_empty(), "data.path", || {
                     "must not be empty".into()
                 })?;
-                match arch.gpt() {
-                    Some(s) => ensure(s.vocab_size >= 256, "data.kind", || {
-                        format!(
-                            "byte-level text needs model.vocab_size ≥ 256, not {}",
-                            s.vocab_size
-                        )
+                match arch.model().map(|m| m.vocab_size()) {
+                    Some(v) => ensure(v >= 256, "data.kind", || {
+                        format!("byte-level text needs model.vocab_size ≥ 256, not {v}")
                     }),
                     None => Ok(()),
                 }

@@ -1,10 +1,16 @@
-//! `model`: a preset, an explicit GPT-2 shape, or (for estimates only) a bare parameter count.
+//! `model`: a preset, a Hugging Face `config.json` (`config`), an explicit GPT-2 shape, or (for
+//! estimates only) a bare parameter count.
+
+mod hf_config;
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 use super::Purpose;
 use crate::error::{Error, Problems};
-use crate::model::{GptShape, Preset};
+use crate::model::{GptShape, LlamaPreset, LlamaShape, ModelShape, Preset};
+
+pub use hf_config::MODEL_TYPES;
 
 /// The largest bare parameter count accepted (1e15, a petaparameter; exact in f64).
 const MAX_PARAMS: f64 = 1e15;
@@ -58,43 +64,116 @@ impl InitFrom {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ModelSource {
+    /// A GPT-2 preset.
     Preset(Preset),
+    /// A Llama-family preset.
+    LlamaPreset(LlamaPreset),
+    /// A Hugging Face `config.json`.
+    Config(HfConfig),
     Shape(GptShape),
     /// A bare parameter count, for closed-form estimates of any model.
     Params(u64),
+}
+
+/// A Hugging Face `config.json` as given (kept whole, so that it travels and is shown as
+/// written) and the shape read from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfConfig {
+    raw: Map<String, Value>,
+    shape: ModelShape,
+}
+
+impl HfConfig {
+    /// Reads `raw`, naming each mistake's field under `model.config`.
+    pub fn read(raw: Map<String, Value>) -> Result<HfConfig, Error> {
+        let mut p = Problems::default();
+        let shape = hf_config::read(&raw, &mut p);
+        p.finish()?;
+        Ok(HfConfig {
+            raw,
+            shape: shape.expect("a config read without mistakes"),
+        })
+    }
+
+    /// The object as given.
+    pub fn raw(&self) -> &Map<String, Value> {
+        &self.raw
+    }
+
+    pub fn shape(&self) -> ModelShape {
+        self.shape
+    }
 }
 
 /// What the memory model and the trainer see.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Architecture {
     Gpt(GptShape),
+    Llama(LlamaShape),
     Params(u64),
+}
+
+impl From<ModelShape> for Architecture {
+    fn from(m: ModelShape) -> Architecture {
+        match m {
+            ModelShape::Gpt2(s) => Architecture::Gpt(s),
+            ModelShape::Llama(s) => Architecture::Llama(s),
+        }
+    }
 }
 
 impl Architecture {
     pub fn parameter_count(&self) -> u64 {
-        match self {
-            Architecture::Gpt(s) => s.parameter_count(),
-            Architecture::Params(n) => *n,
+        match self.model() {
+            Some(m) => m.parameter_count(),
+            None => self.params().unwrap_or_default(),
         }
     }
 
+    /// The model zerotrain describes exactly, unless this is a bare parameter count.
+    pub fn model(&self) -> Option<ModelShape> {
+        match *self {
+            Architecture::Gpt(s) => Some(ModelShape::Gpt2(s)),
+            Architecture::Llama(s) => Some(ModelShape::Llama(s)),
+            Architecture::Params(_) => None,
+        }
+    }
+
+    fn params(&self) -> Option<u64> {
+        match *self {
+            Architecture::Params(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// The GPT-2 shape, when the model is a GPT-2.
     pub fn gpt(&self) -> Option<&GptShape> {
         match self {
             Architecture::Gpt(s) => Some(s),
-            Architecture::Params(_) => None,
+            Architecture::Llama(_) | Architecture::Params(_) => None,
         }
     }
 }
 
 impl ModelSource {
     pub fn architecture(&self) -> Architecture {
-        match *self {
+        match self {
             ModelSource::Preset(p) => Architecture::Gpt(p.shape()),
-            ModelSource::Shape(s) => Architecture::Gpt(s),
-            ModelSource::Params(n) => Architecture::Params(n),
+            ModelSource::LlamaPreset(p) => Architecture::Llama(p.shape()),
+            ModelSource::Config(c) => c.shape().into(),
+            ModelSource::Shape(s) => Architecture::Gpt(*s),
+            ModelSource::Params(n) => Architecture::Params(*n),
+        }
+    }
+
+    /// The field that names the model's kind: what a refusal of the whole model points at.
+    fn field(&self) -> &'static str {
+        match self {
+            ModelSource::Preset(_) | ModelSource::LlamaPreset(_) => "model.preset",
+            ModelSource::Config(_) => "model.config.model_type",
+            ModelSource::Shape(_) | ModelSource::Params(_) => "model",
         }
     }
 }
@@ -113,6 +192,21 @@ impl ModelSpec {
             }
             (Architecture::Params(_), Purpose::Estimate) => {}
             (Architecture::Gpt(s), _) => validate_shape(&s, p),
+            // Read and checked with the config, or a preset.
+            (Architecture::Llama(_), _) => {}
+        }
+        if let Some(m) = arch
+            .model()
+            .filter(|m| purpose == Purpose::Train && !m.trainable())
+        {
+            let s = m.summary();
+            p.ensure(false, self.source.field(), || {
+                format!(
+                    "{:?} (the {} family) is estimate-only until zerotrain's trainer supports it: \
+                     POST /v1/estimate and `zerotrain estimate` take it, training does not yet",
+                    s.model_type, s.family
+                )
+            });
         }
         match &self.init_from {
             Some(InitFrom::Path(path)) => {
@@ -134,8 +228,8 @@ impl ModelSpec {
             None => {}
         }
         if self.init_from.is_some() {
-            p.ensure(arch.gpt().is_some(), "model.init_from", || {
-                "needs a preset or a shape, not a bare parameter count".into()
+            p.ensure(arch.model().is_some(), "model.init_from", || {
+                "needs a preset, a config or a shape, not a bare parameter count".into()
             });
         }
         (p.count() == before).then_some(arch)
@@ -174,12 +268,14 @@ fn validate_shape(s: &GptShape, p: &mut Problems) {
     });
 }
 
-/// The wire form: exactly one of `preset`, the five shape fields, or `params`.
+/// The wire form: exactly one of `preset`, `config`, the five shape fields, or `params`.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ModelDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    preset: Option<Preset>,
+    preset: Option<AnyPreset>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    config: Option<Map<String, Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     vocab_size: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -208,8 +304,20 @@ impl TryFrom<ModelDoc> for ModelSpec {
             ("n_embd", d.n_embd),
         ];
         let any_shape = shape_fields.iter().any(|(_, v)| v.is_some());
+        if let Some(config) = d.config {
+            if d.preset.is_some() || any_shape || d.params.is_some() {
+                return Err(
+                    "give exactly one of preset, an explicit shape, or params, or a config".into(),
+                );
+            }
+            return Ok(ModelSpec {
+                source: ModelSource::Config(HfConfig::read(config).map_err(|e| e.to_string())?),
+                init_from: d.init_from,
+            });
+        }
         let source = match (d.preset, any_shape, d.params) {
-            (Some(p), false, None) => ModelSource::Preset(p),
+            (Some(AnyPreset::Gpt2(p)), false, None) => ModelSource::Preset(p),
+            (Some(AnyPreset::Llama(p)), false, None) => ModelSource::LlamaPreset(p),
             (None, true, None) => {
                 if let Some((missing, _)) = shape_fields.iter().find(|(_, v)| v.is_none()) {
                     return Err(format!(
@@ -234,12 +342,16 @@ impl TryFrom<ModelDoc> for ModelSpec {
                 ModelSource::Params(p as u64)
             }
             (None, false, None) => {
+                return Err(format!(
+                    "give a preset ({}), a config (a Hugging Face config.json), a shape or params",
+                    PRESET_NAMES.join(", ")
+                ));
+            }
+            _ => {
                 return Err(
-                    "give a preset (gpt2-tiny, gpt2-124M, gpt2-350M, gpt2-774M, gpt2-1558M), a shape or params"
-                        .into(),
+                    "give exactly one of preset, an explicit shape, or params, or a config".into(),
                 );
             }
-            _ => return Err("give exactly one of preset, an explicit shape, or params".into()),
         };
         Ok(ModelSpec {
             source,
@@ -255,7 +367,9 @@ impl From<ModelSpec> for ModelDoc {
             ..ModelDoc::default()
         };
         match m.source {
-            ModelSource::Preset(p) => d.preset = Some(p),
+            ModelSource::Preset(p) => d.preset = Some(AnyPreset::Gpt2(p)),
+            ModelSource::LlamaPreset(p) => d.preset = Some(AnyPreset::Llama(p)),
+            ModelSource::Config(c) => d.config = Some(c.raw),
             ModelSource::Params(n) => d.params = Some(n as f64),
             ModelSource::Shape(s) => {
                 d.vocab_size = Some(s.vocab_size);
@@ -266,5 +380,71 @@ impl From<ModelSpec> for ModelDoc {
             }
         }
         d
+    }
+}
+
+/// Every preset's name, GPT-2's first (`Preset`'s serde names, then `LlamaPreset::name`).
+pub const PRESET_NAMES: &[&str] = &[
+    "gpt2-tiny",
+    "gpt2-124M",
+    "gpt2-350M",
+    "gpt2-774M",
+    "gpt2-1558M",
+    "llama-tiny",
+    "smollm2-135M",
+    "qwen2.5-0.5B",
+    "qwen3-0.6B",
+    "tinyllama-1.1B",
+    "llama-3.2-1B",
+    "llama-2-7B",
+    "llama-3.1-8B",
+];
+
+/// `model.preset`: a preset of either family, by name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum AnyPreset {
+    Gpt2(Preset),
+    Llama(LlamaPreset),
+}
+
+impl Serialize for AnyPreset {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            AnyPreset::Gpt2(p) => p.serialize(s),
+            AnyPreset::Llama(p) => s.serialize_str(p.name()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for AnyPreset {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        if let Some(p) = LlamaPreset::from_name(&name) {
+            return Ok(AnyPreset::Llama(p));
+        }
+        serde_json::from_value(Value::String(name.clone()))
+            .map(AnyPreset::Gpt2)
+            .map_err(|_| serde::de::Error::unknown_variant(&name, PRESET_NAMES))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preset_names_are_every_preset_of_both_families() {
+        let names: Vec<String> = Preset::ALL
+            .into_iter()
+            .map(|p| {
+                serde_json::to_value(p)
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .chain(LlamaPreset::ALL.into_iter().map(|p| p.name().to_string()))
+            .collect();
+        assert_eq!(names, PRESET_NAMES);
     }
 }

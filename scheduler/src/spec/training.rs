@@ -109,11 +109,30 @@ impl Training {
         world: Option<NonZeroU32>,
         p: &mut Problems,
     ) {
-        if let Some(Architecture::Gpt(s)) = arch {
-            let t = self.seq_len.get() as usize;
-            p.ensure(t <= s.context_length, "training.seq_len", || {
-                format!("{t} exceeds model.context_length {}", s.context_length)
-            });
+        let t = self.seq_len.get() as usize;
+        match arch {
+            Some(Architecture::Gpt(s)) => {
+                p.ensure(t <= s.context_length, "training.seq_len", || {
+                    format!("{t} exceeds model.context_length {}", s.context_length)
+                });
+            }
+            Some(Architecture::Llama(s)) => {
+                p.ensure(t <= s.max_position_embeddings, "training.seq_len", || {
+                    format!(
+                        "{t} exceeds the model's max_position_embeddings {}",
+                        s.max_position_embeddings
+                    )
+                });
+                if let Some(w) = s.sliding_window {
+                    p.ensure(t <= w, "model.config.sliding_window", || {
+                        format!(
+                            "{w} is shorter than training.seq_len {t}: zerotrain computes full \
+                             causal attention, which a window no shorter than the sequence equals"
+                        )
+                    });
+                }
+            }
+            Some(Architecture::Params(_)) | None => {}
         }
         if let Some(world) = world {
             self.validate_batch(world, p);
