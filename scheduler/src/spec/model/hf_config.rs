@@ -105,6 +105,14 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// As `count`, but never missing: `default` (perhaps `None`) when absent.
+    fn optional(&mut self, key: &str, default: Option<usize>, max: usize) -> Option<usize> {
+        match self.get(key) {
+            Some(_) => self.count(key, None, max),
+            None => default,
+        }
+    }
+
     /// A finite positive number, or `default` when absent.
     fn positive(&mut self, key: &str, default: f64) -> Option<f64> {
         let Some(v) = self.get(key) else {
@@ -197,14 +205,16 @@ fn llama(r: &mut Reader, model_type: LlamaType) -> Option<LlamaShape> {
     let intermediate_size = r.count("intermediate_size", None, 4 * MAX_WIDTH);
     let layers = r.count("num_hidden_layers", None, MAX_LAYERS);
     let heads = r.count("num_attention_heads", None, MAX_LAYERS);
-    let kv_heads = r.count("num_key_value_heads", heads, MAX_LAYERS);
+    // Defaults that derive from another field are absent when that one is in error (and
+    // recorded there), so the derived field is not reported missing too.
+    let kv_heads = r.optional("num_key_value_heads", heads, MAX_LAYERS);
     // transformers' default head_dim is hidden/heads, except Qwen3Config's, which is 128.
     let default_head_dim = match model_type {
         LlamaType::Qwen3 => Some(128),
         _ => hidden_size.zip(heads).map(|(c, h)| (c / h).max(1)),
     };
     let explicit_head_dim = r.get("head_dim").is_some();
-    let head_dim = r.count("head_dim", default_head_dim, 1 << 16);
+    let head_dim = r.optional("head_dim", default_head_dim, 1 << 16);
     let positions = r.count("max_position_embeddings", None, MAX_POSITIONS);
     let rms_norm_eps = r.positive("rms_norm_eps", 1e-6);
     let tie = r.flag("tie_word_embeddings", false);
