@@ -7,6 +7,22 @@
 struct bf16 { unsigned short bits; };
 struct f16 { unsigned short bits; };
 
+// The hardware's f16 conversions (exact; round to nearest even). The CPU shim that runs these
+// kernels in tests (kernels/shim/cuda_shim.h) defines them in software instead.
+#ifndef ZEROTRAIN_CUDA_SHIM
+__device__ __forceinline__ float f16_bits_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16_bits_rn(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+#endif
+
 __device__ __forceinline__ float load(float x) { return x; }
 
 __device__ __forceinline__ float load(bf16 x) {
@@ -19,9 +35,7 @@ __device__ __forceinline__ float load(f16 x) {
         // NaN: quieted, payload kept (cvt would return the canonical NaN).
         return __uint_as_float(((h & 0x8000u) << 16) | 0x7fc00000u | ((h & 0x03ffu) << 13));
     }
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
-    return f;
+    return f16_bits_to_f32((unsigned short)h);
 }
 
 template <typename X> __device__ __forceinline__ X store(float x);
@@ -46,9 +60,7 @@ template <> __device__ __forceinline__ f16 store<f16>(float x) {
     if ((u & 0x7fffffffu) > 0x7f800000u) {
         r.bits = (unsigned short)(((u >> 16) & 0x8000u) | 0x7e00u | ((u & 0x007fffffu) >> 13));
     } else {
-        unsigned short h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-        r.bits = h;
+        r.bits = f32_to_f16_bits_rn(x);
     }
     return r;
 }

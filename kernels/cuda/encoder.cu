@@ -27,17 +27,19 @@ __device__ void backward_wpe(X *dwpe, const X *dout, long bt, long t, long c) {
 
 // dwte[token] += Σ dout over its positions. The host groups positions by token: run r holds
 // positions order[starts[r]..starts[r+1]] (ascending), all of token tokens[order[starts[r]]];
-// one block row per run, so no two threads write one element and no atomics are needed.
+// block row y takes runs y, y + gridDim.y, ... (grid y is at most 65,535), so no two threads
+// write one element and no atomics are needed.
 template <typename X>
 __device__ void backward_wte(X *dwte, const X *dout, const unsigned *tokens,
-                             const unsigned *order, const unsigned *starts, long c) {
-    long r = blockIdx.y;
-    unsigned lo = starts[r], hi = starts[r + 1];
-    long tok = tokens[order[lo]];
-    for (long j = (long)blockIdx.x * blockDim.x + threadIdx.x; j < c; j += (long)gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (unsigned k = lo; k < hi; k++) s += load(dout[(long)order[k] * c + j]);
-        dwte[tok * c + j] = store<X>(load(dwte[tok * c + j]) + s);
+                             const unsigned *order, const unsigned *starts, long runs, long c) {
+    for (long r = blockIdx.y; r < runs; r += gridDim.y) {
+        unsigned lo = starts[r], hi = starts[r + 1];
+        long tok = tokens[order[lo]];
+        for (long j = (long)blockIdx.x * blockDim.x + threadIdx.x; j < c; j += (long)gridDim.x * blockDim.x) {
+            float s = 0.0f;
+            for (unsigned k = lo; k < hi; k++) s += load(dout[(long)order[k] * c + j]);
+            dwte[tok * c + j] = store<X>(load(dwte[tok * c + j]) + s);
+        }
     }
 }
 
@@ -53,7 +55,7 @@ __device__ void backward_wte(X *dwte, const X *dout, const unsigned *tokens,
     }                                                                                        \
     extern "C" __global__ void encoder_backward_wte_##name(                                  \
         X *dwte, const X *dout, const unsigned *tokens, const unsigned *order,               \
-        const unsigned *starts, long c) {                                                    \
-        backward_wte(dwte, dout, tokens, order, starts, c);                                  \
+        const unsigned *starts, long runs, long c) {                                         \
+        backward_wte(dwte, dout, tokens, order, starts, runs, c);                            \
     }
 FOR_EACH_DTYPE(ENTRY)

@@ -1,63 +1,107 @@
 // LayerNorm over the last dimension, statistics in f32 (eps passed by the caller).
+//
+// Rows (forward, dinp): one warp per row, LN_WARPS rows per block of 32·LN_WARPS threads
+// (the launcher's THREADS); the lanes stride over the row and reduce with butterflies: no block
+// barriers, and every thread busy whatever C is. dweight/dbias: two stages over chunks of rows,
+// every partial in a fixed order (deterministic).
 
-// One block per row: out = (x - mean)·rstd·w + b; writes mean and rstd = 1/sqrt(var + eps).
+#define LN_WARPS 8
+
+// out = (x - mean)·rstd·w + b for rows blockIdx.x·LN_WARPS + warp < n; writes mean and
+// rstd = 1/sqrt(var + eps).
 template <typename X>
 __device__ void forward(X *out, float *mean, float *rstd, const X *inp, const X *weight,
-                        const X *bias, long c, float eps) {
-    __shared__ float scratch[32];
-    long row = blockIdx.x;
+                        const X *bias, long c, long n, float eps) {
+    long row = (long)blockIdx.x * LN_WARPS + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return; // the whole warp: no shuffle is left waiting
     const X *x = inp + row * c;
     float s = 0.0f;
-    for (long j = threadIdx.x; j < c; j += blockDim.x) s += load(x[j]);
-    float m = block_sum(s, scratch) / (float)c;
+    for (long j = lane; j < c; j += 32) s += load(x[j]);
+    float m = warp_sum(s) / (float)c;
     float v = 0.0f;
-    for (long j = threadIdx.x; j < c; j += blockDim.x) {
+    for (long j = lane; j < c; j += 32) {
         float d = load(x[j]) - m;
         v += d * d;
     }
-    float r = 1.0f / sqrtf(block_sum(v, scratch) / (float)c + eps);
-    for (long j = threadIdx.x; j < c; j += blockDim.x) {
+    float r = 1.0f / sqrtf(warp_sum(v) / (float)c + eps);
+    for (long j = lane; j < c; j += 32) {
         out[row * c + j] = store<X>((load(x[j]) - m) * r * load(weight[j]) + load(bias[j]));
     }
-    if (threadIdx.x == 0) {
+    if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
-// One block per row: dinp += (w·dy - mean(w·dy) - norm·mean(w·dy·norm))·rstd.
+// A warp per row: dinp += (w·dy - mean(w·dy) - norm·mean(w·dy·norm))·rstd.
 template <typename X>
 __device__ void backward_rows(X *dinp, const X *dout, const X *inp, const X *weight,
-                              const float *mean, const float *rstd, long c) {
-    __shared__ float scratch[32];
-    long row = blockIdx.x;
+                              const float *mean, const float *rstd, long c, long n) {
+    long row = (long)blockIdx.x * LN_WARPS + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return;
     const X *x = inp + row * c, *dy = dout + row * c;
     float m = mean[row], r = rstd[row];
     float s1 = 0.0f, s2 = 0.0f;
-    for (long j = threadIdx.x; j < c; j += blockDim.x) {
+    for (long j = lane; j < c; j += 32) {
         float wd = load(weight[j]) * load(dy[j]);
         s1 += wd;
         s2 += wd * (load(x[j]) - m) * r;
     }
-    s1 = block_sum(s1, scratch) / (float)c;
-    s2 = block_sum(s2, scratch) / (float)c;
-    for (long j = threadIdx.x; j < c; j += blockDim.x) {
+    s1 = warp_sum(s1) / (float)c;
+    s2 = warp_sum(s2) / (float)c;
+    for (long j = lane; j < c; j += 32) {
         float g = (load(weight[j]) * load(dy[j]) - s1 - (load(x[j]) - m) * r * s2) * r;
         dinp[row * c + j] = store<X>(load(dinp[row * c + j]) + g);
     }
 }
 
-// One thread per column: dweight += Σ_rows dy·norm, dbias += Σ_rows dy, rows in order (the
-// CPU order). Deterministic but only C threads: a two-stage reduction is the faster follow-up.
+// dweight/dbias, stage 1: block (x, y) of 32 × LN_WARPS threads takes columns 32x.. and rows
+// [y·chunk, (y+1)·chunk); thread (tx, ty) sums rows ty, ty + LN_WARPS, ... of its column in
+// order, then the LN_WARPS partials of a column are added in a fixed tree. parts holds
+// Σ dy·norm at [y][j] and Σ dy at [gridDim.y + y][j] (2 · gridDim.y · c floats).
 template <typename X>
-__device__ void backward_columns(X *dweight, X *dbias, const X *dout, const X *inp,
-                                 const float *mean, const float *rstd, long n, long c) {
-    FOR_INDEX(j, c) {
-        float aw = 0.0f, ab = 0.0f;
-        for (long row = 0; row < n; row++) {
+__device__ void backward_column_parts(float *parts, const X *dout, const X *inp,
+                                      const float *mean, const float *rstd, long n, long c,
+                                      long chunk) {
+    __shared__ float pw[LN_WARPS][33], pb[LN_WARPS][33]; // padded: the tree reads down columns
+    int tx = threadIdx.x, ty = threadIdx.y;
+    long j = (long)blockIdx.x * 32 + tx, lo = (long)blockIdx.y * chunk, hi = min(n, lo + chunk);
+    float aw = 0.0f, ab = 0.0f;
+    if (j < c) {
+        for (long row = lo + ty; row < hi; row += LN_WARPS) {
             float dy = load(dout[row * c + j]);
             aw += dy * ((load(inp[row * c + j]) - mean[row]) * rstd[row]);
             ab += dy;
+        }
+    }
+    pw[ty][tx] = aw;
+    pb[ty][tx] = ab;
+    __syncthreads();
+    for (int s = LN_WARPS / 2; s > 0; s >>= 1) {
+        if (ty < s) {
+            pw[ty][tx] += pw[ty + s][tx];
+            pb[ty][tx] += pb[ty + s][tx];
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && j < c) {
+        parts[(long)blockIdx.y * c + j] = pw[0][tx];
+        parts[((long)gridDim.y + blockIdx.y) * c + j] = pb[0][tx];
+    }
+}
+
+// Stage 2: per column, the ceil(n / chunk) partials in order, added to dweight and dbias once.
+template <typename X>
+__device__ void backward_column_sums(X *dweight, X *dbias, const float *parts, long n, long c,
+                                     long chunk) {
+    long p = (n + chunk - 1) / chunk;
+    FOR_INDEX(j, c) {
+        float aw = 0.0f, ab = 0.0f;
+        for (long r = 0; r < p; r++) {
+            aw += parts[r * c + j];
+            ab += parts[(p + r) * c + j];
         }
         dweight[j] = store<X>(load(dweight[j]) + aw);
         dbias[j] = store<X>(load(dbias[j]) + ab);
@@ -67,17 +111,22 @@ __device__ void backward_columns(X *dweight, X *dbias, const X *dout, const X *i
 #define ENTRY(name, X)                                                                        \
     extern "C" __global__ void layernorm_forward_##name(X *out, float *mean, float *rstd,     \
                                                         const X *inp, const X *weight,        \
-                                                        const X *bias, long c, float eps) {   \
-        forward(out, mean, rstd, inp, weight, bias, c, eps);                                  \
+                                                        const X *bias, long c, long n,        \
+                                                        float eps) {                          \
+        forward(out, mean, rstd, inp, weight, bias, c, n, eps);                               \
     }                                                                                         \
     extern "C" __global__ void layernorm_backward_rows_##name(                                \
         X *dinp, const X *dout, const X *inp, const X *weight, const float *mean,             \
-        const float *rstd, long c) {                                                          \
-        backward_rows(dinp, dout, inp, weight, mean, rstd, c);                                \
+        const float *rstd, long c, long n) {                                                  \
+        backward_rows(dinp, dout, inp, weight, mean, rstd, c, n);                             \
     }                                                                                         \
-    extern "C" __global__ void layernorm_backward_columns_##name(                             \
-        X *dweight, X *dbias, const X *dout, const X *inp, const float *mean,                 \
-        const float *rstd, long n, long c) {                                                  \
-        backward_columns(dweight, dbias, dout, inp, mean, rstd, n, c);                        \
+    extern "C" __global__ void layernorm_backward_column_parts_##name(                        \
+        float *parts, const X *dout, const X *inp, const float *mean, const float *rstd,      \
+        long n, long c, long chunk) {                                                         \
+        backward_column_parts(parts, dout, inp, mean, rstd, n, c, chunk);                     \
+    }                                                                                         \
+    extern "C" __global__ void layernorm_backward_column_sums_##name(                         \
+        X *dweight, X *dbias, const float *parts, long n, long c, long chunk) {               \
+        backward_column_sums(dweight, dbias, parts, n, c, chunk);                             \
     }
 FOR_EACH_DTYPE(ENTRY)

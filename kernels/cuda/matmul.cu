@@ -1,36 +1,52 @@
 // The bias gradient of a dense layer: dbias[j] += Σ_i dout[i, j] over the M rows of an (M, N)
 // dout. cuBLASLt's bias-gradient epilogue overwrites; the trainer accumulates across
-// micro-steps, so the sum is a kernel of its own.
+// micro-steps, so the sum is a kernel of its own, in two stages (deterministic for any M):
 //
-// One block of 32 × 32 threads per 32 columns: thread (x, y) sums rows y, y + 32, … of its
-// column in order, then the 32 partials of each column are added in a fixed tree and the total
-// is added to dbias in f32 and rounded once. Deterministic for any M; coalesced along rows.
+// 1. matmul_bias_backward_parts_<dout dtype>: block (x, y) of 32 × 8 threads takes columns
+//    32x.. and rows [y·chunk, (y+1)·chunk); thread (tx, ty) sums rows ty, ty + 8, … of its
+//    column in order (coalesced along rows), then the 8 partials of a column are added in a
+//    fixed tree into parts[y][j]. Grid y spreads the M rows over the GPU (B·T = 65,536 rows
+//    at B 64 would leave one block per 32 columns serial over them all).
+// 2. matmul_bias_backward_sums_<dbias dtype>: dbias[j] += the ceil(M / chunk) partials of
+//    column j in order, in f32, rounded once.
 
-template <typename X, typename G>
-__device__ void bias_backward(X *dbias, const G *dout, long m, long n) {
-    __shared__ float part[32][33]; // padded: the tree reads down columns
-    long j = (long)blockIdx.x * 32 + threadIdx.x;
+#define ROWS_Y 8
+
+template <typename G>
+__device__ void bias_parts(float *parts, const G *dout, long m, long n, long chunk) {
+    __shared__ float part[ROWS_Y][33]; // padded: the tree reads down columns
+    int tx = threadIdx.x, ty = threadIdx.y;
+    long j = (long)blockIdx.x * 32 + tx, lo = (long)blockIdx.y * chunk, hi = min(m, lo + chunk);
     float acc = 0.0f;
     if (j < n) {
-        for (long i = threadIdx.y; i < m; i += 32) acc += load(dout[i * n + j]);
+        for (long i = lo + ty; i < hi; i += ROWS_Y) acc += load(dout[i * n + j]);
     }
-    part[threadIdx.y][threadIdx.x] = acc;
+    part[ty][tx] = acc;
     __syncthreads();
-    for (int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.y < s) part[threadIdx.y][threadIdx.x] += part[threadIdx.y + s][threadIdx.x];
+    for (int s = ROWS_Y / 2; s > 0; s >>= 1) {
+        if (ty < s) part[ty][tx] += part[ty + s][tx];
         __syncthreads();
     }
-    if (threadIdx.y == 0 && j < n) dbias[j] = store<X>(load(dbias[j]) + part[0][threadIdx.x]);
+    if (ty == 0 && j < n) parts[(long)blockIdx.y * n + j] = part[0][tx];
 }
 
-// matmul_bias_backward_<dbias dtype>_<dout dtype>: dout is X, or f32 (dlogits).
-#define ENTRY(xname, X, gname, G)                                                          \
-    extern "C" __global__ void matmul_bias_backward_##xname##_##gname(                     \
-        X *dbias, const G *dout, long m, long n) {                                          \
-        bias_backward<X, G>(dbias, dout, m, n);                                             \
+template <typename X>
+__device__ void bias_sums(X *dbias, const float *parts, long m, long n, long chunk) {
+    long p = (m + chunk - 1) / chunk;
+    FOR_INDEX(j, n) {
+        float s = 0.0f;
+        for (long r = 0; r < p; r++) s += parts[r * n + j];
+        dbias[j] = store<X>(load(dbias[j]) + s);
     }
-ENTRY(f32, float, f32, float)
-ENTRY(bf16, bf16, bf16, bf16)
-ENTRY(f16, f16, f16, f16)
-ENTRY(bf16, bf16, f32, float)
-ENTRY(f16, f16, f32, float)
+}
+
+#define ENTRY(name, X)                                                                      \
+    extern "C" __global__ void matmul_bias_backward_parts_##name(                           \
+        float *parts, const X *dout, long m, long n, long chunk) {                          \
+        bias_parts<X>(parts, dout, m, n, chunk);                                            \
+    }                                                                                       \
+    extern "C" __global__ void matmul_bias_backward_sums_##name(                            \
+        X *dbias, const float *parts, long m, long n, long chunk) {                         \
+        bias_sums<X>(dbias, parts, m, n, chunk);                                            \
+    }
+FOR_EACH_DTYPE(ENTRY)

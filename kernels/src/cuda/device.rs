@@ -118,10 +118,10 @@ impl Device {
 }
 
 /// Threads per block of the elementwise and row kernels.
-pub(crate) const THREADS: u32 = 256;
+pub const THREADS: u32 = 256;
 
 /// A grid-stride launch over `n` elements: enough blocks to fill the GPU, no more.
-pub(crate) fn elementwise(n: usize) -> LaunchConfig {
+pub fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_536) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -130,13 +130,54 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     }
 }
 
-/// One block of `THREADS` per row (grid x) and per `y` (grid y).
-pub(crate) fn rows(x: usize, y: usize) -> LaunchConfig {
+/// One block of `THREADS` per row (grid x) and per `y` (grid y). Sizes past `u32` saturate,
+/// so that [`check_launch`] refuses them rather than a wrapped grid running.
+pub fn rows(x: usize, y: usize) -> LaunchConfig {
+    let dim = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     LaunchConfig {
-        grid_dim: (x as u32, y as u32, 1),
+        grid_dim: (dim(x), dim(y), 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// The limits of a launch on every GPU the back end runs on (compute capability ≥ 7.0).
+pub const MAX_GRID: (u32, u32, u32) = (i32::MAX as u32, 65_535, 65_535);
+pub const MAX_THREADS: u32 = 1024;
+/// Shared memory a block may have without opting in (static + dynamic).
+pub const MAX_SHARED: usize = 48 << 10;
+
+/// Whether `cfg` is a launch kernel `kernel` can run: grid and block within the limits,
+/// `static_shared` (the kernel's own `__shared__` bytes) plus the dynamic shared memory
+/// within 48 KiB, and at most `max_threads` (the kernel's limit given its registers) threads.
+/// [`Error::Launch`] names the kernel and what is over, instead of the driver's launch failure.
+pub fn check_launch(
+    kernel: &str,
+    cfg: &LaunchConfig,
+    static_shared: usize,
+    max_threads: u32,
+) -> Result<(), Error> {
+    let (g, b) = (cfg.grid_dim, cfg.block_dim);
+    let threads = b.0 as u64 * b.1 as u64 * b.2 as u64;
+    let shared = static_shared + cfg.shared_mem_bytes as usize;
+    let reason = if threads == 0 || g.0 == 0 || g.1 == 0 || g.2 == 0 {
+        format!("an empty launch: grid {g:?}, block {b:?}")
+    } else if g.0 > MAX_GRID.0 || g.1 > MAX_GRID.1 || g.2 > MAX_GRID.2 {
+        format!("grid {g:?} is over the limits (2^31-1, 65535, 65535)")
+    } else if threads > max_threads.min(MAX_THREADS) as u64 || b.2 > 64 {
+        format!(
+            "block {b:?} has {threads} threads; this kernel takes at most {}",
+            max_threads.min(MAX_THREADS)
+        )
+    } else if shared > MAX_SHARED {
+        format!("{shared} bytes of shared memory per block, over {MAX_SHARED}")
+    } else {
+        return Ok(());
+    };
+    Err(Error::Launch {
+        kernel: kernel.into(),
+        reason,
+    })
 }
 
 /// The raw pointer of an optional output (null for `None`, which the kernel skips), and the
@@ -169,16 +210,25 @@ pub(crate) fn input_ptr<'a, T, P: DevicePtr<T>>(
 }
 
 /// `launch!(dev, "file.cu", name, cfg; args…)`: launch kernel `name` of a program on the
-/// device's stream. Arguments must be places (`&n`, `out`), not temporaries: the launch
-/// holds pointers to them.
+/// device's stream, after [`check_launch`] against the kernel's own limits (its static shared
+/// memory and the threads its registers allow). Arguments must be places (`&n`, `out`), not
+/// temporaries: the launch holds pointers to them.
 macro_rules! launch {
     ($dev:expr, $program:literal, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        let f = $dev.function($program, &$name)?;
+        let name: &str = &$name;
+        let f = $dev.function($program, name)?;
+        let cfg: cudarc::driver::LaunchConfig = $cfg;
+        $crate::cuda::check_launch(
+            name,
+            &cfg,
+            f.shared_size_bytes()? as usize,
+            f.max_threads_per_block()? as u32,
+        )?;
         let mut b = $dev.stream().launch_builder(&f);
         $( cudarc::driver::PushKernelArg::arg(&mut b, $arg); )*
         // SAFETY: callers push the arguments of the kernel's C signature in order, of the
         // matching types (`long` = i64, `int` = i32), after checking the buffer lengths.
-        unsafe { b.launch($cfg) }?;
+        unsafe { b.launch(cfg) }?;
     }};
 }
 pub(crate) use launch;

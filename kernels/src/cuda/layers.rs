@@ -2,9 +2,9 @@
 //! functions of the same names (`crate::encoder`, `crate::layernorm`, …). All launch on the
 //! device's stream and return once queued.
 
-use cudarc::driver::{CudaView, CudaViewMut};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
-use super::device::{THREADS, elementwise, launch, rows};
+use super::device::{MAX_GRID, THREADS, elementwise, launch, rows};
 use super::{Device, DeviceFloat, Error};
 use crate::attention::{AttentionDims, MAX_T};
 use crate::layernorm::EPS;
@@ -98,10 +98,60 @@ pub fn encoder_backward<X: DeviceFloat>(
     let (n, tl, cl) = (len(bt), len(t), len(c));
     launch!(dev, "encoder.cu", format!("encoder_backward_wpe_{}", X::NAME), elementwise(t * c);
         dwpe, dout, &n, &tl, &cl);
-    let cfg = rows(c.div_ceil(THREADS as usize), runs);
+    // Grid y strides over the runs: more distinct tokens than 65,535 is fine.
+    let cfg = rows(c.div_ceil(THREADS as usize), runs.min(MAX_GRID.1 as usize));
+    let runs = len(runs);
     launch!(dev, "encoder.cu", format!("encoder_backward_wte_{}", X::NAME), cfg;
-        dwte, dout, &d_tokens, &d_order, &d_starts, &cl);
+        dwte, dout, &d_tokens, &d_order, &d_starts, &runs, &cl);
     Ok(())
+}
+
+/// Rows per block of the LayerNorm row kernels (a warp each; `LN_WARPS` in layernorm.cu).
+const LN_ROWS_PER_BLOCK: usize = THREADS as usize / 32;
+
+/// The launch of `layernorm_forward` and `layernorm_backward_rows` over `n` rows: a warp per
+/// row.
+pub fn layernorm_rows_config(n: usize) -> LaunchConfig {
+    rows(n.div_ceil(LN_ROWS_PER_BLOCK).max(1), 1)
+}
+
+/// Column sums of an `(rows, cols)` matrix in two stages (LayerNorm's dweight/dbias, a dense
+/// layer's dbias): partial sums over chunks of `chunk` rows (blocks of (32, 8) threads, one
+/// per 32 columns and chunk), then each column's partials added in order. `scratch` f32 hold
+/// `sums` partials per column and chunk.
+#[derive(Clone, Copy, Debug)]
+pub struct ColumnSums {
+    pub parts: LaunchConfig,
+    pub sums: LaunchConfig,
+    pub chunk: usize,
+    pub scratch: usize,
+}
+
+impl ColumnSums {
+    /// At most this many chunks of rows (partials per column): enough blocks to fill a GPU at
+    /// C = 768, few enough that the second stage is short.
+    pub const MAX_CHUNKS: usize = 64;
+
+    pub fn new(rows: usize, cols: usize, sums: usize) -> Self {
+        Self::with_max_chunks(rows, cols, sums, Self::MAX_CHUNKS)
+    }
+
+    /// With at most `max_chunks` chunks (≥ 1), for a scratch buffer of bounded size.
+    pub fn with_max_chunks(rows: usize, cols: usize, sums: usize, max_chunks: usize) -> Self {
+        let chunk = rows.div_ceil(max_chunks.max(1)).max(32);
+        let chunks = rows.div_ceil(chunk).max(1);
+        let dim = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Self {
+            parts: LaunchConfig {
+                grid_dim: (dim(cols.div_ceil(32)), dim(chunks), 1),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            },
+            sums: elementwise(cols),
+            chunk,
+            scratch: sums * chunks * cols,
+        }
+    }
 }
 
 /// `out (N, C) = (inp - mean)·rstd·weight + bias`, writing `mean (N)` and `rstd (N)`.
@@ -120,13 +170,14 @@ pub fn layernorm_forward<X: DeviceFloat>(
         out.len() == inp.len() && bias.len() == c,
         "out must be (N, C), bias (C)"
     );
-    let (cl, eps) = (len(c), EPS);
-    launch!(dev, "layernorm.cu", format!("layernorm_forward_{}", X::NAME), rows(n, 1);
-        out, mean, rstd, inp, weight, bias, &cl, &eps);
+    let (cl, nl, eps) = (len(c), len(n), EPS);
+    launch!(dev, "layernorm.cu", format!("layernorm_forward_{}", X::NAME), layernorm_rows_config(n);
+        out, mean, rstd, inp, weight, bias, &cl, &nl, &eps);
     Ok(())
 }
 
-/// Backward: `dinp += ∂L/∂inp`, `dweight += Σ dout·norm`, `dbias += Σ dout`.
+/// Backward: `dinp += ∂L/∂inp`, `dweight += Σ dout·norm`, `dbias += Σ dout`. The column sums
+/// take `2·min(N/32, 64)·C` f32 of device scratch for the call (384 KiB at most at C = 768).
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward<X: DeviceFloat>(
     dev: &Device,
@@ -150,10 +201,15 @@ pub fn layernorm_backward<X: DeviceFloat>(
         "dweight, dbias must be (C)"
     );
     let (nl, cl) = (len(n), len(c));
-    launch!(dev, "layernorm.cu", format!("layernorm_backward_rows_{}", X::NAME), rows(n, 1);
-        dinp, dout, inp, weight, mean, rstd, &cl);
-    launch!(dev, "layernorm.cu", format!("layernorm_backward_columns_{}", X::NAME), elementwise(c);
-        dweight, dbias, dout, inp, mean, rstd, &nl, &cl);
+    launch!(dev, "layernorm.cu", format!("layernorm_backward_rows_{}", X::NAME), layernorm_rows_config(n);
+        dinp, dout, inp, weight, mean, rstd, &cl, &nl);
+    let cols = ColumnSums::new(n, c, 2);
+    let mut parts = dev.zeros::<f32>(cols.scratch)?;
+    let chunk = len(cols.chunk);
+    launch!(dev, "layernorm.cu", format!("layernorm_backward_column_parts_{}", X::NAME), cols.parts;
+        &mut parts, dout, inp, mean, rstd, &nl, &cl, &chunk);
+    launch!(dev, "layernorm.cu", format!("layernorm_backward_column_sums_{}", X::NAME), cols.sums;
+        dweight, dbias, &parts, &nl, &cl, &chunk);
     Ok(())
 }
 
@@ -169,8 +225,8 @@ fn check_rows(len: usize, c: usize, nm: usize, nr: usize) -> usize {
 fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i32, i32, i32) {
     let AttentionDims { b, t, c, nh } = *d;
     assert!(
-        nh > 0 && c.is_multiple_of(nh) && c / nh <= THREADS as usize,
-        "head size C/NH must divide C and be <= {THREADS}"
+        nh > 0 && c.is_multiple_of(nh) && c / nh <= ATTENTION_MAX_HS,
+        "head size C/NH must divide C and be <= {ATTENTION_MAX_HS}"
     );
     assert!(t <= MAX_T, "T = {t} exceeds MAX_T = {MAX_T}");
     assert!(
@@ -179,6 +235,15 @@ fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i3
     );
     assert_eq!(att, b * nh * t * t, "att must be (B, NH, T, T)");
     (t as i32, c as i32, nh as i32)
+}
+
+/// The largest head size of attention.cu (`MAX_HS`, at most one column per thread).
+const ATTENTION_MAX_HS: usize = 256;
+
+/// The launch of the three attention kernels: a block of `THREADS` (8 warps: `ATT_WARPS` in
+/// attention.cu) per row t (grid x) and head (b, h) (grid y, so B·NH ≤ 65,535).
+pub fn attention_config(d: &AttentionDims) -> LaunchConfig {
+    rows(d.t, d.b * d.nh)
 }
 
 /// Forward: `out (B, T, C)` and the probabilities `att (B, NH, T, T)` from `qkv (B, T, 3C)`.
@@ -190,7 +255,7 @@ pub fn attention_forward<X: DeviceFloat>(
     d: AttentionDims,
 ) -> Result<(), Error> {
     let (t, c, nh) = check_attention(&d, qkv.len(), out.len(), att.len());
-    launch!(dev, "attention.cu", format!("attention_forward_{}", X::NAME), rows(d.t, d.b * d.nh);
+    launch!(dev, "attention.cu", format!("attention_forward_{}", X::NAME), attention_config(&d);
         out, att, qkv, &t, &c, &nh);
     Ok(())
 }
@@ -211,7 +276,7 @@ pub fn attention_backward<X: DeviceFloat>(
         dqkv.len() == qkv.len() && datt.len() == att.len(),
         "dqkv must be (B, T, 3C), datt (B, NH, T, T)"
     );
-    let grid = rows(d.t, d.b * d.nh);
+    let grid = attention_config(&d);
     launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), grid;
         &mut *dqkv, &mut *datt, dout, qkv, att, &t, &c, &nh);
     let datt = datt.as_view();
@@ -291,9 +356,15 @@ pub fn crossentropy_forward(
         "logits must be (N, V), losses (N)"
     );
     assert_eq!(targets.len(), losses.len(), "targets must be (N)");
-    let mut cfg = rows(losses.len(), 1);
-    cfg.block_dim.0 = 1024;
     let (vl, has, s) = (len(v), dloss.is_some() as i32, dloss.unwrap_or(0.0));
-    launch!(dev, "crossentropy.cu", "crossentropy_forward", cfg; losses, logits, targets, &vl, &has, &s);
+    launch!(dev, "crossentropy.cu", "crossentropy_forward", crossentropy_config(losses.len());
+        losses, logits, targets, &vl, &has, &s);
     Ok(())
+}
+
+/// The launch of `crossentropy_forward`: a block of 1024 threads per row.
+pub fn crossentropy_config(n: usize) -> LaunchConfig {
+    let mut cfg = rows(n, 1);
+    cfg.block_dim.0 = 1024;
+    cfg
 }

@@ -16,6 +16,7 @@ use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::device::launch;
+use super::layers::ColumnSums;
 use super::{Device, DeviceFloat, Error};
 use crate::Float;
 pub use crate::matmul::Layout;
@@ -138,14 +139,20 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
     assert!(m > 0 && k > 0 && n > 0, "cuBLASLt needs non-empty matrices");
     if let Some(db) = dbias {
         assert_eq!(db.len(), n, "dbias must be (N)");
-        let (ml, nl) = (m as i64, n as i64);
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (n.div_ceil(32) as u32, 1, 1),
-            block_dim: (32, 32, 1),
-            shared_mem_bytes: 0,
-        };
-        let name = format!("matmul_bias_backward_{}_{}", X::NAME, G::NAME);
-        launch!(dev, "matmul.cu", name, cfg; db, dout, &ml, &nl);
+        // The partial column sums live in the staging buffer: the stream runs the bias
+        // kernels before any cast below reuses it.
+        let cols = bias_backward_config(m, n);
+        let (ml, nl, chunk) = (m as i64, n as i64, cols.chunk as i64);
+        let mut staging = dev.blas().staging.lock().expect("staging lock");
+        // SAFETY: scratch f32 fit STAGING_BYTES (bias_backward_config), and the first kernel
+        // writes every partial the second reads.
+        let mut parts = unsafe { staging.transmute_mut::<f32>(cols.scratch) }
+            .expect("the partials fit staging");
+        launch!(dev, "matmul.cu", format!("matmul_bias_backward_parts_{}", G::NAME), cols.parts;
+            &mut parts, dout, &ml, &nl, &chunk);
+        let parts = parts.as_view();
+        launch!(dev, "matmul.cu", format!("matmul_bias_backward_sums_{}", X::NAME), cols.sums;
+            db, &parts, &ml, &nl, &chunk);
     }
     let (s, blas) = (dev.stream(), dev.blas());
     let (dx, _dx) = dinp.device_ptr_mut(s);
@@ -198,6 +205,13 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
         rows(i0, r, p)?;
     }
     Ok(())
+}
+
+/// The two launches of `dbias +=` over an `(M, N)` dout ([`ColumnSums`]), with at most as many
+/// chunks of rows as the staging buffer holds partials for.
+pub fn bias_backward_config(m: usize, n: usize) -> ColumnSums {
+    let fit = STAGING_BYTES / (size_of::<f32>() * n.max(1));
+    ColumnSums::with_max_chunks(m, n, 1, fit.min(ColumnSums::MAX_CHUNKS))
 }
 
 /// A column-major matrix as cuBLASLt sees it: `rows × cols`, leading dimension `rows`, used

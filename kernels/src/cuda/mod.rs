@@ -14,7 +14,10 @@ mod program;
 pub use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, ValidAsZeroBits,
 };
-pub use device::{Device, DeviceFloat, OpeningMemory};
+pub use device::{
+    Device, DeviceFloat, MAX_GRID, MAX_SHARED, MAX_THREADS, OpeningMemory, THREADS, check_launch,
+    elementwise, rows,
+};
 
 pub use program::{
     Image, PROGRAMS, Program, Target, cache_dir, cache_file, compile, compile_all, compile_all_in,
@@ -55,4 +58,8 @@ pub enum Error {
     Cublas(#[from] cudarc::cublaslt::result::CublasError),
     #[error("NVRTC: {0:?}")]
     Nvrtc(cudarc::nvrtc::result::NvrtcError),
+    /// A launch the GPU would refuse (grid, block or shared memory over the limits), caught
+    /// before the driver's bare "invalid value".
+    #[error("cannot launch {kernel}: {reason}")]
+    Launch { kernel: String, reason: String },
 }

@@ -39,20 +39,9 @@ pub fn sum_squares<X: DeviceFloat>(
         "parts holds sum_squares_parts_len() f64"
     );
     let (n, chunk) = (x.len() as i64, x.len().div_ceil(PARTS).max(1) as i64);
-    let cfg = LaunchConfig {
-        grid_dim: (PARTS as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let (cfg, one) = sum_squares_configs();
     launch!(dev, "norm.cu", format!("sum_squares_parts_{}", X::NAME), cfg; &mut *parts, x, &n, &chunk);
-    let (one, count) = (
-        LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        },
-        PARTS as i32,
-    );
+    let count = PARTS as i32;
     let parts = parts.as_view();
     launch!(dev, "norm.cu", "sum_parts", one; total, &parts, &count);
     Ok(())
@@ -61,4 +50,20 @@ pub fn sum_squares<X: DeviceFloat>(
 /// Scratch length of [`sum_squares`].
 pub fn sum_squares_parts_len() -> usize {
     PARTS
+}
+
+/// The launches of [`sum_squares`]: `sum_squares_parts` (a block of `THREADS` per partial sum)
+/// and `sum_parts` (one thread).
+pub fn sum_squares_configs() -> (LaunchConfig, LaunchConfig) {
+    let parts = LaunchConfig {
+        grid_dim: (PARTS as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (parts, one)
 }

@@ -164,16 +164,22 @@ pub fn adam8bit_step<G: DeviceFloat, X: DeviceFloat>(
     let (step_size, bc2_sqrt) = bias_correction(hp.lr, hp.beta1, hp.beta2, step);
     let (eps_hat, step_size) = (hp.eps * bc2_sqrt, step_size * bc2_sqrt);
     let (n, bl) = (len as i64, block as i64);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = adam8bit_config(len, block);
     let (out, _sync) = optional_ptr(&mut param_out, dev.stream());
     launch!(dev, "adam8bit.cu", name::<G, X>("adam8bit_step"), cfg;
         master, grad, m, v, absmax_m, absmax_v, &out, &codes.signed, &codes.unsigned, &n, &bl,
         &hp.beta1, &hp.beta2, &eps_hat, &step_size, &grad_scale);
     Ok(())
+}
+
+/// The launch of `adam8bit_step` over `n` elements: a block of `THREADS` per quantisation
+/// block of `block` elements.
+pub fn adam8bit_config(n: usize, block: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (u32::try_from(n.div_ceil(block)).unwrap_or(u32::MAX), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Adafactor phase 1 (matrix): add the exact row and column sums of `g² + eps1` over
@@ -271,13 +277,17 @@ fn row_mean(
 ) -> Result<(), Error> {
     assert_eq!(row_mean.len(), 1, "row_mean is one f32");
     let rows = row.len() as i64;
-    let cfg = LaunchConfig {
+    launch!(dev, "adafactor.cu", "adafactor_row_mean", row_mean_config(); row_mean, row, &rows);
+    Ok(())
+}
+
+/// The launch of `adafactor_row_mean`: one block of 16 threads (the CPU's 16 lanes).
+pub fn row_mean_config() -> LaunchConfig {
+    LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (16, 1, 1),
         shared_mem_bytes: 0,
-    };
-    launch!(dev, "adafactor.cu", "adafactor_row_mean", cfg; row_mean, row, &rows);
-    Ok(())
+    }
 }
 
 /// Adafactor phase 3 (matrix): add the exact `Σ u²` over the range to `rms_sum (LIMBS)`.

@@ -1,0 +1,1114 @@
+//! Every CUDA kernel of `kernels/cuda/*.cu`, run on the CPU through the thread-per-CUDA-thread
+//! shim (`kernels/shim/cuda_shim.h`, built by `tests/shim`), against the CPU kernel of the same
+//! name, at the tolerances of the GPU parity tests (`cuda_parity.rs`), with the launch
+//! geometry of the Rust launchers (`kernels::cuda::{layers, norm, optim}`). Outputs the kernels
+//! overwrite start as NaN, so an element a kernel skips fails.
+//!
+//! One test: it prints each kernel it ran with its largest error (as a fraction of the
+//! tolerance) and fails if any `extern "C" __global__` kernel of the sources was not run.
+//! Needs a C++20 compiler (`c++`, or `$CXX`); no GPU, no CUDA.
+#![cfg(feature = "cuda")]
+
+mod common;
+mod shim;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use common::*;
+use cudarc::driver::LaunchConfig;
+use kernels::Float;
+use kernels::attention::{AttentionDims, attention_backward, attention_forward};
+use kernels::cuda::layers;
+use kernels::matmul::{self, Layout};
+use kernels::optim::{self, Adafactor, AdamW, LIMBS, Lion, Momentum};
+use kernels::{crossentropy, encoder, gelu, layernorm, norm, residual};
+use shim::{Arg, Shim, inp, null, out, val};
+
+type Bf16 = half::bf16;
+type F16 = half::f16;
+
+/// Largest error per checked output, as a fraction of its tolerance (0 = exact).
+static WORST: Mutex<BTreeMap<String, f64>> = Mutex::new(BTreeMap::new());
+
+fn run(name: &str, cfg: LaunchConfig, args: &[Arg]) {
+    Shim::get().launch(name, cfg.grid_dim, cfg.block_dim, args);
+}
+
+/// `common::assert_close`, recording how close it came.
+fn close_f64(what: &str, got: &[f64], want: &[f64], rtol: f64) {
+    assert_close(what, got, want, rtol);
+    let rms = (want.iter().map(|x| x * x).sum::<f64>() / want.len().max(1) as f64).sqrt();
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| {
+            let err = (g - w).abs();
+            if err == 0.0 {
+                0.0
+            } else {
+                err / (rtol * (w.abs() + rms))
+            }
+        })
+        .fold(0.0, f64::max);
+    WORST.lock().unwrap().insert(what.into(), worst);
+}
+
+fn close<X: Float>(what: &str, got: &[X], want: &[X], rtol: f64) {
+    close_f64(
+        &format!("{what} ({})", X::NAME),
+        &to_f64(got),
+        &to_f64(want),
+        rtol,
+    );
+}
+
+fn nan<X: Float>(n: usize) -> Vec<X> {
+    vec![X::from_f32(f32::NAN); n]
+}
+
+fn random<X: Float>(rng: &mut Rng, n: usize, s: f64) -> Vec<X> {
+    to_x::<X>(&rng.vec(n, s))
+}
+
+fn len(n: usize) -> i64 {
+    n as i64
+}
+
+fn casts<X: Float>() {
+    let mut rng = Rng::new(1);
+    let mut src: Vec<f32> = rng.vec(4096, 10.0).iter().map(|&x| x as f32).collect();
+    // Specials, subnormals of f32 and of f16, ties and the overflow edge.
+    src.extend([
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e-40,
+        -1e-42,
+        0.0,
+        -0.0,
+        6e-8,
+        3e-8,
+        2.9802322e-8,
+        1e-5,
+        -6.1e-5,
+        65504.0,
+        65519.0,
+        65520.0,
+        -70000.0,
+        1.0 + 1.0 / 512.0,
+        1.0 + 3.0 / 256.0,
+        3.4e38,
+        f32::from_bits(0x7f80_0001), // signalling NaN: quieted, payload kept
+        f32::from_bits(0xffc0_1234),
+    ]);
+    for i in 0..2000u32 {
+        src.push(f32::from_bits(0x3300_0000 + i * 0x1_1111)); // the f16 subnormal range
+    }
+    let n = src.len();
+    let mut x = nan::<X>(n);
+    run(
+        &format!("cast_from_f32_{}", X::NAME),
+        kernels::cuda::elementwise(n),
+        &[out(&mut x), inp(&src), val(len(n))],
+    );
+    let got: Vec<u32> = x.iter().map(|v| v.to_f32().to_bits()).collect();
+    let want: Vec<u32> = src
+        .iter()
+        .map(|&v| X::from_f32(v).to_f32().to_bits())
+        .collect();
+    assert_eq!(got, want, "cast_from_f32 ({})", X::NAME);
+    let mut back = vec![f32::NAN; n];
+    run(
+        &format!("cast_to_f32_{}", X::NAME),
+        kernels::cuda::elementwise(n),
+        &[out(&mut back), inp(&x), val(len(n))],
+    );
+    let got: Vec<u32> = back.iter().map(|v| v.to_bits()).collect();
+    assert_eq!(got, want, "cast_to_f32 ({})", X::NAME);
+    WORST
+        .lock()
+        .unwrap()
+        .insert(format!("casts, bit for bit ({})", X::NAME), 0.0);
+}
+
+fn encoder_matches_cpu<X: Float>() {
+    let (b, t, c, v) = (3, 17, 40, 11);
+    let mut rng = Rng::new(2);
+    let tokens = rng.tokens(b * t, v);
+    let (wte, wpe) = (
+        random::<X>(&mut rng, v * c, 1.0),
+        random::<X>(&mut rng, t * c, 1.0),
+    );
+    let bt = b * t;
+    let mut got = nan::<X>(bt * c);
+    run(
+        &format!("encoder_forward_{}", X::NAME),
+        kernels::cuda::elementwise(bt * c),
+        &[
+            out(&mut got),
+            inp(&tokens),
+            inp(&wte),
+            inp(&wpe),
+            val(len(bt)),
+            val(len(t)),
+            val(len(c)),
+            val(len(v)),
+        ],
+    );
+    let mut want = vec![X::ZERO; bt * c];
+    encoder::encoder_forward(&mut want, &tokens, &wte, &wpe, t, c);
+    close("encoder_forward", &got, &want, rtol::<X>());
+
+    let dout = random::<X>(&mut rng, bt * c, 1.0);
+    let (dwte0, dwpe0) = (
+        random::<X>(&mut rng, v * c, 1.0),
+        random::<X>(&mut rng, t * c, 1.0),
+    );
+    let (mut dwte, mut dwpe) = (dwte0.clone(), dwpe0.clone());
+    // The host's grouping of positions by token, as layers::encoder_backward does it.
+    let mut order: Vec<u32> = (0..bt as u32).collect();
+    order.sort_by_key(|&i| tokens[i as usize]);
+    let mut starts: Vec<u32> = (0..bt)
+        .filter(|&i| i == 0 || tokens[order[i] as usize] != tokens[order[i - 1] as usize])
+        .map(|i| i as u32)
+        .collect();
+    let runs = starts.len();
+    starts.push(bt as u32);
+    run(
+        &format!("encoder_backward_wpe_{}", X::NAME),
+        kernels::cuda::elementwise(t * c),
+        &[
+            out(&mut dwpe),
+            inp(&dout),
+            val(len(bt)),
+            val(len(t)),
+            val(len(c)),
+        ],
+    );
+    run(
+        &format!("encoder_backward_wte_{}", X::NAME),
+        // Fewer block rows than runs: the kernel strides over them, as past 65,535 runs.
+        kernels::cuda::rows(c.div_ceil(kernels::cuda::THREADS as usize), runs.min(4)),
+        &[
+            out(&mut dwte),
+            inp(&dout),
+            inp(&tokens),
+            inp(&order),
+            inp(&starts),
+            val(len(runs)),
+            val(len(c)),
+        ],
+    );
+    let (mut want_te, mut want_pe) = (dwte0, dwpe0);
+    encoder::encoder_backward(&mut want_te, &mut want_pe, &dout, &tokens, t, c);
+    close("encoder_backward dwte", &dwte, &want_te, rtol::<X>());
+    close("encoder_backward dwpe", &dwpe, &want_pe, rtol::<X>());
+}
+
+fn layernorm_matches_cpu<X: Float>() {
+    let (n, c) = (37, 300); // C not a multiple of the block: the tail loops run
+    let mut rng = Rng::new(3);
+    let x = random::<X>(&mut rng, n * c, 2.0);
+    let (w, bias) = (random::<X>(&mut rng, c, 1.0), random::<X>(&mut rng, c, 1.0));
+    let (mut o, mut mean, mut rstd) = (nan::<X>(n * c), nan::<f32>(n), nan::<f32>(n));
+    run(
+        &format!("layernorm_forward_{}", X::NAME),
+        layers::layernorm_rows_config(n),
+        &[
+            out(&mut o),
+            out(&mut mean),
+            out(&mut rstd),
+            inp(&x),
+            inp(&w),
+            inp(&bias),
+            val(len(c)),
+            val(len(n)),
+            val(layernorm::EPS),
+        ],
+    );
+    let (mut wo, mut wm, mut wr) = (vec![X::ZERO; n * c], vec![0f32; n], vec![0f32; n]);
+    layernorm::layernorm_forward(&mut wo, &mut wm, &mut wr, &x, &w, &bias);
+    close("layernorm_forward out", &o, &wo, rtol::<X>());
+    close("layernorm_forward mean", &mean, &wm, 1e-5);
+    close("layernorm_forward rstd", &rstd, &wr, 1e-5);
+
+    let dout = random::<X>(&mut rng, n * c, 1.0);
+    let (dinp0, dw0, db0) = (
+        random::<X>(&mut rng, n * c, 1.0),
+        random::<X>(&mut rng, c, 1.0),
+        random::<X>(&mut rng, c, 1.0),
+    );
+    let (mut dinp, mut dw, mut db) = (dinp0.clone(), dw0.clone(), db0.clone());
+    run(
+        &format!("layernorm_backward_rows_{}", X::NAME),
+        layers::layernorm_rows_config(n),
+        &[
+            out(&mut dinp),
+            inp(&dout),
+            inp(&x),
+            inp(&w),
+            inp(&mean),
+            inp(&rstd),
+            val(len(c)),
+            val(len(n)),
+        ],
+    );
+    let cols = layers::ColumnSums::new(n, c, 2);
+    let mut scratch = nan::<f32>(cols.scratch);
+    let chunk = len(cols.chunk);
+    run(
+        &format!("layernorm_backward_column_parts_{}", X::NAME),
+        cols.parts,
+        &[
+            out(&mut scratch),
+            inp(&dout),
+            inp(&x),
+            inp(&mean),
+            inp(&rstd),
+            val(len(n)),
+            val(len(c)),
+            val(chunk),
+        ],
+    );
+    run(
+        &format!("layernorm_backward_column_sums_{}", X::NAME),
+        cols.sums,
+        &[
+            out(&mut dw),
+            out(&mut db),
+            inp(&scratch),
+            val(len(n)),
+            val(len(c)),
+            val(chunk),
+        ],
+    );
+    let (mut wi, mut ww, mut wb) = (dinp0, dw0, db0);
+    layernorm::layernorm_backward(&mut wi, &mut ww, &mut wb, &dout, &x, &w, &wm, &wr);
+    close("layernorm_backward dinp", &dinp, &wi, rtol::<X>());
+    close("layernorm_backward dweight", &dw, &ww, rtol::<X>());
+    close("layernorm_backward dbias", &db, &wb, rtol::<X>());
+}
+
+fn attention_matches_cpu<X: Float>() {
+    // Small (a thread per CUDA thread is slow), but T over the 8 warps of a block and a head
+    // of 40 columns: lanes 0-7 take two.
+    let d = AttentionDims {
+        b: 1,
+        t: 13,
+        c: 80,
+        nh: 2,
+    };
+    let AttentionDims { b, t, c, nh } = d;
+    let mut rng = Rng::new(4);
+    let qkv = random::<X>(&mut rng, b * t * 3 * c, 1.0);
+    let (mut o, mut att) = (nan::<X>(b * t * c), nan::<X>(b * nh * t * t));
+    let dims = || [val(t as i32), val(c as i32), val(nh as i32)];
+    let cfg = layers::attention_config(&d);
+    let mut args = vec![out(&mut o), out(&mut att), inp(&qkv)];
+    args.extend(dims());
+    run(&format!("attention_forward_{}", X::NAME), cfg, &args);
+    let (mut wo, mut wa) = (vec![X::ZERO; b * t * c], vec![X::ZERO; b * nh * t * t]);
+    attention_forward(&mut wo, &mut wa, &qkv, d);
+    close("attention_forward out", &o, &wo, rtol::<X>());
+    close("attention_forward att", &att, &wa, rtol::<X>());
+
+    let dout = random::<X>(&mut rng, b * t * c, 1.0);
+    let (mut dqkv, mut datt) = (nan::<X>(qkv.len()), nan::<f32>(wa.len()));
+    let mut args = vec![
+        out(&mut dqkv),
+        out(&mut datt),
+        inp(&dout),
+        inp(&qkv),
+        inp(&wa),
+    ];
+    args.extend(dims());
+    run(&format!("attention_backward_query_{}", X::NAME), cfg, &args);
+    run(&format!("attention_backward_key_{}", X::NAME), cfg, &args);
+    let (mut wq, mut ws) = (vec![X::ZERO; qkv.len()], vec![0f32; wa.len()]);
+    attention_backward(&mut wq, &mut ws, &dout, &qkv, &wa, d);
+    close("attention_backward dqkv", &dqkv, &wq, rtol::<X>());
+    close("attention_backward datt", &datt, &ws, 1e-5);
+}
+
+fn elementwise_layers_match_cpu<X: Float>() {
+    let n = 3001; // a ragged last block
+    let cfg = kernels::cuda::elementwise(n);
+    let mut rng = Rng::new(5);
+    let (a, b) = (random::<X>(&mut rng, n, 4.0), random::<X>(&mut rng, n, 4.0));
+    let mut o = nan::<X>(n);
+    let name = |k: &str| format!("{k}_{}", X::NAME);
+    run(
+        &name("gelu_forward"),
+        cfg,
+        &[out(&mut o), inp(&a), val(len(n))],
+    );
+    let mut want = vec![X::ZERO; n];
+    gelu::gelu_forward(&mut want, &a);
+    close("gelu_forward", &o, &want, rtol::<X>());
+    let mut g = b.clone();
+    run(
+        &name("gelu_backward"),
+        cfg,
+        &[out(&mut g), inp(&a), val(len(n))],
+    );
+    let mut want = b.clone();
+    gelu::gelu_backward(&mut want, &a);
+    close("gelu_backward", &g, &want, rtol::<X>());
+    let mut o = nan::<X>(n);
+    run(
+        &name("residual_forward"),
+        cfg,
+        &[out(&mut o), inp(&a), inp(&b), val(len(n))],
+    );
+    let mut want = vec![X::ZERO; n];
+    residual::residual_forward(&mut want, &a, &b);
+    close("residual_forward", &o, &want, rtol::<X>());
+    let mut acc = a.clone();
+    run(
+        &name("residual_accumulate"),
+        cfg,
+        &[out(&mut acc), inp(&b), val(len(n))],
+    );
+    let mut want = a.clone();
+    residual::residual_accumulate(&mut want, &b);
+    close("residual_accumulate", &acc, &want, rtol::<X>());
+}
+
+fn crossentropy_matches_cpu() {
+    let (n, v) = (3, 5003);
+    let mut rng = Rng::new(6);
+    let logits: Vec<f32> = rng.vec(n * v, 8.0).iter().map(|&x| x as f32).collect();
+    let targets = rng.tokens(n, v);
+    // Row 1's target outside the vocabulary: a NaN loss and the row left as it was (the CPU
+    // kernel refuses such a target, so it sees a valid one there and row 1 is checked alone).
+    let mut bad = targets.clone();
+    bad[1] = v as u32 + 2;
+    for dloss in [None, Some(0.25f32)] {
+        let (mut losses, mut lg) = (nan::<f32>(n), logits.clone());
+        run(
+            "crossentropy_forward",
+            layers::crossentropy_config(n),
+            &[
+                out(&mut losses),
+                out(&mut lg),
+                inp(&bad),
+                val(len(v)),
+                val(dloss.is_some() as i32),
+                val(dloss.unwrap_or(0.0)),
+            ],
+        );
+        let (mut wl, mut wg) = (vec![0f32; n], logits.clone());
+        crossentropy::crossentropy_forward(&mut wl, &mut wg, &targets, v, dloss);
+        assert!(losses[1].is_nan(), "a target outside V gives a NaN loss");
+        assert_eq!(
+            lg[v..2 * v],
+            logits[v..2 * v],
+            "and leaves its row as it was"
+        );
+        let (rows, keep) = ([0, 2], |x: &[f32], r: &[usize]| -> Vec<f32> {
+            r.iter()
+                .flat_map(|&i| x[i * v..(i + 1) * v].to_vec())
+                .collect()
+        });
+        let pick = |x: &[f32]| -> Vec<f32> { rows.iter().map(|&i| x[i]).collect() };
+        close(
+            &format!("crossentropy losses {dloss:?}"),
+            &pick(&losses),
+            &pick(&wl),
+            1e-5,
+        );
+        close(
+            &format!("crossentropy logits {dloss:?}"),
+            &keep(&lg, &rows),
+            &keep(&wg, &rows),
+            1e-5,
+        );
+    }
+}
+
+/// `matmul_bias_backward_<X>_<G>`: the bias gradient of a dense layer against the CPU's
+/// matmul_backward, dout of dtype G (X, or f32 for logits).
+fn bias_backward_matches_cpu<X: Float, G: Float>() {
+    let (m, k, n) = (77, 5, 101); // three chunks of rows, the last one short
+    let mut rng = Rng::new(11);
+    let (x, w) = (
+        random::<X>(&mut rng, m * k, 1.0),
+        random::<X>(&mut rng, k * n, 0.5),
+    );
+    let dout = random::<G>(&mut rng, m * n, 1.0);
+    let db0 = random::<X>(&mut rng, n, 1.0);
+    let mut db = db0.clone();
+    let cols = kernels::cuda::matmul::bias_backward_config(m, n);
+    let mut parts = nan::<f32>(cols.scratch);
+    let (ml, nl, chunk) = (val(len(m)), val(len(n)), len(cols.chunk));
+    run(
+        &format!("matmul_bias_backward_parts_{}", G::NAME),
+        cols.parts,
+        &[out(&mut parts), inp(&dout), ml, nl, val(chunk)],
+    );
+    run(
+        &format!("matmul_bias_backward_sums_{}", X::NAME),
+        cols.sums,
+        &[
+            out(&mut db),
+            inp(&parts),
+            val(len(m)),
+            val(len(n)),
+            val(chunk),
+        ],
+    );
+    let (mut dx, mut dw, mut want) = (vec![X::ZERO; m * k], vec![X::ZERO; k * n], db0);
+    let mut scratch = vec![0f32; matmul::scratch_len(m, k, n)];
+    matmul::matmul_backward(
+        &mut dx,
+        &mut dw,
+        Some(&mut want),
+        &dout,
+        &x,
+        &w,
+        Layout::KN,
+        (m, k, n),
+        &mut scratch,
+    );
+    close(
+        &format!("matmul_bias_backward dout {}", G::NAME),
+        &db,
+        &want,
+        rtol::<X>(),
+    );
+}
+
+fn norms_match_cpu<X: Float>() {
+    let n = 10_003;
+    let mut rng = Rng::new(7);
+    let g = random::<X>(&mut rng, n, 3.0);
+    // 16 partial sums rather than the launcher's 256 (sum_squares_parts_len): the kernels
+    // take any count, and 256 blocks of 256 OS threads would take seconds here.
+    let parts_len = 16;
+    let (mut total, mut parts) = ([f64::NAN], vec![f64::NAN; parts_len]);
+    let chunk = len(n.div_ceil(parts_len).max(1));
+    let (mut parts_cfg, one) = kernels::cuda::norm::sum_squares_configs();
+    parts_cfg.grid_dim.0 = parts_len as u32;
+    run(
+        &format!("sum_squares_parts_{}", X::NAME),
+        parts_cfg,
+        &[out(&mut parts), inp(&g), val(len(n)), val(chunk)],
+    );
+    run(
+        "sum_parts",
+        one,
+        &[out(&mut total), inp(&parts), val(parts_len as i32)],
+    );
+    let want = norm::sum_squares(&g);
+    assert!(
+        (total[0] - want).abs() <= 1e-12 * want,
+        "sum_squares ({}): {} vs {want}",
+        X::NAME,
+        total[0]
+    );
+    WORST.lock().unwrap().insert(
+        format!("sum_squares ({}), |err| / 1e-12·want", X::NAME),
+        (total[0] - want).abs() / (1e-12 * want),
+    );
+
+    let mut flag = [0i32];
+    let mut dg = g.clone();
+    let cfg = kernels::cuda::elementwise(n);
+    let name = format!("unscale_{}", X::NAME);
+    run(
+        &name,
+        cfg,
+        &[out(&mut dg), val(0.5f32), val(len(n)), out(&mut flag)],
+    );
+    let want: Vec<X> = g.iter().map(|x| X::from_f32(x.to_f32() * 0.5)).collect();
+    close("unscale", &dg, &want, 0.0);
+    assert_eq!(flag, [0], "finite gradients raise no flag");
+    let mut dg = g.clone();
+    dg[n / 2] = X::from_f32(f32::INFINITY);
+    run(
+        &name,
+        cfg,
+        &[out(&mut dg), val(0.5f32), val(len(n)), out(&mut flag)],
+    );
+    assert_eq!(flag, [1], "an inf gradient raises the flag ({})", X::NAME);
+}
+
+struct Case<G> {
+    master: Vec<f32>,
+    grad: Vec<G>,
+    state: Vec<f32>,
+}
+
+fn case<G: Float>(seed: u64, n: usize) -> Case<G> {
+    let mut rng = Rng::new(seed);
+    let f = |v: Vec<f64>| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    Case {
+        master: f(rng.vec(n, 1.0)),
+        grad: random::<G>(&mut rng, n, 1.0),
+        state: f(rng.vec(n, 0.1)),
+    }
+}
+
+/// `(lr / (1 - β1^t), sqrt(1 - β2^t))` in f64, as the launchers compute them on the host
+/// (`kernels::optim::bias_correction`, private to the crate).
+fn bias_correction(lr: f32, beta1: f32, beta2: f32, step: u64) -> (f32, f32) {
+    let t = step as i32;
+    let (bc1, bc2) = (1.0 - (beta1 as f64).powi(t), 1.0 - (beta2 as f64).powi(t));
+    ((lr as f64 / bc1) as f32, bc2.sqrt() as f32)
+}
+
+fn pair<G: Float, X: Float>(kernel: &str) -> String {
+    format!("{kernel}_{}_{}", G::NAME, X::NAME)
+}
+
+/// SGD, momentum, AdamW and Lion for gradients of dtype G and compute copies of dtype X.
+fn elementwise_optimizers_match_cpu<G: Float, X: Float>() {
+    let n = 1_007;
+    let Case {
+        master,
+        grad,
+        state,
+    } = case::<G>(8, n);
+    let cfg = kernels::cuda::elementwise(n);
+    let what = |k: &str| format!("{k}_{}_{}", G::NAME, X::NAME);
+    let check = |k: &str, m: &[f32], o: &[X], wm: &[f32], wo: &[X]| {
+        close(&format!("{} master", what(k)), m, wm, 1e-6);
+        close(&format!("{} param_out", what(k)), o, wo, rtol::<X>());
+    };
+
+    let (mut m, mut o) = (master.clone(), nan::<X>(n));
+    run(
+        &pair::<G, X>("sgd_step"),
+        cfg,
+        &[
+            out(&mut m),
+            inp(&grad),
+            out(&mut o),
+            val(len(n)),
+            val(0.1f32),
+            val(0.5f32),
+        ],
+    );
+    let (mut wm, mut wo) = (master.clone(), vec![X::ZERO; n]);
+    optim::sgd_step(&mut wm, &grad, Some(&mut wo), 0.1, 0.5);
+    check("sgd", &m, &o, &wm, &wo);
+
+    let hp = Momentum {
+        lr: 0.1,
+        momentum: 0.9,
+        nesterov: true,
+    };
+    let (mut m, mut buf, mut o) = (master.clone(), state.clone(), nan::<X>(n));
+    run(
+        &pair::<G, X>("momentum_step"),
+        cfg,
+        &[
+            out(&mut m),
+            inp(&grad),
+            out(&mut buf),
+            out(&mut o),
+            val(len(n)),
+            val(hp.lr),
+            val(hp.momentum),
+            val(hp.nesterov as i32),
+            val(0.5f32),
+        ],
+    );
+    let (mut wm, mut wb, mut wo) = (master.clone(), state.clone(), vec![X::ZERO; n]);
+    optim::momentum_step(&mut wm, &grad, &mut wb, Some(&mut wo), &hp, 0.5);
+    check("momentum", &m, &o, &wm, &wo);
+    close(&format!("{} buf", what("momentum")), &buf, &wb, 1e-6);
+
+    let hp = AdamW {
+        lr: 1e-2,
+        ..AdamW::default()
+    };
+    let step = 3;
+    let (step_size, bc2_sqrt) = bias_correction(hp.lr, hp.beta1, hp.beta2, step);
+    let v0: Vec<f32> = state.iter().map(|s| s * s).collect();
+    let (mut m, mut s1, mut s2, mut o) = (master.clone(), state.clone(), v0.clone(), nan::<X>(n));
+    run(
+        &pair::<G, X>("adamw_step"),
+        cfg,
+        &[
+            out(&mut m),
+            inp(&grad),
+            out(&mut s1),
+            out(&mut s2),
+            out(&mut o),
+            val(len(n)),
+            val(hp.beta1),
+            val(hp.beta2),
+            val(hp.eps),
+            val(step_size),
+            val(bc2_sqrt),
+            val(0.5f32),
+        ],
+    );
+    let (mut wm, mut w1, mut w2, mut wo) =
+        (master.clone(), state.clone(), v0.clone(), vec![X::ZERO; n]);
+    optim::adamw_step(
+        &mut wm,
+        &grad,
+        &mut w1,
+        &mut w2,
+        Some(&mut wo),
+        &hp,
+        step,
+        0.5,
+    );
+    check("adamw", &m, &o, &wm, &wo);
+    close(&format!("{} m", what("adamw")), &s1, &w1, 1e-6);
+    close(&format!("{} v", what("adamw")), &s2, &w2, 1e-6);
+
+    let hp = Lion {
+        lr: 1e-2,
+        ..Lion::default()
+    };
+    // Without param_out (a null pointer), as an f32 trainer calls it.
+    let (mut m, mut s1) = (master.clone(), state.clone());
+    run(
+        &pair::<G, X>("lion_step"),
+        cfg,
+        &[
+            out(&mut m),
+            inp(&grad),
+            out(&mut s1),
+            null(),
+            val(len(n)),
+            val(hp.lr),
+            val(hp.beta1),
+            val(hp.beta2),
+            val(0.5f32),
+        ],
+    );
+    let (mut wm, mut w1) = (master.clone(), state.clone());
+    optim::lion_step::<G, X>(&mut wm, &grad, &mut w1, None, &hp, 0.5);
+    close(&format!("{} master", what("lion")), &m, &wm, 1e-6);
+    close(&format!("{} m", what("lion")), &s1, &w1, 1e-6);
+}
+
+fn decay_matches_cpu() {
+    let Case { master, .. } = case::<f32>(12, 999);
+    let mut m = master.clone();
+    run(
+        "decay",
+        kernels::cuda::elementwise(m.len()),
+        &[out(&mut m), val(0.99f32), val(len(master.len()))],
+    );
+    let mut wm = master;
+    optim::decay(&mut wm, 0.99);
+    close("decay", &m, &wm, 0.0);
+}
+
+fn adam8bit_matches_cpu<G: Float, X: Float>() {
+    let (n, block) = (700, 256); // a partial last block
+    let Case { master, grad, .. } = case::<G>(9, n);
+    let hp = AdamW {
+        lr: 1e-2,
+        ..AdamW::default()
+    };
+    let (code_m, code_v) = (optim::dynamic_map(true), optim::dynamic_map(false));
+    let blocks = optim::adam8bit_blocks(n, block);
+    let (mut m, mut qm, mut qv) = (master.clone(), vec![0u8; n], vec![0u8; n]);
+    let (mut am, mut av, mut o) = (vec![0f32; blocks], vec![0f32; blocks], nan::<X>(n));
+    let (mut wm, mut wqm, mut wqv) = (master.clone(), vec![0u8; n], vec![0u8; n]);
+    let (mut wam, mut wav, mut wo) = (vec![0f32; blocks], vec![0f32; blocks], vec![X::ZERO; n]);
+    for step in 1..=3 {
+        let (step_size, bc2_sqrt) = bias_correction(hp.lr, hp.beta1, hp.beta2, step);
+        let (eps_hat, step_size) = (hp.eps * bc2_sqrt, step_size * bc2_sqrt);
+        run(
+            &pair::<G, X>("adam8bit_step"),
+            kernels::cuda::optim::adam8bit_config(n, block),
+            &[
+                out(&mut m),
+                inp(&grad),
+                out(&mut qm),
+                out(&mut qv),
+                out(&mut am),
+                out(&mut av),
+                out(&mut o),
+                inp(&code_m),
+                inp(&code_v),
+                val(len(n)),
+                val(len(block)),
+                val(hp.beta1),
+                val(hp.beta2),
+                val(eps_hat),
+                val(step_size),
+                val(0.5f32),
+            ],
+        );
+        optim::adam8bit_step(
+            &mut wm,
+            &grad,
+            &mut wqm,
+            &mut wqv,
+            &mut wam,
+            &mut wav,
+            Some(&mut wo),
+            &hp,
+            step,
+            0.5,
+            block,
+        );
+    }
+    let what = pair::<G, X>("adam8bit_step");
+    close(&format!("{what} master"), &m, &wm, 1e-6);
+    close(&format!("{what} param_out"), &o, &wo, rtol::<X>());
+    close(&format!("{what} absmax_m"), &am, &wam, 1e-6);
+    close(&format!("{what} absmax_v"), &av, &wav, 1e-6);
+    assert_eq!(qm, wqm, "{what} m codes ({})", X::NAME);
+    assert_eq!(qv, wqv, "{what} v codes ({})", X::NAME);
+}
+
+/// Adafactor's phases with gradients of dtype G: the matrix statistics (two shards cut
+/// mid-row), the row mean, Σu², and the vector EMA; the same bits as the CPU's exact sums.
+/// Returns what `adafactor_apply` needs.
+fn adafactor_phases_match_cpu<G: Float>() {
+    let (rows, cols) = (9, 13);
+    let n = rows * cols;
+    let Case { grad, .. } = case::<G>(10, n);
+    let hp = Adafactor {
+        lr: 1e-2,
+        beta1: Some(0.9),
+        ..Adafactor::default()
+    };
+    let step = 2;
+    let gname = G::NAME;
+    let (mut rs, mut cs) = (vec![0f64; rows * LIMBS], vec![0f64; cols * LIMBS]);
+    let (mut wrs, mut wcs) = (rs.clone(), cs.clone());
+    let cut = n / 2 + 3;
+    for (lo, hi) in [(0, cut), (cut, n)] {
+        let g = &grad[lo..hi];
+        run(
+            &format!("adafactor_sq_sums_{gname}"),
+            kernels::cuda::elementwise(g.len()),
+            &[
+                inp(g),
+                val(len(lo)),
+                val(len(g.len())),
+                val(len(cols)),
+                val(0.5f32),
+                val(hp.eps1),
+                out(&mut rs),
+                out(&mut cs),
+            ],
+        );
+        optim::adafactor_sq_sums(g, lo, 0.5, &hp, &mut wrs, &mut wcs);
+    }
+    close_f64(&format!("adafactor_sq_sums rows ({gname})"), &rs, &wrs, 0.0);
+    close_f64(&format!("adafactor_sq_sums cols ({gname})"), &cs, &wcs, 0.0);
+
+    let (mut row, mut col) = (vec![0.01f32; rows], vec![0.02f32; cols]);
+    let b = hp.beta2t(step);
+    for (s, sums, count, per) in [(&mut row, &rs, rows, cols), (&mut col, &cs, cols, rows)] {
+        run(
+            "adafactor_update_stats",
+            kernels::cuda::elementwise(count),
+            &[out(s), inp(sums), val(len(count)), val(per as f32), val(b)],
+        );
+    }
+    let (mut wr, mut wc) = (vec![0.01f32; rows], vec![0.02f32; cols]);
+    optim::adafactor_update_stats(&mut wr, &mut wc, &wrs, &wcs, &hp, step);
+    close("adafactor_update_stats row", &row, &wr, 0.0);
+    close("adafactor_update_stats col", &col, &wc, 0.0);
+
+    let mut mean = [f32::NAN];
+    run(
+        "adafactor_row_mean",
+        kernels::cuda::optim::row_mean_config(),
+        &[out(&mut mean), inp(&row), val(len(rows))],
+    );
+    let mut rms = vec![0f64; LIMBS];
+    run(
+        &format!("adafactor_rms_sum_{gname}"),
+        kernels::cuda::elementwise(n),
+        &[
+            inp(&grad),
+            val(0i64),
+            val(len(n)),
+            val(len(cols)),
+            val(0.5f32),
+            inp(&row),
+            inp(&col),
+            inp(&mean),
+            out(&mut rms),
+        ],
+    );
+    let mut wrms = vec![0f64; LIMBS];
+    let moment = optim::Moment::Factored {
+        row: &wr,
+        col: &wc,
+        start: 0,
+    };
+    optim::adafactor_rms_sum(&grad, 0.5, moment, &mut wrms);
+    close_f64(&format!("adafactor_rms_sum ({gname})"), &rms, &wrms, 0.0);
+
+    let (mut v, mut vrms) = (vec![0.01f32; n], vec![0f64; LIMBS]);
+    run(
+        &format!("adafactor_vector_ema_{gname}"),
+        kernels::cuda::elementwise(n),
+        &[
+            out(&mut v),
+            inp(&grad),
+            val(len(n)),
+            val(0.5f32),
+            val(hp.eps1),
+            val(b),
+            out(&mut vrms),
+        ],
+    );
+    let (mut wv, mut wvrms) = (vec![0.01f32; n], vec![0f64; LIMBS]);
+    optim::adafactor_vector_ema(&mut wv, &grad, 0.5, &hp, step, &mut wvrms);
+    close(
+        &format!("adafactor_vector_ema v grad {gname}"),
+        &v,
+        &wv,
+        0.0,
+    );
+    close_f64(
+        &format!("adafactor_vector_ema Σu² ({gname})"),
+        &vrms,
+        &wvrms,
+        0.0,
+    );
+}
+
+/// `adafactor_apply_<G>_<X>`: factored with the first moment and param_out, then full
+/// without either.
+fn adafactor_apply_matches_cpu<G: Float, X: Float>() {
+    let (rows, cols) = (9, 13);
+    let n = rows * cols;
+    let Case { master, grad, .. } = case::<G>(13, n);
+    let mut rng = Rng::new(14);
+    let pos = |rng: &mut Rng, k| -> Vec<f32> {
+        rng.vec(k, 0.5).iter().map(|&x| 0.6 + x as f32).collect()
+    };
+    let (row, col, v) = (pos(&mut rng, rows), pos(&mut rng, cols), pos(&mut rng, n));
+    let mut rms = vec![0f64; LIMBS];
+    optim::adafactor_rms_sum(
+        &grad,
+        0.5,
+        optim::Moment::Full { v: &v, numel: n },
+        &mut rms,
+    );
+    let hp = Adafactor {
+        lr: 1e-2,
+        beta1: Some(0.9),
+        ..Adafactor::default()
+    };
+    let name = pair::<G, X>("adafactor_apply");
+    let what = name.clone();
+    let (mut m, mut ea, mut o) = (master.clone(), vec![0f32; n], nan::<X>(n));
+    let (mut wm, mut wea, mut wo) = (master.clone(), vec![0f32; n], vec![X::ZERO; n]);
+    let mut wmean = [0f32];
+    run(
+        "adafactor_row_mean",
+        kernels::cuda::optim::row_mean_config(),
+        &[out(&mut wmean), inp(&row), val(len(rows))],
+    );
+    run(
+        &name,
+        kernels::cuda::elementwise(n),
+        &[
+            out(&mut m),
+            inp(&grad),
+            out(&mut ea),
+            out(&mut o),
+            val(0i64),
+            val(len(n)),
+            val(len(cols)),
+            inp(&row),
+            inp(&col),
+            inp(&wmean),
+            null(),
+            inp(&rms),
+            val(n as f32),
+            val(hp.lr),
+            val(hp.clip_threshold),
+            val(hp.beta1.unwrap()),
+            val(0.5f32),
+        ],
+    );
+    let moment = optim::Moment::Factored {
+        row: &row,
+        col: &col,
+        start: 0,
+    };
+    optim::adafactor_apply(
+        &mut wm,
+        &grad,
+        Some(&mut wea),
+        Some(&mut wo),
+        moment,
+        &rms,
+        &hp,
+        0.5,
+    );
+    close(&format!("{what} factored master"), &m, &wm, 1e-6);
+    close(&format!("{what} factored exp_avg"), &ea, &wea, 1e-6);
+    close(&format!("{what} factored param_out"), &o, &wo, rtol::<X>());
+
+    let hp = Adafactor {
+        lr: 1e-2,
+        ..Adafactor::default()
+    };
+    let mut m = master.clone();
+    run(
+        &name,
+        kernels::cuda::elementwise(n),
+        &[
+            out(&mut m),
+            inp(&grad),
+            null(),
+            null(),
+            val(0i64),
+            val(len(n)),
+            val(1i64),
+            null(),
+            null(),
+            null(),
+            inp(&v),
+            inp(&rms),
+            val(n as f32),
+            val(hp.lr),
+            val(hp.clip_threshold),
+            val(0f32),
+            val(0.5f32),
+        ],
+    );
+    let mut wm = master.clone();
+    optim::adafactor_apply::<G, X>(
+        &mut wm,
+        &grad,
+        None,
+        None,
+        optim::Moment::Full { v: &v, numel: n },
+        &rms,
+        &hp,
+        0.5,
+    );
+    close(&format!("{what} full master"), &m, &wm, 1e-6);
+}
+
+/// `f::<G, X>()` for every gradient dtype G and compute dtype X.
+macro_rules! every_pair {
+    ($f:ident) => {
+        vec![
+            (concat!(stringify!($f), " f32 f32"), $f::<f32, f32> as fn()),
+            (concat!(stringify!($f), " f32 bf16"), $f::<f32, Bf16>),
+            (concat!(stringify!($f), " f32 f16"), $f::<f32, F16>),
+            (concat!(stringify!($f), " bf16 f32"), $f::<Bf16, f32>),
+            (concat!(stringify!($f), " bf16 bf16"), $f::<Bf16, Bf16>),
+            (concat!(stringify!($f), " bf16 f16"), $f::<Bf16, F16>),
+            (concat!(stringify!($f), " f16 f32"), $f::<F16, f32>),
+            (concat!(stringify!($f), " f16 bf16"), $f::<F16, Bf16>),
+            (concat!(stringify!($f), " f16 f16"), $f::<F16, F16>),
+        ]
+    };
+}
+
+macro_rules! every_dtype {
+    ($f:ident) => {
+        vec![
+            (concat!(stringify!($f), " f32"), $f::<f32> as fn()),
+            (concat!(stringify!($f), " bf16"), $f::<Bf16>),
+            (concat!(stringify!($f), " f16"), $f::<F16>),
+        ]
+    };
+}
+
+#[test]
+fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
+    let t0 = Instant::now();
+    let shim = Shim::get();
+    let built = t0.elapsed();
+    let mut cases: Vec<(&str, fn())> = vec![
+        ("casts bf16", casts::<Bf16>),
+        ("casts f16", casts::<F16>),
+        ("crossentropy", crossentropy_matches_cpu),
+        ("decay", decay_matches_cpu),
+        (
+            "bias_backward f32 f32",
+            bias_backward_matches_cpu::<f32, f32>,
+        ),
+        (
+            "bias_backward bf16 bf16",
+            bias_backward_matches_cpu::<Bf16, Bf16>,
+        ),
+        (
+            "bias_backward f16 f16",
+            bias_backward_matches_cpu::<F16, F16>,
+        ),
+        (
+            "bias_backward bf16 f32",
+            bias_backward_matches_cpu::<Bf16, f32>,
+        ),
+        (
+            "bias_backward f16 f32",
+            bias_backward_matches_cpu::<F16, f32>,
+        ),
+    ];
+    cases.extend(every_dtype!(encoder_matches_cpu));
+    cases.extend(every_dtype!(layernorm_matches_cpu));
+    cases.extend(every_dtype!(attention_matches_cpu));
+    cases.extend(every_dtype!(elementwise_layers_match_cpu));
+    cases.extend(every_dtype!(norms_match_cpu));
+    cases.extend(every_dtype!(adafactor_phases_match_cpu));
+    cases.extend(every_pair!(elementwise_optimizers_match_cpu));
+    cases.extend(every_pair!(adam8bit_matches_cpu));
+    cases.extend(every_pair!(adafactor_apply_matches_cpu));
+
+    let mut failed = Vec::new();
+    let mut err = std::io::stderr().lock();
+    for (what, case) in cases {
+        let t = Instant::now();
+        if let Err(e) = catch_unwind(AssertUnwindSafe(case)) {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            failed.push(format!("{what}: {msg}"));
+        }
+        let _ = writeln!(err, "  {what}: {:.2} s", t.elapsed().as_secs_f64());
+    }
+    let _ = writeln!(
+        err,
+        "largest error of each output, as a fraction of its tolerance:"
+    );
+    for (what, worst) in WORST.lock().unwrap().iter() {
+        let _ = writeln!(err, "  {worst:>8.4}  {what}");
+    }
+    let launches = shim.launches();
+    let _ = writeln!(
+        err,
+        "ran {} of the {} kernels of kernels/cuda on the CPU shim ({} launches; shim ready in {:.1} s, all in {:.1} s):",
+        launches.len(),
+        shim.kernels.len(),
+        launches.values().sum::<usize>(),
+        built.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+    for k in &shim.kernels {
+        let n = launches.get(&k.name).copied().unwrap_or(0);
+        let _ = writeln!(err, "  {:<14} {:<40} {n} launches", k.program, k.name);
+    }
+    let missing: Vec<String> = shim
+        .not_launched()
+        .iter()
+        .map(|k| format!("{} ({})", k.name, k.program))
+        .collect();
+    assert!(failed.is_empty(), "failed:\n{}", failed.join("\n"));
+    assert!(
+        missing.is_empty(),
+        "kernels no case ran (add them to cuda_on_cpu.rs): {}",
+        missing.join(", ")
+    );
+}
