@@ -1112,3 +1112,114 @@ fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
         missing.join(", ")
     );
 }
+
+/// The launch geometries of the trainer's largest steps (B 64, T 1024, GPT-2 small to XL
+/// widths, V 50257) are within the GPU's limits; past them `check_launch` names the kernel
+/// and the limit (`Error::Launch`) instead of the driver's "invalid argument", and the shim
+/// refuses the same launches.
+#[test]
+fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
+    use kernels::cuda::{Error, check_launch, elementwise, matmul, norm, optim};
+    let ok = |kernel: &str, cfg: LaunchConfig, shared: usize| {
+        check_launch(kernel, &cfg, shared, 1024).unwrap_or_else(|e| panic!("{e}"))
+    };
+    for (c, nh) in [(768, 12), (1024, 16), (1280, 20), (1600, 25)] {
+        let (bt, v) = (64 * 1024, 50_257);
+        let d = AttentionDims {
+            b: 64,
+            t: 1024,
+            c,
+            nh,
+        };
+        // attention.cu's static shared memory: forward 13.1 KiB, backward_key 16 KiB.
+        ok("attention", layers::attention_config(&d), 16 << 10);
+        ok("layernorm rows", layers::layernorm_rows_config(bt), 0);
+        let cols = layers::ColumnSums::new(bt, c, 2);
+        ok("layernorm column parts", cols.parts, 2 * 8 * 33 * 4);
+        ok("layernorm column sums", cols.sums, 0);
+        for n in [3 * c, 4 * c, c, v] {
+            let cols = matmul::bias_backward_config(bt, n);
+            assert!(
+                cols.scratch * 4 <= matmul::STAGING_BYTES,
+                "bias partials fit staging"
+            );
+            ok("bias parts", cols.parts, 8 * 33 * 4);
+            ok("bias sums", cols.sums, 0);
+        }
+        ok("crossentropy", layers::crossentropy_config(bt), 128);
+        ok("elementwise", elementwise(bt * 4 * c), 0);
+        ok("sum_squares", norm::sum_squares_configs().0, 256);
+        ok(
+            "adam8bit",
+            optim::adam8bit_config(1_600_000_000, 2048),
+            2 * 1024 + 128,
+        );
+    }
+
+    let many_heads = AttentionDims {
+        b: 4096,
+        t: 8,
+        c: 512,
+        nh: 32,
+    }; // B·NH = 131,072 blocks in grid y
+    let cfg = layers::attention_config(&many_heads);
+    let err = check_launch("attention_forward_bf16", &cfg, 0, 1024).unwrap_err();
+    assert!(
+        matches!(&err, Error::Launch { kernel, .. } if kernel == "attention_forward_bf16")
+            && err.to_string().contains("grid"),
+        "{err}"
+    );
+    let err = check_launch(
+        "crossentropy_forward",
+        &layers::crossentropy_config(4),
+        0,
+        768,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("at most 768"), "{err}");
+    let err = check_launch("k", &elementwise(10), 40 << 10, 1024).map(|_| ());
+    assert!(err.is_ok(), "40 KiB of shared memory is within 48 KiB");
+    let mut cfg = elementwise(10);
+    cfg.shared_mem_bytes = 16 << 10;
+    let err = check_launch("k", &cfg, 40 << 10, 1024).unwrap_err();
+    assert!(err.to_string().contains("shared memory"), "{err}");
+
+    let shim = Shim::get();
+    let mut m = vec![1f32; 4];
+    let refused = shim.try_launch(
+        "decay",
+        (1, 70_000, 1),
+        (256, 1, 1),
+        &[out(&mut m), val(0.5f32), val(4i64)],
+    );
+    assert!(
+        refused.is_err_and(|e| e.contains("grid")),
+        "the shim refuses grid y > 65,535"
+    );
+    let refused = shim.try_launch(
+        "decay",
+        (1, 1, 1),
+        (1025, 1, 1),
+        &[out(&mut m), val(0.5f32), val(4i64)],
+    );
+    assert!(
+        refused.is_err_and(|e| e.contains("1024")),
+        "and blocks over 1024 threads"
+    );
+    let refused = shim.try_launch("decay", (1, 1, 1), (32, 1, 1), &[out(&mut m), val(0.5f32)]);
+    assert!(
+        refused.is_err_and(|e| e.contains("parameters")),
+        "and a missing parameter"
+    );
+    let refused = shim.try_launch(
+        "decay",
+        (1, 1, 1),
+        (32, 1, 1),
+        &[out(&mut m), val(0.5f32), val(4i32)],
+    );
+    assert!(
+        refused.is_err_and(|e| e.contains("bytes")),
+        "and an int where a long is due"
+    );
+    assert_eq!(m, [1.0; 4], "nothing ran");
+}
