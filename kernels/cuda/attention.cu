@@ -43,6 +43,24 @@ __device__ __forceinline__ float warp_dot(const float *a, const X *x, int hs) {
     return warp_sum(d);
 }
 
+// For the thread's column j = threadIdx.x < hs (0 for the others): Σ_{r ≤ last} w[r]·m[r][j],
+// rows `stride` apart. Warp w takes rows w, w + ATT_WARPS, …, its lanes the columns.
+template <typename X>
+__device__ float weighted_rows(float (*part)[MAX_HS], const float *w, const X *m, long stride,
+                               int last, int hs) {
+    int lane = threadIdx.x % 32;
+    float acc[COLS] = {};
+    for (int r = threadIdx.x / 32; r <= last; r += ATT_WARPS) {
+        const X *row = m + r * stride;
+        for (int k = 0; k < COLS; k++) {
+            int j = lane + 32 * k;
+            if (j < hs) acc[k] += w[r] * load(row[j]);
+        }
+    }
+    put_warp_part(part, acc, hs);
+    return sum_warp_parts(part, hs);
+}
+
 // out (B, T, C) and att from qkv.
 template <typename X>
 __device__ void forward(X *out, X *att, const X *qkv, int t_len, int c, int nh) {
@@ -76,18 +94,7 @@ __device__ void forward(X *out, X *att, const X *qkv, int t_len, int c, int nh) 
         a[t2] = store<X>(p);
     }
     __syncthreads();
-    // out[j] = Σ_t2 p[t2]·v[t2][j].
-    float acc[COLS] = {};
-    for (int t2 = warp; t2 <= t; t2 += ATT_WARPS) {
-        const X *v = base + (long)t2 * 3 * c + 2 * c;
-        float p = s[t2];
-        for (int k = 0; k < COLS; k++) {
-            int j = lane + 32 * k;
-            if (j < hs) acc[k] += p * load(v[j]);
-        }
-    }
-    put_warp_part(part, acc, hs);
-    float o = sum_warp_parts(part, hs);
+    float o = weighted_rows(part, s, base + 2 * c, 3L * c, t, hs); // Σ_t2 p[t2]·v[t2]
     if ((int)threadIdx.x < hs) out[((long)b * t_len + t) * c + h * hs + threadIdx.x] = store<X>(o);
 }
 
@@ -125,17 +132,7 @@ __device__ void backward_query(X *dqkv, float *datt, const X *dout, const X *qkv
         row[t2] = g;
     }
     __syncthreads();
-    float acc[COLS] = {};
-    for (int t2 = warp; t2 <= t; t2 += ATT_WARPS) {
-        const X *k = base + (long)t2 * 3 * c + c;
-        float g = ds[t2];
-        for (int i = 0; i < COLS; i++) {
-            int j = lane + 32 * i;
-            if (j < hs) acc[i] += g * load(k[j]);
-        }
-    }
-    put_warp_part(part, acc, hs);
-    float g = sum_warp_parts(part, hs);
+    float g = weighted_rows(part, ds, base + c, 3L * c, t, hs); // Σ_t2 ds[t2]·k[t2]
     if ((int)threadIdx.x < hs) {
         dqkv[((long)b * t_len + t) * 3 * c + h * hs + threadIdx.x] = store<X>(g * scale);
     }

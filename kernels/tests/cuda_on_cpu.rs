@@ -66,14 +66,6 @@ fn close<X: Float>(what: &str, got: &[X], want: &[X], rtol: f64) {
     );
 }
 
-fn nan<X: Float>(n: usize) -> Vec<X> {
-    vec![X::from_f32(f32::NAN); n]
-}
-
-fn random<X: Float>(rng: &mut Rng, n: usize, s: f64) -> Vec<X> {
-    to_x::<X>(&rng.vec(n, s))
-}
-
 fn len(n: usize) -> i64 {
     n as i64
 }
@@ -170,15 +162,8 @@ fn encoder_matches_cpu<X: Float>() {
         random::<X>(&mut rng, t * c, 1.0),
     );
     let (mut dwte, mut dwpe) = (dwte0.clone(), dwpe0.clone());
-    // The host's grouping of positions by token, as layers::encoder_backward does it.
-    let mut order: Vec<u32> = (0..bt as u32).collect();
-    order.sort_by_key(|&i| tokens[i as usize]);
-    let mut starts: Vec<u32> = (0..bt)
-        .filter(|&i| i == 0 || tokens[order[i] as usize] != tokens[order[i - 1] as usize])
-        .map(|i| i as u32)
-        .collect();
-    let runs = starts.len();
-    starts.push(bt as u32);
+    let (order, starts) = layers::group_by_token(&tokens);
+    let runs = starts.len() - 1;
     run(
         &format!("encoder_backward_wpe_{}", X::NAME),
         kernels::cuda::elementwise(t * c),
@@ -536,22 +521,6 @@ fn norms_match_cpu<X: Float>() {
         &[out(&mut dg), val(0.5f32), val(len(n)), out(&mut flag)],
     );
     assert_eq!(flag, [1], "an inf gradient raises the flag ({})", X::NAME);
-}
-
-struct Case<G> {
-    master: Vec<f32>,
-    grad: Vec<G>,
-    state: Vec<f32>,
-}
-
-fn case<G: Float>(seed: u64, n: usize) -> Case<G> {
-    let mut rng = Rng::new(seed);
-    let f = |v: Vec<f64>| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
-    Case {
-        master: f(rng.vec(n, 1.0)),
-        grad: random::<G>(&mut rng, n, 1.0),
-        state: f(rng.vec(n, 0.1)),
-    }
 }
 
 /// `(lr / (1 - β1^t), sqrt(1 - β2^t))` in f64, as the launchers compute them on the host

@@ -42,15 +42,6 @@ fn down<T: cudarc::driver::DeviceRepr>(d: &Device, dev: &CudaSlice<T>) -> Vec<T>
     d.download(dev).expect("download")
 }
 
-fn nan<X: Float>(n: usize) -> Vec<X> {
-    vec![X::from_f32(f32::NAN); n]
-}
-
-/// Random `X` values of scale `s`.
-fn random<X: Float>(rng: &mut Rng, n: usize, s: f64) -> Vec<X> {
-    to_x::<X>(&rng.vec(n, s))
-}
-
 fn close<X: Float>(what: &str, gpu: &[X], cpu: &[X], rtol: f64) {
     assert_close(
         &format!("{what} ({})", X::NAME),
@@ -494,23 +485,6 @@ fn norms_match_cpu<X: DeviceFloat>() {
         "an inf gradient raises the flag ({})",
         X::NAME
     );
-}
-
-/// Master weights, gradients and states of one optimizer test.
-struct Case<G> {
-    master: Vec<f32>,
-    grad: Vec<G>,
-    state: Vec<f32>,
-}
-
-fn case<G: Float>(seed: u64, n: usize) -> Case<G> {
-    let mut rng = Rng::new(seed);
-    let f = |v: Vec<f64>| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
-    Case {
-        master: f(rng.vec(n, 1.0)),
-        grad: random::<G>(&mut rng, n, 1.0),
-        state: f(rng.vec(n, 0.1)),
-    }
 }
 
 fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {

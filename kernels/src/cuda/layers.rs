@@ -82,14 +82,8 @@ pub fn encoder_backward<X: DeviceFloat>(
     if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
         panic!("token {bad} outside the vocabulary of {v}");
     }
-    let mut order: Vec<u32> = (0..bt as u32).collect();
-    order.sort_by_key(|&i| tokens[i as usize]);
-    let mut starts: Vec<u32> = (0..bt)
-        .filter(|&i| i == 0 || tokens[order[i] as usize] != tokens[order[i - 1] as usize])
-        .map(|i| i as u32)
-        .collect();
-    let runs = starts.len();
-    starts.push(bt as u32);
+    let (order, starts) = group_by_token(tokens);
+    let runs = starts.len() - 1;
     let (d_tokens, d_order, d_starts) = (
         dev.upload(tokens)?,
         dev.upload(&order)?,
@@ -104,6 +98,21 @@ pub fn encoder_backward<X: DeviceFloat>(
     launch!(dev, "encoder.cu", format!("encoder_backward_wte_{}", X::NAME), cfg;
         dwte, dout, &d_tokens, &d_order, &d_starts, &runs, &cl);
     Ok(())
+}
+
+/// The positions of `tokens` grouped by token, as `encoder_backward_wte` takes them: `order`
+/// lists the positions sorted by token (stable: ascending within a token), and run `r` of one
+/// token is `order[starts[r]..starts[r + 1]]` (`starts` ends with `tokens.len()`).
+pub fn group_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let n = tokens.len();
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by_key(|&i| tokens[i as usize]);
+    let mut starts: Vec<u32> = (0..n)
+        .filter(|&i| i == 0 || tokens[order[i] as usize] != tokens[order[i - 1] as usize])
+        .map(|i| i as u32)
+        .collect();
+    starts.push(n as u32);
+    (order, starts)
 }
 
 /// Rows per block of the LayerNorm row kernels (a warp each; `LN_WARPS` in layernorm.cu).

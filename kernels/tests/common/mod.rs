@@ -65,6 +65,33 @@ pub fn to_f64<X: Float>(v: &[X]) -> Vec<f64> {
     v.iter().map(|x| x.to_f32() as f64).collect()
 }
 
+/// `n` NaNs: the start of an output a kernel overwrites, so an element it skips fails.
+pub fn nan<X: Float>(n: usize) -> Vec<X> {
+    vec![X::from_f32(f32::NAN); n]
+}
+
+/// Random `X` values of scale `s`.
+pub fn random<X: Float>(rng: &mut Rng, n: usize, s: f64) -> Vec<X> {
+    to_x::<X>(&rng.vec(n, s))
+}
+
+/// Master weights, gradients and states of one optimizer test.
+pub struct Case<G> {
+    pub master: Vec<f32>,
+    pub grad: Vec<G>,
+    pub state: Vec<f32>,
+}
+
+pub fn case<G: Float>(seed: u64, n: usize) -> Case<G> {
+    let mut rng = Rng::new(seed);
+    let f = |v: Vec<f64>| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    Case {
+        master: f(rng.vec(n, 1.0)),
+        grad: random::<G>(&mut rng, n, 1.0),
+        state: f(rng.vec(n, 0.1)),
+    }
+}
+
 /// Values of `v` after rounding to `X`, as f64: the exact inputs a kernel sees.
 pub fn rounded<X: Float>(v: &[f64]) -> Vec<f64> {
     to_f64(&to_x::<X>(v))
