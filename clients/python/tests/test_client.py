@@ -1,7 +1,9 @@
 """The calls every client had before `Job`: submit, wait, read back, estimate, nodes, cancel,
 and the errors the server answers."""
 
+import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 from specs import ENDLESS, TINY
@@ -47,6 +49,18 @@ def test_estimate_and_nodes(zt: Client) -> None:
     est = zt.estimate(model="gpt2-124M", precision={"dtype": "bf16"})
     assert est["parameters"] == 124439808
     assert len(zt.nodes()) == 1
+
+
+def test_a_model_dir_is_estimated_but_not_yet_trained(zt: Client, tmp_path: Path) -> None:
+    reference = Path(__file__).parents[3] / "tests/reference/hf_configs"
+    shutil.copy(reference / "smollm2-135M.json", tmp_path / "config.json")
+    est = zt.estimate(model_dir=tmp_path, training={"seq_len": 128})
+    assert est["parameters"] == 134515008
+    assert est["model"]["family"] == "llama"
+    with pytest.raises(ZerotrainError) as e:
+        zt.submit(model_dir=tmp_path)
+    assert e.value.status == 422
+    assert e.value.field == "model.config.model_type"
 
 
 def test_cancel_ends_a_job(zt: Client) -> None:

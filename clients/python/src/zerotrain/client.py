@@ -40,15 +40,18 @@ class Client:
         *,
         deepspeed: Spec | str | os.PathLike[str] | None = None,
         model: str | Spec | None = None,
+        model_dir: str | os.PathLike[str] | None = None,
         data: Spec | None = None,
         **fields: Any,
     ) -> Job:
         """Submits a job: a native spec (`submit({"model": …, "training": …})`), or a DeepSpeed
         config (`submit(deepspeed=ds_config, model="gpt2-124M", data=…)`: a dict or the path of
         its JSON file); `model` may be a preset's name, and other keywords (`training`, `name`,
-        `world_size`, …) are spec fields. The created (or, for a repeated idempotency key, the
+        `world_size`, …) are spec fields. `model_dir`, a Hugging Face model directory, gives the
+        model instead: its config.json as `model.config`, its weights as `model.init_from` (as
+        `zerotrain submit --model-dir`). The created (or, for a repeated idempotency key, the
         earlier) job, with its plan and predicted per-rank bytes."""
-        body = _request_body(spec, deepspeed, model, data, fields)
+        body = _request_body(spec, deepspeed, _model(model, model_dir), data, fields)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return Job(self, self.call("POST", "/v1/jobs", body, {"priority": priority}, headers))
 
@@ -130,13 +133,13 @@ class Client:
         *,
         deepspeed: Spec | str | os.PathLike[str] | None = None,
         model: str | Spec | None = None,
+        model_dir: str | os.PathLike[str] | None = None,
         data: Spec | None = None,
         **fields: Any,
     ) -> dict[str, Any]:
         """The memory model's report for a spec, given as to `submit`, on the registered nodes."""
-        result: dict[str, Any] = self.call(
-            "POST", "/v1/estimate", _request_body(spec, deepspeed, model, data, fields)
-        )
+        body = _request_body(spec, deepspeed, _model(model, model_dir), data, fields)
+        result: dict[str, Any] = self.call("POST", "/v1/estimate", body)
         return result
 
     def nodes(self) -> list[dict[str, Any]]:
@@ -220,6 +223,20 @@ def _request_body(
             body[key] = value
     body.update(fields)
     return body
+
+
+def _model(model: str | Spec | None, model_dir: str | os.PathLike[str] | None) -> str | Spec | None:
+    """`model`, or the model block of the Hugging Face directory `model_dir`: its config.json as
+    `config`, and as `init_from` its `model.safetensors` when it holds one file of weights, else
+    the directory (absolute: the agents read it)."""
+    if model_dir is None:
+        return model
+    if model is not None:
+        raise ValueError("give model or model_dir, not both")
+    directory = Path(model_dir).absolute()
+    config = json.loads((directory / "config.json").read_text())
+    weights = directory / "model.safetensors"
+    return {"config": config, "init_from": str(weights if weights.is_file() else directory)}
 
 
 def _job_path(job_id: str, *rest: str) -> str:
