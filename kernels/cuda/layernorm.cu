@@ -1,18 +1,18 @@
 // LayerNorm over the last dimension, statistics in f32 (eps passed by the caller).
 //
-// Rows (forward, dinp): one warp per row, LN_WARPS rows per block of 32·LN_WARPS threads
-// (the launcher's THREADS); the lanes stride over the row and reduce with butterflies: no block
-// barriers, and every thread busy whatever C is. dweight/dbias: two stages over chunks of rows,
+// Rows (forward, dinp): one warp per row, blockDim.x / 32 rows per block (8 at the launcher's
+// 256 threads); the lanes stride over the row and reduce with butterflies: no block barriers,
+// and every thread busy whatever C is. dweight/dbias: two stages over chunks of rows,
 // every partial in a fixed order (deterministic).
 
-#define LN_WARPS 8
+#define LN_WARPS 8 // blockDim.y of the column sums
 
-// out = (x - mean)·rstd·w + b for rows blockIdx.x·LN_WARPS + warp < n; writes mean and
+// out = (x - mean)·rstd·w + b for rows blockIdx.x·warps + warp < n; writes mean and
 // rstd = 1/sqrt(var + eps).
 template <typename X>
 __device__ void forward(X *out, float *mean, float *rstd, const X *inp, const X *weight,
                         const X *bias, long c, long n, float eps) {
-    long row = (long)blockIdx.x * LN_WARPS + threadIdx.x / 32;
+    long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= n) return; // the whole warp: no shuffle is left waiting
     const X *x = inp + row * c;
@@ -38,7 +38,7 @@ __device__ void forward(X *out, float *mean, float *rstd, const X *inp, const X 
 template <typename X>
 __device__ void backward_rows(X *dinp, const X *dout, const X *inp, const X *weight,
                               const float *mean, const float *rstd, long c, long n) {
-    long row = (long)blockIdx.x * LN_WARPS + threadIdx.x / 32;
+    long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= n) return;
     const X *x = inp + row * c, *dy = dout + row * c;
@@ -57,9 +57,10 @@ __device__ void backward_rows(X *dinp, const X *dout, const X *inp, const X *wei
     }
 }
 
-// dweight/dbias, stage 1: block (x, y) of 32 × LN_WARPS threads takes columns 32x.. and rows
-// [y·chunk, (y+1)·chunk); thread (tx, ty) sums rows ty, ty + LN_WARPS, ... of its column in
-// order, then the LN_WARPS partials of a column are added in a fixed tree. parts holds
+// dweight/dbias, stage 1: block (x, y) of 32 × LN_WARPS threads (layers::ColumnSums) takes
+// columns 32x.. and rows [y·chunk, (y+1)·chunk); thread (tx, ty) sums rows ty, ty + LN_WARPS,
+// ... of its column in order, then the LN_WARPS partials of a column are added in a fixed
+// tree. parts holds
 // Σ dy·norm at [y][j] and Σ dy at [gridDim.y + y][j] (2 · gridDim.y · c floats).
 template <typename X>
 __device__ void backward_column_parts(float *parts, const X *dout, const X *inp,

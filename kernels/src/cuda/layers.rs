@@ -249,10 +249,15 @@ fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i3
 /// The largest head size of attention.cu (`MAX_HS`, at most one column per thread).
 const ATTENTION_MAX_HS: usize = 256;
 
-/// The launch of the three attention kernels: a block of `THREADS` (8 warps: `ATT_WARPS` in
-/// attention.cu) per row t (grid x) and head (b, h) (grid y, so B·NH ≤ 65,535).
+/// Threads per attention block: `ATT_WARPS` (8) warps in attention.cu, whatever THREADS is.
+const ATTENTION_THREADS: u32 = 256;
+
+/// The launch of the three attention kernels: a block of 8 warps per row t (grid x) and head
+/// (b, h) (grid y, so B·NH ≤ 65,535).
 pub fn attention_config(d: &AttentionDims) -> LaunchConfig {
-    rows(d.t, d.b * d.nh)
+    let mut cfg = rows(d.t, d.b * d.nh);
+    cfg.block_dim.0 = ATTENTION_THREADS;
+    cfg
 }
 
 /// Forward: `out (B, T, C)` and the probabilities `att (B, NH, T, T)` from `qkv (B, T, 3C)`.
