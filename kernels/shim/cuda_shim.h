@@ -108,9 +108,10 @@ inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_s
 template <typename T> T __shfl_sync(unsigned, T v, int src, int width = 32) {
     return shim::exchange(v, shim::segment(width) + (src % width));
 }
+// As CUDA: a lane may read from its own or an earlier group of `width`, never a later one.
 template <typename T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
     int src = (int)shim::lane_id ^ mask;
-    return shim::exchange(v, src / width == (int)shim::lane_id / width ? src : (int)shim::lane_id);
+    return shim::exchange(v, src < shim::segment(width) + width ? src : (int)shim::lane_id);
 }
 template <typename T> T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
     int src = (int)shim::lane_id + (int)delta;

@@ -1192,3 +1192,43 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
     );
     assert_eq!(m, [1.0; 4], "nothing ran");
 }
+
+/// The shim's primitives the kernels do not use yet (kernels/tests/shim/selftest.cu): the
+/// values CUDA defines for each lane, in two blocks of two warps.
+#[test]
+fn the_shim_shuffles_votes_atomics_and_early_exits_as_cuda_does() {
+    const OUT: usize = 12;
+    let (blocks, threads) = (2, 64);
+    let mut o = vec![-1i32; blocks * threads * OUT];
+    Shim::get().launch(
+        "shim_selftest",
+        (blocks as u32, 1, 1),
+        (threads as u32, 1, 1),
+        &[out(&mut o)],
+    );
+    for (i, got) in o.chunks(OUT).enumerate() {
+        let (b, t) = (i / threads, i % threads);
+        let lane = (t % 32) as i32;
+        let in16 = |src: i32| if src / 16 == lane / 16 { src } else { lane };
+        let want = [
+            lane ^ 5,
+            if lane + 3 < 32 { lane + 3 } else { lane },
+            if lane >= 3 { lane - 3 } else { lane },
+            7,
+            0xaaaa_aaaau32 as i32,
+            1,
+            in16(lane + 4),
+            if lane >= 16 { lane - 16 } else { lane }, // earlier groups only
+            threads as i32,
+            threads as i32 - 1,
+            (F16::from_f32(1.0 / 3.0).to_bits() as i32) << 16
+                | Bf16::from_f32(1.0 / 3.0).to_bits() as i32,
+            if (t / 32) % 2 == 1 {
+                -1
+            } else {
+                (b * 1000 + threads) as i32
+            },
+        ];
+        assert_eq!(got, want, "block {b} thread {t}");
+    }
+}

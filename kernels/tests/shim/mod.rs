@@ -18,10 +18,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
-use kernels::cuda::PROGRAMS;
+use kernels::cuda::{PROGRAMS, Program};
 
 const HEADER: &str = include_str!("../../shim/cuda_shim.h");
 const COMMON: &str = include_str!("../../cuda/common.cuh");
+
+/// The shim's own test kernel (not a program of the back end: not in the coverage check).
+pub const SELFTEST: Program = Program {
+    name: "shim_selftest.cu",
+    source: include_str!("selftest.cu"),
+};
+
+/// What the library holds: the back end's programs, then the self-test.
+fn programs() -> impl Iterator<Item = &'static Program> {
+    PROGRAMS.iter().chain(std::iter::once(&SELFTEST))
+}
 
 /// Flags: C++20 for std::barrier; no contraction of `a·b + c` into FMAs (NVRTC's
 /// `--fmad=false`); IEEE arithmetic (no fast-math), as `--prec-div --prec-sqrt`.
@@ -60,7 +71,8 @@ type LaunchFn = unsafe extern "C" fn(
 pub struct Shim {
     _lib: libloading::Library,
     launch: LaunchFn,
-    /// Every kernel of every program, from the preprocessed sources.
+    /// Every kernel of every program of `kernels::cuda::PROGRAMS`, from the preprocessed
+    /// sources (the self-test's are launchable too, but not listed).
     pub kernels: Vec<Kernel>,
     /// Launches per kernel so far.
     launched: Mutex<BTreeMap<String, usize>>,
@@ -105,16 +117,20 @@ impl Shim {
         let version = Command::new(&cxx).arg("--version").output().map_err(|e| {
             format!("cannot run the C++ compiler `{cxx}` ({e}): install g++ or set CXX")
         })?;
-        let mut kernels = Vec::new();
-        for p in PROGRAMS {
+        let mut all = Vec::new();
+        for p in programs() {
             for name in kernel_names(&cxx, p.name, p.source)? {
-                kernels.push(Kernel {
+                all.push(Kernel {
                     program: p.name,
                     name,
                 });
             }
         }
-        let source = library_source(&kernels);
+        let source = library_source(&all);
+        let kernels = all
+            .into_iter()
+            .filter(|k| k.program != SELFTEST.name)
+            .collect();
         let mut h = DefaultHasher::new();
         (&source, HEADER, FLAGS, &version.stdout).hash(&mut h);
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-shim");
@@ -258,7 +274,7 @@ fn kernel_names(cxx: &str, program: &str, source: &str) -> Result<Vec<String>, S
 /// which finds a kernel by name and launches it (-2: no such kernel).
 fn library_source(kernels: &[Kernel]) -> String {
     let mut s = format!("{HEADER}\n#line 1 \"common.cuh\"\n{COMMON}\n");
-    for (i, p) in PROGRAMS.iter().enumerate() {
+    for (i, p) in programs().enumerate() {
         s += &format!(
             "namespace program{i} {{\n#line 1 \"{}\"\n{}\n}}\n",
             p.name, p.source
@@ -277,7 +293,7 @@ fn library_source(kernels: &[Kernel]) -> String {
           const unsigned *block, void **args, const size_t *sizes, size_t nargs, char *err, \
           size_t errlen) {\n";
     for k in kernels {
-        let i = PROGRAMS.iter().position(|p| p.name == k.program).unwrap();
+        let i = programs().position(|p| p.name == k.program).unwrap();
         s += &format!(
             "    if (!strcmp(name, \"{n}\")) return shim::launch_kernel(name, &program{i}::{n}, \
              grid, block, args, sizes, nargs, err, errlen);\n",
