@@ -53,19 +53,7 @@ fn close<X: Float>(what: &str, gpu: &[X], cpu: &[X], rtol: f64) {
 
 fn casts_match_half_bit_for_bit<X: DeviceFloat>() {
     let Some(d) = device() else { return };
-    let mut rng = Rng::new(1);
-    let mut src: Vec<f32> = rng.vec(4096, 10.0).iter().map(|&x| x as f32).collect();
-    src.extend([
-        f32::NAN,
-        -f32::NAN,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        1e-40,
-        -1e-42,
-        0.0,
-        -0.0,
-    ]);
-    src.push(f32::from_bits(0x7f80_0001)); // signalling NaN: quieted, payload kept
+    let src = cast_inputs();
     let mut x = up(d, &nan::<X>(src.len()));
     layers::cast_from_f32(d, &mut x.as_view_mut(), &up(d, &src).as_view()).unwrap();
     let got: Vec<u32> = down(d, &x).iter().map(|v| v.to_f32().to_bits()).collect();

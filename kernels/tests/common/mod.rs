@@ -75,6 +75,40 @@ pub fn random<X: Float>(rng: &mut Rng, n: usize, s: f64) -> Vec<X> {
     to_x::<X>(&rng.vec(n, s))
 }
 
+/// Inputs of the cast kernels' bit-for-bit tests: random values, then NaNs (a signalling one:
+/// quieted, payload kept), infinities, subnormals of f32, the f16 subnormal range and its
+/// ties, and the f16 overflow edge.
+pub fn cast_inputs() -> Vec<f32> {
+    let mut rng = Rng::new(1);
+    let mut src: Vec<f32> = rng.vec(4096, 10.0).iter().map(|&x| x as f32).collect();
+    src.extend([
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e-40,
+        -1e-42,
+        0.0,
+        -0.0,
+        6e-8,
+        3e-8,
+        2.980_232_2e-8,
+        1e-5,
+        -6.1e-5,
+        65504.0,
+        65519.0,
+        65520.0,
+        -70000.0,
+        1.0 + 1.0 / 512.0,
+        1.0 + 3.0 / 256.0,
+        3.4e38,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xffc0_1234),
+    ]);
+    src.extend((0..2000u32).map(|i| f32::from_bits(0x3300_0000 + i * 0x1_1111)));
+    src
+}
+
 /// Master weights, gradients and states of one optimizer test.
 pub struct Case<G> {
     pub master: Vec<f32>,
