@@ -26,20 +26,36 @@ __device__ void backward_wpe(X *dwpe, const X *dout, long bt, long t, long c) {
 }
 
 // dwte[token] += Σ dout over its positions. The host groups positions by token: run r holds
-// positions order[starts[r]..starts[r+1]] (ascending), all of token tokens[order[starts[r]]];
-// block row y takes runs y, y + gridDim.y, ... (grid y is at most 65,535), so no two threads
-// write one element and no atomics are needed.
+// positions order[starts[r]..starts[r+1]] (ascending), all of token tokens[order[starts[r]]].
+// Block (x, y) of 32 × WTE_Y threads takes columns 32x.. of runs y, y + gridDim.y, ... (grid y
+// is at most 65,535): thread (tx, ty) sums positions ty, ty + WTE_Y, ... of the run in order,
+// then the WTE_Y partials of a column are added in a fixed tree, so a frequent token (a long
+// run) is summed WTE_Y ways at once. No two blocks write one element: no atomics.
+#define WTE_Y 8
+
 template <typename X>
 __device__ void backward_wte(X *dwte, const X *dout, const unsigned *tokens,
                              const unsigned *order, const unsigned *starts, long runs, long c) {
+    __shared__ float part[WTE_Y][33]; // padded: the tree reads down columns
+    int tx = threadIdx.x, ty = threadIdx.y;
+    long j = (long)blockIdx.x * 32 + tx;
     for (long r = blockIdx.y; r < runs; r += gridDim.y) {
         unsigned lo = starts[r], hi = starts[r + 1];
-        long tok = tokens[order[lo]];
-        for (long j = (long)blockIdx.x * blockDim.x + threadIdx.x; j < c; j += (long)gridDim.x * blockDim.x) {
-            float s = 0.0f;
-            for (unsigned k = lo; k < hi; k++) s += load(dout[(long)order[k] * c + j]);
-            dwte[tok * c + j] = store<X>(load(dwte[tok * c + j]) + s);
+        float s = 0.0f;
+        if (j < c) {
+            for (unsigned k = lo + ty; k < hi; k += WTE_Y) s += load(dout[(long)order[k] * c + j]);
         }
+        part[ty][tx] = s;
+        __syncthreads();
+        for (int w = WTE_Y / 2; w > 0; w >>= 1) {
+            if (ty < w) part[ty][tx] += part[ty + w][tx];
+            __syncthreads();
+        }
+        if (ty == 0 && j < c) {
+            long at = (long)tokens[order[lo]] * c + j;
+            dwte[at] = store<X>(load(dwte[at]) + part[0][tx]);
+        }
+        __syncthreads(); // part is the next run's
     }
 }
 

@@ -102,7 +102,8 @@ fn casts<X: Float>() {
 fn encoder_matches_cpu<X: Float>() {
     let (b, t, c, v) = (3, 17, 40, 11);
     let mut rng = Rng::new(2);
-    let tokens = rng.tokens(b * t, v);
+    let mut tokens = rng.tokens(b * t, v);
+    tokens[3..40].fill(5); // one long run: positions summed 8 ways at once
     let (wte, wpe) = (
         random::<X>(&mut rng, v * c, 1.0),
         random::<X>(&mut rng, t * c, 1.0),
@@ -149,7 +150,10 @@ fn encoder_matches_cpu<X: Float>() {
     run(
         &format!("encoder_backward_wte_{}", X::NAME),
         // Fewer block rows than runs: the kernel strides over them, as past 65,535 runs.
-        kernels::cuda::rows(c.div_ceil(kernels::cuda::THREADS as usize), runs.min(4)),
+        LaunchConfig {
+            grid_dim: (c.div_ceil(32) as u32, 4, 1),
+            ..layers::encoder_wte_config(c, runs)
+        },
         &[
             out(&mut dwte),
             inp(&dout),
@@ -1090,6 +1094,11 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
             ok("bias sums", cols.sums, 0);
         }
         ok("crossentropy", layers::crossentropy_config(bt), 128);
+        ok(
+            "encoder dwte",
+            layers::encoder_wte_config(c, bt),
+            8 * 33 * 4,
+        );
         ok("elementwise", elementwise(bt * 4 * c), 0);
         ok("sum_squares", norm::sum_squares_configs().0, 256);
         ok(

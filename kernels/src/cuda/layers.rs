@@ -92,12 +92,26 @@ pub fn encoder_backward<X: DeviceFloat>(
     let (n, tl, cl) = (len(bt), len(t), len(c));
     launch!(dev, "encoder.cu", format!("encoder_backward_wpe_{}", X::NAME), elementwise(t * c);
         dwpe, dout, &n, &tl, &cl);
-    // Grid y strides over the runs: more distinct tokens than 65,535 is fine.
-    let cfg = rows(c.div_ceil(THREADS as usize), runs.min(MAX_GRID.1 as usize));
+    let cfg = encoder_wte_config(c, runs);
     let runs = len(runs);
     launch!(dev, "encoder.cu", format!("encoder_backward_wte_{}", X::NAME), cfg;
         dwte, dout, &d_tokens, &d_order, &d_starts, &runs, &cl);
     Ok(())
+}
+
+/// The launch of `encoder_backward_wte` over `runs` distinct tokens of width `c`: blocks of
+/// 32 × 8 threads per 32 columns (grid x) and run (grid y, striding past 65,535 runs).
+pub fn encoder_wte_config(c: usize, runs: usize) -> LaunchConfig {
+    let dim = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    LaunchConfig {
+        grid_dim: (
+            dim(c.div_ceil(32)),
+            dim(runs.clamp(1, MAX_GRID.1 as usize)),
+            1,
+        ),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// The positions of `tokens` grouped by token, as `encoder_backward_wte` takes them: `order`
