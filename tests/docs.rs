@@ -230,7 +230,10 @@ fn every_relative_link_resolves_to_a_file_and_heading_of_the_repository() {
             }
         }
     }
-    assert!(checked > 20, "only {checked} relative links found: is the parser blind?");
+    assert!(
+        checked > 20,
+        "only {checked} relative links found: is the parser blind?"
+    );
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
@@ -239,7 +242,11 @@ fn no_markdown_file_points_at_the_shared_folder_outside_the_repository() {
     let root = root();
     let mut files = Vec::new();
     markdown_files(&root, &mut files);
-    assert!(files.iter().any(|file| file.ends_with("docs/architecture.md")));
+    assert!(
+        files
+            .iter()
+            .any(|file| file.ends_with("docs/architecture.md"))
+    );
     let offenders: Vec<String> = files
         .iter()
         .filter(|file| fs::read_to_string(file).unwrap().contains("../shared"))
@@ -255,7 +262,10 @@ fn no_markdown_file_points_at_the_shared_folder_outside_the_repository() {
 fn readme_is_a_front_door_with_the_two_set_up_commands() {
     let readme = fs::read_to_string(root().join("README.md")).unwrap();
     let lines = readme.lines().count();
-    assert!(lines <= 200, "README.md has {lines} lines; move detail into docs/");
+    assert!(
+        lines <= 200,
+        "README.md has {lines} lines; move detail into docs/"
+    );
     for command in ["cargo run --release --bin zerotrain -- up", "scripts/test"] {
         assert!(
             readme.lines().any(|line| line.trim() == command),
