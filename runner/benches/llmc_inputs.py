@@ -1,4 +1,4 @@
-"""Inputs for timing llm.c's `train_gpt2.c` without network access (see README, Performance).
+"""Inputs for timing llm.c's `train_gpt2.c` without network access (see docs/benchmarks.md).
 
 Writes, into the current directory (llm.c's working directory):
 - `gpt2_124M.bin`: a GPT-2 124M checkpoint in llm.c's format (256 int32 header: magic 20240326,

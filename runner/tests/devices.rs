@@ -175,7 +175,7 @@ fn the_model_counts_the_gemm_buffers_cuda_allocates() {
 
 /// The CUDA overhead as the driver sees it: memory in use on GPU 0 before this process opens
 /// it (`nvidia-smi`), and after the context, the NVRTC modules and cuBLASLt. Printed for
-/// README and checked against the allowance the memory model plans with.
+/// docs/gpu.md and checked against the allowance the memory model plans with.
 #[cfg(feature = "cuda")]
 #[test]
 fn the_driver_measured_cuda_overhead_fits_the_models_allowance() {
