@@ -101,6 +101,17 @@ __device__ float block_max(float v, float *scratch) {
     return warp_max(v);
 }
 
+// Column sums in a block of 32 × Y threads: each thread has written part[threadIdx.y]
+// [threadIdx.x]; the Y values of each column are added in a fixed tree, and part[0][x] holds
+// the total once this returns (for every thread: it ends on a barrier).
+template <int Y> __device__ void sum_down_columns(float (*part)[33]) {
+    __syncthreads();
+    for (int s = Y / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.y < s) part[threadIdx.y][threadIdx.x] += part[threadIdx.y + s][threadIdx.x];
+        __syncthreads();
+    }
+}
+
 // Grid-stride loop over n elements.
 #define FOR_INDEX(i, n) \
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)(n); i += (long)gridDim.x * blockDim.x)

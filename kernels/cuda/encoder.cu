@@ -46,11 +46,7 @@ __device__ void backward_wte(X *dwte, const X *dout, const unsigned *tokens,
             for (unsigned k = lo + ty; k < hi; k += WTE_Y) s += load(dout[(long)order[k] * c + j]);
         }
         part[ty][tx] = s;
-        __syncthreads();
-        for (int w = WTE_Y / 2; w > 0; w >>= 1) {
-            if (ty < w) part[ty][tx] += part[ty + w][tx];
-            __syncthreads();
-        }
+        sum_down_columns<WTE_Y>(part);
         if (ty == 0 && j < c) {
             long at = (long)tokens[order[lo]] * c + j;
             dwte[at] = store<X>(load(dwte[at]) + part[0][tx]);

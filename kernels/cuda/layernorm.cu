@@ -79,14 +79,8 @@ __device__ void backward_column_parts(float *parts, const X *dout, const X *inp,
     }
     pw[ty][tx] = aw;
     pb[ty][tx] = ab;
-    __syncthreads();
-    for (int s = LN_WARPS / 2; s > 0; s >>= 1) {
-        if (ty < s) {
-            pw[ty][tx] += pw[ty + s][tx];
-            pb[ty][tx] += pb[ty + s][tx];
-        }
-        __syncthreads();
-    }
+    sum_down_columns<LN_WARPS>(pw);
+    sum_down_columns<LN_WARPS>(pb);
     if (ty == 0 && j < c) {
         parts[(long)blockIdx.y * c + j] = pw[0][tx];
         parts[((long)gridDim.y + blockIdx.y) * c + j] = pb[0][tx];

@@ -22,11 +22,7 @@ __device__ void bias_parts(float *parts, const G *dout, long m, long n, long chu
         for (long i = lo + ty; i < hi; i += ROWS_Y) acc += load(dout[i * n + j]);
     }
     part[ty][tx] = acc;
-    __syncthreads();
-    for (int s = ROWS_Y / 2; s > 0; s >>= 1) {
-        if (ty < s) part[ty][tx] += part[ty + s][tx];
-        __syncthreads();
-    }
+    sum_down_columns<ROWS_Y>(part);
     if (ty == 0 && j < n) parts[(long)blockIdx.y * n + j] = part[0][tx];
 }
 
