@@ -110,6 +110,8 @@ fn llama_tiny_is_test_sized_with_grouped_query_attention_and_an_untied_head() {
     assert_eq!(s.hidden_size, 64);
     assert!(s.num_key_value_heads < s.num_attention_heads);
     assert!(!s.tie_word_embeddings);
+    // 512·64 embedding and head, 2 blocks of 46,208, a 64-wide final norm.
+    assert_eq!(s.parameter_count(), 158_016);
     let units = s.units(1);
     let kinds: Vec<UnitKind> = units.iter().map(|u| u.kind).collect();
     assert_eq!(

@@ -166,12 +166,77 @@ impl ActivationTensor {
     /// How many copies a step holds: per-block tensors once per layer, or, under activation
     /// checkpointing, block outputs once per layer plus one block's worth to recompute into.
     pub fn copies(self, s: &GptShape, checkpointing: bool) -> usize {
-        match self {
-            Self::Res3 => s.n_layer,
-            t if Self::BLOCK.contains(&t) && !checkpointing => s.n_layer,
-            _ => 1,
+        copies(self, s, checkpointing)
+    }
+}
+
+/// What the memory model reads of a family's list of step tensors (`ActivationTensor` for
+/// GPT-2, `LlamaActivation`): each family lists its tensors, this counts them alike.
+pub(crate) trait StepTensors: Copy + PartialEq + 'static {
+    type Shape;
+    /// Saved per block (all of them unless activation checkpointing is on).
+    const PER_BLOCK: &'static [Self];
+    /// Held once per step.
+    const PER_STEP: &'static [Self];
+    /// The block output: kept per layer even under checkpointing.
+    const BLOCK_OUTPUT: Self;
+    fn elements(self, s: &Self::Shape, b: usize, t: usize) -> usize;
+    fn stored_as(self) -> Element;
+    fn buffer(self) -> bool;
+    fn layers(s: &Self::Shape) -> usize;
+}
+
+impl StepTensors for ActivationTensor {
+    type Shape = GptShape;
+    const PER_BLOCK: &'static [Self] = &Self::BLOCK;
+    const PER_STEP: &'static [Self] = &Self::ONCE;
+    const BLOCK_OUTPUT: Self = Self::Res3;
+    fn elements(self, s: &GptShape, b: usize, t: usize) -> usize {
+        self.len(s, b, t)
+    }
+    fn stored_as(self) -> Element {
+        self.element()
+    }
+    fn buffer(self) -> bool {
+        self.is_buffer()
+    }
+    fn layers(s: &GptShape) -> usize {
+        s.n_layer
+    }
+}
+
+/// Copies of `tensor` a step holds (see `ActivationTensor::copies`).
+pub(crate) fn copies<A: StepTensors>(tensor: A, s: &A::Shape, checkpointing: bool) -> usize {
+    if tensor == A::BLOCK_OUTPUT || (A::PER_BLOCK.contains(&tensor) && !checkpointing) {
+        A::layers(s)
+    } else {
+        1
+    }
+}
+
+/// Bytes of every tensor of `A`'s list for a micro-batch of `b` × `t` tokens, with the CPU
+/// matmuls' widening scratch among the buffers.
+pub(crate) fn tally<A: StepTensors>(
+    s: &A::Shape,
+    b: usize,
+    t: usize,
+    checkpointing: bool,
+    compute_bytes: u64,
+) -> Activations {
+    let mut out = Activations {
+        activations: 0,
+        buffers: matmul_scratch_bytes(compute_bytes),
+    };
+    for &tensor in A::PER_BLOCK.iter().chain(A::PER_STEP) {
+        let bytes = (tensor.elements(s, b, t) * copies(tensor, s, checkpointing)) as u64
+            * tensor.stored_as().bytes(compute_bytes);
+        if tensor.buffer() {
+            out.buffers += bytes;
+        } else {
+            out.activations += bytes;
         }
     }
+    out
 }
 
 /// f32 scratch the matrix multiplications widen fp16/bf16 tiles into: enough for the kernels'
@@ -196,23 +261,7 @@ pub struct Activations {
 
 impl Activations {
     pub fn new(s: &GptShape, b: usize, t: usize, checkpointing: bool, compute_bytes: u64) -> Self {
-        let mut out = Activations {
-            activations: 0,
-            buffers: matmul_scratch_bytes(compute_bytes),
-        };
-        for tensor in ActivationTensor::BLOCK
-            .iter()
-            .chain(&ActivationTensor::ONCE)
-        {
-            let bytes = (tensor.len(s, b, t) * tensor.copies(s, checkpointing)) as u64
-                * tensor.element().bytes(compute_bytes);
-            if tensor.is_buffer() {
-                out.buffers += bytes;
-            } else {
-                out.activations += bytes;
-            }
-        }
-        out
+        tally::<ActivationTensor>(s, b, t, checkpointing, compute_bytes)
     }
 }
 

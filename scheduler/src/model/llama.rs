@@ -8,7 +8,7 @@
 //! B = micro-batch, T = sequence length, C = hidden size, H = attention heads, KV = key/value
 //! heads, D = head dim, I = intermediate size, V = vocabulary, L = layers.
 
-use super::activations::{Activations, Element, matmul_scratch_bytes};
+use super::activations::{Activations, Element, StepTensors, copies, tally};
 use super::params::{TensorDims, UnitKind, Units};
 
 /// Which Hugging Face `model_type` a Llama-family model is: they share the arithmetic below and
@@ -425,11 +425,26 @@ impl LlamaActivation {
     /// How many copies a step holds: per-block tensors once per layer, or, under activation
     /// checkpointing, block outputs once per layer plus one block's worth to recompute into.
     pub fn copies(self, s: &LlamaShape, checkpointing: bool) -> usize {
-        match self {
-            Self::Res3 => s.num_hidden_layers,
-            t if Self::BLOCK.contains(&t) && !checkpointing => s.num_hidden_layers,
-            _ => 1,
-        }
+        copies(self, s, checkpointing)
+    }
+}
+
+impl StepTensors for LlamaActivation {
+    type Shape = LlamaShape;
+    const PER_BLOCK: &'static [Self] = &Self::BLOCK;
+    const PER_STEP: &'static [Self] = &Self::ONCE;
+    const BLOCK_OUTPUT: Self = Self::Res3;
+    fn elements(self, s: &LlamaShape, b: usize, t: usize) -> usize {
+        self.len(s, b, t)
+    }
+    fn stored_as(self) -> Element {
+        self.element()
+    }
+    fn buffer(self) -> bool {
+        self.is_buffer()
+    }
+    fn layers(s: &LlamaShape) -> usize {
+        s.num_hidden_layers
     }
 }
 
@@ -437,20 +452,7 @@ impl Activations {
     /// A Llama-family model's bytes of activations and buffers for one rank (CPU matmul
     /// scratch included, as for GPT-2).
     pub fn llama(s: &LlamaShape, b: usize, t: usize, checkpointing: bool, compute: u64) -> Self {
-        let mut out = Activations {
-            activations: 0,
-            buffers: matmul_scratch_bytes(compute),
-        };
-        for tensor in LlamaActivation::BLOCK.iter().chain(&LlamaActivation::ONCE) {
-            let bytes = (tensor.len(s, b, t) * tensor.copies(s, checkpointing)) as u64
-                * tensor.element().bytes(compute);
-            if tensor.is_buffer() {
-                out.buffers += bytes;
-            } else {
-                out.activations += bytes;
-            }
-        }
-        out
+        tally::<LlamaActivation>(s, b, t, checkpointing, compute)
     }
 }
 
