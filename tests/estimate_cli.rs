@@ -100,3 +100,97 @@ fn estimate_compare_prints_the_three_estimators_side_by_side_with_the_reasons() 
     assert!(table.contains("why they differ:"));
     insta::assert_snapshot!(out);
 }
+
+/// A Hugging Face model directory holding `reference`'s config.json.
+fn model_dir(reference: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let from = format!(
+        "{}/../tests/reference/hf_configs/{reference}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::copy(from, dir.path().join("config.json")).unwrap();
+    dir
+}
+
+#[test]
+fn estimate_model_dir_prints_transformers_parameter_count_for_every_reference_config() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/reference/hf_configs/parameters.json"
+    );
+    let counts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for (name, m) in counts["models"].as_object().unwrap() {
+        let dir = model_dir(m["config"].as_str().unwrap());
+        let dir = dir.path().to_str().unwrap();
+        let out = stdout(&zerotrain(&["estimate", "--model-dir", dir, "--json"]));
+        let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(report["parameters"], m["parameters"], "{name}");
+        let family = if name == "gpt2" { "gpt2" } else { "llama" };
+        assert_eq!(report["model"]["family"], family, "{name}");
+    }
+    // The text names the family and shape under the parameter count.
+    let dir = model_dir("llama-2-7B.json");
+    let out = stdout(&zerotrain(&[
+        "estimate",
+        "--model-dir",
+        dir.path().to_str().unwrap(),
+        "--devices",
+        "8",
+    ]));
+    let mut lines = out.lines();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .starts_with("6,738,415,616 parameters on 8 CUDA device(s)")
+    );
+    assert_eq!(
+        lines.next().unwrap(),
+        "model: llama: 32 layers, hidden 4096, 32 heads / 32 KV × 128, MLP 11008, vocabulary 32000, 4096 positions, untied head"
+    );
+}
+
+#[test]
+fn model_dir_takes_the_rest_of_the_spec_from_the_spec_file() {
+    let dir = model_dir("llama-3.1-8B.json");
+    let spec = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        spec.path(),
+        r#"{"precision": {"dtype": "bf16"}, "training": {"seq_len": 1024}, "world_size": 8}"#,
+    )
+    .unwrap();
+    let args = [
+        "estimate",
+        spec.path().to_str().unwrap(),
+        "--model-dir",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ];
+    let report: serde_json::Value = serde_json::from_str(&stdout(&zerotrain(&args))).unwrap();
+    assert_eq!(report["world_size"], 8);
+    assert_eq!(report["parameters"], 8_030_261_248u64);
+    // A spec with a model of its own is refused: the directory gives it.
+    let out = zerotrain(&[
+        "estimate",
+        "gpt2-tiny.json",
+        "--model-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("remove `model` from the spec"));
+}
+
+#[test]
+fn train_refuses_a_llama_family_model_as_estimate_only() {
+    let dir = model_dir("tinyllama-1.1B.json");
+    let out = zerotrain(&["train", "--model-dir", dir.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.starts_with(
+            "error: model.config.model_type: \"llama\" (the llama family) is estimate-only"
+        ),
+        "{err}"
+    );
+}

@@ -1,21 +1,21 @@
-//! `zerotrain estimate SPEC.json [--devices N] [--device-memory 80GiB] [--compare] [--json]`
+//! `zerotrain estimate [SPEC.json] [--model-dir DIR] [--devices N] [--device-memory 80GiB]
+//! [--compare] [--json]`
 
-use std::fmt::Write as _;
-use std::num::NonZeroU32;
-use std::path::PathBuf;
-
-use anyhow::Context;
 use scheduler::bytes::{human, parse_size};
 use scheduler::compare::{ACCELERATE_VERSION, Comparison, DEEPSPEED_VERSION};
 use scheduler::inventory::Inventory;
 use scheduler::memory::{Category, DeviceKind};
 use scheduler::report::{PlanOutcome, Report};
 use scheduler::spec::{JobSpec, Purpose};
+use std::fmt::Write as _;
+use std::num::NonZeroU32;
+
+use crate::spec_file::SpecArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A job spec (native or DeepSpeed form), JSON.
-    spec: PathBuf,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Data-parallel ranks, one per device [default: the spec's world_size].
     #[arg(long)]
     devices: Option<NonZeroU32>,
@@ -42,8 +42,7 @@ enum Kind {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.spec)
-        .with_context(|| format!("reading {}", args.spec.display()))?;
+    let text = args.spec.text()?;
     let mut parsed = JobSpec::parse(&text, Purpose::Estimate)?;
     if let Some(n) = args.devices {
         parsed.spec.world_size = n;
@@ -88,6 +87,9 @@ fn table(r: &Report, device_memory: u64) -> String {
             "off"
         },
     );
+    if let Some(m) = &r.model {
+        let _ = writeln!(out, "model: {}", m.line());
+    }
     let _ = writeln!(out, "\nper rank:");
     let mut header = format!("{:<6}", "stage");
     for &c in Category::ALL {

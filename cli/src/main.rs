@@ -9,6 +9,7 @@ mod jobs;
 mod logs;
 mod pull;
 mod serve;
+mod spec_file;
 mod submit;
 mod token;
 mod train;

@@ -1,7 +1,5 @@
-//! `zerotrain submit SPEC [--wait]`: queue a job; with `--wait`, follow it to the end with a
+//! `zerotrain submit [SPEC] [--model-dir DIR] [--wait]`: queue a job; with `--wait`, follow it to the end with a
 //! progress bar (state, step, loss, tokens/s).
-
-use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
@@ -10,11 +8,12 @@ use reqwest::Method;
 use serde::Deserialize;
 
 use crate::client::{Client, Connection};
+use crate::spec_file::SpecArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A job spec (native or DeepSpeed form), JSON.
-    spec: PathBuf,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Follow the job until it ends; fails unless it succeeds.
     #[arg(long)]
     wait: bool,
@@ -61,8 +60,7 @@ struct Event {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let spec =
-        std::fs::read(&args.spec).with_context(|| format!("reading {}", args.spec.display()))?;
+    let spec = args.spec.text()?;
     let client = Client::new(&args.conn)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {

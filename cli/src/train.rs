@@ -1,4 +1,4 @@
-//! `zerotrain train SPEC.json [--out DIR] [--device cuda[:N]] [--json]`: runs a job in this process, without the
+//! `zerotrain train [SPEC.json] [--model-dir DIR] [--out DIR] [--device cuda[:N]] [--json]`: runs a job in this process, without the
 //! service, with a progress bar (step, loss, loss scale, tokens/s) on stderr.
 
 use std::net::SocketAddr;
@@ -6,7 +6,6 @@ use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use runner::data::DataRoots;
 use runner::train::{Distributed, Options, run};
@@ -15,10 +14,12 @@ use scheduler::memory::Category;
 use scheduler::plan::plan_local_on;
 use scheduler::spec::{JobSpec, Purpose};
 
+use crate::spec_file::SpecArgs;
+
 #[derive(clap::Args)]
 pub struct Args {
-    /// A job spec (native or DeepSpeed form), JSON.
-    spec: PathBuf,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Where checkpoints and the final Hugging Face export go.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -49,8 +50,7 @@ pub struct Args {
 }
 
 pub fn run_cli(args: Args) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.spec)
-        .with_context(|| format!("reading {}", args.spec.display()))?;
+    let text = args.spec.text()?;
     let parsed = JobSpec::parse(&text, Purpose::Train)?;
     for key in &parsed.unsupported_keys {
         eprintln!("warning: ignoring unsupported DeepSpeed key {key}");

@@ -8,6 +8,7 @@
 
 use std::borrow::Cow;
 
+use scheduler::spec::{MODEL_TYPES, PRESET_NAMES};
 use serde_json::json;
 use utoipa::openapi::{RefOr, Schema};
 use utoipa::{PartialSchema, ToSchema};
@@ -98,18 +99,33 @@ impl ToSchema for JobSpecBody {
     }
 }
 
-/// `model`: exactly one of `preset`, the five shape fields, or (estimates only) `params`.
+/// `model`: exactly one of `preset`, `config`, the five shape fields, or (estimates only)
+/// `params`.
 fn model() -> serde_json::Value {
     let size = |max: u64| json!({"type": ["integer", "null"], "minimum": 1, "maximum": max});
+    let mut presets: Vec<serde_json::Value> = PRESET_NAMES.iter().map(|&p| json!(p)).collect();
+    presets.push(serde_json::Value::Null);
     json!({
         "type": "object",
-        "description": "Exactly one of `preset`, an explicit shape (all five of vocab_size, \
-            context_length, n_layer, n_head, n_embd) or, for estimates only, `params`",
+        "description": "Exactly one of `preset`, `config`, an explicit GPT-2 shape (all five of \
+            vocab_size, context_length, n_layer, n_head, n_embd) or, for estimates only, \
+            `params`. Llama-family models (presets other than gpt2-*, or a config of \
+            model_type llama, mistral, qwen2 or qwen3) are estimate-only until the trainer \
+            supports them: `POST /v1/jobs` refuses them with 422",
         "additionalProperties": false,
         "properties": {
             "preset": {
                 "type": ["string", "null"],
-                "enum": ["gpt2-tiny", "gpt2-124M", "gpt2-350M", "gpt2-774M", "gpt2-1558M", null],
+                "enum": presets,
+            },
+            "config": {
+                "type": ["object", "null"],
+                "description": format!(
+                    "A Hugging Face config.json object as published, of model_type {MODEL_TYPES}: \
+                     the fields that set the model's arithmetic are read (a value zerotrain \
+                     cannot compute with is a 422 naming `model.config.FIELD`), the others \
+                     ignored"
+                ),
             },
             "vocab_size": size(1 << 20),
             "context_length": size(1 << 20),
