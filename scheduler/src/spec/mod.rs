@@ -12,7 +12,8 @@ mod training;
 
 pub use data::{Data, MAX_SYNTHETIC_VOCAB};
 pub use model::{
-    Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec, PRESET_NAMES,
+    Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec,
+    PRESET_NAMES,
 };
 pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, Sgd};
 pub use precision::{Dtype, DynamicLossScale, LossScale, Precision, ScalerSemantics};
