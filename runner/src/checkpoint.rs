@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, TensorView};
 use scheduler::bytes::human;
 use scheduler::model::{GptShape, ParamTensor, Units};
-use scheduler::spec::Dtype as Precision;
+use scheduler::spec::{Dtype as Precision, OptimizerKind, ZeroStage};
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
@@ -48,12 +48,12 @@ pub struct Manifest {
     /// Optimizer updates applied (skipped fp16 steps excluded): Adam's bias-correction count.
     pub applied_steps: u64,
     pub world_size: usize,
-    pub zero_stage: u8,
+    pub zero_stage: ZeroStage,
     /// Sequences in one batch across all ranks (micro-batch × world size): the data position
     /// counts these.
     pub sequences_per_batch: usize,
     pub dtype: Precision,
-    pub optimizer: String,
+    pub optimizer: OptimizerKind,
     pub loss_scaler: loss_scale::State,
     pub data: Position,
     /// Losses of the steps so far, so a resumed run reports the whole history.

@@ -12,17 +12,17 @@ use half::{bf16, f16};
 use scheduler::memory::{self, Breakdown, Setup};
 use scheduler::model::GptShape;
 use scheduler::plan::Plan;
-use scheduler::spec::{Architecture, Dtype, InitFrom, JobSpec, ZeroStage};
+use scheduler::spec::{Architecture, Dtype, InitFrom, JobSpec};
 use serde::Serialize;
 
 use crate::Error;
 use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
-use crate::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring};
+use crate::comm::{Communicator, DeviceCollectives, Op, Summable, TcpConfig, local_ring, tcp_ring};
 use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
 use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
-use crate::zero::Engine;
+use crate::zero::{Engine, StepReport};
 use crate::{lr_schedule, process};
 use wire::artifact::Artifact;
 
@@ -211,11 +211,18 @@ pub fn run_ranks(
                 let setup = &setup;
                 scope.spawn(move || {
                     kernels::cpu::flush_denormals();
-                    let args = (spec, plan, setup, shape, comm, opts, report);
+                    let job = RankJob {
+                        spec,
+                        plan,
+                        setup,
+                        shape,
+                        opts,
+                        progress: report,
+                    };
                     match spec.precision.dtype {
-                        Dtype::Fp32 => on_device::<f32>(args),
-                        Dtype::Fp16 => on_device::<f16>(args),
-                        Dtype::Bf16 => on_device::<bf16>(args),
+                        Dtype::Fp32 => on_device::<f32>(job, comm),
+                        Dtype::Fp16 => on_device::<f16>(job, comm),
+                        Dtype::Bf16 => on_device::<bf16>(job, comm),
                     }
                 })
             })
@@ -286,22 +293,25 @@ fn summarise(results: Vec<Result<RankRun, Error>>, threads: usize) -> Result<Sum
     })
 }
 
-type RankArgs<'a, 'p> = (
-    &'a JobSpec,
-    &'a Plan,
-    &'a Setup,
-    GptShape,
-    Communicator,
-    &'a Options,
-    Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
-);
+/// What one rank trains, with which configuration, and whom it tells of its steps.
+struct RankJob<'a, 'p> {
+    spec: &'a JobSpec,
+    plan: &'a Plan,
+    setup: &'a Setup,
+    shape: GptShape,
+    opts: &'a Options,
+    progress: Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
+}
 
 /// [`train_rank`] on the device the options name for the rank.
-fn on_device<X: Num + Wire>(args: RankArgs<'_, '_>) -> Result<RankRun, Error> {
-    match args.5.target(args.4.rank()) {
-        Target::Cpu => train_rank::<X, _>(Cpu, args),
+fn on_device<X: Num + Summable>(
+    job: RankJob<'_, '_>,
+    comm: Communicator,
+) -> Result<RankRun, Error> {
+    match job.opts.target(comm.rank()) {
+        Target::Cpu => train_rank::<X, _>(Cpu, comm, job),
         #[cfg(feature = "cuda")]
-        Target::Cuda(n) => train_rank::<X, _>(crate::device::Cuda::new(n)?, args),
+        Target::Cuda(n) => train_rank::<X, _>(crate::device::Cuda::new(n)?, comm, job),
         #[cfg(not(feature = "cuda"))]
         Target::Cuda(_) => Err(Error::Device(
             "this zerotrain was built without CUDA support (cargo feature `cuda`)".into(),
@@ -309,181 +319,264 @@ fn on_device<X: Num + Wire>(args: RankArgs<'_, '_>) -> Result<RankRun, Error> {
     }
 }
 
-fn train_rank<X: Num + Wire, D: Device>(
+/// One rank's run, in order: resume or initialise, run the steps (checkpointing when due and
+/// reporting each), export, and report what it measured.
+fn train_rank<X: Num + Summable, D: DeviceCollectives>(
     dev: D,
-    (spec, plan, setup, shape, comm, opts, mut progress): RankArgs<'_, '_>,
+    comm: Communicator,
+    mut job: RankJob<'_, '_>,
 ) -> Result<RankRun, Error> {
-    let t = &spec.training;
-    let rank = comm.rank();
-    let acct = Accountant::new(opts.device_memory);
-    let mut engine = Engine::<X, D>::on(dev, setup, shape, t.seed, comm, acct.clone())?;
-    let layout = BatchLayout {
-        batch: setup.micro_batch,
-        seq_len: setup.seq_len,
-        rank,
-        world_size: setup.world_size,
-    };
-    let roots = &opts.data_roots;
-    let mut data = DataLoader::new(&spec.data, roots, layout, t.seed, shape.vocab_size, &acct)?;
-    let mut scaler = LossScaler::new(spec.precision.effective_loss_scale());
-    let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
-    let mut losses = Vec::with_capacity(t.steps.get() as usize);
-    let out = opts.out_dir.as_deref();
-    let resume = match (&opts.resume, out) {
-        (Resume::Latest, Some(out)) => checkpoint::latest(out)?,
-        (Resume::From(dir), _) => Some(dir.clone()),
-        (Resume::Latest, None) | (Resume::Fresh, _) => None,
-    };
-    let sequences_per_batch = setup.micro_batch * setup.world_size;
-    let resumed_from = match resume {
-        Some(dir) => {
-            let m = checkpoint::load_manifest(&dir)?;
-            let fail = |reason: String| Error::Checkpoint {
-                path: dir.clone(),
-                reason,
-            };
-            if (m.dtype, m.optimizer.as_str()) != (spec.precision.dtype, spec.optimizer.name()) {
-                return Err(fail(format!(
-                    "written by a {:?} {} job; this one is {:?} {}",
-                    m.dtype,
-                    m.optimizer,
-                    spec.precision.dtype,
-                    spec.optimizer.name()
-                )));
-            }
-            let old_stage = ZeroStage::from_index(m.zero_stage.into())
-                .ok_or_else(|| fail(format!("unknown stage {}", m.zero_stage)))?;
-            if (m.world_size, old_stage) == (setup.world_size, setup.stage) {
-                engine.load_rank(&dir)?;
-            } else {
-                engine.load_resharded(&dir, m.world_size, old_stage)?;
-            }
-            // The position counts batches of `sequences_per_batch`; convert to ours.
-            let consumed = m.data.batch * m.sequences_per_batch as u64;
-            if !consumed.is_multiple_of(sequences_per_batch as u64) {
-                return Err(fail(format!(
-                    "{consumed} sequences were read, not a whole number of this run's {sequences_per_batch}-sequence batches"
-                )));
-            }
-            engine.set_applied_steps(m.applied_steps);
-            scaler.restore(m.loss_scaler);
-            data.seek(Position {
-                batch: consumed / sequences_per_batch as u64,
-                ..m.data
-            })?;
-            losses = m.losses;
-            Some(m.step)
-        }
-        None => {
-            let weights = match (&opts.init_weights, &spec.model.init_from) {
-                (Some(file), _) => Some(checkpoint::load_hf_file(file, &shape)?),
-                (None, Some(InitFrom::Path(path))) => {
-                    Some(checkpoint::load_hf(roots, path, &shape)?)
-                }
-                (None, Some(InitFrom::Artifact(a))) => {
-                    return Err(Error::Untrainable {
-                        reason: format!(
-                            "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
-                            a.job
-                        ),
-                    });
-                }
-                (None, None) => None,
-            };
-            if let Some(w) = weights {
-                engine.load_weights(&w)?;
-            }
-            None
-        }
-    };
-    let mut seconds = Vec::with_capacity(t.steps.get() as usize);
-    let mut device_used_peak_bytes = None;
-    let mut last_scale = scaler.scale();
-    let every = spec.checkpoint.every_steps;
-    for step in resumed_from.unwrap_or(0)..t.steps.get() {
-        if opts
+    let mut rank = Rank::<X, D>::new(dev, comm, &job)?;
+    let resumed_from = rank.resume_or_init(&job)?;
+    let steps = job.spec.training.steps.get();
+    for step in resumed_from.unwrap_or(0)..steps {
+        if job
+            .opts
             .cancel
             .as_ref()
             .is_some_and(|c| c.load(Ordering::Relaxed))
         {
             return Err(Error::Cancelled { step });
         }
-        let lr = lr_schedule::lr(t, step) as f32;
-        let start = Instant::now();
-        let r = engine.step(&mut data, &mut scaler, lr, t.grad_clip)?;
-        let elapsed = start.elapsed().as_secs_f64();
-        if let Some(used) = engine.device().used_bytes()? {
-            device_used_peak_bytes = device_used_peak_bytes.max(Some(used));
-        }
-        seconds.push(elapsed);
-        losses.push(r.loss);
-        last_scale = r.loss_scale;
-        let done = step + 1;
-        let checkpoint_due = every > 0 && done % every == 0 && done < t.steps.get();
-        if let Some(out) = out.filter(|_| checkpoint_due) {
-            let manifest = Manifest {
-                step: done,
-                applied_steps: engine.applied_steps(),
-                world_size: setup.world_size,
-                zero_stage: setup.stage.index(),
-                sequences_per_batch,
-                dtype: spec.precision.dtype,
-                optimizer: spec.optimizer.name().to_string(),
-                loss_scaler: scaler.state(),
-                data: data.position(),
-                losses: losses.clone(),
-            };
-            engine.save_checkpoint(out, &manifest, opts.upload.as_deref())?;
-            if rank == 0 && !opts.keep_all_checkpoints {
-                checkpoint::keep_newest(out, checkpoint::KEEP)?;
-            }
-        }
-        if let Some(report) = progress.as_mut() {
+        let (done, elapsed) = rank.step(&job, step)?;
+        let checkpointed = rank.checkpoint_if_due(&job, step + 1)?;
+        if let Some(report) = job.progress.as_mut() {
             report(Progress {
-                step: done,
-                steps: t.steps.get(),
-                loss: r.loss,
-                loss_scale: r.loss_scale,
-                tokens_per_second: tokens_per_step / elapsed,
+                step: step + 1,
+                steps,
+                loss: done.loss,
+                loss_scale: done.loss_scale,
+                tokens_per_second: rank.tokens_per_step / elapsed,
                 step_seconds: elapsed,
-                skipped: r.skipped,
-                checkpointed: checkpoint_due && out.is_some(),
+                skipped: done.skipped,
+                checkpointed,
             });
         }
     }
-    let comm_bytes_sent = engine.sent_bytes();
-    if let Some(out) = out {
-        let file = (rank == 0)
-            .then(|| checkpoint::ModelFile::create(out, &shape))
+    let comm_bytes_sent = rank.engine.sent_bytes();
+    rank.export(&job)?;
+    Ok(rank.finish(&job, resumed_from, comm_bytes_sent))
+}
+
+/// A rank's state while it trains: the engine, its data and loss scaler, and what it has
+/// measured so far.
+struct Rank<X: Num, D: Device> {
+    engine: Engine<X, D>,
+    data: DataLoader,
+    scaler: LossScaler,
+    acct: Accountant,
+    /// Sequences in one batch across all ranks: checkpoints count data positions in these.
+    sequences_per_batch: usize,
+    tokens_per_step: f64,
+    losses: Vec<f64>,
+    seconds: Vec<f64>,
+    loss_scale: f32,
+    device_used_peak_bytes: Option<u64>,
+}
+
+impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
+    fn new(dev: D, comm: Communicator, job: &RankJob<'_, '_>) -> Result<Self, Error> {
+        let (spec, setup, t) = (job.spec, job.setup, &job.spec.training);
+        let rank = comm.rank();
+        let acct = Accountant::new(job.opts.device_memory);
+        let engine = Engine::<X, D>::on(dev, setup, job.shape, t.seed, comm, acct.clone())?;
+        let layout = BatchLayout {
+            batch: setup.micro_batch,
+            seq_len: setup.seq_len,
+            rank,
+            world_size: setup.world_size,
+        };
+        let roots = &job.opts.data_roots;
+        let vocab = job.shape.vocab_size;
+        let data = DataLoader::new(&spec.data, roots, layout, t.seed, vocab, &acct)?;
+        let scaler = LossScaler::new(spec.precision.effective_loss_scale());
+        let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
+        Ok(Rank {
+            engine,
+            data,
+            loss_scale: scaler.scale(),
+            scaler,
+            acct,
+            sequences_per_batch: setup.micro_batch * setup.world_size,
+            tokens_per_step,
+            losses: Vec::with_capacity(t.steps.get() as usize),
+            seconds: Vec::with_capacity(t.steps.get() as usize),
+            device_used_peak_bytes: None,
+        })
+    }
+
+    /// Loads the checkpoint the options point to (resharding it if it was written by another
+    /// world size or stage) and returns its step; without one, loads `model.init_from`'s
+    /// weights, if any.
+    fn resume_or_init(&mut self, job: &RankJob<'_, '_>) -> Result<Option<u32>, Error> {
+        let out = job.opts.out_dir.as_deref();
+        let dir = match (&job.opts.resume, out) {
+            (Resume::Latest, Some(out)) => checkpoint::latest(out)?,
+            (Resume::From(dir), _) => Some(dir.clone()),
+            (Resume::Latest, None) | (Resume::Fresh, _) => None,
+        };
+        match dir {
+            Some(dir) => self.resume(job, &dir).map(Some),
+            None => self.init(job).map(|()| None),
+        }
+    }
+
+    fn resume(&mut self, job: &RankJob<'_, '_>, dir: &std::path::Path) -> Result<u32, Error> {
+        let (spec, setup) = (job.spec, job.setup);
+        let m = checkpoint::load_manifest(dir)?;
+        let fail = |reason: String| Error::Checkpoint {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        if (m.dtype, m.optimizer) != (spec.precision.dtype, spec.optimizer.kind()) {
+            return Err(fail(format!(
+                "written by a {:?} {} job; this one is {:?} {}",
+                m.dtype,
+                <&str>::from(m.optimizer),
+                spec.precision.dtype,
+                spec.optimizer.name()
+            )));
+        }
+        if (m.world_size, m.zero_stage) == (setup.world_size, setup.stage) {
+            self.engine.load_rank(dir)?;
+        } else {
+            self.engine
+                .load_resharded(dir, m.world_size, m.zero_stage)?;
+        }
+        // The position counts batches of the writer's `sequences_per_batch`; convert to ours.
+        let ours = self.sequences_per_batch as u64;
+        let consumed = m.data.batch * m.sequences_per_batch as u64;
+        if !consumed.is_multiple_of(ours) {
+            return Err(fail(format!(
+                "{consumed} sequences were read, not a whole number of this run's {ours}-sequence batches"
+            )));
+        }
+        self.engine.set_applied_steps(m.applied_steps);
+        self.scaler.restore(m.loss_scaler);
+        self.loss_scale = self.scaler.scale();
+        self.data.seek(Position {
+            batch: consumed / ours,
+            ..m.data
+        })?;
+        self.losses = m.losses;
+        Ok(m.step)
+    }
+
+    fn init(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
+        let shape = &job.shape;
+        let weights = match (&job.opts.init_weights, &job.spec.model.init_from) {
+            (Some(file), _) => checkpoint::load_hf_file(file, shape)?,
+            (None, Some(InitFrom::Path(path))) => {
+                checkpoint::load_hf(&job.opts.data_roots, path, shape)?
+            }
+            (None, Some(InitFrom::Artifact(a))) => {
+                return Err(Error::Untrainable {
+                    reason: format!(
+                        "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
+                        a.job
+                    ),
+                });
+            }
+            (None, None) => return Ok(()),
+        };
+        self.engine.load_weights(&weights)
+    }
+
+    /// Optimizer step `step` (from 0) at its scheduled learning rate; returns it and its
+    /// seconds.
+    fn step(&mut self, job: &RankJob<'_, '_>, step: u32) -> Result<(StepReport, f64), Error> {
+        let t = &job.spec.training;
+        let lr = lr_schedule::lr(t, step) as f32;
+        let start = Instant::now();
+        let r = self
+            .engine
+            .step(&mut self.data, &mut self.scaler, lr, t.grad_clip)?;
+        let elapsed = start.elapsed().as_secs_f64();
+        if let Some(used) = self.engine.device().used_bytes()? {
+            self.device_used_peak_bytes = self.device_used_peak_bytes.max(Some(used));
+        }
+        self.seconds.push(elapsed);
+        self.losses.push(r.loss);
+        self.loss_scale = r.loss_scale;
+        Ok((r, elapsed))
+    }
+
+    /// Writes a checkpoint after `done` steps if one is due then (not after the last: the
+    /// export follows) and there is an output folder; says whether it did.
+    fn checkpoint_if_due(&mut self, job: &RankJob<'_, '_>, done: u32) -> Result<bool, Error> {
+        let (spec, setup, opts) = (job.spec, job.setup, job.opts);
+        let every = spec.checkpoint.every_steps;
+        let due = every > 0 && done % every == 0 && done < spec.training.steps.get();
+        let Some(out) = opts.out_dir.as_deref().filter(|_| due) else {
+            return Ok(false);
+        };
+        let manifest = Manifest {
+            step: done,
+            applied_steps: self.engine.applied_steps(),
+            world_size: setup.world_size,
+            zero_stage: setup.stage,
+            sequences_per_batch: self.sequences_per_batch,
+            dtype: spec.precision.dtype,
+            optimizer: spec.optimizer.kind(),
+            loss_scaler: self.scaler.state(),
+            data: self.data.position(),
+            losses: self.losses.clone(),
+        };
+        self.engine
+            .save_checkpoint(out, &manifest, opts.upload.as_deref())?;
+        if self.engine.rank() == 0 && !opts.keep_all_checkpoints {
+            checkpoint::keep_newest(out, checkpoint::KEEP)?;
+        }
+        Ok(true)
+    }
+
+    /// Writes the Hugging Face export (rank 0 writes; every rank gathers its shards) if there
+    /// is an output folder, and uploads it where the host wants it.
+    fn export(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
+        let Some(out) = job.opts.out_dir.as_deref() else {
+            return Ok(());
+        };
+        let file = (self.engine.rank() == 0)
+            .then(|| checkpoint::ModelFile::create(out, &job.shape))
             .transpose()?;
-        engine.export(file.as_ref())?;
+        self.engine.export(file.as_ref())?;
         if let Some(file) = file {
             file.finish()?;
-            if let Some(up) = &opts.upload {
+            if let Some(up) = &job.opts.upload {
                 up.upload(Artifact::Model, &out.join(checkpoint::MODEL_FILE))?;
                 up.upload(Artifact::Config, &out.join(checkpoint::CONFIG_FILE))?;
             }
         }
+        Ok(())
     }
-    Ok(RankRun {
-        losses,
-        seconds,
-        tokens_per_step,
-        skipped_steps: scaler.skipped_steps(),
-        loss_scale: last_scale,
-        resumed_from,
-        memory: RankMemory {
-            rank,
-            measured_peak_bytes: acct.peak(),
-            // The plan's figures; the overhead is the process's, counted once in `process`.
-            predicted_bytes: Breakdown {
-                overhead: 0,
-                ..plan.rank_bytes(rank)
+
+    fn finish(
+        self,
+        job: &RankJob<'_, '_>,
+        resumed_from: Option<u32>,
+        comm_bytes_sent: BTreeMap<Op, u64>,
+    ) -> RankRun {
+        let rank = self.engine.rank();
+        RankRun {
+            losses: self.losses,
+            seconds: self.seconds,
+            tokens_per_step: self.tokens_per_step,
+            skipped_steps: self.scaler.skipped_steps(),
+            loss_scale: self.loss_scale,
+            resumed_from,
+            memory: RankMemory {
+                rank,
+                measured_peak_bytes: self.acct.peak(),
+                // The plan's figures; the overhead is the process's, counted once in `process`.
+                predicted_bytes: Breakdown {
+                    overhead: 0,
+                    ..job.plan.rank_bytes(rank)
+                },
+                comm_bytes_sent,
+                device_used_peak_bytes: self.device_used_peak_bytes,
             },
-            comm_bytes_sent,
-            device_used_peak_bytes,
-        },
-    })
+        }
+    }
 }
 
 fn median(xs: &[f64]) -> f64 {

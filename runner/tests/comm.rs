@@ -1,6 +1,6 @@
-//! The collectives the engine runs on device buffers (`Device::collective`), one test body for
-//! every back end: `local` and `tcp` (the ring, on the CPU device) and `nccl` (feature `cuda`,
-//! on GPUs: world size 1 where there is one GPU, every GPU where there are more). Each gives
+//! The collectives the engine runs on device buffers (`DeviceCollectives::collective`), one test
+//! body for every back end: `local` and `tcp` (the ring, on the CPU device) and `nccl` (feature
+//! `cuda`, on GPUs: world size 1 where there is one GPU, every GPU where there are more). Each gives
 //! every rank the exact sum (values are small integers, so no order of summation rounds) and
 //! counts the bytes the memory model does. Where NCCL cannot run the test says why;
 //! `ZEROTRAIN_REQUIRE_GPU=1` (the GPU check) turns that into a failure.
@@ -14,8 +14,8 @@ use std::time::Duration;
 use half::{bf16, f16};
 use rings::{tcp_ranks, with_scratch};
 use runner::Error;
-use runner::comm::{Collective, Communicator, Wire, local_ring};
-use runner::device::{Cpu, Device, Elem};
+use runner::comm::{Collective, Communicator, DeviceCollectives, Summable, local_ring};
+use runner::device::{Cpu, Elem};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -24,7 +24,7 @@ const SCRATCH: usize = 8000;
 
 /// A value type with small integer test values, exact in every dtype once summed over ≤ 4
 /// ranks.
-trait Value: Elem + Wire + PartialEq + Debug {
+trait Value: Elem + Summable + PartialEq + Debug {
     fn of(i: usize) -> Self;
 }
 
@@ -80,7 +80,11 @@ fn check<T: Value>(c: Collective, inputs: &[Vec<T>], rank: usize, got: &[T], wha
 /// One rank's part: each collective on buffers of several lengths (multiples of the world
 /// size, as the engine's padded units are); it must hold the sum and have sent what the ring
 /// sends. Every rank runs it at once, each on its own thread.
-fn collectives_give_the_sum<D: Device, T: Value>(dev: &D, comm: &mut Communicator, label: &str) {
+fn collectives_give_the_sum<D: DeviceCollectives, T: Value>(
+    dev: &D,
+    comm: &mut Communicator,
+    label: &str,
+) {
     let (n, rank) = (comm.world_size(), comm.rank());
     for len in [n, 4 * n, 1000 * n] {
         let inputs: Vec<Vec<T>> = (0..n)
@@ -111,7 +115,7 @@ fn collectives_give_the_sum<D: Device, T: Value>(dev: &D, comm: &mut Communicato
     }
 }
 
-fn every_dtype<D: Device>(dev: &D, comm: &mut Communicator, label: &str) {
+fn every_dtype<D: DeviceCollectives>(dev: &D, comm: &mut Communicator, label: &str) {
     collectives_give_the_sum::<D, f32>(dev, comm, label);
     collectives_give_the_sum::<D, bf16>(dev, comm, label);
     collectives_give_the_sum::<D, f16>(dev, comm, label);
@@ -122,7 +126,7 @@ fn every_dtype<D: Device>(dev: &D, comm: &mut Communicator, label: &str) {
 /// Runs `body` on every rank at once, each on its own thread with the device `open` gives it
 /// (opened there: a GPU's handles stay on their thread); the first rank that could not open
 /// its device says why.
-fn on_every_rank<D: Device>(
+fn on_every_rank<D: DeviceCollectives>(
     comms: Vec<Communicator>,
     open: impl Fn(&mut Communicator) -> Result<D, Error> + Sync,
     body: impl Fn(&D, &mut Communicator) + Sync,

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use rings::with_scratch;
 use runner::Error;
-use runner::comm::{Communicator, Op, TcpConfig, Wire, local_ring, tcp_ring, tcp_ring_with_master};
+use runner::comm::{
+    Communicator, Op, Summable, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -35,7 +37,7 @@ fn on_every_rank<R: Send>(
 
 /// An element type with deterministic test values and a sum written out independently of the
 /// code under test.
-trait Elem: Wire + PartialEq + Debug {
+trait Elem: Summable + PartialEq + Debug {
     fn value(seed: u64) -> Self;
     fn plus(a: Self, b: Self) -> Self;
 }
@@ -118,7 +120,7 @@ impl Collective {
         }
     }
 
-    fn run<T: Wire>(self, comm: &mut Communicator, buf: &mut [T]) -> Result<(), Error> {
+    fn run<T: Summable>(self, comm: &mut Communicator, buf: &mut [T]) -> Result<(), Error> {
         match self {
             Collective::AllReduce => comm.all_reduce(buf),
             Collective::ReduceScatter => comm.reduce_scatter(buf),
@@ -291,6 +293,8 @@ fn rank_zero_may_start_after_the_others_and_a_rank_may_bind_one_address() {
         .rev()
         .map(|rank| {
             if rank == 0 {
+                // The behaviour under test: rank 0 comes up after the others have started
+                // dialling its address.
                 thread::sleep(Duration::from_millis(300));
             }
             let mut cfg = TcpConfig::new(rank, n, addr, TIMEOUT);
@@ -374,6 +378,7 @@ fn a_rank_that_stalls_past_the_timeout_fails_every_other_rank() {
         let mut buf = vec![1.0f32; 1000];
         comm.all_reduce(&mut buf).unwrap();
         if comm.rank() == staller {
+            // The behaviour under test: a rank silent past the others' timeout.
             thread::sleep(TIMEOUT + Duration::from_millis(500));
         }
         let start = Instant::now();

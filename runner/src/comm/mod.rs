@@ -26,6 +26,7 @@ use half::{bf16, f16};
 
 use crate::Error;
 use crate::accounting::Buffer;
+use crate::device::{Cpu, Device, Elem};
 
 /// Moves bytes between a rank and its ring neighbours.
 pub trait Transport: Send {
@@ -36,24 +37,24 @@ pub trait Transport: Send {
 
 /// What NCCL needs of an element type, where it is built.
 #[cfg(feature = "cuda")]
-pub trait DeviceWire: kernels::cuda::nccl::NcclType {}
+pub trait NcclElem: kernels::cuda::nccl::NcclType {}
 #[cfg(feature = "cuda")]
-impl<T: kernels::cuda::nccl::NcclType> DeviceWire for T {}
+impl<T: kernels::cuda::nccl::NcclType> NcclElem for T {}
 /// What NCCL needs of an element type, where it is built: nothing here.
 #[cfg(not(feature = "cuda"))]
-pub trait DeviceWire {}
+pub trait NcclElem {}
 #[cfg(not(feature = "cuda"))]
-impl<T> DeviceWire for T {}
+impl<T> NcclElem for T {}
 
 /// An element type collectives can carry and sum.
-pub trait Wire: bytemuck::Pod + Send + Sync + DeviceWire {
+pub trait Summable: bytemuck::Pod + Send + Sync + NcclElem {
     /// `acc += x` element-wise (16-bit floats are summed in f32 and rounded once).
     fn add(acc: &mut [Self], x: &[Self]);
 }
 
 macro_rules! plain_add {
     ($($t:ty),*) => {$(
-        impl Wire for $t {
+        impl Summable for $t {
             fn add(acc: &mut [Self], x: &[Self]) {
                 acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
             }
@@ -64,7 +65,7 @@ plain_add!(f32, f64);
 
 macro_rules! widened_add {
     ($($t:ty),*) => {$(
-        impl Wire for $t {
+        impl Summable for $t {
             fn add(acc: &mut [Self], x: &[Self]) {
                 acc.iter_mut().zip(x).for_each(|(a, b)| *a = <$t>::from_f32(a.to_f32() + b.to_f32()));
             }
@@ -73,7 +74,7 @@ macro_rules! widened_add {
 }
 widened_add!(f16, bf16);
 
-impl Wire for u8 {
+impl Summable for u8 {
     fn add(acc: &mut [Self], x: &[Self]) {
         acc.iter_mut()
             .zip(x)
@@ -81,8 +82,34 @@ impl Wire for u8 {
     }
 }
 
+/// How a device's buffers take part in collectives. By default they go through the host ring;
+/// a device with collectives of its own (NCCL on a GPU) runs them on its buffers where they lie,
+/// once its ranks have joined them.
+pub trait DeviceCollectives: Device {
+    /// `comm`'s collective `c` on `v`.
+    fn collective<T: Elem + Summable>(
+        &self,
+        comm: &mut Communicator,
+        c: Collective,
+        v: Self::ViewMut<'_, T>,
+    ) -> Result<(), Error> {
+        self.on_host(v, |b| comm.run(c, b))?
+    }
+
+    /// Joins `comm`'s ranks in the device's own collectives, for a communicator that asked for
+    /// them ([`Communicator::request_nccl`]).
+    fn join_collectives(&self, comm: &mut Communicator) -> Result<(), Error> {
+        let _ = comm;
+        Err(Error::Device(
+            "the nccl back end needs ranks on CUDA devices".into(),
+        ))
+    }
+}
+
+impl DeviceCollectives for Cpu {}
+
 /// A collective on a data buffer, as the engine runs them on device memory
-/// ([`crate::device::Device::collective`]).
+/// ([`DeviceCollectives::collective`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {
     AllReduce,
@@ -166,14 +193,8 @@ impl Communicator {
         self.nccl_requested
     }
 
-    /// The NCCL communicator device collectives run on, once joined.
-    #[cfg(feature = "cuda")]
-    pub fn nccl(&mut self) -> Option<&mut kernels::cuda::nccl::Nccl> {
-        self.nccl.as_mut()
-    }
-
     /// `c` on host memory, through the ring.
-    pub fn run<T: Wire>(&mut self, c: Collective, buf: &mut [T]) -> Result<(), Error> {
+    pub fn run<T: Summable>(&mut self, c: Collective, buf: &mut [T]) -> Result<(), Error> {
         match c {
             Collective::AllReduce => self.all_reduce(buf),
             Collective::ReduceScatter => self.reduce_scatter(buf),
@@ -216,23 +237,23 @@ impl Communicator {
     }
 
     /// Every rank's `buf` becomes the element-wise sum over ranks.
-    pub fn all_reduce<T: Wire>(&mut self, buf: &mut [T]) -> Result<(), Error> {
+    pub fn all_reduce<T: Summable>(&mut self, buf: &mut [T]) -> Result<(), Error> {
         self.reduce_scatter_as(buf, Op::AllReduce)?;
         self.all_gather_as(buf, Op::AllReduce)
     }
 
     /// Chunk `rank` of `buf` becomes the sum over ranks (other chunks hold partial sums).
-    pub fn reduce_scatter<T: Wire>(&mut self, buf: &mut [T]) -> Result<(), Error> {
+    pub fn reduce_scatter<T: Summable>(&mut self, buf: &mut [T]) -> Result<(), Error> {
         self.reduce_scatter_as(buf, Op::ReduceScatter)
     }
 
     /// Every rank's `buf` becomes the concatenation of every rank's own chunk of it.
-    pub fn all_gather<T: Wire>(&mut self, buf: &mut [T]) -> Result<(), Error> {
+    pub fn all_gather<T: Summable>(&mut self, buf: &mut [T]) -> Result<(), Error> {
         self.all_gather_as(buf, Op::AllGather)
     }
 
     /// Every rank's `buf` becomes `root`'s: the others contribute zeros to an all-reduce.
-    pub fn broadcast<T: Wire>(&mut self, buf: &mut [T], root: usize) -> Result<(), Error> {
+    pub fn broadcast<T: Summable>(&mut self, buf: &mut [T], root: usize) -> Result<(), Error> {
         if self.rank != root {
             buf.fill(T::zeroed());
         }
@@ -253,7 +274,7 @@ impl Communicator {
     }
 
     /// Sends chunk `send` of `buf` and returns the received chunk's bytes (in the scratch).
-    fn step<T: Wire>(&mut self, buf: &[T], send: usize, op: Op) -> Result<&[u8], Error> {
+    fn step<T: Summable>(&mut self, buf: &[T], send: usize, op: Op) -> Result<&[u8], Error> {
         let wire = buf.len().div_ceil(self.world_size) * size_of::<T>();
         let out: &[u8] = bytemuck::cast_slice(&buf[self.chunk(buf.len(), send)]);
         let pad = &ZEROS[..wire - out.len()];
@@ -282,7 +303,7 @@ impl Communicator {
         Ok(&inp[..wire])
     }
 
-    fn reduce_scatter_as<T: Wire>(&mut self, buf: &mut [T], op: Op) -> Result<(), Error> {
+    fn reduce_scatter_as<T: Summable>(&mut self, buf: &mut [T], op: Op) -> Result<(), Error> {
         let (n, r) = (self.world_size, self.rank);
         for k in 0..n.saturating_sub(1) {
             let (send, recv) = ((r + 2 * n - k - 1) % n, (r + 2 * n - k - 2) % n);
@@ -295,7 +316,7 @@ impl Communicator {
         Ok(())
     }
 
-    fn all_gather_as<T: Wire>(&mut self, buf: &mut [T], op: Op) -> Result<(), Error> {
+    fn all_gather_as<T: Summable>(&mut self, buf: &mut [T], op: Op) -> Result<(), Error> {
         let (n, r) = (self.world_size, self.rank);
         for k in 0..n.saturating_sub(1) {
             let (send, recv) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);

@@ -10,7 +10,6 @@ use kernels::matmul::Layout;
 use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
 
 use super::{Adam8bitState, Device, Elem, Moment, Num};
-use crate::comm::{Collective, Communicator, Wire};
 use scheduler::memory::DeviceKind;
 
 use crate::Error;
@@ -49,6 +48,11 @@ impl Cuda {
             scratch: Mutex::new(scratch),
             dev,
         })
+    }
+
+    /// The GPU itself (NCCL joins on it).
+    pub(crate) fn gpu(&self) -> &k::Device {
+        &self.dev
     }
 
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
@@ -173,31 +177,9 @@ impl Device for Cuda {
     fn to_host<T: Elem>(&self, v: CudaView<'_, T>) -> Result<Vec<T>, Error> {
         Ok(self.dev.stream().clone_dtoh(&v)?)
     }
-    fn collective<T: Elem + Wire>(
-        &self,
-        comm: &mut Communicator,
-        c: Collective,
-        v: CudaViewMut<'_, T>,
-    ) -> Result<(), Error> {
-        let Some(nccl) = comm.nccl() else {
-            return self.on_host(v, |b| comm.run(c, b))?;
-        };
-        let mut v = v;
-        let len = v.len();
-        match c {
-            Collective::AllReduce => nccl.all_reduce(&mut v)?,
-            Collective::ReduceScatter => nccl.reduce_scatter(&mut v)?,
-            Collective::AllGather => nccl.all_gather(&mut v)?,
-        }
-        comm.count::<T>(c, len);
-        Ok(())
-    }
     fn used_bytes(&self) -> Result<Option<u64>, Error> {
         let (free, total) = self.dev.stream().context().mem_get_info()?;
         Ok(Some((total - free) as u64))
-    }
-    fn join_collectives(&self, comm: &mut Communicator) -> Result<(), Error> {
-        comm.join_nccl(&self.dev)
     }
     fn fill_zero<T: Elem>(&self, v: CudaViewMut<'_, T>) -> Result<(), Error> {
         let mut v = v;

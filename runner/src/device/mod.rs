@@ -17,7 +17,6 @@ use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
 use scheduler::memory::DeviceKind;
 
 use crate::Error;
-use crate::comm::{Collective, Communicator, Wire};
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -104,30 +103,10 @@ pub trait Device: Sized + 'static {
     /// `v` copied to the host (the losses, the export).
     fn to_host<T: Elem>(&self, v: Self::View<'_, T>) -> Result<Vec<T>, Error>;
 
-    /// `comm`'s collective `c` on `v`: on the host through the ring, unless the device has
-    /// joined collectives of its own (NCCL), which then run on `v` where it lies.
-    fn collective<T: Elem + Wire>(
-        &self,
-        comm: &mut Communicator,
-        c: Collective,
-        v: Self::ViewMut<'_, T>,
-    ) -> Result<(), Error> {
-        self.on_host(v, |b| comm.run(c, b))?
-    }
-
     /// The device's memory in use, by every process, as its driver reports it; `None` where
     /// memory is the host's (the accountant's figures are the CPU's whole story).
     fn used_bytes(&self) -> Result<Option<u64>, Error> {
         Ok(None)
-    }
-
-    /// Joins `comm`'s ranks in the device's own collectives (NCCL on a GPU), for a
-    /// communicator that asked for them ([`Communicator::request_nccl`]).
-    fn join_collectives(&self, comm: &mut Communicator) -> Result<(), Error> {
-        let _ = comm;
-        Err(Error::Device(
-            "the nccl back end needs ranks on CUDA devices".into(),
-        ))
     }
 
     fn fill_zero<T: Elem>(&self, v: Self::ViewMut<'_, T>) -> Result<(), Error>;

@@ -15,7 +15,7 @@ use scheduler::model::{GptShape, Units};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
-use crate::comm::{Collective, Communicator, Wire};
+use crate::comm::{Collective, Communicator, DeviceCollectives, Summable};
 use crate::data::DataLoader;
 use crate::device::{Cpu, Device, Elem, Num};
 use crate::gpt::{self, Acts, BatchDims};
@@ -103,7 +103,7 @@ pub struct Engine<X: Num, D: Device = Cpu> {
     applied: u64,
 }
 
-impl<X: Num + Wire> Engine<X> {
+impl<X: Num + Summable> Engine<X> {
     /// [`Engine::on`] the CPU.
     pub fn new(
         setup: &Setup,
@@ -116,7 +116,7 @@ impl<X: Num + Wire> Engine<X> {
     }
 }
 
-impl<X: Num + Wire, D: Device> Engine<X, D> {
+impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// Allocates every buffer on `dev` through `acct` and initialises the weights, GPT-2
     /// style, from `seed`: the same values whatever the device, stage or world size.
     pub fn on(
@@ -213,6 +213,11 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
 
     pub fn device(&self) -> &D {
         &self.dev
+    }
+
+    /// This rank's index in its job.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
     }
 
     pub fn dims(&self) -> BatchDims {
@@ -414,7 +419,7 @@ impl<X: Num + Wire, D: Device> Engine<X, D> {
     }
 }
 
-impl<X: Num + Wire, D: Device> Engine<X, D> {
+impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// One optimizer step: `grad_accum` micro-batches from `data`, the gradient reductions, the
     /// global norm (found-inf and clipping), the loss scaler's verdict, and the update.
     pub fn step(

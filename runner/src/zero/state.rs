@@ -10,11 +10,11 @@ use super::Engine;
 use super::layout::{Part, ShardLayout};
 use crate::Error;
 use crate::checkpoint::{self, StateTensor};
-use crate::comm::Wire;
-use crate::device::{Device, Num};
+use crate::comm::{DeviceCollectives, Summable};
+use crate::device::Num;
 use wire::artifact::Artifact;
 
-impl<X: Num + Wire, D: Device> Engine<X, D> {
+impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// Writes this rank's part of a checkpoint (and uploads it, given `upload`); rank 0 then
     /// publishes it (every rank waits), so once it is published every rank's file is written
     /// and sent.

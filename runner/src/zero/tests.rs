@@ -7,7 +7,7 @@ use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
 /// A single-rank stage-0 engine for `json` (seeded by `seed`) with micro-batch `b` of the
 /// spec's sequence length, and its data.
-fn engine<X: Num + Wire>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataLoader) {
+fn engine<X: Num + Summable>(json: &str, b: usize, seed: u64) -> (Engine<X>, DataLoader) {
     let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
     let t = spec.training.seq_len.get() as usize;
     let setup = Setup::new(&spec, ZeroStage::Ddp, false, b as u32, 1);

@@ -12,10 +12,10 @@ use super::Engine;
 use super::layout::Part;
 use crate::Error;
 use crate::checkpoint::{HfWeights, ModelFile};
-use crate::comm::{Collective, Wire};
-use crate::device::{Device, Num};
+use crate::comm::{Collective, DeviceCollectives, Summable};
+use crate::device::Num;
 
-impl<X: Num + Wire, D: Device> Engine<X, D> {
+impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// Sets every parameter from Hugging Face weights, keeping this rank's part: each unit's
     /// values stream from the file a chunk at a time.
     pub fn load_weights(&mut self, weights: &HfWeights) -> Result<(), Error> {

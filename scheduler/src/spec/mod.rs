@@ -15,7 +15,7 @@ pub use model::{
     Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec,
     PRESET_NAMES,
 };
-pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, Sgd};
+pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, OptimizerKind, Sgd};
 pub use precision::{Dtype, DynamicLossScale, LossScale, Precision, ScalerSemantics};
 pub use training::{LrSchedule, Training, WarmupType};
 

@@ -3,13 +3,22 @@
 //! matrices.
 
 use serde::{Deserialize, Serialize};
-use strum::IntoStaticStr;
+use strum::{EnumDiscriminants, IntoStaticStr};
 
 use crate::error::Problems;
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, IntoStaticStr)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Serialize, Deserialize, IntoStaticStr, EnumDiscriminants,
+)]
 #[serde(tag = "type", rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase")]
+#[strum_discriminants(
+    name(OptimizerKind),
+    doc = "Which update rule, without its hyper-parameters (what a checkpoint's state is of).",
+    derive(Serialize, Deserialize, IntoStaticStr),
+    serde(rename_all = "lowercase"),
+    strum(serialize_all = "lowercase")
+)]
 pub enum Optimizer {
     Sgd(Sgd),
     Momentum(Momentum),
@@ -149,6 +158,10 @@ impl Optimizer {
 
     /// The `type` it is written with.
     pub fn name(&self) -> &'static str {
+        self.into()
+    }
+
+    pub fn kind(&self) -> OptimizerKind {
         self.into()
     }
 
