@@ -1,11 +1,12 @@
 //! The server on a bound port: `build` with port 0, the scheduling loop on its own, graceful
 //! shutdown with streams open, and the client commands of the `zerotrain` binary against it.
 
+mod live;
+
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use server::auth;
 use server::settings::Settings;
 
 struct Running {
@@ -21,31 +22,21 @@ async fn start() -> Running {
 }
 
 async fn start_with(configure: impl FnOnce(&mut Settings)) -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let mut settings = Settings {
-        port: 0,
-        data_dir: dir.path().to_path_buf(),
+    let live = live::start_with(None, |s| {
         // Only wake-ups place jobs in these tests.
-        scheduling_interval: Duration::from_secs(3600),
-        safety_margin: 0.0,
-        ..Settings::default()
-    };
-    configure(&mut settings);
-    let server = server::build(settings).await.unwrap();
-    let tokens = auth::bootstrap(&server.state().store, dir.path(), None)
-        .await
-        .unwrap();
-    let admin = tokens
-        .new_admin_token
-        .expect("a first start creates the admin token");
-    let on_disk = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
-    assert_eq!(on_disk.trim(), admin);
+        s.scheduling_interval = Duration::from_secs(3600);
+        s.safety_margin = 0.0;
+        configure(s);
+    })
+    .await;
+    let on_disk = std::fs::read_to_string(live.dir.path().join("admin-token")).unwrap();
+    assert_eq!(on_disk.trim(), live.admin);
     Running {
-        server,
-        admin,
-        join: tokens.join_token,
+        server: live.server,
+        admin: live.admin,
+        join: live.join,
         http: reqwest::Client::new(),
-        dir,
+        dir: live.dir,
     }
 }
 
@@ -166,7 +157,7 @@ async fn shutdown_ends_open_event_streams() {
         .as_str()
         .unwrap()
         .to_string();
-    let stream = s
+    let mut stream = s
         .http
         .get(format!("{}/v1/jobs/{id}/events", s.server.url()))
         .bearer_auth(&s.admin)
@@ -174,14 +165,19 @@ async fn shutdown_ends_open_event_streams() {
         .await
         .unwrap();
     assert_eq!(stream.status(), 200);
+    // The stream is open once its first event, the job's current state, has arrived.
+    let first = stream.chunk().await.unwrap().expect("a first event");
+    assert!(
+        String::from_utf8_lossy(&first).contains("event: state"),
+        "{first:?}"
+    );
     let reading = tokio::spawn(async move { stream.text().await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
     tokio::time::timeout(Duration::from_secs(5), s.server.shutdown())
         .await
         .expect("shutdown waits for no stream")
         .unwrap();
-    let text = reading.await.unwrap().unwrap();
-    assert!(text.contains("event: state"), "{text}");
+    // The stream ended (rather than the timeout) because the server shut down.
+    reading.await.unwrap().unwrap();
 }
 
 #[tokio::test]
@@ -296,7 +292,18 @@ async fn submit_wait_follows_the_job_to_its_end() {
             &json!({"reports": reports, "running": [[job, 1]]}),
         )
         .await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The end is reported once `--wait` follows the job's events.
+        live::poll(
+            Duration::from_secs(20),
+            Duration::from_millis(10),
+            || async {
+                match s.server.state().events.receiver_count() {
+                    0 => Err("nobody follows the job's events".to_string()),
+                    _ => Ok(()),
+                }
+            },
+        )
+        .await;
         let reports = json!([report("finished", json!({"final_loss": 5.5}))]);
         s.post(&beat, &token, &json!({"reports": reports, "running": []}))
             .await;

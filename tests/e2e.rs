@@ -257,7 +257,28 @@ async fn a_job_no_device_could_hold_is_refused_and_one_waiting_for_devices_queue
         .await;
     assert_eq!(status, 201);
     let second = job_id(&second);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Of two scheduling passes ending after the submission, the second began after it.
+    let passes = || {
+        let pass = &s
+            .server
+            .state()
+            .metrics
+            .server
+            .scheduling_pass_duration_seconds;
+        pass.get_sample_count()
+    };
+    let two_later = passes() + 2;
+    poll(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        || async {
+            match passes() >= two_later {
+                true => Ok(()),
+                false => Err("two scheduling passes have not run".to_string()),
+            }
+        },
+    )
+    .await;
     assert_eq!(
         s.get(&format!("/v1/jobs/{second}")).await["state"],
         "queued",

@@ -18,7 +18,6 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::http::{Method, Request, StatusCode, header};
 use serde_json::{Value, json};
-use server::app::now_ms;
 
 fn with_input(data: Option<Value>, init_from: Option<&str>) -> Value {
     let mut spec = json!({"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2}});
@@ -289,9 +288,9 @@ async fn a_job_past_its_wall_time_fails_with_that_reason_and_its_agent_is_told_t
     assert_eq!(beat.assignments.len(), 1);
     let running = vec![(id.clone(), 1)];
     // Within the hour nothing happens; past it the job fails.
-    let within = server::scheduling::end_overdue(&app.state, now_ms() + 3_500_000).await;
+    let within = server::scheduling::end_overdue(&app.state, app.state.now_ms() + 3_500_000).await;
     assert_eq!(within.unwrap(), Vec::<String>::new());
-    let past = server::scheduling::end_overdue(&app.state, now_ms() + 3_700_000).await;
+    let past = server::scheduling::end_overdue(&app.state, app.state.now_ms() + 3_700_000).await;
     assert_eq!(past.unwrap(), std::slice::from_ref(&id));
     let job = app.job(&id).await;
     assert_eq!(job["state"], "failed");
@@ -333,7 +332,7 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
                 step: 10,
                 bytes: w.bytes,
                 sha256: w.sha256,
-                at: now_ms(),
+                at: app.state.now_ms(),
             };
             assert!(app.state.store.add_artifact(id, &record).await.unwrap());
         }
@@ -362,7 +361,8 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
         }
     };
     let day = 86_400_000;
-    let collect = |days: i64| server::retention::collect(&app.state, now_ms() + days * day);
+    let collect =
+        |days: i64| server::retention::collect(&app.state, app.state.now_ms() + days * day);
     assert_eq!(
         collect(6).await.unwrap(),
         server::retention::Removed::default()

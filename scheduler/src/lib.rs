@@ -1,5 +1,6 @@
 //! zerotrain's scheduler library: job specs, the memory model of ZeRO-sharded mixed-precision
-//! training, and the planner that turns a spec into a configuration that fits. No I/O, no async.
+//! training, the planner that turns a spec into a configuration that fits, and the queue policy
+//! that places queued jobs on free devices. No I/O, no async.
 
 pub mod bytes;
 pub mod compare;
@@ -10,6 +11,7 @@ pub mod model;
 pub mod placement;
 pub mod plan;
 pub mod pool;
+pub mod queue;
 pub mod report;
 pub mod spec;
 

@@ -1,6 +1,6 @@
 //! The time of one scheduling pass: 10,000 queued jobs over 1,000 simulated nodes of 8 devices,
 //! on SQLite and (when reachable) PostgreSQL, with the server's own pass (`Store::schedule` on
-//! the scheduler's board) and policy (`scheduling::decide`): in queue order (priority, then
+//! the scheduler's board) and policy (`scheduler::queue::decide`): in queue order (priority, then
 //! FIFO) each job is gang-placed on the devices still free, and jobs that do not fit wait while
 //! smaller ones behind them backfill.
 //!
@@ -8,7 +8,7 @@
 //! lease and bringing the board up to date), deciding and writing (through the commit):
 //! - load: the first pass of a replica that takes the lease, which loads the board from the
 //!   tables (it places nothing here, so the next passes start from the same state);
-//! - placing: every device free at first, so passes of at most `scheduling::RANKS_PER_PASS`
+//! - placing: every device free at first, so passes of at most `scheduler::queue::RANKS_PER_PASS`
 //!   ranks follow one another until the cluster is full, as the scheduling loop runs them (the
 //!   database and the board are put back between fills); the fill's total is printed too;
 //! - full: after that, the common case of each tick: a long queue and nothing free.
@@ -24,10 +24,10 @@ use futures::StreamExt;
 use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
+use scheduler::queue::{OwnerQuota, RANKS_PER_PASS, decide};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState};
-use server::scheduling::{OwnerQuota, RANKS_PER_PASS, decide};
-use server::store::{Board, Pass, Store, token_hash};
+use server::store::{Board, SchedulingPass, Store, token_hash};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const JOBS: usize = 10_000;
@@ -277,7 +277,7 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
 /// One pass with the scheduler's policy, no owner limit (the default of 64 ranks per owner
 /// would stop 20 owners at 1,280 devices), and how long the whole call took.
 struct Timed {
-    pass: Pass,
+    pass: SchedulingPass,
     total: Duration,
     queued: usize,
     free: usize,

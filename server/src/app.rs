@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::HttpBody;
@@ -71,8 +71,9 @@ pub struct App {
     pub shutdown: watch::Sender<bool>,
     /// Failed authentications by client address.
     pub auth_throttle: AuthThrottle,
-    /// When this server started (nodes are not declared lost in its first heartbeat timeout).
-    pub started: Instant,
+    /// When this server started, by the store's clock (nodes are not declared lost in its
+    /// first heartbeat timeout).
+    pub started_ms: i64,
 }
 
 #[derive(Clone)]
@@ -136,6 +137,7 @@ impl AppState {
         let data_roots = settings.open_data_roots().map_err(BuildError::DataRoots)?;
         let artifacts = Artifacts::open(&settings.artifacts(), &settings.s3)?;
         let auth_throttle = AuthThrottle::new(settings.limits.auth_failures_per_minute);
+        let started_ms = store.clock().now_ms();
         Ok(AppState(Arc::new(App {
             store,
             settings,
@@ -149,12 +151,17 @@ impl AppState {
             devices_free: AtomicBool::new(true),
             shutdown: watch::channel(false).0,
             auth_throttle,
-            started: Instant::now(),
+            started_ms,
         })))
     }
 }
 
 impl App {
+    /// Unix milliseconds now, by the service's clock (the store's).
+    pub fn now_ms(&self) -> i64 {
+        self.store.clock().now_ms()
+    }
+
     /// Moves a job between states in the store and tells everyone who cares: SSE followers,
     /// the scheduler (devices freed or a job requeued) and the metrics (an ended job's series
     /// go after the grace period).
@@ -222,13 +229,6 @@ impl App {
     pub fn publish(&self, event: JobEvent) {
         let _ = self.events.send(event);
     }
-}
-
-/// Unix milliseconds now.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// Every route with the service's middleware.

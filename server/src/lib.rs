@@ -4,6 +4,7 @@
 pub mod app;
 pub mod artifacts;
 pub mod auth;
+pub mod clock;
 pub mod console;
 pub mod domain;
 pub mod error;

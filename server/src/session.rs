@@ -14,7 +14,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, header};
 use cookie::{Cookie, SameSite};
 
-use crate::app::{AppState, now_ms};
+use crate::app::AppState;
 use crate::auth::{Caller, token_caller, unavailable};
 use crate::domain::Role;
 use crate::error::ApiError;
@@ -128,7 +128,9 @@ pub async fn open(state: &AppState, token: &str) -> Result<(Caller, String, i64)
         });
     }
     let id = crate::auth::new_token();
-    let expires_at = now_ms().saturating_add(state.settings.session_ttl.as_millis() as i64);
+    let expires_at = state
+        .now_ms()
+        .saturating_add(state.settings.session_ttl.as_millis() as i64);
     if !state.store.insert_session(&id, token, expires_at).await? {
         // Revoked between the two statements.
         return Err(ApiError::UnknownToken);

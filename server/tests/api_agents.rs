@@ -303,7 +303,7 @@ async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() 
     let id = app.submit_ok(&tiny_spec(1)).await;
     app.schedule().await;
     app.beat(&lost, vec![], vec![]).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.clock.advance(Duration::from_millis(300));
     app.schedule().await;
     let job = app.job(&id).await;
     assert_eq!(job["state"], "queued");
@@ -337,7 +337,7 @@ async fn a_server_that_just_started_gives_silent_nodes_one_timeout_to_come_back(
     let id = app.submit_ok(&tiny_spec(1)).await;
     app.schedule().await;
     // Silent for twice the timeout, as across a long server restart.
-    let long_ago = server::app::now_ms() - 1_200_000;
+    let long_ago = app.state.now_ms() - 1_200_000;
     assert!(app.state.store.heartbeat(&node.0, long_ago).await.unwrap());
     app.schedule().await;
     assert_eq!(app.job(&id).await["state"], "scheduled");

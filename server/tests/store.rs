@@ -15,11 +15,12 @@ use futures::FutureExt;
 use scheduler::inventory::Device;
 use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
+use scheduler::queue::{Decision, HeldRanks, QueuedJob};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
 use server::store::{
-    ArtifactRecord, Backend, Board, Decision, HeldRanks, JobFilter, JobSort, Placement, QueuedJob,
-    Revoked, Store, StoreError, token_hash,
+    ArtifactRecord, Backend, Board, JobFilter, JobSort, Placement, Revoked, Store, StoreError,
+    token_hash,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::SqlitePoolOptions;
@@ -2128,7 +2129,7 @@ async fn a_pass_sees_each_owner_s_held_ranks_and_old_attempts_are_found(db: Test
 
 /// A first-fit pass with the replica's kept `board`, which must then show what a board loaded
 /// from the tables shows.
-async fn kept_pass(store: &Store, board: &mut Board) -> server::store::Pass {
+async fn kept_pass(store: &Store, board: &mut Board) -> server::store::SchedulingPass {
     let pass = store
         .schedule(board, LEASE, |b| first_fit(b.queue(), &free_devices(b)))
         .await
@@ -2142,7 +2143,7 @@ async fn kept_pass(store: &Store, board: &mut Board) -> server::store::Pass {
 }
 
 /// The ids of the jobs placed, in order.
-fn placed_ids(pass: &server::store::Pass) -> Vec<String> {
+fn placed_ids(pass: &server::store::SchedulingPass) -> Vec<String> {
     pass.placed.iter().map(|p| p.job_id.clone()).collect()
 }
 
@@ -2237,7 +2238,7 @@ async fn try_pass(
     store: &Store,
     board: &mut Board,
     lease: Duration,
-) -> Option<server::store::Pass> {
+) -> Option<server::store::SchedulingPass> {
     store
         .schedule(board, lease, |b| first_fit(b.queue(), &free_devices(b)))
         .await
@@ -2355,7 +2356,7 @@ async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb
 /// and the next pass places the rest; one that does not stop leaves none.
 async fn a_pass_at_its_rank_budget_wakes_the_next(db: TestDb) {
     use futures::FutureExt;
-    use server::scheduling::RANKS_PER_PASS;
+    use scheduler::queue::RANKS_PER_PASS;
 
     let dir = tempfile::tempdir().unwrap();
     let mut settings = server::settings::Settings {

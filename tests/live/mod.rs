@@ -24,6 +24,8 @@ use tokio::sync::watch;
 
 pub struct Live {
     pub server: Server,
+    /// The admin token.
+    pub admin: String,
     /// The agents' join token.
     pub join: String,
     pub dir: tempfile::TempDir,
@@ -32,21 +34,38 @@ pub struct Live {
 /// A server with `admin` as its admin token; agents heartbeat every 100 ms and are lost after
 /// 2 s of silence; the scheduler runs every 100 ms.
 pub async fn start(admin: &str) -> Live {
+    start_with(Some(admin), |s| {
+        s.heartbeat_interval = Duration::from_millis(100);
+        s.heartbeat_timeout = Duration::from_secs(2);
+        s.scheduling_interval = Duration::from_millis(100);
+    })
+    .await
+}
+
+/// A server with the default settings but for `configure`'s changes, on a free port over
+/// SQLite in a temporary data directory; without `admin`, the first start's bootstrap makes
+/// the admin token (and writes it to the data directory).
+pub async fn start_with(admin: Option<&str>, configure: impl FnOnce(&mut Settings)) -> Live {
     let dir = tempfile::tempdir().unwrap();
-    let settings = Settings {
+    let mut settings = Settings {
         port: 0,
         data_dir: dir.path().to_path_buf(),
-        heartbeat_interval: Duration::from_millis(100),
-        heartbeat_timeout: Duration::from_secs(2),
-        scheduling_interval: Duration::from_millis(100),
         ..Settings::default()
     };
+    configure(&mut settings);
     let server = app::build(settings).await.unwrap();
-    let tokens = auth::bootstrap(&server.state().store, dir.path(), Some(admin))
+    let tokens = auth::bootstrap(&server.state().store, dir.path(), admin)
         .await
         .unwrap();
+    let admin = match admin {
+        Some(admin) => admin.to_string(),
+        None => tokens
+            .new_admin_token
+            .expect("a first start creates the admin token"),
+    };
     Live {
         server,
+        admin,
         join: tokens.join_token,
         dir,
     }

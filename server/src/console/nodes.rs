@@ -7,7 +7,7 @@ use axum::response::Response;
 
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
-use crate::app::{AppState, now_ms};
+use crate::app::AppState;
 use crate::error::ApiError;
 
 struct DeviceRow {
@@ -49,7 +49,7 @@ pub async fn page(State(state): State<AppState>, Signed(caller): Signed) -> Resp
 }
 
 async fn load(state: &AppState) -> Result<Vec<NodeView>, ApiError> {
-    let now = now_ms();
+    let now = state.now_ms();
     let mut views = Vec::new();
     for node in state.store.nodes().await? {
         let held = state.store.assignments_for_node(&node.id).await?;

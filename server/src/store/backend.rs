@@ -20,29 +20,6 @@ use super::{Backend, StoreError};
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
 
-// `migrate!` embeds the migrations when this crate compiles; naming the files here makes cargo
-// recompile (and re-embed) when one of them is edited. A new migration file needs a line here.
-const _: [&str; 18] = [
-    include_str!("../../../migrations/sqlite/0001_init.sql"),
-    include_str!("../../../migrations/postgres/0001_init.sql"),
-    include_str!("../../../migrations/sqlite/0002_token_names.sql"),
-    include_str!("../../../migrations/postgres/0002_token_names.sql"),
-    include_str!("../../../migrations/sqlite/0003_sessions.sql"),
-    include_str!("../../../migrations/postgres/0003_sessions.sql"),
-    include_str!("../../../migrations/sqlite/0005_process_rss.sql"),
-    include_str!("../../../migrations/postgres/0005_process_rss.sql"),
-    include_str!("../../../migrations/sqlite/0006_owner_limits.sql"),
-    include_str!("../../../migrations/postgres/0006_owner_limits.sql"),
-    include_str!("../../../migrations/sqlite/0007_artifacts.sql"),
-    include_str!("../../../migrations/postgres/0007_artifacts.sql"),
-    include_str!("../../../migrations/sqlite/0008_checkpoint_path.sql"),
-    include_str!("../../../migrations/postgres/0008_checkpoint_path.sql"),
-    include_str!("../../../migrations/sqlite/0009_scheduler_lease.sql"),
-    include_str!("../../../migrations/postgres/0009_scheduler_lease.sql"),
-    include_str!("../../../migrations/sqlite/0010_placement_writes.sql"),
-    include_str!("../../../migrations/postgres/0010_placement_writes.sql"),
-];
-
 /// How long a SQLite writer waits for another writer before failing with "database is locked".
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -19,12 +19,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use scheduler::inventory::Device;
-use scheduler::plan::Plan;
+use scheduler::queue::{BoardDevice, BoardNode, HeldRanks, QueuedJob};
 
+use super::StoreError;
 use super::backend::{Conn, on};
 use super::lease::Held;
 use super::rows::{json, kind, state, to_u32};
-use super::{HeldRanks, StoreError};
 use crate::domain::JobState;
 
 /// How often the board is rebuilt from the tables even though nothing seemed to be missed.
@@ -39,36 +39,6 @@ const MAX_MISSING: usize = 1000;
 
 /// Jobs re-read per statement.
 const JOBS_PER_SELECT: usize = 500;
-
-/// A queued job as the scheduler needs it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct QueuedJob {
-    pub id: String,
-    pub owner: String,
-    pub priority: i32,
-    pub attempt: u32,
-    pub world_size: u32,
-    pub plan: Plan,
-    pub created_at: i64,
-    /// When it entered the queue (again).
-    pub queued_at: i64,
-}
-
-/// A live node and its devices, by index.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BoardNode {
-    pub id: String,
-    pub name: String,
-    pub devices: Vec<BoardDevice>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct BoardDevice {
-    pub index: u32,
-    pub spec: Device,
-    /// An unreleased assignment holds it.
-    pub held: bool,
-}
 
 /// The devices a job holds.
 #[derive(Debug, Clone, PartialEq)]

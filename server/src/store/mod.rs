@@ -24,16 +24,17 @@ mod tokens;
 use std::time::Duration;
 
 use scheduler::inventory::Device;
+use scheduler::queue::Decision;
 use sqlx::postgres::PgConnectOptions;
 
 use backend::Pool;
-pub use board::{Board, BoardDevice, BoardNode, QueuedJob, RESYNC_EVERY};
+pub use board::{Board, RESYNC_EVERY};
 pub use jobs::DEFAULT_PAGE;
-use rows::now_ms;
-pub use schedule::{Pass, Placement};
+pub use schedule::{Placement, SchedulingPass};
 use tokens::OnConflict;
 pub use tokens::{Revoked, token_hash};
 
+use crate::clock::Clock;
 use crate::domain::{
     AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, Role, StepRecord,
     TokenRecord, Transition,
@@ -126,17 +127,6 @@ impl JobSort {
     }
 }
 
-/// Ranks held by each owner's scheduled and running jobs, by owner (token name).
-pub type HeldRanks = std::collections::HashMap<String, u32>;
-
-/// A placement decided by a scheduling pass: the job (at its current attempt) and, per rank in
-/// order, the node id and device index.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
-    pub job_id: String,
-    pub slots: Vec<(String, u32)>,
-}
-
 /// A checkpoint the ranks of `attempt` completed at `step`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointRecord {
@@ -164,6 +154,8 @@ pub struct Store {
     pool: Pool,
     /// This replica's name in the scheduler lease, new at each connect.
     holder: String,
+    /// What rows are stamped with.
+    clock: Clock,
 }
 
 impl Store {
@@ -182,7 +174,18 @@ impl Store {
         Store {
             pool,
             holder: rows::new_id(),
+            clock: Clock::system(),
         }
+    }
+
+    /// The store with its rows stamped by `clock` (tests move a manual one).
+    pub fn with_clock(self, clock: Clock) -> Store {
+        Store { clock, ..self }
+    }
+
+    /// The clock rows are stamped with: the service's clock.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     /// Closes the pool: waits for connections in use to come back, then closes them all.
@@ -214,8 +217,14 @@ impl Store {
         queued_limit: Option<u32>,
     ) -> Result<Option<Job>, StoreError> {
         let mut tx = self.pool.write().await?;
-        let job =
-            jobs::insert(&mut tx.conn(), job, idempotency_key, queued_limit, now_ms()).await?;
+        let job = jobs::insert(
+            &mut tx.conn(),
+            job,
+            idempotency_key,
+            queued_limit,
+            self.clock.now_ms(),
+        )
+        .await?;
         tx.commit().await?;
         Ok(job)
     }
@@ -245,7 +254,16 @@ impl Store {
         reason: &str,
     ) -> Result<Option<Job>, StoreError> {
         let mut tx = self.pool.write().await?;
-        let job = jobs::transition(&mut tx.conn(), id, None, from, to, reason, now_ms()).await?;
+        let job = jobs::transition(
+            &mut tx.conn(),
+            id,
+            None,
+            from,
+            to,
+            reason,
+            self.clock.now_ms(),
+        )
+        .await?;
         tx.commit().await?;
         Ok(job)
     }
@@ -269,7 +287,7 @@ impl Store {
             from,
             to,
             reason,
-            now_ms(),
+            self.clock.now_ms(),
         )
         .await?;
         tx.commit().await?;
@@ -297,8 +315,15 @@ impl Store {
         token_hash: &str,
     ) -> Result<NodeRecord, StoreError> {
         let mut tx = self.pool.write().await?;
-        let node =
-            nodes::register(&mut tx.conn(), name, host, devices, token_hash, now_ms()).await?;
+        let node = nodes::register(
+            &mut tx.conn(),
+            name,
+            host,
+            devices,
+            token_hash,
+            self.clock.now_ms(),
+        )
+        .await?;
         tx.commit().await?;
         Ok(node)
     }
@@ -324,7 +349,7 @@ impl Store {
     /// devices of nodes declared lost earlier are requeued too.
     pub async fn reap_lost_nodes(&self, before: i64) -> Result<Vec<String>, StoreError> {
         let mut tx = self.pool.write().await?;
-        let requeued = nodes::reap(&mut tx.conn(), before, now_ms()).await?;
+        let requeued = nodes::reap(&mut tx.conn(), before, self.clock.now_ms()).await?;
         tx.commit().await?;
         Ok(requeued)
     }
@@ -343,13 +368,20 @@ impl Store {
         board: &mut Board,
         lease: Duration,
         decide: F,
-    ) -> Result<Option<Pass>, StoreError>
+    ) -> Result<Option<SchedulingPass>, StoreError>
     where
         F: FnOnce(&Board) -> Vec<Decision>,
     {
         let mut tx = self.pool.write().await?;
-        let started =
-            schedule::pass(&mut tx.conn(), board, &self.holder, lease, decide, now_ms()).await?;
+        let started = schedule::pass(
+            &mut tx.conn(),
+            board,
+            &self.holder,
+            lease,
+            decide,
+            self.clock.now_ms(),
+        )
+        .await?;
         let Some((mut pass, held, transitions)) = started else {
             tx.commit().await?;
             return Ok(None);
@@ -432,7 +464,7 @@ impl Store {
             &mut self.pool.acquire().await?.conn(),
             job_id,
             memory,
-            now_ms(),
+            self.clock.now_ms(),
         )
         .await
     }
@@ -478,7 +510,7 @@ impl Store {
             job_id,
             attempt,
             step,
-            now_ms(),
+            self.clock.now_ms(),
         )
         .await
     }
@@ -533,7 +565,7 @@ impl Store {
             name,
             role,
             token,
-            now_ms(),
+            self.clock.now_ms(),
             OnConflict::Rename,
         )
         .await?;
@@ -548,7 +580,7 @@ impl Store {
         token: &str,
     ) -> Result<Option<TokenRecord>, StoreError> {
         let mut c = self.pool.acquire().await?;
-        let created_at = now_ms();
+        let created_at = self.clock.now_ms();
         let created = tokens::insert(
             &mut c.conn(),
             name,
@@ -592,15 +624,26 @@ impl Store {
         expires_at: i64,
     ) -> Result<bool, StoreError> {
         let mut tx = self.pool.write().await?;
-        let inserted =
-            sessions::insert(&mut tx.conn(), session, token, now_ms(), expires_at).await?;
+        let inserted = sessions::insert(
+            &mut tx.conn(),
+            session,
+            token,
+            self.clock.now_ms(),
+            expires_at,
+        )
+        .await?;
         tx.commit().await?;
         Ok(inserted)
     }
 
     /// The name and role of the token behind a console session, while both are live.
     pub async fn session(&self, session: &str) -> Result<Option<(String, Role)>, StoreError> {
-        sessions::lookup(&mut self.pool.acquire().await?.conn(), session, now_ms()).await
+        sessions::lookup(
+            &mut self.pool.acquire().await?.conn(),
+            session,
+            self.clock.now_ms(),
+        )
+        .await
     }
 
     /// Ends a console session (logging out).

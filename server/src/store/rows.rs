@@ -1,8 +1,6 @@
 //! Rows as the databases return them (integers as i64, JSON as text) and their conversion to
 //! the domain records, which is where stored values are checked.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use scheduler::inventory::Device;
 use scheduler::memory::DeviceKind;
 use serde::de::DeserializeOwned;
@@ -18,13 +16,6 @@ pub(super) const JOB_COLUMNS: &str = "id, name, state, priority, attempt, world_
 pub(super) const J_JOB_COLUMNS: &str = "j.id, j.name, j.state, j.priority, j.attempt, \
      j.world_size, j.spec, j.plan, j.unsupported_keys, j.owner, j.reason, j.master, \
      j.created_at, j.updated_at";
-
-pub(super) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 /// A fresh UUIDv7: ids sort by creation time.
 pub(super) fn new_id() -> String {

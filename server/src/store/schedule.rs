@@ -5,12 +5,14 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use scheduler::queue::Decision;
+
 use super::backend::{
     Arg, Conn, bind_args, insert_rows, insert_rows_returning_ids, lock_scheduling,
 };
 use super::board::{self, Board};
 use super::rows::to_u32;
-use super::{Decision, StoreError, lease};
+use super::{StoreError, lease};
 use crate::domain::JobState;
 
 /// Jobs moved per UPDATE statement on SQLite.
@@ -18,7 +20,7 @@ const DECISIONS_PER_UPDATE: usize = 500;
 
 /// What a pass did.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Pass {
+pub struct SchedulingPass {
     /// The placements committed, in the order decided.
     pub placed: Vec<Placement>,
     /// Whether the board was loaded from the tables rather than brought up to date.
@@ -51,7 +53,7 @@ pub(super) async fn pass<F>(
     lease_for: Duration,
     decide: F,
     now: i64,
-) -> Result<Option<(Pass, lease::Held, Vec<i64>)>, StoreError>
+) -> Result<Option<(SchedulingPass, lease::Held, Vec<i64>)>, StoreError>
 where
     F: FnOnce(&Board) -> Vec<Decision>,
 {
@@ -86,7 +88,7 @@ where
         }
     }
     Ok(Some((
-        Pass {
+        SchedulingPass {
             placed,
             loaded,
             read,
@@ -99,7 +101,12 @@ where
 }
 
 /// Records on the board what a committed pass wrote.
-pub(super) fn committed(board: &mut Board, pass: &Pass, held: lease::Held, transitions: Vec<i64>) {
+pub(super) fn committed(
+    board: &mut Board,
+    pass: &SchedulingPass,
+    held: lease::Held,
+    transitions: Vec<i64>,
+) {
     for p in &pass.placed {
         board.placed(&p.job_id, p.attempt, &p.slots);
     }

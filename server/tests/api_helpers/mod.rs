@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, Method, Request, StatusCode, header};
 use scheduler::inventory::Device;
 use scheduler::memory::DeviceKind;
 use serde_json::{Value, json};
+use server::clock::Clock;
 use server::domain::Role;
 use server::settings::Settings;
 use server::store::Store;
@@ -29,6 +30,8 @@ pub const ORIGIN: &str = "http://zerotrain.test:8080";
 
 pub struct TestApp {
     pub state: AppState,
+    /// The service's clock, standing still until a test moves it.
+    pub clock: Clock,
     pub router: Router,
     pub dir: TempDir,
 }
@@ -79,7 +82,11 @@ impl TestApp {
             ..Settings::default()
         };
         configure(&mut settings);
-        let store = Store::connect(&settings.database_url()).await.unwrap();
+        let clock = Clock::manual();
+        let store = Store::connect(&settings.database_url())
+            .await
+            .unwrap()
+            .with_clock(clock.clone());
         for (name, role, token) in [
             ("admin", Role::Admin, ADMIN),
             ("alice", Role::Submitter, SUBMITTER),
@@ -93,6 +100,7 @@ impl TestApp {
         TestApp {
             router: router(state.clone()),
             state,
+            clock,
             dir,
         }
     }

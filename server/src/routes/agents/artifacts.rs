@@ -17,7 +17,7 @@ use wire::agent::RefusalReason;
 use wire::artifact::{Artifact, MODEL_FILE};
 
 use super::reports::View;
-use crate::app::{AppState, now_ms};
+use crate::app::AppState;
 use crate::auth::AgentNode;
 use crate::domain::{Job, NodeRecord};
 use crate::error::{ApiError, Problem};
@@ -104,7 +104,7 @@ pub async fn upload(
         step,
         bytes: written.bytes,
         sha256: written.sha256,
-        at: now_ms(),
+        at: state.now_ms(),
     };
     if !state.store.add_artifact(&job_id, &record).await? {
         return Err(refused(&state, &name, RefusalReason::AttemptOver));

@@ -15,7 +15,7 @@ use wire::agent::{
 };
 use wire::artifact::Artifact;
 
-use crate::app::{AppState, now_ms};
+use crate::app::AppState;
 use crate::auth::AgentNode;
 use crate::domain::{Job, JobState, NodeRecord};
 use crate::error::{ApiError, Problem};
@@ -45,7 +45,7 @@ pub async fn heartbeat(
     body: Result<Json<Heartbeat>, JsonRejection>,
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
     let Json(beat) = body?;
-    if !state.store.heartbeat(&node.id, now_ms()).await? {
+    if !state.store.heartbeat(&node.id, state.now_ms()).await? {
         state
             .metrics
             .refused(RefusalReason::NodeLost, beat.reports.len());

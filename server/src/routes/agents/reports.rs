@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use wire::agent::{Refusal, RefusalReason, Report};
 
-use crate::app::{App, JobEvent, now_ms};
+use crate::app::{App, JobEvent};
 use crate::artifacts;
 use crate::domain::{Job, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord};
 use crate::error::ApiError;
@@ -88,7 +88,7 @@ pub(super) async fn apply(
     node: &NodeRecord,
     reports: Vec<Report>,
 ) -> Result<Vec<Refusal>, ApiError> {
-    let now = now_ms();
+    let now = app.now_ms();
     let mut views: HashMap<String, View> = HashMap::new();
     let mut pending = Pending::default();
     let mut refused = Vec::new();

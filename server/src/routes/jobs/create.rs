@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use wire::artifact::Artifact;
 
-use crate::app::{AppState, now_ms};
+use crate::app::AppState;
 use crate::artifacts;
 use crate::auth::Submitter;
 use crate::domain::{Job, JobState};
@@ -125,7 +125,7 @@ pub async fn create(
         }
         planned => planned?,
     };
-    let now = now_ms();
+    let now = state.now_ms();
     let job = Job {
         id: uuid::Uuid::now_v7().to_string(),
         name: parsed.spec.name.clone(),
