@@ -99,8 +99,21 @@ fn main() {
     println!("| run | B | median step ms | min–max ms | tokens/s | MFU |");
     println!("|---|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
-    let mut batches = vec![16];
-    batches.extend(largest.filter(|&b| b != 16));
+    // `ZEROTRAIN_BENCH_BATCHES=16,32` names the micro-batches (gpu-check runs 16 only, within
+    // its budget); by default 16 and the largest that fits.
+    let batches: Vec<usize> = match std::env::var("ZEROTRAIN_BENCH_BATCHES") {
+        Ok(list) => list
+            .split(',')
+            .map(|b| {
+                b.trim()
+                    .parse()
+                    .expect("ZEROTRAIN_BENCH_BATCHES: micro-batches, a,b,…")
+            })
+            .collect(),
+        Err(_) => std::iter::once(16)
+            .chain(largest.filter(|&b| b != 16))
+            .collect(),
+    };
     for b in batches {
         let r = time(b, total);
         let (step, lo, hi) = r.step;
@@ -118,9 +131,10 @@ fn main() {
             "run": "zerotrain", "batch": r.batch, "step_seconds": step,
             "tokens_per_second": tps, "mfu": mfu,
         }));
-    }
-    if let Some(path) = std::env::var_os("ZEROTRAIN_BENCH_JSON") {
-        let out = serde_json::json!({"peak_gflops": peak, "rows": rows});
-        std::fs::write(path, out.to_string()).expect("writing ZEROTRAIN_BENCH_JSON");
+        // After every row, so a bench stopped by gpu-check's budget leaves what it measured.
+        if let Some(path) = std::env::var_os("ZEROTRAIN_BENCH_JSON") {
+            let out = serde_json::json!({"peak_gflops": peak, "rows": rows});
+            std::fs::write(path, out.to_string()).expect("writing ZEROTRAIN_BENCH_JSON");
+        }
     }
 }

@@ -506,7 +506,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
     fn checkpoint_if_due(&mut self, job: &RankJob<'_, '_>, done: u32) -> Result<bool, Error> {
         let (spec, setup, opts) = (job.spec, job.setup, job.opts);
         let every = spec.checkpoint.every_steps;
-        let due = every > 0 && done % every == 0 && done < spec.training.steps.get();
+        let due = every > 0 && done.is_multiple_of(every) && done < spec.training.steps.get();
         let Some(out) = opts.out_dir.as_deref().filter(|_| due) else {
             return Ok(false);
         };
