@@ -353,6 +353,7 @@ fn train_rank<X: Num + Summable, D: DeviceCollectives>(
             });
         }
     }
+    // A step's traffic, which the memory model counts: the export's gathers are not.
     let comm_bytes_sent = rank.engine.sent_bytes();
     rank.export(&job)?;
     Ok(rank.finish(&job, resumed_from, comm_bytes_sent))
@@ -364,7 +365,6 @@ struct Rank<X: Num, D: Device> {
     engine: Engine<X, D>,
     data: DataLoader,
     scaler: LossScaler,
-    acct: Accountant,
     /// Sequences in one batch across all ranks: checkpoints count data positions in these.
     sequences_per_batch: usize,
     tokens_per_step: f64,
@@ -379,7 +379,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         let (spec, setup, t) = (job.spec, job.setup, &job.spec.training);
         let rank = comm.rank();
         let acct = Accountant::new(job.opts.device_memory);
-        let engine = Engine::<X, D>::on(dev, setup, job.shape, t.seed, comm, acct.clone())?;
+        let engine = Engine::<X, D>::on(dev, setup, job.shape, t.seed, comm, acct)?;
         let layout = BatchLayout {
             batch: setup.micro_batch,
             seq_len: setup.seq_len,
@@ -388,7 +388,14 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         };
         let roots = &job.opts.data_roots;
         let vocab = job.shape.vocab_size;
-        let data = DataLoader::new(&spec.data, roots, layout, t.seed, vocab, &acct)?;
+        let data = DataLoader::new(
+            &spec.data,
+            roots,
+            layout,
+            t.seed,
+            vocab,
+            engine.accountant(),
+        )?;
         let scaler = LossScaler::new(spec.precision.effective_loss_scale());
         let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
         Ok(Rank {
@@ -396,7 +403,6 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             data,
             loss_scale: scaler.scale(),
             scaler,
-            acct,
             sequences_per_batch: setup.micro_batch * setup.world_size,
             tokens_per_step,
             losses: Vec::with_capacity(t.steps.get() as usize),
@@ -566,7 +572,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             resumed_from,
             memory: RankMemory {
                 rank,
-                measured_peak_bytes: self.acct.peak(),
+                measured_peak_bytes: self.engine.accountant().peak(),
                 // The plan's figures; the overhead is the process's, counted once in `process`.
                 predicted_bytes: Breakdown {
                     overhead: 0,
