@@ -17,7 +17,7 @@ Made with (CPU only, in a scratch venv; CI never installs torch):
 which installed torch 2.15.0, transformers 5.25.0, safetensors 0.8.0, numpy 2.4.6 (Python
 3.11.7). The script refuses other torch/transformers versions unless ``--any-version`` is given.
 Rerun: ``/tmp/torchvenv/bin/python tests/reference/llama_parity/make.py`` (rewrites the files;
-with the same versions the bytes are the same) and check ``git diff``. It takes about a minute.
+with the same versions the bytes are the same) and check ``git diff``. It takes a few seconds.
 
 The data rule (checked against runner/src/data: file.rs skips the 1024-byte header, so token 0 is
 the first token after it; windows.rs starts window w at ``w·B·T·world_size + rank·B·T`` and reads
