@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 use scheduler::bytes::human;
-use scheduler::model::{GptShape, ParamTensor, Units};
+use scheduler::model::{ModelShape, ModelTensor, ParamTensor, Units};
 use scheduler::spec::{Dtype as Precision, OptimizerKind, ZeroStage};
 use serde::{Deserialize, Serialize};
 
@@ -292,23 +292,30 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
     })
 }
 
-/// `model.safetensors` in Hugging Face GPT-2 form, written in place as the ranks' shards
-/// arrive: the header comes from the shape alone, and each unit's fp32 values, concatenated
-/// in unit order, are written where they belong, so no rank ever holds the whole model.
+/// `model.safetensors` in Hugging Face form (the family's state-dict names), written in place
+/// as the ranks' shards arrive: the header comes from the shape alone, and each unit's fp32
+/// values, concatenated in unit order, are written where they belong, so no rank ever holds
+/// the whole model.
 pub struct ModelFile {
     file: File,
     tmp: PathBuf,
     out: PathBuf,
-    shape: GptShape,
+    /// The `config.json` written beside it.
+    config: serde_json::Map<String, serde_json::Value>,
     /// Where each unit's first value lies in the file.
     unit_starts: Vec<u64>,
 }
 
 impl ModelFile {
-    /// Creates the file under a temporary name in `out` and writes its header.
-    pub fn create(out: &Path, shape: &GptShape) -> Result<ModelFile, Error> {
+    /// Creates the file under a temporary name in `out` and writes its header; `config` is
+    /// the `config.json` [`ModelFile::finish`] writes beside it.
+    pub fn create(
+        out: &Path,
+        model: &ModelShape,
+        config: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ModelFile, Error> {
         fs::create_dir_all(out).map_err(|e| io(out, e))?;
-        let layout = Units::new(shape, 1);
+        let layout = model.units(1);
         let mut header = serde_json::Map::new();
         header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
         let mut unit_offsets = Vec::new();
@@ -319,7 +326,7 @@ impl ModelFile {
                 let r = t.range();
                 let (begin, end) = (at + 4 * r.start as u64, at + 4 * r.end as u64);
                 header.insert(
-                    format!("transformer.{}", t.kind.hf_name(unit.layer())),
+                    t.kind.state_dict_name(unit.layer()),
                     serde_json::json!({
                         "dtype": "F32",
                         "shape": t.dims.to_vec(),
@@ -342,7 +349,7 @@ impl ModelFile {
             file,
             tmp,
             out: out.to_path_buf(),
-            shape: *shape,
+            config: config.clone(),
             unit_starts: unit_offsets.into_iter().map(|o| data + o).collect(),
         })
     }
@@ -361,131 +368,173 @@ impl ModelFile {
         self.file.sync_all().map_err(|e| io(&self.tmp, e))?;
         let model = self.out.join(MODEL_FILE);
         fs::rename(&self.tmp, &model).map_err(|e| io(&model, e))?;
-        write_config(&self.out, &self.shape)
+        let path = self.out.join(CONFIG_FILE);
+        let text = serde_json::to_vec_pretty(&self.config).map_err(|e| io(&path, e))?;
+        write_synced(&path, &text)?;
+        sync_dir(&self.out)
     }
-}
-
-/// Writes the Hugging Face `config.json` of `shape` into `out`.
-fn write_config(out: &Path, shape: &GptShape) -> Result<(), Error> {
-    let config = serde_json::json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": shape.vocab_size,
-        "n_positions": shape.context_length,
-        "n_ctx": shape.context_length,
-        "n_embd": shape.n_embd,
-        "n_layer": shape.n_layer,
-        "n_head": shape.n_head,
-        "n_inner": null,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": true,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
-        "torch_dtype": "float32"
-    });
-    let path = out.join(CONFIG_FILE);
-    let text = serde_json::to_vec_pretty(&config).map_err(|e| io(&path, e))?;
-    write_synced(&path, &text)?;
-    sync_dir(out)
 }
 
 /// Bytes of safetensors header allowed per tensor (its JSON entry: name, dtype, shape and
 /// offsets take about 100).
 const HEADER_BYTES_PER_TENSOR: u64 = 256;
 
-/// The largest Hugging Face weights file of `shape` that `load_hf` reads: every tensor in
-/// fp32, plus what such files may also carry (an untied `lm_head.weight`, each block's causal
-/// mask `attn.bias` and `attn.masked_bias`), and a header of `HEADER_BYTES_PER_TENSOR` per
+/// The largest Hugging Face weights file of `model` that `load_hf` reads: every tensor in
+/// fp32, plus what such files may also carry (`ModelShape::hf_extra`: GPT-2's causal masks, a
+/// tied `lm_head.weight`, RoPE's `inv_freq`), and a header of `HEADER_BYTES_PER_TENSOR` per
 /// tensor and 4 KiB of metadata. The file is read whole, so this bounds what reading it adds
 /// to the process.
-pub fn max_hf_file_bytes(shape: &GptShape) -> u64 {
-    let units = Units::new(shape, 1);
+pub fn max_hf_file_bytes(model: &ModelShape) -> u64 {
+    let units = model.units(1);
     let tensors: u64 = units.iter().map(|u| u.tensors.len() as u64).sum();
     let values: u64 = units.iter().map(|u| u.len as u64).sum();
-    let [v, t, l, c] = [
-        shape.vocab_size,
-        shape.context_length,
-        shape.n_layer,
-        shape.n_embd,
-    ]
-    .map(|n| n as u64);
-    let extra_values = v * c + l * (t * t + 1);
-    let extra_tensors = 1 + 2 * l;
+    let (extra_values, extra_tensors) = model.hf_extra();
     8 + 4 * (values + extra_values) + HEADER_BYTES_PER_TENSOR * (tensors + extra_tensors) + 4096
 }
 
-/// Hugging Face GPT-2 weights of a shape, checked and read a chunk at a time: names with or
-/// without the `transformer.` prefix, the causal-mask buffers `attn.bias`/`attn.masked_bias`
-/// and a tied `lm_head.weight` ignored, tensors in F32, F16 or BF16.
+/// Hugging Face weights of a model, one file or a sharded set, checked and read a chunk at a
+/// time: GPT-2's names with or without the `transformer.` prefix, tensors that are not
+/// parameters here skipped (`ModelShape::ignores_hf_tensor`), tensors in F32, F16 or BF16.
 #[derive(Debug)]
 pub struct HfWeights {
-    file: TensorFile,
-    /// The file, as errors name it.
+    files: Vec<TensorFile>,
+    /// The weights, as errors name them.
     what: String,
-    layout: Units,
-    /// Per unit, per tensor: its name in the file.
-    names: Vec<Vec<String>>,
+    layout: Units<ModelTensor>,
+    /// Per unit, per tensor: the file holding it and its name there.
+    names: Vec<Vec<(usize, String)>>,
+}
+
+/// The index of a sharded Hugging Face weights set: which file holds each tensor.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Largest index read (Llama-3.1-405B's is under 100 KiB).
+const MAX_INDEX_BYTES: u64 = 4 << 20;
+
+/// The files of a sharded set, from its index: the distinct values of `weight_map`, each a
+/// plain file name beside the index.
+fn shard_names(index: &[u8]) -> Result<Vec<String>, String> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: std::collections::BTreeMap<String, String>,
+    }
+    let index: Index = serde_json::from_slice(index)
+        .map_err(|e| format!("not a safetensors index: {e}"))?;
+    let mut files: Vec<String> = index.weight_map.into_values().collect();
+    files.sort();
+    files.dedup();
+    match files.iter().find(|f| {
+        f.contains('/') || f.contains('\\') || f.starts_with('.') || !f.ends_with(".safetensors")
+    }) {
+        Some(_) => Err("names a file that is not a .safetensors file beside it".into()),
+        None if files.is_empty() => Err("names no files".into()),
+        None => Ok(files),
+    }
 }
 
 /// Values read from the file at a time (64 KiB of f32).
 const READ_CHUNK: usize = 1 << 14;
 
-/// The spec's `model.init_from`, opened only inside `roots`; a file larger than
-/// `max_hf_file_bytes` is refused before a byte of it is read.
-pub fn load_hf(roots: &DataRoots, path: &str, shape: &GptShape) -> Result<HfWeights, Error> {
-    let (_, file) = roots.open("model.init_from", path)?;
-    HfWeights::new(file, describe("model.init_from", path), shape)
+/// The spec's `model.init_from` (a weights file, or a Hugging Face model directory holding
+/// `model.safetensors` or a sharded set with its `model.safetensors.index.json`), every file
+/// opened only inside `roots`; weights larger than `max_hf_file_bytes` are refused before a
+/// byte of them is read.
+pub fn load_hf(roots: &DataRoots, path: &str, model: &ModelShape) -> Result<HfWeights, Error> {
+    const FIELD: &str = "model.init_from";
+    if !roots.resolve(FIELD, path)?.is_dir() {
+        let (_, file) = roots.open(FIELD, path)?;
+        return HfWeights::new(vec![file], describe(FIELD, path), model);
+    }
+    let dir = path.trim_end_matches('/');
+    let single = format!("{dir}/{MODEL_FILE}");
+    if roots.resolve(FIELD, &single).is_ok() {
+        let (_, file) = roots.open(FIELD, &single)?;
+        return HfWeights::new(vec![file], describe(FIELD, &single), model);
+    }
+    let index = format!("{dir}/{INDEX_FILE}");
+    let what = describe(FIELD, &index);
+    let (_, file) = roots.open(FIELD, &index).map_err(|_| Error::Data {
+        what: describe(FIELD, path),
+        reason: format!("a model directory holds {MODEL_FILE} or {INDEX_FILE}; this holds neither"),
+    })?;
+    let fail = |reason: String| Error::Data {
+        what: what.clone(),
+        reason,
+    };
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(&file, MAX_INDEX_BYTES + 1), &mut bytes)
+        .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
+    if bytes.len() as u64 > MAX_INDEX_BYTES {
+        return Err(fail(format!("larger than {}", human(MAX_INDEX_BYTES))));
+    }
+    let files = shard_names(&bytes)
+        .map_err(fail)?
+        .iter()
+        .map(|name| Ok(roots.open(FIELD, &format!("{dir}/{name}"))?.1))
+        .collect::<Result<Vec<_>, Error>>()?;
+    HfWeights::new(files, what, model)
 }
 
-/// [`load_hf`] of a file the host fetched itself (an agent: another job's export, from the
-/// server), read wherever it is.
-pub fn load_hf_file(path: &Path, shape: &GptShape) -> Result<HfWeights, Error> {
+/// [`load_hf`] of a file (or model directory) the host fetched itself (an agent: another
+/// job's export, from the server), read wherever it is.
+pub fn load_hf_file(path: &Path, model: &ModelShape) -> Result<HfWeights, Error> {
+    let path = if path.is_dir() {
+        path.join(MODEL_FILE)
+    } else {
+        path.to_path_buf()
+    };
     let what = path.display().to_string();
-    let file = File::open(path).map_err(|e| Error::Data {
+    let file = File::open(&path).map_err(|e| Error::Data {
         what: what.clone(),
         reason: format!("cannot open: {}", e.kind()),
     })?;
-    HfWeights::new(file, what, shape)
+    HfWeights::new(vec![file], what, model)
 }
 
 impl HfWeights {
-    fn new(file: File, what: String, shape: &GptShape) -> Result<HfWeights, Error> {
+    fn new(files: Vec<File>, what: String, model: &ModelShape) -> Result<HfWeights, Error> {
         let fail = |reason: String| Error::Data {
             what: what.clone(),
             reason,
         };
-        let limit = max_hf_file_bytes(shape);
-        let size = file
-            .metadata()
-            .map_err(|e| fail(format!("cannot read its size: {}", e.kind())))?
-            .len();
+        let limit = max_hf_file_bytes(model);
+        let mut size = 0;
+        for file in &files {
+            size += file
+                .metadata()
+                .map_err(|e| fail(format!("cannot read its size: {}", e.kind())))?
+                .len();
+        }
         if size > limit {
             return Err(fail(format!(
                 "larger than a weights file of this model can be ({} at most)",
                 human(limit)
             )));
         }
-        let file = TensorFile::new(file).map_err(fail)?;
-        let layout = Units::new(shape, 1);
+        let files = files
+            .into_iter()
+            .map(TensorFile::new)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fail)?;
+        let layout = model.units(1);
+        // Each tensor by its full state-dict name, or (GPT-2) without the model's prefix.
+        let candidates = |kind: ModelTensor, layer| {
+            let full = kind.state_dict_name(layer);
+            let local = kind.hf_name(layer);
+            if full == local {
+                vec![full]
+            } else {
+                vec![full, local]
+            }
+        };
         let known: Vec<String> = layout
             .iter()
-            .flat_map(|u| u.tensors.iter().map(move |t| t.kind.hf_name(u.layer())))
+            .flat_map(|u| u.tensors.iter().flat_map(|t| candidates(t.kind, u.layer())))
             .collect();
-        let unexpected = file
-            .names()
-            .into_iter()
-            .filter(|n| {
-                let local = n.strip_prefix("transformer.").unwrap_or(n);
-                let ignored = local.ends_with("attn.bias")
-                    || local.ends_with("attn.masked_bias")
-                    || n == "lm_head.weight";
-                !ignored && !known.iter().any(|k| k == local)
-            })
+        let unexpected = files
+            .iter()
+            .flat_map(TensorFile::names)
+            .filter(|n| !model.ignores_hf_tensor(n) && !known.iter().any(|k| k == n))
             .count();
         if unexpected > 0 {
             // Their names are the file's content: count them only.
@@ -498,10 +547,15 @@ impl HfWeights {
             let mut unit_names = Vec::new();
             for t in &unit.tensors {
                 let name = t.kind.hf_name(unit.layer());
-                let prefixed = format!("transformer.{name}");
-                let (in_file, info) = [prefixed, name.clone()]
+                let (in_file, info) = candidates(t.kind, unit.layer())
                     .into_iter()
-                    .find_map(|n| file.info(&n).cloned().map(|i| (n, i)))
+                    .find_map(|n| {
+                        let (f, info) = files
+                            .iter()
+                            .enumerate()
+                            .find_map(|(f, file)| Some((f, file.info(&n)?.clone())))?;
+                        Some(((f, n), info))
+                    })
                     .ok_or_else(|| fail(format!("missing tensor {name}")))?;
                 let want = t.dims.to_vec();
                 if info.shape != want {
@@ -521,7 +575,7 @@ impl HfWeights {
             names.push(unit_names);
         }
         Ok(HfWeights {
-            file,
+            files,
             what,
             layout,
             names,
@@ -556,9 +610,9 @@ impl HfWeights {
 /// The values of one unit of [`HfWeights`], as an iterator.
 pub struct UnitValues<'a> {
     weights: &'a HfWeights,
-    tensors: &'a [ParamTensor],
-    /// Each tensor's name in the file.
-    names: &'a [String],
+    tensors: &'a [ParamTensor<ModelTensor>],
+    /// Each tensor's file and name there.
+    names: &'a [(usize, String)],
     tensor: usize,
     /// Elements of the tensor read so far.
     at: usize,
@@ -589,8 +643,8 @@ impl UnitValues<'_> {
                 (self.tensor, self.at) = (self.tensor + 1, 0);
                 continue;
             }
-            let name = &self.names[self.tensor];
-            let file = &self.weights.file;
+            let (f, name) = &self.names[self.tensor];
+            let file = &self.weights.files[*f];
             let dtype = file.info(name).expect("checked on opening").dtype;
             let width = dtype.bitsize() / 8;
             let n = READ_CHUNK.min(numel - self.at);

@@ -9,6 +9,8 @@ pub mod data;
 pub mod device;
 mod error;
 mod gpt;
+mod llama;
+mod model;
 pub mod loss_scale;
 pub mod lr_schedule;
 pub mod optimizer;

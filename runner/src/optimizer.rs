@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use kernels::optim as k;
 use scheduler::memory::Category;
-use scheduler::model::{TensorDims, Unit};
+use scheduler::model::{ModelTensor, TensorDims, Unit};
 use scheduler::spec::Optimizer;
 
 use crate::Error;
@@ -22,7 +22,7 @@ use adafactor::Adafactor;
 
 /// What the optimizer updates in one unit: this rank's `held` range of it.
 pub struct Slices<'a, X: 'a, D: Device = Cpu> {
-    pub unit: &'a Unit,
+    pub unit: &'a Unit<ModelTensor>,
     pub held: Range<usize>,
     /// fp32 master weights of `held` (the parameters themselves in fp32 training).
     pub master: D::ViewMut<'a, f32>,
@@ -68,7 +68,7 @@ enum UnitState<D: Device> {
 
 /// The tensors of `unit` intersecting `held`, with the intersection relative to the tensor.
 fn pieces<'u>(
-    unit: &'u Unit,
+    unit: &'u Unit<ModelTensor>,
     held: &Range<usize>,
 ) -> impl Iterator<Item = (usize, TensorDims, Range<usize>)> + 'u {
     let held = held.clone();
@@ -91,7 +91,7 @@ impl<D: Device> OptimizerState<D> {
     pub fn new(
         dev: &D,
         spec: Optimizer,
-        held: &[(&Unit, Range<usize>)],
+        held: &[(&Unit<ModelTensor>, Range<usize>)],
         acct: &Accountant,
     ) -> Result<OptimizerState<D>, Error> {
         let f32s = |n: usize| acct.alloc_on::<D, f32>(dev, Category::Optimizer, n);

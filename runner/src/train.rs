@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use scheduler::memory::{self, Breakdown, Setup};
-use scheduler::model::GptShape;
+use scheduler::model::ModelShape;
 use scheduler::plan::Plan;
-use scheduler::spec::{Architecture, Dtype, InitFrom, JobSpec};
+use scheduler::spec::{Dtype, InitFrom, JobSpec};
 use serde::Serialize;
 
 use crate::Error;
@@ -177,7 +177,8 @@ pub fn run_ranks(
     opts: &Options,
     progress: &mut (dyn FnMut(Progress) + Send),
 ) -> Result<Summary, Error> {
-    let Architecture::Gpt(shape) = spec.architecture() else {
+    let (Some(model), Some(hf_config)) = (spec.architecture().model(), spec.model.hf_config())
+    else {
         return Err(Error::Untrainable {
             reason: "a bare parameter count has no architecture to train".into(),
         });
@@ -215,7 +216,8 @@ pub fn run_ranks(
                         spec,
                         plan,
                         setup,
-                        shape,
+                        model,
+                        hf_config: &hf_config,
                         opts,
                         progress: report,
                     };
@@ -298,7 +300,9 @@ struct RankJob<'a, 'p> {
     spec: &'a JobSpec,
     plan: &'a Plan,
     setup: &'a Setup,
-    shape: GptShape,
+    model: ModelShape,
+    /// The `config.json` the export carries.
+    hf_config: &'a serde_json::Map<String, serde_json::Value>,
     opts: &'a Options,
     progress: Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
 }
@@ -379,7 +383,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         let (spec, setup, t) = (job.spec, job.setup, &job.spec.training);
         let rank = comm.rank();
         let acct = Accountant::new(job.opts.device_memory);
-        let engine = Engine::<X, D>::on(dev, setup, job.shape, t.seed, comm, acct)?;
+        let engine = Engine::<X, D>::on(dev, setup, job.model, t.seed, comm, acct)?;
         let layout = BatchLayout {
             batch: setup.micro_batch,
             seq_len: setup.seq_len,
@@ -387,7 +391,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             world_size: setup.world_size,
         };
         let roots = &job.opts.data_roots;
-        let vocab = job.shape.vocab_size;
+        let vocab = job.model.vocab_size();
         let data = DataLoader::new(
             &spec.data,
             roots,
@@ -397,7 +401,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             engine.accountant(),
         )?;
         let scaler = LossScaler::new(spec.precision.effective_loss_scale());
-        let tokens_per_step = (engine.dims().tokens() * setup.grad_accum * setup.world_size) as f64;
+        let tokens_per_step = (engine.micro_batch_tokens() * setup.grad_accum * setup.world_size) as f64;
         Ok(Rank {
             engine,
             data,
@@ -469,11 +473,11 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
     }
 
     fn init(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
-        let shape = &job.shape;
+        let model = &job.model;
         let weights = match (&job.opts.init_weights, &job.spec.model.init_from) {
-            (Some(file), _) => checkpoint::load_hf_file(file, shape)?,
+            (Some(file), _) => checkpoint::load_hf_file(file, model)?,
             (None, Some(InitFrom::Path(path))) => {
-                checkpoint::load_hf(&job.opts.data_roots, path, shape)?
+                checkpoint::load_hf(&job.opts.data_roots, path, model)?
             }
             (None, Some(InitFrom::Artifact(a))) => {
                 return Err(Error::Untrainable {
@@ -543,7 +547,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             return Ok(());
         };
         let file = (self.engine.rank() == 0)
-            .then(|| checkpoint::ModelFile::create(out, &job.shape))
+            .then(|| checkpoint::ModelFile::create(out, &job.model, job.hf_config))
             .transpose()?;
         self.engine.export(file.as_ref())?;
         if let Some(file) = file {

@@ -11,7 +11,7 @@ use runner::Error;
 use runner::accounting::Accountant;
 use runner::checkpoint::{load_hf, max_hf_file_bytes};
 use runner::data::{BatchLayout, DataLoader, DataRoots};
-use scheduler::model::Preset;
+use scheduler::model::{ModelShape, Preset};
 use scheduler::spec::Data;
 use wire::data_roots::RootsError;
 
@@ -198,7 +198,7 @@ fn only_regular_files_are_opened() {
     assert_outside(node.open(&text("/dev/zero")), "data.path", "/dev/zero");
     // Anywhere (a user's own `zerotrain train`) follows links, but still to regular files only.
     let anywhere = DataRoots::anywhere();
-    let shape = Preset::Tiny.shape();
+    let shape = ModelShape::Gpt2(Preset::Tiny.shape());
     let err = load_hf(&anywhere, "/dev/zero", &shape)
         .unwrap_err()
         .to_string();
@@ -211,7 +211,7 @@ fn only_regular_files_are_opened() {
 #[test]
 fn init_from_is_read_inside_the_roots_and_no_larger_than_the_model_s_weights() {
     let node = Node::new();
-    let shape = Preset::Tiny.shape();
+    let shape = ModelShape::Gpt2(Preset::Tiny.shape());
     assert_outside(
         load_hf(&node.roots, "/dev/zero", &shape),
         "model.init_from",

@@ -1,5 +1,6 @@
 //! ZeRO stages 0-3 over ranks as threads: same parameters at every stage, the same as one rank
-//! with the whole batch, and memory and communication exactly as the memory model states.
+//! with the whole batch, and memory and communication exactly as the memory model states, for
+//! every model family (the same test bodies over `MODELS`).
 
 use std::path::Path;
 
@@ -26,9 +27,17 @@ fn train(json: &str, out: Option<&Path>) -> Summary {
     run(&spec, &plan, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
 }
 
+/// A test-sized model of each family: GPT-2 (tied head, LayerNorm, learned positions) and
+/// the Llama family (grouped-query attention, RoPE, SwiGLU, RMSNorm, untied head).
+const MODELS: [&str; 2] = ["gpt2-tiny", "llama-tiny"];
+
 fn job(world: usize, stage: u8, micro: usize, extra: &str) -> String {
+    job_of("gpt2-tiny", world, stage, micro, extra)
+}
+
+fn job_of(model: &str, world: usize, stage: u8, micro: usize, extra: &str) -> String {
     format!(
-        r#"{{"model": {{"preset": "gpt2-tiny"}}, "world_size": {world}, "zero": {{"stage": {stage}}},
+        r#"{{"model": {{"preset": "{model}"}}, "world_size": {world}, "zero": {{"stage": {stage}}},
             "activation_checkpointing": false,
             "training": {{"steps": 5, "micro_batch_size": {micro}, "lr": 1e-3}}{extra}}}"#
     )
@@ -59,14 +68,21 @@ fn values(bytes: &[u8]) -> Vec<f32> {
 
 #[test]
 fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whole_batch() {
-    let stage0 = exported(&job(4, 0, 2, ""));
+    for model in MODELS {
+        same_bits_at_every_stage(model);
+    }
+}
+
+fn same_bits_at_every_stage(model: &str) {
+    let job = |world, stage, micro| job_of(model, world, stage, micro, "");
+    let stage0 = exported(&job(4, 0, 2));
     for stage in 1..=3 {
         assert!(
-            exported(&job(4, stage, 2, "")) == stage0,
-            "stage {stage} differs from stage 0"
+            exported(&job(4, stage, 2)) == stage0,
+            "{model}: stage {stage} differs from stage 0"
         );
     }
-    let (sharded, single) = (values(&stage0), values(&exported(&job(1, 0, 8, ""))));
+    let (sharded, single) = (values(&stage0), values(&exported(&job(1, 0, 8))));
     let diff: f64 = sharded
         .iter()
         .zip(&single)
@@ -78,10 +94,10 @@ fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whol
         .map(|b| f64::from(*b).powi(2))
         .sum::<f64>()
         .sqrt();
-    eprintln!("‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}", diff / norm);
+    eprintln!("{model}: ‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}", diff / norm);
     assert!(
         diff / norm < 1e-5,
-        "‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
+        "{model}: ‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
         diff / norm
     );
     assert!(
@@ -121,10 +137,11 @@ fn setup(json: &str) -> Setup {
 
 #[test]
 fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
-    for world in [1, 2, 4, 8] {
+    for (model, world) in MODELS.into_iter().flat_map(|m| [1, 2, 4, 8].map(|w| (m, w))) {
         for stage in 0..=3 {
             for dtype in ["fp32", "bf16"] {
-                let json = job(
+                let json = job_of(
+                    model,
                     world,
                     stage,
                     2,
@@ -138,7 +155,7 @@ fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
                         assert_eq!(
                             r.measured_peak_bytes.get(c),
                             r.predicted_bytes.get(c),
-                            "{} at N={world}, stage {stage}, {dtype}, rank {}",
+                            "{model}: {} at N={world}, stage {stage}, {dtype}, rank {}",
                             c.name(),
                             r.rank
                         );
@@ -176,8 +193,9 @@ fn stage_3_at_8_ranks_keeps_an_eighth_of_the_model_states_plus_gathered_units() 
 #[test]
 fn bytes_sent_per_step_equal_the_model_for_every_stage() {
     let steps = 3;
-    for stage in 0..=3 {
-        let json = job(4, stage, 2, "").replace("\"steps\": 5", &format!("\"steps\": {steps}"));
+    for (model, stage) in MODELS.into_iter().flat_map(|m| (0..=3).map(move |s| (m, s))) {
+        let json = job_of(model, 4, stage, 2, "")
+            .replace("\"steps\": 5", &format!("\"steps\": {steps}"));
         let predicted = memory::estimate(&setup(&json), DeviceKind::Cpu).comm;
         let summary = train(&json, None);
         for r in &summary.ranks {
@@ -185,20 +203,24 @@ fn bytes_sent_per_step_equal_the_model_for_every_stage() {
             assert_eq!(
                 sent(Op::AllReduce),
                 steps * predicted.all_reduce,
-                "stage {stage} rank {}",
+                "{model}: stage {stage} rank {}",
                 r.rank
             );
             assert_eq!(
                 sent(Op::ReduceScatter),
                 steps * predicted.reduce_scatter,
-                "stage {stage}"
+                "{model}: stage {stage}"
             );
             assert_eq!(
                 sent(Op::AllGather),
                 steps * predicted.all_gather,
-                "stage {stage}"
+                "{model}: stage {stage}"
             );
         }
+        if model != "gpt2-tiny" {
+            continue;
+        }
+        // GPT-2's traffic in closed form, independently of the model's own arithmetic.
         let units = scheduler::model::Units::new(&scheduler::model::Preset::Tiny.shape(), 4);
         let pass = |elems: usize| elems as u64 * 3 / 4 * 4; // Ψ(N−1)/N fp32 elements
         let passes = if stage == 3 {
@@ -223,14 +245,16 @@ fn norm_relative(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 fn resuming_on_another_world_size_and_stage_reshards_and_continues() {
-    // (world, stage, micro-batch) before and after; the batch per step stays 8 sequences.
-    for (before, after) in [
+    // (world, stage, micro-batch) before and after; the batch per step stays 8 sequences. The
+    // models take turns.
+    let moves = [
         ((4, 2, 2), (2, 1, 4)),
         ((2, 3, 4), (8, 0, 1)),
         ((4, 1, 2), (1, 3, 8)),
-    ] {
+    ];
+    for ((before, after), model) in moves.into_iter().zip(MODELS.into_iter().cycle()) {
         let with_checkpoints = |(n, s, m): (usize, u8, usize)| {
-            job(n, s, m, r#", "checkpoint": {"every_steps": 4}"#)
+            job_of(model, n, s, m, r#", "checkpoint": {"every_steps": 4}"#)
                 .replace("\"steps\": 5", "\"steps\": 10")
         };
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

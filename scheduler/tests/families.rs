@@ -1,6 +1,6 @@
 //! Model families: Hugging Face `config.json`s read as transformers reads them (parameter counts
 //! against transformers' own, in `tests/reference/hf_configs/parameters.json`), the Llama
-//! presets, what `model.config` refuses and where, the estimate-only refusal for training, and
+//! presets, what `model.config` refuses and where, and
 //! the memory model of the Llama family (model states, untied head, stage-3 gathers,
 //! activations).
 
@@ -100,7 +100,6 @@ fn presets_are_the_published_configs() {
     }
     let gpt2 = read(reference("gpt2.json")).unwrap();
     assert_eq!(gpt2, ModelShape::Gpt2(Preset::Gpt2Small.shape()));
-    assert!(gpt2.trainable());
 }
 
 #[test]
@@ -314,24 +313,13 @@ fn a_sliding_window_shorter_than_the_sequence_is_refused() {
 }
 
 #[test]
-fn llama_family_specs_are_estimate_only_until_the_trainer_learns_them() {
-    for (model, field) in [
-        (json!({"preset": "llama-tiny"}), "model.preset"),
-        (
-            json!({"config": reference("smollm2-135M.json")}),
-            "model.config.model_type",
-        ),
+fn llama_family_specs_train_and_a_gpt2_config_trains_as_its_preset() {
+    for model in [
+        json!({"preset": "llama-tiny"}),
+        json!({"config": reference("smollm2-135M.json")}),
     ] {
         let spec = json!({"model": model});
-        assert!(JobSpec::parse(&spec.to_string(), Purpose::Estimate).is_ok());
-        let errors = refusal(spec, Purpose::Train);
-        assert_eq!(errors.len(), 1, "{errors:?}");
-        assert_eq!(errors[0].field, field);
-        assert!(
-            errors[0].reason.contains("estimate-only"),
-            "{}",
-            errors[0].reason
-        );
+        assert!(JobSpec::parse(&spec.to_string(), Purpose::Train).is_ok());
     }
     // A GPT-2 config trains as the same shape given as a preset does.
     let spec = json!({"model": {"config": reference("gpt2.json")}});

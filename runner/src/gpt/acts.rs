@@ -1,12 +1,12 @@
 //! The activations and buffers of one micro-batch, allocated exactly as
 //! `scheduler::model::ActivationTensor` describes them, so the memory model counts them.
 
-use scheduler::memory::{Category, DeviceKind};
-use scheduler::model::{ActivationTensor as A, GptShape, MATMUL_SCRATCH_F32};
+use scheduler::model::{ActivationTensor as A, GptShape};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
-use crate::device::{Device, Elem, Num};
+use crate::device::{Device, Num};
+use crate::model::Alloc;
 
 /// What one block's forward keeps for its backward (its output is in `Acts::res3`).
 pub struct BlockActs<X, D: Device> {
@@ -48,30 +48,6 @@ pub struct Acts<X, D: Device> {
     pub matmul_scratch: Buffer<f32, D>,
 }
 
-struct Alloc<'a, D> {
-    dev: &'a D,
-    acct: &'a Accountant,
-    shape: &'a GptShape,
-    b: usize,
-    t: usize,
-}
-
-impl<D: Device> Alloc<'_, D> {
-    fn take<T: Elem>(&self, tensor: A, compute_bytes: usize) -> Result<Buffer<T, D>, Error> {
-        debug_assert_eq!(
-            size_of::<T>() as u64,
-            tensor.element().bytes(compute_bytes as u64)
-        );
-        let category = if tensor.is_buffer() {
-            Category::Buffers
-        } else {
-            Category::Activations
-        };
-        self.acct
-            .alloc_on(self.dev, category, tensor.len(self.shape, self.b, self.t))
-    }
-}
-
 impl<X: Num, D: Device> Acts<X, D> {
     pub fn new(
         dev: &D,
@@ -81,57 +57,44 @@ impl<X: Num, D: Device> Acts<X, D> {
         t: usize,
         checkpointing: bool,
     ) -> Result<Acts<X, D>, Error> {
-        let a = Alloc {
-            dev,
-            acct,
-            shape,
-            b,
-            t,
-        };
-        let x = X::BYTES;
+        let a = Alloc::<D, GptShape, X>::new(dev, acct, shape, b, t);
         let saved = if checkpointing { 1 } else { shape.n_layer };
         let blocks = (0..saved)
             .map(|_| {
                 Ok(BlockActs {
-                    ln1: a.take(A::Ln1, x)?,
-                    ln1_mean: a.take(A::Ln1Mean, x)?,
-                    ln1_rstd: a.take(A::Ln1Rstd, x)?,
-                    qkv: a.take(A::Qkv, x)?,
-                    att: a.take(A::Att, x)?,
-                    atty: a.take(A::AttY, x)?,
-                    res2: a.take(A::Res2, x)?,
-                    ln2: a.take(A::Ln2, x)?,
-                    ln2_mean: a.take(A::Ln2Mean, x)?,
-                    ln2_rstd: a.take(A::Ln2Rstd, x)?,
-                    fch: a.take(A::Fch, x)?,
-                    fch_gelu: a.take(A::FchGelu, x)?,
+                    ln1: a.take(A::Ln1)?,
+                    ln1_mean: a.take(A::Ln1Mean)?,
+                    ln1_rstd: a.take(A::Ln1Rstd)?,
+                    qkv: a.take(A::Qkv)?,
+                    att: a.take(A::Att)?,
+                    atty: a.take(A::AttY)?,
+                    res2: a.take(A::Res2)?,
+                    ln2: a.take(A::Ln2)?,
+                    ln2_mean: a.take(A::Ln2Mean)?,
+                    ln2_rstd: a.take(A::Ln2Rstd)?,
+                    fch: a.take(A::Fch)?,
+                    fch_gelu: a.take(A::FchGelu)?,
                 })
             })
             .collect::<Result<_, Error>>()?;
-        // Only the CPU's GEMMs widen 16-bit tiles (scheduler::memory::rank_breakdown_on).
-        let scratch = if X::as_f32(&[]).is_some() || D::KIND != DeviceKind::Cpu {
-            0
-        } else {
-            MATMUL_SCRATCH_F32
-        };
         Ok(Acts {
-            encoded: a.take(A::Encoded, x)?,
+            encoded: a.take(A::Encoded)?,
             blocks,
             res3: (0..shape.n_layer)
-                .map(|_| a.take(A::Res3, x))
+                .map(|_| a.take(A::Res3))
                 .collect::<Result<_, Error>>()?,
-            lnf: a.take(A::Lnf, x)?,
-            lnf_mean: a.take(A::LnfMean, x)?,
-            lnf_rstd: a.take(A::LnfRstd, x)?,
-            dres: a.take(A::DResidual, x)?,
-            dchan: a.take(A::DChannels, x)?,
-            dwide: a.take(A::DWide, x)?,
-            datt: a.take(A::DAtt, x)?,
-            logits: a.take(A::Logits, x)?,
-            losses: a.take(A::Losses, x)?,
-            inputs: a.take(A::Inputs, x)?,
-            targets: a.take(A::Targets, x)?,
-            matmul_scratch: acct.alloc_on(dev, Category::Buffers, scratch)?,
+            lnf: a.take(A::Lnf)?,
+            lnf_mean: a.take(A::LnfMean)?,
+            lnf_rstd: a.take(A::LnfRstd)?,
+            dres: a.take(A::DResidual)?,
+            dchan: a.take(A::DChannels)?,
+            dwide: a.take(A::DWide)?,
+            datt: a.take(A::DAtt)?,
+            logits: a.take(A::Logits)?,
+            losses: a.take(A::Losses)?,
+            inputs: a.take(A::Inputs)?,
+            targets: a.take(A::Targets)?,
+            matmul_scratch: a.matmul_scratch()?,
         })
     }
 }

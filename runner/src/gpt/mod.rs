@@ -5,11 +5,36 @@ mod acts;
 mod pass;
 
 pub use acts::{Acts, BlockActs};
-pub use pass::{block_backward, block_forward, embed_backward, embed_forward, head};
 
 use scheduler::model::{GptShape, TensorKind};
 
-use crate::device::{Device, split, split_mut};
+use crate::Error;
+use crate::accounting::Accountant;
+use crate::device::{Device, Num, split, split_mut};
+
+/// A GPT-2 model's passes over one micro-batch's activations (`pass.rs`).
+pub struct Model<X: Num, D: Device> {
+    pub shape: GptShape,
+    pub dims: BatchDims,
+    pub acts: Acts<X, D>,
+}
+
+impl<X: Num, D: Device> Model<X, D> {
+    pub fn new(
+        dev: &D,
+        acct: &Accountant,
+        shape: &GptShape,
+        b: usize,
+        t: usize,
+        checkpointing: bool,
+    ) -> Result<Self, Error> {
+        Ok(Model {
+            shape: *shape,
+            dims: BatchDims::new(shape, b, t),
+            acts: Acts::new(dev, acct, shape, b, t, checkpointing)?,
+        })
+    }
+}
 
 /// Sizes of one micro-batch of one model: B, T, C, NH, V, L.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,12 +65,7 @@ impl BatchDims {
     }
 
     pub(crate) fn attention(&self) -> kernels::attention::AttentionDims {
-        kernels::attention::AttentionDims {
-            b: self.b,
-            t: self.t,
-            c: self.c,
-            nh: self.nh,
-        }
+        kernels::attention::AttentionDims::mha(self.b, self.t, self.c, self.nh)
     }
 }
 

@@ -3,51 +3,40 @@
 //! gradients of successive micro-batches add up; `dres` carries ∂loss/∂(residual stream) down
 //! the blocks.
 
-use kernels::matmul::Layout;
-use scheduler::model::GptShape;
+use kernels::matmul::{DinpMode, Layout};
 
-use super::{
-    Acts, BatchDims, Block, BlockActs, embeddings, embeddings_mut, final_norm, final_norm_mut,
-};
+use super::{BlockActs, Model, block, block_mut, embeddings, embeddings_mut, final_norm, final_norm_mut};
 use crate::Error;
 use crate::device::{Device, Num};
 
+impl<X: Num, D: Device> Model<X, D> {
+
 /// `encoded = wte[inputs] + wpe[0..T]`.
-pub fn embed_forward<D: Device, X: Num>(
-    dev: &D,
-    emb: D::View<'_, X>,
-    shape: &GptShape,
-    d: &BatchDims,
-    acts: &mut Acts<X, D>,
-) -> Result<(), Error> {
-    let [wte, wpe] = embeddings::<D, X>(emb, shape);
+pub fn embed_forward(&mut self, dev: &D, emb: D::View<'_, X>) -> Result<(), Error> {
+    let (d, acts) = (&self.dims, &mut self.acts);
+    let [wte, wpe] = embeddings::<D, X>(emb, &self.shape);
     let out = acts.encoded.view_mut();
-    dev.encoder_forward(out, acts.inputs.view(), wte, wpe, d.t, d.c)
+    dev.encoder_forward(out, acts.inputs.view(), wte, Some(wpe), d.t, d.c)
 }
 
 /// Adds ∂loss/∂wte and ∂loss/∂wpe from `dres` (∂loss/∂encoded) into the embeddings' gradient.
-pub fn embed_backward<D: Device, X: Num>(
-    dev: &D,
-    demb: D::ViewMut<'_, X>,
-    shape: &GptShape,
-    d: &BatchDims,
-    acts: &Acts<X, D>,
-) -> Result<(), Error> {
-    let [dwte, dwpe] = embeddings_mut::<D, X>(demb, shape);
+pub fn embed_backward(&self, dev: &D, demb: D::ViewMut<'_, X>) -> Result<(), Error> {
+    let (d, acts) = (&self.dims, &self.acts);
+    let [dwte, dwpe] = embeddings_mut::<D, X>(demb, &self.shape);
     let (dres, inputs) = (acts.dres.view(), acts.inputs.view());
-    dev.encoder_backward(dwte, dwpe, dres, inputs, d.t, d.c)
+    dev.encoder_backward(dwte, Some(dwpe), dres, inputs, d.t, d.c)
 }
 
 /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`, saving
 /// what backward needs in `acts.blocks[slot]`.
-pub fn block_forward<D: Device, X: Num>(
+pub fn block_forward(
+    &mut self,
     dev: &D,
-    p: &Block<D::View<'_, X>>,
-    acts: &mut Acts<X, D>,
+    unit: D::View<'_, X>,
     l: usize,
     slot: usize,
-    d: &BatchDims,
 ) -> Result<(), Error> {
+    let (p, d, acts) = (block::<D, X>(unit, &self.shape), &self.dims, &mut self.acts);
     let (n, c) = (d.tokens(), d.c);
     let (before, from_l) = acts.res3.split_at_mut(l);
     let input = if l == 0 {
@@ -123,15 +112,16 @@ pub fn block_forward<D: Device, X: Num>(
 
 /// Backward of block `l`: `dres` holds ∂loss/∂res3[l] on entry and ∂loss/∂(block input) on
 /// exit; the block's parameter gradients are added into `g`.
-pub fn block_backward<D: Device, X: Num>(
+pub fn block_backward(
+    &mut self,
     dev: &D,
-    p: &Block<D::View<'_, X>>,
-    g: Block<D::ViewMut<'_, X>>,
-    acts: &mut Acts<X, D>,
+    unit: D::View<'_, X>,
+    grad: D::ViewMut<'_, X>,
     l: usize,
     slot: usize,
-    d: &BatchDims,
 ) -> Result<(), Error> {
+    let (p, g) = (block::<D, X>(unit, &self.shape), block_mut::<D, X>(grad, &self.shape));
+    let (d, acts) = (&self.dims, &mut self.acts);
     let (n, c) = (d.tokens(), d.c);
     let input = if l == 0 {
         acts.encoded.view()
@@ -151,6 +141,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.fcproj_w),
         Layout::KN,
         (n, 4 * c, c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.gelu_backward(dwide.view_mut(), a.fch.view())?;
@@ -163,6 +154,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.fc_w),
         Layout::KN,
         (n, c, 4 * c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.layernorm_backward(
@@ -185,6 +177,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.proj_w),
         Layout::KN,
         (n, c, c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     let dqkv = 0..n * 3 * c;
@@ -205,6 +198,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.attn_w),
         Layout::KN,
         (n, c, 3 * c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.layernorm_backward(
@@ -219,33 +213,30 @@ pub fn block_backward<D: Device, X: Num>(
     )
 }
 
-/// The final LayerNorm, the tied LM head and the cross-entropy, forward and backward at once:
-/// returns the micro-batch's mean loss, leaves ∂loss/∂(last block output) in `dres`, and adds
-/// into the final norm's gradient `dnorm` and wte's part of `demb`. `dloss` is the gradient of
-/// the loss each token contributes (the loss scale over the tokens averaged).
-#[allow(clippy::too_many_arguments)]
-pub fn head<D: Device, X: Num>(
+/// The final LayerNorm, the tied LM head and the cross-entropy, forward and backward through
+/// the head: returns the micro-batch's mean loss, leaves ∂loss/∂lnf in `dchan` and adds wte's
+/// gradient into `dhead` (the embeddings unit's). `dloss` is the gradient of the loss each
+/// token contributes (the loss scale over the tokens averaged).
+pub fn loss(
+    &mut self,
     dev: &D,
     norm: D::View<'_, X>,
-    emb: D::View<'_, X>,
-    dnorm: D::ViewMut<'_, X>,
-    demb: D::ViewMut<'_, X>,
-    acts: &mut Acts<X, D>,
-    shape: &GptShape,
-    d: &BatchDims,
+    head: D::View<'_, X>,
+    dhead: D::ViewMut<'_, X>,
     dloss: f32,
 ) -> Result<f64, Error> {
+    let (d, acts) = (&self.dims, &mut self.acts);
     let (n, c, v) = (d.tokens(), d.c, d.v);
     let input = acts.res3[d.l - 1].view();
-    let [w, b] = final_norm::<D, X>(norm, shape);
-    let [wte, _] = embeddings::<D, X>(emb, shape);
+    let [w, b] = final_norm::<D, X>(norm, &self.shape);
+    let [wte, _] = embeddings::<D, X>(head, &self.shape);
     let mm = &mut acts.matmul_scratch;
     dev.layernorm_forward(
         acts.lnf.view_mut(),
         acts.lnf_mean.view_mut(),
         acts.lnf_rstd.view_mut(),
-        D::share(&input),
-        D::share(&w),
+        input,
+        w,
         b,
     )?;
     dev.matmul_forward(
@@ -264,10 +255,9 @@ pub fn head<D: Device, X: Num>(
         v,
         Some(dloss),
     )?;
-    let [dwte, _] = embeddings_mut::<D, X>(demb, shape);
-    let dlnf = &mut acts.dchan;
+    let [dwte, _] = embeddings_mut::<D, X>(dhead, &self.shape);
     dev.matmul_backward(
-        dlnf.view_mut(),
+        acts.dchan.view_mut(),
         dwte,
         None,
         acts.logits.view(),
@@ -275,20 +265,34 @@ pub fn head<D: Device, X: Num>(
         wte,
         Layout::NK,
         (n, c, v),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
+    let losses = dev.to_host(acts.losses.view())?;
+    Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+}
+
+/// Back through the final LayerNorm: `dres` becomes ∂loss/∂(last block output) and the norm's
+/// gradient is added into `dnorm`.
+pub fn norm_backward(
+    &mut self,
+    dev: &D,
+    norm: D::View<'_, X>,
+    dnorm: D::ViewMut<'_, X>,
+) -> Result<(), Error> {
+    let (d, acts) = (&self.dims, &mut self.acts);
+    let [w, _] = final_norm::<D, X>(norm, &self.shape);
+    let [dw, db] = final_norm_mut::<D, X>(dnorm, &self.shape);
     dev.fill_zero(acts.dres.view_mut())?;
-    let [dw, db] = final_norm_mut::<D, X>(dnorm, shape);
     dev.layernorm_backward(
         acts.dres.view_mut(),
         dw,
         db,
-        dlnf.view(),
-        input,
+        acts.dchan.view(),
+        acts.res3[d.l - 1].view(),
         w,
         acts.lnf_mean.view(),
         acts.lnf_rstd.view(),
-    )?;
-    let losses = dev.to_host(acts.losses.view())?;
-    Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+    )
+}
 }

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use kernels::optim::{self as k, LIMBS};
 use scheduler::memory::Category;
-use scheduler::model::{TensorDims, Unit};
+use scheduler::model::{ModelTensor, TensorDims, Unit};
 use scheduler::spec::AdaFactor;
 
 use super::{Slices, Step, f32s, pieces};
@@ -43,7 +43,7 @@ impl<D: Device> Adafactor<D> {
     pub(super) fn new(
         dev: &D,
         hp: AdaFactor,
-        held: &[(&Unit, Range<usize>)],
+        held: &[(&Unit<ModelTensor>, Range<usize>)],
         acct: &Accountant,
     ) -> Result<Adafactor<D>, Error> {
         let f32s = |n: usize| acct.alloc_on::<D, f32>(dev, Category::Optimizer, n);

@@ -41,7 +41,7 @@ pub(crate) struct ShardLayout {
 }
 
 impl ShardLayout {
-    pub(crate) fn new(stage: ZeroStage, units: &Units, rank: usize) -> ShardLayout {
+    pub(crate) fn new<K>(stage: ZeroStage, units: &Units<K>, rank: usize) -> ShardLayout {
         let sharded = Part::ALL.map(|p| p.sharded_at(stage));
         let held = units
             .iter()

@@ -11,15 +11,15 @@
 //!   before its backward.
 
 use scheduler::memory::{self, Category, Setup};
-use scheduler::model::{GptShape, Units};
+use scheduler::model::{ModelShape, ModelTensor, Units};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::comm::{Collective, Communicator, DeviceCollectives, Summable};
 use crate::data::DataLoader;
 use crate::device::{Cpu, Device, Elem, Num};
-use crate::gpt::{self, Acts, BatchDims};
 use crate::loss_scale::LossScaler;
+use crate::model::Passes;
 use crate::optimizer::{OptimizerState, Slices, Step};
 
 mod layout;
@@ -28,8 +28,61 @@ mod weights;
 
 use layout::{Part, ShardLayout};
 
-/// Index of the embeddings unit; block `l` is unit `l + 1`, the final norm unit `L + 1`.
+/// Index of the embeddings unit; block `l` is unit `l + 1`, the final norm unit `L + 1` and
+/// an untied LM head unit `L + 2`.
 const EMB: usize = 0;
+
+/// Unit-sized device buffers: one for the pinned embeddings (a tied LM head keeps them from
+/// the first operation of a step to its last) and some taken in turn by the other units.
+struct Slots<X, D: Device> {
+    pinned: Option<Buffer<X, D>>,
+    streamed: Vec<Buffer<X, D>>,
+}
+
+impl<X, D: Device> Slots<X, D> {
+    fn new(
+        dev: &D,
+        acct: &Accountant,
+        units: &Units<ModelTensor>,
+        streamed: usize,
+    ) -> Result<Self, Error>
+    where
+        X: Elem,
+    {
+        let pinned = match units.pinned_padded_len() {
+            0 => None,
+            len => Some(acct.alloc_on(dev, Category::Buffers, len)?),
+        };
+        let len = units.largest_streamed_padded_len();
+        Ok(Slots {
+            pinned,
+            streamed: (0..streamed)
+                .map(|_| acct.alloc_on(dev, Category::Buffers, len))
+                .collect::<Result<_, Error>>()?,
+        })
+    }
+
+    fn slot_index(&self, u: usize) -> Option<usize> {
+        match &self.pinned {
+            Some(_) if u == EMB => None,
+            _ => Some(u % self.streamed.len()),
+        }
+    }
+
+    fn get(&self, u: usize) -> &Buffer<X, D> {
+        match self.slot_index(u) {
+            None => self.pinned.as_ref().expect("pinned slot"),
+            Some(i) => &self.streamed[i],
+        }
+    }
+
+    fn get_mut(&mut self, u: usize) -> &mut Buffer<X, D> {
+        match self.slot_index(u) {
+            None => self.pinned.as_mut().expect("pinned slot"),
+            Some(i) => &mut self.streamed[i],
+        }
+    }
+}
 
 /// The model's buffers on this rank.
 struct Buffers<X, D: Device> {
@@ -37,35 +90,36 @@ struct Buffers<X, D: Device> {
     params: Vec<Buffer<X, D>>,
     /// Per unit: the elements the layout holds of `Part::Grads`.
     grads: Vec<Buffer<X, D>>,
-    /// Stages 2-3: the full gradient of the embeddings and of the other unit in backward.
-    unit_grads: Option<[Buffer<X, D>; 2]>,
-    /// Stage 3: the gathered embeddings and two block-sized units (alternating).
-    gathered: Option<[Buffer<X, D>; 3]>,
+    /// Stages 2-3: the full gradient of the unit in backward (and of pinned embeddings).
+    unit_grads: Option<Slots<X, D>>,
+    /// Stage 3: the gathered units (pinned embeddings, and two slots that alternate so the
+    /// next unit's gather can run while one computes).
+    gathered: Option<Slots<X, D>>,
 }
 
-impl<X, D: Device> Buffers<X, D> {
-    fn gathered_slot(u: usize) -> usize {
-        if u == EMB { 0 } else { 1 + u % 2 }
+/// Unit `u`'s whole parameters (`len` elements; gathered first at stage 3).
+fn param<'a, X, D: Device>(
+    gathered: &'a Option<Slots<X, D>>,
+    params: &'a [Buffer<X, D>],
+    u: usize,
+    len: usize,
+) -> D::View<'a, X> {
+    match gathered {
+        Some(g) => g.get(u).at(0..len),
+        None => params[u].view(),
     }
+}
 
-    fn grad_slot(u: usize) -> usize {
-        usize::from(u != EMB)
-    }
-
-    /// Unit `u`'s whole parameters (gathered first at stage 3).
-    fn param(&self, u: usize, len: usize) -> D::View<'_, X> {
-        match &self.gathered {
-            Some(g) => g[Self::gathered_slot(u)].at(0..len),
-            None => self.params[u].view(),
-        }
-    }
-
-    /// Where backward adds unit `u`'s whole gradient.
-    fn grad(&mut self, u: usize) -> D::ViewMut<'_, X> {
-        match &mut self.unit_grads {
-            Some(g) => g[Self::grad_slot(u)].view_mut(),
-            None => self.grads[u].view_mut(),
-        }
+/// Where backward adds unit `u`'s whole gradient (`len` elements).
+fn grad<'a, X, D: Device>(
+    unit_grads: &'a mut Option<Slots<X, D>>,
+    grads: &'a mut [Buffer<X, D>],
+    u: usize,
+    len: usize,
+) -> D::ViewMut<'a, X> {
+    match unit_grads {
+        Some(g) => g.get_mut(u).at_mut(0..len),
+        None => grads[u].view_mut(),
     }
 }
 
@@ -84,10 +138,9 @@ pub struct StepReport {
 /// One rank's trainer on device `D`.
 pub struct Engine<X: Num, D: Device = Cpu> {
     dev: D,
-    shape: GptShape,
-    units: Units,
+    model: ModelShape,
+    units: Units<ModelTensor>,
     layout: ShardLayout,
-    dims: BatchDims,
     checkpointing: bool,
     grad_accum: usize,
     /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
@@ -96,7 +149,7 @@ pub struct Engine<X: Num, D: Device = Cpu> {
     /// Mixed precision: fp32 master weights of each unit's `Part::State` range.
     master: Option<Vec<Buffer<f32, D>>>,
     optimizer: OptimizerState<D>,
-    acts: Acts<X, D>,
+    passes: Passes<X, D>,
     comm: Communicator,
     acct: Accountant,
     /// Optimizer updates applied so far (skipped steps do not count, as in PyTorch).
@@ -107,27 +160,28 @@ impl<X: Num + Summable> Engine<X> {
     /// [`Engine::on`] the CPU.
     pub fn new(
         setup: &Setup,
-        shape: GptShape,
+        model: ModelShape,
         seed: u64,
         comm: Communicator,
         acct: Accountant,
     ) -> Result<Engine<X>, Error> {
-        Engine::on(Cpu, setup, shape, seed, comm, acct)
+        Engine::on(Cpu, setup, model, seed, comm, acct)
     }
 }
 
 impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
-    /// Allocates every buffer on `dev` through `acct` and initialises the weights, GPT-2
-    /// style, from `seed`: the same values whatever the device, stage or world size.
+    /// Allocates every buffer on `dev` through `acct` and initialises the weights as the
+    /// model's family does, from `seed`: the same values whatever the device, stage or world
+    /// size.
     pub fn on(
         dev: D,
         setup: &Setup,
-        shape: GptShape,
+        model: ModelShape,
         seed: u64,
         comm: Communicator,
         acct: Accountant,
     ) -> Result<Engine<X, D>, Error> {
-        let units = Units::new(&shape, comm.world_size());
+        let units = model.units(comm.world_size());
         let layout = ShardLayout::new(setup.stage, &units, comm.rank());
         let params = alloc_held(&dev, &acct, &layout, Category::Params, Part::Params)?;
         let grads = alloc_held(&dev, &acct, &layout, Category::Grads, Part::Grads)?;
@@ -149,24 +203,13 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             .map(|(u, unit)| (unit, layout.held(Part::State, u)))
             .collect();
         let optimizer = OptimizerState::new(&dev, setup.optimizer, &held, &acct)?;
-        let (emb, other) = (
-            units.embeddings().padded_len,
-            units.largest_other_padded_len(),
-        );
         let unit_grads = if layout.sharded(Part::Grads) {
-            Some([
-                acct.alloc_on(&dev, Category::Buffers, emb)?,
-                acct.alloc_on(&dev, Category::Buffers, other)?,
-            ])
+            Some(Slots::new(&dev, &acct, &units, 1)?)
         } else {
             None
         };
         let gathered = if layout.sharded(Part::Params) {
-            Some([
-                acct.alloc_on(&dev, Category::Buffers, emb)?,
-                acct.alloc_on(&dev, Category::Buffers, other)?,
-                acct.alloc_on(&dev, Category::Buffers, other)?,
-            ])
+            Some(Slots::new(&dev, &acct, &units, 2)?)
         } else {
             None
         };
@@ -179,14 +222,13 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         if comm.nccl_requested() {
             dev.join_collectives(&mut comm)?;
         }
-        let dims = BatchDims::new(&shape, setup.micro_batch, setup.seq_len);
-        let acts = Acts::new(&dev, &acct, &shape, dims.b, dims.t, setup.checkpointing)?;
+        let (b, t) = (setup.micro_batch, setup.seq_len);
+        let passes = Passes::new(&dev, &acct, &model, b, t, setup.checkpointing)?;
         let mut engine = Engine {
             dev,
-            shape,
+            model,
             units,
             layout,
-            dims,
             checkpointing: setup.checkpointing,
             grad_accum: setup.grad_accum,
             reduces_norm: setup.reduces_norm,
@@ -198,7 +240,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             },
             master,
             optimizer,
-            acts,
+            passes,
             comm,
             acct,
             applied: 0,
@@ -220,8 +262,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         self.comm.rank()
     }
 
-    pub fn dims(&self) -> BatchDims {
-        self.dims
+    /// Tokens of one micro-batch (B·T).
+    pub fn micro_batch_tokens(&self) -> usize {
+        self.passes.tokens()
     }
 
     /// Optimizer updates applied so far.
@@ -244,7 +287,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let Some(gathered) = &mut self.bufs.gathered else {
             return Ok(());
         };
-        let buf = &mut gathered[Buffers::<X, D>::gathered_slot(u)];
+        let buf = gathered.get_mut(u);
         let held = self.layout.held(Part::Params, u);
         self.dev
             .copy(buf.at_mut(held), self.bufs.params[u].view())?;
@@ -261,7 +304,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let Some(unit_grads) = &mut self.bufs.unit_grads else {
             return Ok(());
         };
-        let buf = &mut unit_grads[Buffers::<X, D>::grad_slot(u)];
+        let buf = unit_grads.get_mut(u);
         self.dev.collective(
             &mut self.comm,
             Collective::ReduceScatter,
@@ -309,69 +352,74 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         self.units.iter().nth(u).expect("unit index").padded_len
     }
 
-    /// Forward and backward of the micro-batch in `acts.inputs`/`targets`; returns its loss.
+    /// The final norm's unit.
+    fn norm_unit(&self) -> usize {
+        self.model.summary().layers + 1
+    }
+
+    /// The unit holding the LM head: the embeddings when tied, else its own after the norm.
+    fn head_unit(&self) -> usize {
+        if self.units.tied() {
+            EMB
+        } else {
+            self.norm_unit() + 1
+        }
+    }
+
+    /// Forward and backward of the micro-batch in the passes' inputs and targets; returns its
+    /// loss.
     fn micro_step(&mut self, dloss: f32) -> Result<f64, Error> {
-        let (shape, d, l_n) = (self.shape, self.dims, self.shape.n_layer);
-        let norm = l_n + 1;
+        let (norm, head) = (self.norm_unit(), self.head_unit());
+        let l_n = norm - 1;
         let ckpt = self.checkpointing;
         let slot = move |l: usize| if ckpt { 0 } else { l };
-        // Stage 3 gathers each unit one unit ahead, into the other of the two block slots, so
-        // that on a device with collectives of its own (NCCL) the gather of the next unit runs
-        // while this one computes; the gathers are the same, in the same order.
+        // Stage 3 gathers each unit one unit ahead, into the other of the two streamed slots,
+        // so that on a device with collectives of its own (NCCL) the gather of the next unit
+        // runs while this one computes; the gathers are the same, in the same order.
         self.fetch(EMB)?;
         self.fetch(1)?;
-        let dev = &self.dev;
-        gpt::embed_forward(
-            dev,
-            self.bufs.param(EMB, self.unit_len(EMB)),
-            &shape,
-            &d,
-            &mut self.acts,
-        )?;
+        let len = self.unit_len(EMB);
+        let p = param(&self.bufs.gathered, &self.bufs.params, EMB, len);
+        self.passes.embed_forward(&self.dev, p)?;
         for l in 0..l_n {
-            {
-                let p = gpt::block::<D, X>(self.bufs.param(l + 1, self.unit_len(l + 1)), &shape);
-                gpt::block_forward(&self.dev, &p, &mut self.acts, l, slot(l), &d)?;
-            }
+            let len = self.unit_len(l + 1);
+            let p = param(&self.bufs.gathered, &self.bufs.params, l + 1, len);
+            self.passes.block_forward(&self.dev, p, l, slot(l))?;
             // The next block's, or after the last block the final norm's.
             self.fetch(l + 2)?;
         }
-        self.fetch(EMB)?;
+        // A tied head's embeddings again, or the untied head.
+        self.fetch(head)?;
+        let (norm_len, head_len) = (self.unit_len(norm), self.unit_len(head));
         let loss = {
-            let (norm_len, emb_len) = (self.unit_len(norm), self.unit_len(EMB));
             let Buffers {
                 params,
                 grads,
                 unit_grads,
                 gathered,
             } = &mut self.bufs;
-            let (p_norm, p_emb) = match gathered {
-                Some(g) => (
-                    g[Buffers::<X, D>::gathered_slot(norm)].at(0..norm_len),
-                    g[0].at(0..emb_len),
-                ),
-                None => (params[norm].view(), params[EMB].view()),
-            };
-            let (g_norm, g_emb) = match unit_grads {
-                Some([emb, other]) => (other.view_mut(), emb.view_mut()),
-                None => {
-                    let [g_emb, g_norm] =
-                        grads.get_disjoint_mut([EMB, norm]).expect("distinct units");
-                    (g_norm.view_mut(), g_emb.view_mut())
-                }
-            };
-            gpt::head(
-                &self.dev,
-                p_norm,
-                p_emb,
-                g_norm,
-                g_emb,
-                &mut self.acts,
-                &shape,
-                &d,
-                dloss,
-            )?
+            let (p_norm, p_head) = (
+                param(gathered, params, norm, norm_len),
+                param(gathered, params, head, head_len),
+            );
+            let g_head = grad(unit_grads, grads, head, head_len);
+            self.passes
+                .loss(&self.dev, p_norm, p_head, g_head, dloss)?
         };
+        if head != EMB {
+            self.after_unit_backward(head)?;
+        }
+        {
+            let Buffers {
+                params,
+                grads,
+                unit_grads,
+                gathered,
+            } = &mut self.bufs;
+            let p_norm = param(gathered, params, norm, norm_len);
+            let g_norm = grad(unit_grads, grads, norm, norm_len);
+            self.passes.norm_backward(&self.dev, p_norm, g_norm)?;
+        }
         self.after_unit_backward(norm)?;
         if l_n > 0 {
             self.fetch(l_n)?;
@@ -379,8 +427,8 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         for l in (0..l_n).rev() {
             let len = self.unit_len(l + 1);
             if self.checkpointing {
-                let p = gpt::block::<D, X>(self.bufs.param(l + 1, len), &shape);
-                gpt::block_forward(&self.dev, &p, &mut self.acts, l, 0, &d)?;
+                let p = param(&self.bufs.gathered, &self.bufs.params, l + 1, len);
+                self.passes.block_forward(&self.dev, p, l, 0)?;
             }
             let Buffers {
                 params,
@@ -388,32 +436,24 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                 unit_grads,
                 gathered,
             } = &mut self.bufs;
-            let p = match gathered {
-                Some(g) => g[Buffers::<X, D>::gathered_slot(l + 1)].at(0..len),
-                None => params[l + 1].view(),
-            };
-            let g = match unit_grads {
-                Some([_, other]) => other.at_mut(0..len),
-                None => grads[l + 1].view_mut(),
-            };
-            gpt::block_backward(
-                &self.dev,
-                &gpt::block::<D, X>(p, &shape),
-                gpt::block_mut::<D, X>(g, &shape),
-                &mut self.acts,
-                l,
-                slot(l),
-                &d,
-            )?;
+            let p = param(gathered, params, l + 1, len);
+            let g = grad(unit_grads, grads, l + 1, len);
+            self.passes
+                .block_backward(&self.dev, p, g, l, slot(l))?;
             // Gathered ahead (into the slot of the unit whose backward is done) before this
             // unit's gradient is reduced: on NCCL's stream the gather need not wait for this
-            // block's backward, the reduction must.
+            // block's backward, the reduction must. The embeddings' backward reads no weights.
             if l > 0 {
                 self.fetch(l)?;
             }
             self.after_unit_backward(l + 1)?;
         }
-        gpt::embed_backward(&self.dev, self.bufs.grad(EMB), &shape, &d, &self.acts)?;
+        let len = self.unit_len(EMB);
+        let Buffers {
+            grads, unit_grads, ..
+        } = &mut self.bufs;
+        self.passes
+            .embed_backward(&self.dev, grad(unit_grads, grads, EMB, len))?;
         self.after_unit_backward(EMB)?;
         Ok(loss)
     }
@@ -433,15 +473,15 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             self.dev.fill_zero(g.view_mut())?;
         }
         let scale = scaler.scale();
-        let tokens = self.dims.tokens() * self.grad_accum * self.comm.world_size();
+        let tokens = self.passes.tokens() * self.grad_accum * self.comm.world_size();
         // Each token's loss is divided by the tokens of the whole step on every rank, so the
         // summed gradients are the mean's; the loss scale rides along.
         let dloss = scale / tokens as f32;
         let mut loss = 0.0;
         for _ in 0..self.grad_accum {
-            let (dev, acts) = (&self.dev, &mut self.acts);
-            dev.on_host(acts.inputs.view_mut(), |inputs| {
-                dev.on_host(acts.targets.view_mut(), |targets| {
+            let (dev, (inputs, targets)) = (&self.dev, self.passes.batch_mut());
+            dev.on_host(inputs.view_mut(), |inputs| {
+                dev.on_host(targets.view_mut(), |targets| {
                     data.next_batch(inputs, targets)
                 })
             })???;

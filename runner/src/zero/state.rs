@@ -92,7 +92,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         old_stage: ZeroStage,
     ) -> Result<(), Error> {
         let (units, layout) = (self.units.clone(), self.layout.clone());
-        let old_units = Units::new(&self.shape, old_world);
+        let old_units = self.model.units(old_world);
         let old_layouts: Vec<ShardLayout> = (0..old_world)
             .map(|r| ShardLayout::new(old_stage, &old_units, r))
             .collect();
@@ -113,11 +113,11 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
 
 /// Copies into `tensors` (placed at `targets` in the new layout) every element that one of the
 /// old ranks' files holds.
-fn reshard(
+fn reshard<K>(
     dir: &std::path::Path,
     tensors: &mut [StateTensor<'_>],
     targets: &[Option<(usize, Range<usize>)>],
-    old_units: &Units,
+    old_units: &Units<K>,
     old_layouts: &[ShardLayout],
 ) -> Result<(), Error> {
     for (old_rank, old_layout) in old_layouts.iter().enumerate() {
@@ -147,9 +147,9 @@ fn reshard(
 
 /// Where state tensor `name` lies in one rank's `layout` of `units`: its unit and element
 /// range there, or `None` for state every rank holds whole (Adafactor's factored statistics).
-fn placement(
+fn placement<K>(
     name: &str,
-    units: &Units,
+    units: &Units<K>,
     layout: &ShardLayout,
 ) -> Result<Option<(usize, Range<usize>)>, String> {
     if name.starts_with("adafactor.") {

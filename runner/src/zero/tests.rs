@@ -2,6 +2,9 @@
 
 use super::*;
 use crate::data::{BatchLayout, DataRoots};
+use crate::gpt::{self, BatchDims};
+use crate::llama;
+use scheduler::model::{GptShape, LlamaShape};
 use half::f16;
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
@@ -11,9 +14,9 @@ fn engine<X: Num + Summable>(json: &str, b: usize, seed: u64) -> (Engine<X>, Dat
     let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
     let t = spec.training.seq_len.get() as usize;
     let setup = Setup::new(&spec, ZeroStage::Ddp, false, b as u32, 1);
-    let shape = spec.architecture().gpt().copied().unwrap();
+    let model = spec.architecture().model().unwrap();
     let acct = Accountant::new(None);
-    let e = Engine::<X>::new(&setup, shape, seed, Communicator::solo(), acct.clone()).unwrap();
+    let e = Engine::<X>::new(&setup, model, seed, Communicator::solo(), acct.clone()).unwrap();
     let layout = BatchLayout {
         batch: b,
         seq_len: t,
@@ -21,8 +24,14 @@ fn engine<X: Num + Summable>(json: &str, b: usize, seed: u64) -> (Engine<X>, Dat
         world_size: 1,
     };
     let roots = DataRoots::anywhere();
-    let data = DataLoader::new(&spec.data, &roots, layout, 1, shape.vocab_size, &acct).unwrap();
+    let data = DataLoader::new(&spec.data, &roots, layout, 1, model.vocab_size(), &acct).unwrap();
     (e, data)
+}
+
+/// Loads the engine's next micro-batch from `data`.
+fn next_batch<X: Num + Summable>(e: &mut Engine<X>, data: &mut DataLoader) {
+    let (inputs, targets) = e.passes.batch_mut();
+    data.next_batch(inputs, targets).unwrap();
 }
 
 /// Gradient elements that are zero in fp16 but not in fp32, after one micro-batch whose
@@ -31,11 +40,9 @@ fn underflowed(scale: f32) -> usize {
     let json = r#"{"model": {"preset": "gpt2-tiny"}, "precision": {"dtype": "fp16"}}"#;
     let (mut half, mut d16) = engine::<f16>(json, 8, 1);
     let (mut full, mut d32) = engine::<f32>(json, 8, 1);
-    let tokens = (half.dims.tokens()) as f32;
-    d16.next_batch(&mut half.acts.inputs, &mut half.acts.targets)
-        .unwrap();
-    d32.next_batch(&mut full.acts.inputs, &mut full.acts.targets)
-        .unwrap();
+    let tokens = half.passes.tokens() as f32;
+    next_batch(&mut half, &mut d16);
+    next_batch(&mut full, &mut d32);
     half.micro_step(scale / tokens).unwrap();
     full.micro_step(1.0 / tokens).unwrap();
     let pairs = half.bufs.grads.iter().zip(&full.bufs.grads);
@@ -100,26 +107,92 @@ fn reference_loss(
         / n as f64
 }
 
-#[test]
-fn whole_model_gradients_agree_with_finite_differences_of_an_f64_reference() {
-    let json = r#"{"model": {"vocab_size": 32, "context_length": 16, "n_layer": 2, "n_head": 2, "n_embd": 16},
-                   "training": {"seq_len": 8}}"#;
+/// The loss of the same Llama-family model in f64, from the kernels' reference
+/// implementations (RoPE tables as the trainer's, in f32).
+fn llama_reference_loss(
+    units: &[Vec<f64>],
+    s: &LlamaShape,
+    inputs: &[u32],
+    targets: &[u32],
+    d: llama::Dims,
+) -> f64 {
+    use kernels::attention::AttentionDims;
+    use kernels::matmul::Layout::NK;
+    use kernels::reference as r;
+    use kernels::rope::RopeDims;
+    let (n, c, q, kv, i, v) = (d.tokens(), d.c, d.q(), d.kv_width(), d.i, d.v);
+    let eps = s.rms_norm_eps;
+    let (cos, sin) = llama::rope_tables(&s.rope, d.d, d.t);
+    let (cos, sin): (Vec<f64>, Vec<f64>) = (
+        cos.into_iter().map(f64::from).collect(),
+        sin.into_iter().map(f64::from).collect(),
+    );
+    let rotate = |x: &[f64], heads| {
+        let rd = RopeDims {
+            t: d.t,
+            heads,
+            head_dim: d.d,
+        };
+        r::rope(x, &cos, &sin, rd, false)
+    };
+    let lin = |x: &[f64], w: &[f64], b: Option<&&[f64]>, (k, out): (usize, usize)| {
+        r::matmul_forward(x, w, b.copied(), NK, (n, k, out))
+    };
+    let wte = &units[EMB][..v * c];
+    let mut x: Vec<f64> = inputs
+        .iter()
+        .flat_map(|&t| wte[t as usize * c..][..c].iter().copied())
+        .collect();
+    for l in 0..d.l {
+        let p = llama::block::<Cpu, f64>(&units[l + 1], s);
+        let (h1, _) = r::rmsnorm_forward(&x, p.norm1, eps);
+        let mut qs = lin(&h1, p.q, p.q_bias.as_ref(), (c, q));
+        let mut ks = lin(&h1, p.k, p.k_bias.as_ref(), (c, kv));
+        let vs = lin(&h1, p.v, p.v_bias.as_ref(), (c, kv));
+        if let (Some(qn), Some(kn)) = (p.q_norm, p.k_norm) {
+            qs = r::rmsnorm_forward(&qs, qn, eps).0;
+            ks = r::rmsnorm_forward(&ks, kn, eps).0;
+        }
+        let (qs, ks) = (rotate(&qs, d.h), rotate(&ks, d.kv));
+        let (y, _) = r::gqa_attention_forward(&qs, &ks, &vs, AttentionDims::gqa(d.b, d.t, d.h, d.kv, d.d));
+        let res2 = r::residual_forward(&x, &lin(&y, p.o, p.o_bias.as_ref(), (q, c)));
+        let (h2, _) = r::rmsnorm_forward(&res2, p.norm2, eps);
+        let gate = lin(&h2, p.gate, p.gate_bias.as_ref(), (c, i));
+        let up = lin(&h2, p.up, p.up_bias.as_ref(), (c, i));
+        let mlp = lin(&r::swiglu_forward(&gate, &up), p.down, p.down_bias.as_ref(), (i, c));
+        x = r::residual_forward(&res2, &mlp);
+    }
+    let (hf, _) = r::rmsnorm_forward(&x, &units[d.l + 1][..c], eps);
+    let head = if s.tie_word_embeddings { EMB } else { d.l + 2 };
+    let logits = r::matmul_forward(&hf, &units[head][..v * c], None, NK, (n, c, v));
+    r::crossentropy_forward(&logits, targets, v).iter().sum::<f64>() / n as f64
+}
+
+/// Checks three elements of every tensor's gradient after one micro-batch of `json` against
+/// central finite differences of `reference` (the f64 loss of the engine's parameters, given
+/// its inputs and targets); returns how many it checked.
+fn gradients_agree_with_finite_differences(
+    json: &str,
+    reference: impl Fn(&Passes<f32, Cpu>, &[Vec<f64>], &[u32], &[u32]) -> f64,
+) -> usize {
     let (mut e, mut data) = engine::<f32>(json, 2, 3);
-    let shape = e.shape;
-    data.next_batch(&mut e.acts.inputs, &mut e.acts.targets)
-        .unwrap();
-    let loss = e.micro_step(1.0 / e.dims.tokens() as f32).unwrap();
+    next_batch(&mut e, &mut data);
+    let loss = e.micro_step(1.0 / e.passes.tokens() as f32).unwrap();
     let mut params: Vec<Vec<f64>> = e
         .bufs
         .params
         .iter()
         .map(|p| p.iter().map(|&x| f64::from(x)).collect())
         .collect();
-    let (inputs, targets) = (e.acts.inputs.to_vec(), e.acts.targets.to_vec());
-    let reference = reference_loss(&params, &shape, &inputs, &targets, e.dims);
+    let (inputs, targets) = {
+        let (i, t) = e.passes.batch_mut();
+        (i.to_vec(), t.to_vec())
+    };
+    let f = |params: &[Vec<f64>]| reference(&e.passes, params, &inputs, &targets);
+    let at_start = f(&params);
     assert!(
-        (loss - reference).abs() < 1e-5,
-        "f32 loss {loss} vs f64 reference {reference}"
+        (loss - at_start).abs() < 1e-5,
+        "f32 loss {loss} vs f64 reference {at_start}"
     );
     let (mut checked, mut worst) = (0, 0f64);
     for (u, unit) in e.units.iter().enumerate() {
@@ -129,9 +202,9 @@ fn whole_model_gradients_agree_with_finite_differences_of_an_f64_reference() {
                 let eps = 1e-5;
                 let keep = params[u][i];
                 params[u][i] = keep + eps;
-                let up = reference_loss(&params, &shape, &inputs, &targets, e.dims);
+                let up = f(&params);
                 params[u][i] = keep - eps;
-                let down = reference_loss(&params, &shape, &inputs, &targets, e.dims);
+                let down = f(&params);
                 params[u][i] = keep;
                 let fd = (up - down) / (2.0 * eps);
                 let analytic = f64::from(e.bufs.grads[u][i]);
@@ -148,5 +221,51 @@ fn whole_model_gradients_agree_with_finite_differences_of_an_f64_reference() {
         }
     }
     eprintln!("{checked} gradients checked, worst relative error {worst:.1e}");
+    checked
+}
+
+#[test]
+fn whole_model_gradients_agree_with_finite_differences_of_an_f64_reference() {
+    let json = r#"{"model": {"vocab_size": 32, "context_length": 16, "n_layer": 2, "n_head": 2, "n_embd": 16},
+                   "training": {"seq_len": 8}}"#;
+    let checked = gradients_agree_with_finite_differences(json, |passes, params, inputs, targets| {
+        let Passes::Gpt2(m) = passes else {
+            unreachable!("a GPT-2 spec")
+        };
+        reference_loss(params, &m.shape, inputs, targets, m.dims)
+    });
     assert_eq!(checked, 3 * (2 + 12 * 2 + 2));
+}
+
+#[test]
+fn llama_family_gradients_agree_with_finite_differences_of_an_f64_reference() {
+    // Between them every optional tensor of the family: grouped-query attention, q/k norms and
+    // a head dim that is not C/H, llama3 RoPE scaling, q/k/v/o and MLP biases, tied and untied
+    // heads.
+    let shape = r#""vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0"#;
+    let llama3 = r#""rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8}"#;
+    for config in [
+        format!(
+            r#"{{"model_type": "qwen3", {shape}, "head_dim": 6, "attention_bias": true,
+                "tie_word_embeddings": false, {llama3}}}"#
+        ),
+        format!(
+            r#"{{"model_type": "llama", {shape}, "attention_bias": true, "mlp_bias": true,
+                "tie_word_embeddings": true}}"#
+        ),
+    ] {
+        let json = format!(r#"{{"model": {{"config": {config}}}, "training": {{"seq_len": 8}}}}"#);
+        let spec = JobSpec::parse(&json, Purpose::Train).unwrap().spec;
+        let tensors = spec.architecture().model().unwrap().units(1).tensor_count();
+        let checked = gradients_agree_with_finite_differences(&json, |passes, params, inputs, targets| {
+            let Passes::Llama(m) = passes else {
+                unreachable!("a Llama-family spec")
+            };
+            llama_reference_loss(params, &m.shape, inputs, targets, m.dims)
+        });
+        assert_eq!(checked, 3 * tensors, "{config}");
+    }
 }

@@ -1,12 +1,12 @@
-//! Setting and reading the model's weights: GPT-2's initialisation, Hugging Face weights, and
-//! the fp32 values the export writes.
+//! Setting and reading the model's weights: each family's initialisation, Hugging Face
+//! weights, and the fp32 values the export writes.
 
 use std::ops::Range;
 
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
-use scheduler::model::TensorKind;
+use scheduler::model::TensorInit;
 
 use super::Engine;
 use super::layout::Part;
@@ -39,17 +39,18 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             layout,
             bufs,
             master,
-            acts,
+            passes,
             comm,
             ..
         } = self;
+        let logits = passes.logits_mut();
         let (n, rank) = (comm.world_size(), comm.rank());
         let part = if master.is_some() {
             Part::State
         } else {
             Part::Params
         };
-        let piece = acts.logits.len() / n;
+        let piece = logits.len() / n;
         if layout.sharded(part) && piece == 0 {
             return Err(Error::Untrainable {
                 reason: format!(
@@ -75,7 +76,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             let piece = piece.min(shard);
             for start in (0..shard).step_by(piece) {
                 let len = piece.min(shard - start);
-                let mut pieces = acts.logits.at_mut(0..n * piece);
+                let mut pieces = logits.at_mut(0..n * piece);
                 dev.copy(
                     D::slice_mut(D::reborrow(&mut pieces), rank * piece..rank * piece + len),
                     D::slice(D::reborrow_ref(&weights), start..start + len),
@@ -94,12 +95,10 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         Ok(())
     }
 
-    /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
-    /// biases 0, LayerNorm weights 1. Each tensor draws from its own stream keyed by the seed,
-    /// the unit and the tensor, so the values do not depend on how units are sharded.
+    /// The family's initialisation (`ModelTensor::init`). Each tensor draws from its own
+    /// stream keyed by the seed, the unit and the tensor, so the values do not depend on how
+    /// units are sharded.
     pub(super) fn init_weights(&mut self, seed: u64) -> Result<(), Error> {
-        let std = 0.02;
-        let residual_std = std / (2.0 * self.shape.n_layer as f64).sqrt();
         let units = self.units.clone();
         for (ui, unit) in units.iter().enumerate() {
             for (ti, t) in unit.tensors.iter().enumerate() {
@@ -108,17 +107,11 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                 key[8..16].copy_from_slice(&(ui as u64).to_le_bytes());
                 key[16..24].copy_from_slice(&(ti as u64).to_le_bytes());
                 let mut rng = ChaCha8Rng::from_seed(key);
-                let value: Box<dyn FnMut() -> f32> = match t.kind {
-                    TensorKind::Ln1Weight | TensorKind::Ln2Weight | TensorKind::LnfWeight => {
-                        Box::new(|| 1.0)
-                    }
-                    k if !k.decayed(&self.shape) => Box::new(|| 0.0),
-                    k => {
-                        let s = match k {
-                            TensorKind::AttnProjWeight | TensorKind::FcProjWeight => residual_std,
-                            _ => std,
-                        };
-                        let normal = Normal::new(0.0, s).expect("a positive standard deviation");
+                let value: Box<dyn FnMut() -> f32> = match t.kind.init(&self.model) {
+                    TensorInit::Ones => Box::new(|| 1.0),
+                    TensorInit::Zeros => Box::new(|| 0.0),
+                    TensorInit::Normal { std } => {
+                        let normal = Normal::new(0.0, std).expect("a positive standard deviation");
                         Box::new(move || normal.sample(&mut rng) as f32)
                     }
                 };

@@ -50,13 +50,14 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
     }
     let x = setup.dtype.bytes();
     // The final norm's backward (and an untied LM head's) follows its forward at once (in the
-    // loss head), so stage 3 gathers it once per micro-batch rather than twice.
+    // loss head), and an untied embedding's backward reads no weights, so stage 3 gathers
+    // those once per micro-batch rather than twice.
     let (model_elems, once_gathered, factored, tensors) = match setup.arch.model() {
         Some(model) => {
             let units = model.units(setup.world_size);
             (
                 units.padded_len() as u64,
-                units.loss_head_padded_len() as u64,
+                units.gathered_once_padded_len() as u64,
                 units.factored_len() as u64,
                 units.tensor_count() as u64,
             )

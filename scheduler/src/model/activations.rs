@@ -172,7 +172,7 @@ impl ActivationTensor {
 
 /// What the memory model reads of a family's list of step tensors (`ActivationTensor` for
 /// GPT-2, `LlamaActivation`): each family lists its tensors, this counts them alike.
-pub(crate) trait StepTensors: Copy + PartialEq + 'static {
+pub trait StepTensors: Copy + PartialEq + 'static {
     type Shape;
     /// Saved per block (all of them unless activation checkpointing is on).
     const PER_BLOCK: &'static [Self];

@@ -9,7 +9,7 @@
 //! heads, D = head dim, I = intermediate size, V = vocabulary, L = layers.
 
 use super::activations::{Activations, Element, StepTensors, copies, tally};
-use super::params::{TensorDims, UnitKind, Units};
+use super::params::{TensorDims, TensorInit, UnitKind, Units};
 
 /// Which Hugging Face `model_type` a Llama-family model is: they share the arithmetic below and
 /// differ in which optional tensors they have (`LlamaShape` records those).
@@ -175,6 +175,20 @@ impl LlamaTensor {
         matches!(self.dims(s), TensorDims::Matrix(..))
     }
 
+    /// Hugging Face's initialisation (`initializer_range` 0.02): matrices N(0, 0.02), biases 0,
+    /// norm weights 1.
+    pub fn init(self, s: &LlamaShape) -> TensorInit {
+        match self {
+            Self::InputNorm
+            | Self::PostAttentionNorm
+            | Self::FinalNorm
+            | Self::QNorm
+            | Self::KNorm => TensorInit::Ones,
+            k if !k.decayed(s) => TensorInit::Zeros,
+            _ => TensorInit::Normal { std: 0.02 },
+        }
+    }
+
     /// The full Hugging Face `LlamaForCausalLM` (`Qwen2ForCausalLM`, …) state-dict name.
     pub fn hf_name(self, layer: Option<usize>) -> String {
         let local = match self {
@@ -307,7 +321,8 @@ pub enum LlamaActivation {
     DResidual,
     /// (B, T, max(C, H·D)) gradient of a norm output or of the attention output.
     DChannels,
-    /// (B, T, max(2I, (H + 2KV)·D)) gradients of gate and up, then of q, k and v.
+    /// (B, T, max(2I, (H + 2KV)·D)) gradients of gate and up, then of q, k and v; with q/k
+    /// norms (B, T, max(2I, (2H + 2KV)·D)): also the gradient of the queries before their norm.
     DWide,
     /// (B, H, T, T) fp32 gradient of the attention scores.
     DAtt,
@@ -392,7 +407,7 @@ impl LlamaActivation {
             Self::Gate | Self::Up | Self::Product => tokens * i,
             Self::RopeCos | Self::RopeSin => t * (s.head_dim / 2),
             Self::DChannels => tokens * c.max(q),
-            Self::DWide => tokens * (2 * i).max(q + 2 * kv),
+            Self::DWide => tokens * (2 * i).max(q + 2 * kv + qk_norm * q),
             Self::Logits => tokens * s.vocab_size,
         }
     }

@@ -10,12 +10,14 @@ mod llama;
 mod params;
 
 pub use activations::{
-    ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32, matmul_scratch_bytes,
+    ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32, StepTensors, matmul_scratch_bytes,
 };
 pub use llama::{
     Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
 };
-pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorKind, Unit, UnitKind, Units};
+pub use params::{
+    ParamTensor, SHARD_ALIGN, TensorDims, TensorInit, TensorKind, Unit, UnitKind, Units,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -120,6 +122,35 @@ impl ModelTensor {
     }
 }
 
+impl ModelTensor {
+    /// The tensor's full name in a Hugging Face `*ForCausalLM` state dict (GPT-2's under
+    /// `transformer.`), as an export writes it.
+    pub fn state_dict_name(self, layer: Option<usize>) -> String {
+        match self {
+            ModelTensor::Gpt2(k) => format!("transformer.{}", k.hf_name(layer)),
+            ModelTensor::Llama(k) => k.hf_name(layer),
+        }
+    }
+
+    /// How the tensor starts when a job loads no weights.
+    pub fn init(self, model: &ModelShape) -> TensorInit {
+        match (self, model) {
+            (ModelTensor::Gpt2(k), ModelShape::Gpt2(s)) => k.init(s),
+            (ModelTensor::Llama(k), ModelShape::Llama(s)) => k.init(s),
+            _ => panic!("{self:?} is not a tensor of {model:?}"),
+        }
+    }
+
+    /// Whether weight decay applies (tensors of two dimensions).
+    pub fn decayed(self, model: &ModelShape) -> bool {
+        match (self, model) {
+            (ModelTensor::Gpt2(k), ModelShape::Gpt2(s)) => k.decayed(s),
+            (ModelTensor::Llama(k), ModelShape::Llama(s)) => k.decayed(s),
+            _ => panic!("{self:?} is not a tensor of {model:?}"),
+        }
+    }
+}
+
 /// What the estimate report says of a model: its family and shape.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelSummary {
@@ -197,10 +228,40 @@ impl ModelShape {
         }
     }
 
-    /// Whether zerotrain's trainer runs this family yet (the Llama family is estimate-only
-    /// until the runner learns its passes).
-    pub fn trainable(&self) -> bool {
-        matches!(self, ModelShape::Gpt2(_))
+    /// Whether a tensor named `name` in a Hugging Face weights file of this model is one that
+    /// is not a parameter here and is skipped: GPT-2's causal-mask buffers, older Llama files'
+    /// RoPE `inv_freq`, a tied LM head saved anyway.
+    pub fn ignores_hf_tensor(&self, name: &str) -> bool {
+        let local = name.strip_prefix("transformer.").unwrap_or(name);
+        match self {
+            ModelShape::Gpt2(_) => {
+                local.ends_with("attn.bias")
+                    || local.ends_with("attn.masked_bias")
+                    || name == "lm_head.weight"
+            }
+            ModelShape::Llama(s) => {
+                name.ends_with("rotary_emb.inv_freq")
+                    || (s.tie_word_embeddings && name == "lm_head.weight")
+            }
+        }
+    }
+
+    /// The most a Hugging Face weights file of this model carries beyond its parameters, as
+    /// (values, tensors): the tensors [`ModelShape::ignores_hf_tensor`] skips.
+    pub fn hf_extra(&self) -> (u64, u64) {
+        let s = self.summary();
+        let [v, t, l, c, d] = [
+            s.vocab_size,
+            s.max_positions,
+            s.layers,
+            s.hidden_size,
+            s.head_dim,
+        ]
+        .map(|n| n as u64);
+        match self {
+            ModelShape::Gpt2(_) => (v * c + l * (t * t + 1), 1 + 2 * l),
+            ModelShape::Llama(_) => (v * c + l * (d / 2), 1 + l),
+        }
     }
 
     /// The longest sequence the model takes.

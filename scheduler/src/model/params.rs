@@ -109,6 +109,22 @@ impl TensorKind {
         matches!(self.dims(s), TensorDims::Matrix(..))
     }
 
+    /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
+    /// biases 0, LayerNorm weights 1.
+    pub fn init(self, s: &GptShape) -> TensorInit {
+        let std = 0.02;
+        match self {
+            TensorKind::Ln1Weight | TensorKind::Ln2Weight | TensorKind::LnfWeight => {
+                TensorInit::Ones
+            }
+            k if !k.decayed(s) => TensorInit::Zeros,
+            TensorKind::AttnProjWeight | TensorKind::FcProjWeight => TensorInit::Normal {
+                std: std / (2.0 * s.n_layer as f64).sqrt(),
+            },
+            _ => TensorInit::Normal { std },
+        }
+    }
+
     /// The Hugging Face `GPT2LMHeadModel` state-dict name, without the `transformer.` prefix.
     pub fn hf_name(self, layer: Option<usize>) -> String {
         let local = match self {
@@ -134,6 +150,14 @@ impl TensorKind {
             layer.expect("block tensors belong to a layer")
         )
     }
+}
+
+/// How a tensor starts when a job loads no weights (each family's own initialisation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TensorInit {
+    Zeros,
+    Ones,
+    Normal { std: f64 },
 }
 
 /// Which part of the model a unit holds.
@@ -314,11 +338,13 @@ impl<K> Units<K> {
             .unwrap_or(0)
     }
 
-    /// Elements of the units stage 3 gathers once per micro-batch (`Unit::in_loss_head`).
-    pub fn loss_head_padded_len(&self) -> usize {
+    /// Elements of the units stage 3 gathers once per micro-batch rather than twice: those in
+    /// the loss head (`Unit::in_loss_head`), and untied embeddings, whose backward reads only
+    /// the token ids (a tied embedding is gathered again for the LM head).
+    pub fn gathered_once_padded_len(&self) -> usize {
         self.units
             .iter()
-            .filter(|u| u.in_loss_head())
+            .filter(|u| u.in_loss_head() || (!self.tied && u.kind == UnitKind::Embeddings))
             .map(|u| u.padded_len)
             .sum()
     }

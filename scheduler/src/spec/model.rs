@@ -157,6 +157,27 @@ impl Architecture {
     }
 }
 
+impl ModelSpec {
+    /// The `config.json` an export of this model carries: the job's own when it gave one (its
+    /// dtype set to the export's float32), else the one transformers writes for the shape;
+    /// `None` for a bare parameter count.
+    pub fn hf_config(&self) -> Option<Map<String, Value>> {
+        match &self.source {
+            ModelSource::Config(c) => {
+                let mut raw = c.raw().clone();
+                let key = if raw.contains_key("dtype") {
+                    "dtype"
+                } else {
+                    "torch_dtype"
+                };
+                raw.insert(key.into(), "float32".into());
+                Some(raw)
+            }
+            source => source.architecture().model().map(|m| hf_config::write(&m)),
+        }
+    }
+}
+
 impl ModelSource {
     pub fn architecture(&self) -> Architecture {
         match self {
@@ -194,19 +215,6 @@ impl ModelSpec {
             (Architecture::Gpt(s), _) => validate_shape(&s, p),
             // Read and checked with the config, or a preset.
             (Architecture::Llama(_), _) => {}
-        }
-        if let Some(m) = arch
-            .model()
-            .filter(|m| purpose == Purpose::Train && !m.trainable())
-        {
-            let s = m.summary();
-            p.ensure(false, self.source.field(), || {
-                format!(
-                    "{:?} (the {} family) is estimate-only until zerotrain's trainer supports it: \
-                     POST /v1/estimate and `zerotrain estimate` take it, training does not yet",
-                    s.model_type, s.family
-                )
-            });
         }
         match &self.init_from {
             Some(InitFrom::Path(path)) => {

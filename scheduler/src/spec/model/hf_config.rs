@@ -419,3 +419,86 @@ fn sliding_window(r: &mut Reader, model_type: LlamaType) -> Option<usize> {
     };
     window.filter(|&w| w != usize::MAX)
 }
+
+/// The `config.json` transformers writes for `model` (fp32 weights): what an export carries
+/// when the job gave no config of its own.
+pub(crate) fn write(model: &ModelShape) -> Map<String, Value> {
+    let config = match model {
+        ModelShape::Gpt2(s) => serde_json::json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": s.vocab_size,
+            "n_positions": s.context_length,
+            "n_ctx": s.context_length,
+            "n_embd": s.n_embd,
+            "n_layer": s.n_layer,
+            "n_head": s.n_head,
+            "n_inner": null,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": true,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+            "torch_dtype": "float32"
+        }),
+        ModelShape::Llama(s) => {
+            let architecture = match s.model_type {
+                LlamaType::Llama => "LlamaForCausalLM",
+                LlamaType::Mistral => "MistralForCausalLM",
+                LlamaType::Qwen2 => "Qwen2ForCausalLM",
+                LlamaType::Qwen3 => "Qwen3ForCausalLM",
+            };
+            let rope_scaling = s.rope.llama3.map(|l| {
+                serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": l.factor,
+                    "low_freq_factor": l.low_freq_factor,
+                    "high_freq_factor": l.high_freq_factor,
+                    "original_max_position_embeddings": l.original_max_position_embeddings,
+                })
+            });
+            let mut c = serde_json::json!({
+                "architectures": [architecture],
+                "model_type": s.model_type.name(),
+                "vocab_size": s.vocab_size,
+                "hidden_size": s.hidden_size,
+                "intermediate_size": s.intermediate_size,
+                "num_hidden_layers": s.num_hidden_layers,
+                "num_attention_heads": s.num_attention_heads,
+                "num_key_value_heads": s.num_key_value_heads,
+                "head_dim": s.head_dim,
+                "max_position_embeddings": s.max_position_embeddings,
+                "rms_norm_eps": s.rms_norm_eps,
+                "rope_theta": s.rope.theta,
+                "rope_scaling": rope_scaling,
+                "hidden_act": "silu",
+                "tie_word_embeddings": s.tie_word_embeddings,
+                "initializer_range": 0.02,
+                "torch_dtype": "float32"
+            });
+            let m = c.as_object_mut().expect("an object");
+            match s.model_type {
+                LlamaType::Llama | LlamaType::Mistral => {
+                    m.insert("attention_bias".into(), s.o_bias.into());
+                    m.insert("mlp_bias".into(), s.mlp_bias.into());
+                }
+                LlamaType::Qwen3 => {
+                    m.insert("attention_bias".into(), s.qkv_bias.into());
+                }
+                LlamaType::Qwen2 => {}
+            }
+            if matches!(s.model_type, LlamaType::Mistral | LlamaType::Qwen2 | LlamaType::Qwen3) {
+                m.insert("sliding_window".into(), s.sliding_window.into());
+            }
+            c
+        }
+    };
+    match config {
+        Value::Object(m) => m,
+        _ => unreachable!("configs are objects"),
+    }
+}

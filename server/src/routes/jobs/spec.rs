@@ -109,9 +109,8 @@ fn model() -> serde_json::Value {
         "type": "object",
         "description": "Exactly one of `preset`, `config`, an explicit GPT-2 shape (all five of \
             vocab_size, context_length, n_layer, n_head, n_embd) or, for estimates only, \
-            `params`. Llama-family models (presets other than gpt2-*, or a config of \
-            model_type llama, mistral, qwen2 or qwen3) are estimate-only until the trainer \
-            supports them: `POST /v1/jobs` refuses them with 422",
+            `params` (a bare parameter count cannot be trained). A Hugging Face \
+            `config` may be of model_type gpt2, llama, mistral, qwen2 or qwen3",
         "additionalProperties": false,
         "properties": {
             "preset": {

@@ -1,0 +1,96 @@
+//! Llama-family training throughput on the CPU beside transformers': a SmolLM2-135M-shaped
+//! model (30 layers, C 576, 9 heads over 3 KV heads, MLP 1536, tied 49,152-token head), AdamW,
+//! micro-batch 4, seq 128, fp32 and bf16, on all cores; median step time and tokens/s.
+//!
+//! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows).
+//! With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers, each row
+//! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
+//! the same shape, batch and thread count) in the same run and prints the ratio.
+
+use std::process::Command;
+
+use runner::train::{Options, Progress, run};
+use scheduler::plan::plan_local;
+use scheduler::spec::{JobSpec, Purpose};
+
+mod common;
+
+const B: usize = 4;
+const T: usize = 128;
+const MODEL: &str = "smollm2-135M";
+const WARMUP: usize = 2;
+const MEASURED: usize = 5;
+
+/// zerotrain's median step seconds (and the spread) for `dtype`.
+fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
+    let steps = WARMUP + MEASURED;
+    let json = format!(
+        r#"{{"model": {{"preset": "{MODEL}"}}, "precision": {{"dtype": "{dtype}"}},
+            "optimizer": {{"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "training": {{"micro_batch_size": {B}, "seq_len": {T}, "steps": {steps}}},
+            "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#
+    );
+    let spec = JobSpec::parse(&json, Purpose::Train)
+        .expect("the benchmark spec is valid")
+        .spec;
+    let opts = Options {
+        threads: Some(threads),
+        ..Options::default()
+    };
+    let tokens = (B * T) as f64;
+    let mut seconds = Vec::with_capacity(steps);
+    let mut progress = |p: Progress| seconds.push(tokens / p.tokens_per_second);
+    let plan = plan_local(&spec, None).expect("the bench's specs fit");
+    let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
+    assert!(summary.final_loss.is_finite(), "{dtype}: loss {}", summary.final_loss);
+    seconds.drain(..WARMUP);
+    common::median_min_max(&seconds)
+}
+
+/// transformers' median step seconds for `dtype`, when a Python with torch is named.
+fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
+    let out = Command::new(python)
+        .args([script, "--dtype", dtype, "--threads", &threads.to_string()])
+        .args(["--warmup", &WARMUP.to_string(), "--steps", &MEASURED.to_string()])
+        .output()
+        .expect("ZEROTRAIN_TORCH_PYTHON runs");
+    assert!(
+        out.status.success(),
+        "bench_torch_cpu.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    row["median_step_s"].as_f64().expect("a step time")
+}
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
+    println!("{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after {WARMUP}");
+    println!();
+    println!("| dtype | zerotrain s/step | min–max s | zerotrain tokens/s | transformers tokens/s | × transformers |");
+    println!("|---|---|---|---|---|---|");
+    for dtype in ["fp32", "bf16"] {
+        if !filters.is_empty() && !filters.iter().any(|f| dtype.contains(f.as_str())) {
+            continue;
+        }
+        let (step, lo, hi) = ours(dtype, threads);
+        let tokens = (B * T) as f64;
+        let (torch, ratio) = match &python {
+            Some(py) => {
+                let s = theirs(py, dtype, threads);
+                (format!("{:.1}", tokens / s), format!("{:.2}×", s / step))
+            }
+            None => ("—".into(), "—".into()),
+        };
+        println!(
+            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {torch} | {ratio} |",
+            tokens / step
+        );
+    }
+}

@@ -1,0 +1,330 @@
+//! Forward and backward of each unit for one micro-batch, on any device, in Hugging Face's
+//! `LlamaDecoderLayer` order. Backward kernels add into gradient buffers (`+=`), so gradients
+//! of successive micro-batches add up; `dres` carries ∂loss/∂(residual stream) down the blocks.
+
+use std::ops::Range;
+
+use kernels::matmul::{DinpMode, Layout};
+
+use super::{Model, block, block_mut};
+use crate::Error;
+use crate::accounting::Buffer;
+use crate::device::{Device, Num};
+
+/// `out (M, N) = inp (M, K) · Wᵀ + b` for an `nn.Linear` weight W (N, K).
+fn linear<D: Device, X: Num>(
+    dev: &D,
+    out: D::ViewMut<'_, X>,
+    inp: D::View<'_, X>,
+    (w, b): (&D::View<'_, X>, &Option<D::View<'_, X>>),
+    mkn: (usize, usize, usize),
+    scratch: &mut Buffer<f32, D>,
+) -> Result<(), Error> {
+    let bias = b.as_ref().map(D::share);
+    dev.matmul_forward(out, inp, D::share(w), bias, Layout::NK, mkn, scratch.view_mut())
+}
+
+/// Backward of [`linear`]: `dinp` set or added to (`mode`), `dw` and `db` added to.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward<D: Device, X: Num>(
+    dev: &D,
+    dinp: D::ViewMut<'_, X>,
+    (dw, db): (D::ViewMut<'_, X>, Option<D::ViewMut<'_, X>>),
+    dout: D::View<'_, X>,
+    inp: D::View<'_, X>,
+    w: &D::View<'_, X>,
+    mkn: (usize, usize, usize),
+    mode: DinpMode,
+    scratch: &mut Buffer<f32, D>,
+) -> Result<(), Error> {
+    dev.matmul_backward(
+        dinp,
+        dw,
+        db,
+        dout,
+        inp,
+        D::share(w),
+        Layout::NK,
+        mkn,
+        mode,
+        scratch.view_mut(),
+    )
+}
+
+impl<X: Num, D: Device> Model<X, D> {
+    /// `encoded = embed_tokens[inputs]` (no learned positions: RoPE rotates q and k).
+    pub fn embed_forward(&mut self, dev: &D, emb: D::View<'_, X>) -> Result<(), Error> {
+        let (d, acts) = (self.dims, &mut self.acts);
+        let wte = D::slice(emb, 0..d.v * d.c);
+        let out = acts.encoded.view_mut();
+        dev.encoder_forward(out, acts.inputs.view(), wte, None, d.t, d.c)
+    }
+
+    /// Adds ∂loss/∂embed_tokens from `dres` (∂loss/∂encoded) into the embeddings' gradient.
+    pub fn embed_backward(&self, dev: &D, demb: D::ViewMut<'_, X>) -> Result<(), Error> {
+        let (d, acts) = (self.dims, &self.acts);
+        let dwte = D::slice_mut(demb, 0..d.v * d.c);
+        dev.encoder_backward(dwte, None, acts.dres.view(), acts.inputs.view(), d.t, d.c)
+    }
+
+    /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`,
+    /// saving what backward needs in `acts.blocks[slot]`.
+    pub fn block_forward(
+        &mut self,
+        dev: &D,
+        unit: D::View<'_, X>,
+        l: usize,
+        slot: usize,
+    ) -> Result<(), Error> {
+        let p = block::<D, X>(unit, &self.shape);
+        let (d, acts) = (self.dims, &mut self.acts);
+        let (n, c, q, kv, i) = (d.tokens(), d.c, d.q(), d.kv_width(), d.i);
+        let (before, from_l) = acts.res3.split_at_mut(l);
+        let input = if l == 0 {
+            acts.encoded.view()
+        } else {
+            before[l - 1].view()
+        };
+        let out = &mut from_l[0];
+        let a = &mut acts.blocks[slot];
+        let mm = &mut acts.matmul_scratch;
+        let (cos, sin) = (&acts.rope_cos, &acts.rope_sin);
+        dev.rmsnorm_forward(
+            a.norm1.view_mut(),
+            a.norm1_rstd.view_mut(),
+            D::share(&input),
+            D::share(&p.norm1),
+            d.eps,
+        )?;
+        match (&p.q_norm, &p.k_norm) {
+            (Some(qn), Some(kn)) => {
+                let (x, qw, kw) = (a.norm1.view(), (&p.q, &p.q_bias), (&p.k, &p.k_bias));
+                linear(dev, a.q_pre_norm.view_mut(), D::share(&x), qw, (n, c, q), mm)?;
+                linear(dev, a.k_pre_norm.view_mut(), x, kw, (n, c, kv), mm)?;
+                let (qp, kp) = (a.q_pre_norm.view(), a.k_pre_norm.view());
+                let (qr, kr) = (a.q_norm_rstd.view_mut(), a.k_norm_rstd.view_mut());
+                dev.rmsnorm_forward(a.q.view_mut(), qr, qp, D::share(qn), d.eps)?;
+                dev.rmsnorm_forward(a.k.view_mut(), kr, kp, D::share(kn), d.eps)?;
+            }
+            _ => {
+                let x = a.norm1.view();
+                linear(dev, a.q.view_mut(), D::share(&x), (&p.q, &p.q_bias), (n, c, q), mm)?;
+                linear(dev, a.k.view_mut(), x, (&p.k, &p.k_bias), (n, c, kv), mm)?;
+            }
+        }
+        let vw = (&p.v, &p.v_bias);
+        linear(dev, a.v.view_mut(), a.norm1.view(), vw, (n, c, kv), mm)?;
+        dev.rope_forward(a.q.view_mut(), cos.view(), sin.view(), d.rope(d.h))?;
+        dev.rope_forward(a.k.view_mut(), cos.view(), sin.view(), d.rope(d.kv))?;
+        dev.gqa_attention_forward(
+            a.atty.view_mut(),
+            a.att.view_mut(),
+            a.q.view(),
+            a.k.view(),
+            a.v.view(),
+            d.attention(),
+        )?;
+        let ow = (&p.o, &p.o_bias);
+        linear(dev, a.res2.view_mut(), a.atty.view(), ow, (n, q, c), mm)?;
+        dev.residual_accumulate(a.res2.view_mut(), input)?;
+        dev.rmsnorm_forward(
+            a.norm2.view_mut(),
+            a.norm2_rstd.view_mut(),
+            a.res2.view(),
+            D::share(&p.norm2),
+            d.eps,
+        )?;
+        let x = a.norm2.view();
+        let (gw, uw) = ((&p.gate, &p.gate_bias), (&p.up, &p.up_bias));
+        linear(dev, a.gate.view_mut(), D::share(&x), gw, (n, c, i), mm)?;
+        linear(dev, a.up.view_mut(), x, uw, (n, c, i), mm)?;
+        dev.swiglu_forward(a.product.view_mut(), a.gate.view(), a.up.view())?;
+        let dw = (&p.down, &p.down_bias);
+        linear(dev, out.view_mut(), a.product.view(), dw, (n, i, c), mm)?;
+        dev.residual_accumulate(out.view_mut(), a.res2.view())
+    }
+
+    /// Backward of block `l`: `dres` holds ∂loss/∂res3[l] on entry and ∂loss/∂(block input)
+    /// on exit; the block's parameter gradients are added into `grad`.
+    pub fn block_backward(
+        &mut self,
+        dev: &D,
+        unit: D::View<'_, X>,
+        grad: D::ViewMut<'_, X>,
+        l: usize,
+        slot: usize,
+    ) -> Result<(), Error> {
+        use DinpMode::{Accumulate, Overwrite};
+        let (p, g) = (
+            block::<D, X>(unit, &self.shape),
+            block_mut::<D, X>(grad, &self.shape),
+        );
+        let (d, acts) = (self.dims, &mut self.acts);
+        let (n, c, q, kv, i) = (d.tokens(), d.c, d.q(), d.kv_width(), d.i);
+        let input = if l == 0 {
+            acts.encoded.view()
+        } else {
+            acts.res3[l - 1].view()
+        };
+        let a = &acts.blocks[slot];
+        let (dres, dchan, dwide) = (&mut acts.dres, &mut acts.dchan, &mut acts.dwide);
+        let mm = &mut acts.matmul_scratch;
+        let (cos, sin) = (&acts.rope_cos, &acts.rope_sin);
+        let dx = 0..n * c;
+        // MLP: ∂loss/∂product into the up projection's half of dwide, which SwiGLU's backward
+        // turns, in place, into ∂loss/∂up beside ∂loss/∂gate.
+        let (gate_at, up_at) = (0..n * i, n * i..2 * n * i);
+        let down = (g.down, g.down_bias);
+        let product = a.product.view();
+        let up_grad = dwide.at_mut(up_at.clone());
+        linear_backward(dev, up_grad, down, dres.view(), product, &p.down, (n, i, c), Overwrite, mm)?;
+        let (dgate, dup) = D::split_at_mut(dwide.at_mut(0..2 * n * i), n * i);
+        dev.swiglu_backward(dgate, dup, a.gate.view(), a.up.view())?;
+        let (x, gate, up) = (a.norm2.view(), (g.gate, g.gate_bias), (g.up, g.up_bias));
+        let dgate = dwide.at(gate_at);
+        let mkn = (n, c, i);
+        linear_backward(dev, dchan.at_mut(dx.clone()), gate, dgate, D::share(&x), &p.gate, mkn, Overwrite, mm)?;
+        linear_backward(dev, dchan.at_mut(dx.clone()), up, dwide.at(up_at), x, &p.up, mkn, Accumulate, mm)?;
+        dev.rmsnorm_backward(
+            dres.view_mut(),
+            g.norm2,
+            dchan.at(dx.clone()),
+            a.res2.view(),
+            D::share(&p.norm2),
+            a.norm2_rstd.view(),
+        )?;
+        // Attention; dres now holds ∂loss/∂res2.
+        let o = (g.o, g.o_bias);
+        linear_backward(dev, dchan.at_mut(0..n * q), o, dres.view(), a.atty.view(), &p.o, (n, q, c), Overwrite, mm)?;
+        let (dq_at, dk_at, dv_at) = (0..n * q, n * q..n * (q + kv), n * (q + kv)..n * (q + 2 * kv));
+        let (dq, dkv) = D::split_at_mut(dwide.at_mut(0..n * (q + 2 * kv)), n * q);
+        let (dk, dv) = D::split_at_mut(dkv, n * kv);
+        dev.gqa_attention_backward(
+            dq,
+            dk,
+            dv,
+            acts.datt.view_mut(),
+            dchan.at(0..n * q),
+            a.q.view(),
+            a.k.view(),
+            a.v.view(),
+            a.att.view(),
+            d.attention(),
+        )?;
+        dev.rope_backward(dwide.at_mut(dq_at.clone()), cos.view(), sin.view(), d.rope(d.h))?;
+        dev.rope_backward(dwide.at_mut(dk_at.clone()), cos.view(), sin.view(), d.rope(d.kv))?;
+        let (dq_at, dk_at) = match (&p.q_norm, &p.k_norm, g.q_norm, g.k_norm) {
+            (Some(qn), Some(kn), Some(dqn), Some(dkn)) => {
+                let dqkv = n * (q + 2 * kv);
+                let q_pre: Range<usize> = dqkv..dqkv + n * q;
+                dev.fill_zero(dwide.at_mut(q_pre.clone()))?;
+                // Queries: from dwide's q part into the part after v.
+                let (lo, hi) = D::split_at_mut(dwide.at_mut(0..q_pre.end), dqkv);
+                let dq = D::freeze(D::slice_mut(lo, 0..n * q));
+                let dq_pre = D::slice_mut(hi, 0..n * q);
+                let (qp, qr) = (a.q_pre_norm.view(), a.q_norm_rstd.view());
+                dev.rmsnorm_backward(dq_pre, dqn, dq, qp, D::share(qn), qr)?;
+                // Keys: from dwide's k part into the q part, now free.
+                dev.fill_zero(dwide.at_mut(0..n * kv))?;
+                let (lo, hi) = D::split_at_mut(dwide.at_mut(0..n * (q + kv)), n * q);
+                let (dk_pre, dk) = (D::slice_mut(lo, 0..n * kv), D::freeze(hi));
+                let (kp, kr) = (a.k_pre_norm.view(), a.k_norm_rstd.view());
+                dev.rmsnorm_backward(dk_pre, dkn, dk, kp, D::share(kn), kr)?;
+                (q_pre, 0..n * kv)
+            }
+            _ => (dq_at, dk_at),
+        };
+        let x = a.norm1.view();
+        let (wq, wk, wv) = ((g.q, g.q_bias), (g.k, g.k_bias), (g.v, g.v_bias));
+        let dxq = dchan.at_mut(dx.clone());
+        linear_backward(dev, dxq, wq, dwide.at(dq_at), D::share(&x), &p.q, (n, c, q), Overwrite, mm)?;
+        let dxk = dchan.at_mut(dx.clone());
+        linear_backward(dev, dxk, wk, dwide.at(dk_at), D::share(&x), &p.k, (n, c, kv), Accumulate, mm)?;
+        let dxv = dchan.at_mut(dx.clone());
+        linear_backward(dev, dxv, wv, dwide.at(dv_at), x, &p.v, (n, c, kv), Accumulate, mm)?;
+        dev.rmsnorm_backward(
+            dres.view_mut(),
+            g.norm1,
+            dchan.at(dx),
+            input,
+            D::share(&p.norm1),
+            a.norm1_rstd.view(),
+        )
+    }
+
+    /// The final RMSNorm, the LM head and the cross-entropy, forward and backward through the
+    /// head: returns the micro-batch's mean loss, leaves ∂loss/∂normf in `dchan` and adds the
+    /// head weight's gradient into `dhead`. `head` is the unit holding the (V, C) weight first
+    /// (`embed_tokens` when tied, `lm_head` otherwise).
+    pub fn loss(
+        &mut self,
+        dev: &D,
+        norm: D::View<'_, X>,
+        head: D::View<'_, X>,
+        dhead: D::ViewMut<'_, X>,
+        dloss: f32,
+    ) -> Result<f64, Error> {
+        let (d, acts) = (self.dims, &mut self.acts);
+        let (n, c, v) = (d.tokens(), d.c, d.v);
+        let mm = &mut acts.matmul_scratch;
+        dev.rmsnorm_forward(
+            acts.normf.view_mut(),
+            acts.normf_rstd.view_mut(),
+            acts.res3[d.l - 1].view(),
+            D::slice(norm, 0..c),
+            d.eps,
+        )?;
+        let w = D::slice(head, 0..v * c);
+        dev.matmul_forward(
+            acts.logits.view_mut(),
+            acts.normf.view(),
+            D::share(&w),
+            None,
+            Layout::NK,
+            (n, c, v),
+            mm.view_mut(),
+        )?;
+        dev.crossentropy_forward(
+            acts.losses.view_mut(),
+            acts.logits.view_mut(),
+            acts.targets.view(),
+            v,
+            Some(dloss),
+        )?;
+        dev.matmul_backward(
+            acts.dchan.at_mut(0..n * c),
+            D::slice_mut(dhead, 0..v * c),
+            None,
+            acts.logits.view(),
+            acts.normf.view(),
+            w,
+            Layout::NK,
+            (n, c, v),
+            DinpMode::Overwrite,
+            mm.view_mut(),
+        )?;
+        let losses = dev.to_host(acts.losses.view())?;
+        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+    }
+
+    /// Back through the final RMSNorm: `dres` becomes ∂loss/∂(last block output) and the
+    /// norm's gradient is added into `dnorm`.
+    pub fn norm_backward(
+        &mut self,
+        dev: &D,
+        norm: D::View<'_, X>,
+        dnorm: D::ViewMut<'_, X>,
+    ) -> Result<(), Error> {
+        let (d, acts) = (self.dims, &mut self.acts);
+        let (n, c) = (d.tokens(), d.c);
+        dev.fill_zero(acts.dres.view_mut())?;
+        dev.rmsnorm_backward(
+            acts.dres.view_mut(),
+            D::slice_mut(dnorm, 0..c),
+            acts.dchan.at(0..n * c),
+            acts.res3[d.l - 1].view(),
+            D::slice(norm, 0..c),
+            acts.normf_rstd.view(),
+        )
+    }
+}

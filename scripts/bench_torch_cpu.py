@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""transformers' side of the Llama-family CPU benchmark (`cargo bench -p runner --bench llama`):
+a SmolLM2-135M-shaped `LlamaForCausalLM` (random weights, eager attention), AdamW, B = 4,
+T = 128, synthetic tokens, on this machine's CPU with the threads given; fp32, or bf16 autocast
+over fp32 weights (what zerotrain's bf16 is: bf16 compute, fp32 master weights).
+
+    python bench_torch_cpu.py --dtype fp32|bf16 [--threads N] [--warmup 2] [--steps 5]
+
+Prints one JSON object: {"dtype", "threads", "steps", "median_step_s", "tokens_per_second",
+"torch", "transformers"}. Denormals are flushed, as zerotrain flushes them: without it AdamW's
+state drifts into denormals and a step slows several-fold. Needs torch and transformers (a
+scratch virtual environment; CI never runs it).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+
+B, T = 4, 128
+# SmolLM2-135M (tests/reference/hf_configs/smollm2-135M.json).
+CONFIG = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], required=True)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**CONFIG, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+    )
+    x = torch.randint(0, CONFIG["vocab_size"], (B, T))
+    y = torch.randint(0, CONFIG["vocab_size"], (B, T))
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            logits = model(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, CONFIG["vocab_size"]), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    assert torch.isfinite(loss), "loss is not finite"
+    step = statistics.median(times)
+    print(json.dumps({
+        "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
+        "median_step_s": step, "tokens_per_second": B * T / step,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }))
+
+
+if __name__ == "__main__":
+    main()
