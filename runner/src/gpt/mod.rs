@@ -40,12 +40,7 @@ impl BatchDims {
     }
 
     pub(crate) fn attention(&self) -> kernels::attention::AttentionDims {
-        kernels::attention::AttentionDims {
-            b: self.b,
-            t: self.t,
-            c: self.c,
-            nh: self.nh,
-        }
+        kernels::attention::AttentionDims::mha(self.b, self.t, self.c, self.nh)
     }
 }
 

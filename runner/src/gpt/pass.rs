@@ -3,7 +3,7 @@
 //! gradients of successive micro-batches add up; `dres` carries ∂loss/∂(residual stream) down
 //! the blocks.
 
-use kernels::matmul::Layout;
+use kernels::matmul::{DinpMode, Layout};
 use scheduler::model::GptShape;
 
 use super::{
@@ -22,7 +22,7 @@ pub fn embed_forward<D: Device, X: Num>(
 ) -> Result<(), Error> {
     let [wte, wpe] = embeddings::<D, X>(emb, shape);
     let out = acts.encoded.view_mut();
-    dev.encoder_forward(out, acts.inputs.view(), wte, wpe, d.t, d.c)
+    dev.encoder_forward(out, acts.inputs.view(), wte, Some(wpe), d.t, d.c)
 }
 
 /// Adds ∂loss/∂wte and ∂loss/∂wpe from `dres` (∂loss/∂encoded) into the embeddings' gradient.
@@ -35,7 +35,7 @@ pub fn embed_backward<D: Device, X: Num>(
 ) -> Result<(), Error> {
     let [dwte, dwpe] = embeddings_mut::<D, X>(demb, shape);
     let (dres, inputs) = (acts.dres.view(), acts.inputs.view());
-    dev.encoder_backward(dwte, dwpe, dres, inputs, d.t, d.c)
+    dev.encoder_backward(dwte, Some(dwpe), dres, inputs, d.t, d.c)
 }
 
 /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`, saving
@@ -151,6 +151,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.fcproj_w),
         Layout::KN,
         (n, 4 * c, c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.gelu_backward(dwide.view_mut(), a.fch.view())?;
@@ -163,6 +164,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.fc_w),
         Layout::KN,
         (n, c, 4 * c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.layernorm_backward(
@@ -185,6 +187,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.proj_w),
         Layout::KN,
         (n, c, c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     let dqkv = 0..n * 3 * c;
@@ -205,6 +208,7 @@ pub fn block_backward<D: Device, X: Num>(
         D::share(&p.attn_w),
         Layout::KN,
         (n, c, 3 * c),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.layernorm_backward(
@@ -275,6 +279,7 @@ pub fn head<D: Device, X: Num>(
         wte,
         Layout::NK,
         (n, c, v),
+        DinpMode::Overwrite,
         mm.view_mut(),
     )?;
     dev.fill_zero(acts.dres.view_mut())?;
