@@ -9,7 +9,7 @@ use kernels::crossentropy::crossentropy_forward;
 use kernels::encoder::{encoder_backward, encoder_forward};
 use kernels::gelu::{gelu_backward, gelu_forward};
 use kernels::layernorm::{layernorm_backward, layernorm_forward};
-use kernels::matmul::{Layout, matmul_backward, matmul_forward, scratch_len};
+use kernels::matmul::{DinpMode, Layout, matmul_backward, matmul_forward, scratch_len};
 use kernels::norm::sum_squares;
 use kernels::optim::{AdamW, adamw_step, decay};
 use kernels::residual::residual_accumulate;
@@ -80,12 +80,7 @@ fn layers<X: Float>() -> Vec<Row> {
         2 * L + 1,
         median(|| layernorm_backward(&mut dx, &mut dw, &mut db, &dy, &x, &w, &mean, &rstd)),
     );
-    let d = AttentionDims {
-        b: B,
-        t: T,
-        c: C,
-        nh: NH,
-    };
+    let d = AttentionDims::mha(B, T, C, NH);
     let qkv = fill::<X>(N * 3 * C, 1.0);
     let mut att = vec![X::ZERO; B * NH * T * T];
     row(
@@ -114,13 +109,13 @@ fn layers<X: Float>() -> Vec<Row> {
     row(
         "encoder fwd",
         1,
-        median(|| encoder_forward(&mut out, &tokens, &wte, &wpe, T, C)),
+        median(|| encoder_forward(&mut out, &tokens, &wte, Some(&wpe), T, C)),
     );
     let (mut dwte, mut dwpe) = (vec![X::ZERO; V * C], vec![X::ZERO; 1024 * C]);
     row(
         "encoder bwd",
         1,
-        median(|| encoder_backward(&mut dwte, &mut dwpe, &dy, &tokens, T, C)),
+        median(|| encoder_backward(&mut dwte, Some(&mut dwpe), &dy, &tokens, T, C)),
     );
     let logits0 = fill::<f32>(N * V, 3.0);
     let mut logits = logits0.clone();
@@ -157,6 +152,7 @@ fn layers<X: Float>() -> Vec<Row> {
                         &w,
                         layout,
                         (N, k, n),
+                        DinpMode::Overwrite,
                         &mut scratch,
                     )
                 })
@@ -183,6 +179,7 @@ fn layers<X: Float>() -> Vec<Row> {
                     &w,
                     layout,
                     (N, k, n),
+                    DinpMode::Overwrite,
                     &mut scratch,
                 )
             })

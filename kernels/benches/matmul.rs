@@ -2,7 +2,9 @@
 //! machine's 2048³ sgemm peak. Run: `cargo bench -p kernels --bench matmul`.
 
 use half::{bf16, f16};
-use kernels::matmul::{Layout, matmul_backward, matmul_forward, measure_peak_gflops, scratch_len};
+use kernels::matmul::{
+    DinpMode, Layout, matmul_backward, matmul_forward, measure_peak_gflops, scratch_len,
+};
 use kernels::{Float, cpu};
 use std::time::Instant;
 
@@ -61,6 +63,7 @@ fn bench<X: Float>(k: usize, n: usize, layout: Layout) -> (f64, f64) {
                 &w,
                 layout,
                 (M, k, n),
+                DinpMode::Overwrite,
                 &mut scratch,
             )
         });
@@ -80,6 +83,7 @@ fn bench<X: Float>(k: usize, n: usize, layout: Layout) -> (f64, f64) {
                 &w,
                 layout,
                 (M, k, n),
+                DinpMode::Overwrite,
                 &mut scratch,
             )
         });

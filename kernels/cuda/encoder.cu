@@ -1,6 +1,6 @@
-// Token + position embeddings.
+// Token embeddings, plus position embeddings where the model has them (wpe null: none).
 
-// out (B·T, C) = wte[tokens] + wpe[pos]. A token outside the vocabulary writes NaN rather
+// out (B·T, C) = wte[tokens] (+ wpe[pos]). A token outside the vocabulary writes NaN rather
 // than reading out of bounds.
 template <typename X>
 __device__ void forward(X *out, const unsigned *tokens, const X *wte, const X *wpe, long bt,
@@ -8,8 +8,8 @@ __device__ void forward(X *out, const unsigned *tokens, const X *wte, const X *w
     FOR_INDEX(i, bt * c) {
         long row = i / c, j = i % c;
         unsigned tok = tokens[row];
-        float y = tok < v ? load(wte[tok * c + j]) + load(wpe[(row % t) * c + j])
-                          : __int_as_float(0x7fc00000);
+        float y = __int_as_float(0x7fc00000);
+        if (tok < v) y = wpe ? load(wte[tok * c + j]) + load(wpe[(row % t) * c + j]) : load(wte[tok * c + j]);
         out[i] = store<X>(y);
     }
 }

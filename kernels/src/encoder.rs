@@ -1,29 +1,32 @@
-//! Token + position embeddings.
+//! Token embeddings, plus learned position embeddings where the model has them (GPT-2; Llama
+//! has none: its positions are rotary, `crate::rope`).
 
 use crate::Float;
 use crate::math::BLOCK;
 use crate::par::{SharedMut, for_ranges};
 use rayon::prelude::*;
 
-/// `out (B, T, C) = wte[tokens] + wpe[0..T]`; `tokens (B, T)`, `wte (V, C)`, `wpe (maxT, C)`.
+/// `out (B, T, C) = wte[tokens] (+ wpe[0..T])`; `tokens (B, T)`, `wte (V, C)`, `wpe (maxT, C)`.
 pub fn encoder_forward<X: Float>(
     out: &mut [X],
     tokens: &[u32],
     wte: &[X],
-    wpe: &[X],
+    wpe: Option<&[X]>,
     t: usize,
     c: usize,
 ) {
     assert_eq!(out.len(), tokens.len() * c, "out must be (B, T, C)");
-    assert!(
-        t > 0 && tokens.len().is_multiple_of(t) && wpe.len() >= t * c,
-        "wpe must cover T positions"
-    );
+    check_positions(tokens.len(), t, c, wpe.map(<[X]>::len));
     let v = wte.len() / c;
     out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
         let tok = tokens[i] as usize;
         assert!(tok < v, "token {tok} outside the vocabulary of {v}");
-        let (e, p) = (&wte[tok * c..][..c], &wpe[(i % t) * c..][..c]);
+        let e = &wte[tok * c..][..c];
+        let Some(wpe) = wpe else {
+            o.copy_from_slice(e);
+            return;
+        };
+        let p = &wpe[(i % t) * c..][..c];
         let (mut a, mut b) = ([0f32; BLOCK], [0f32; BLOCK]);
         for ((o, e), p) in o
             .chunks_mut(BLOCK)
@@ -39,30 +42,38 @@ pub fn encoder_forward<X: Float>(
     });
 }
 
-/// Backward: `dwte[v] += Σ dout` over the positions holding token v, `dwpe[t] += Σ_b dout[b, t]`.
+/// Checks `tokens (B, T)` and that `wpe`, when there is one, covers T positions.
+pub(crate) fn check_positions(bt: usize, t: usize, c: usize, wpe: Option<usize>) {
+    assert!(t > 0 && bt.is_multiple_of(t), "tokens must be (B, T)");
+    if let Some(len) = wpe {
+        assert!(len >= t * c, "wpe must cover T positions");
+    }
+}
+
+/// Backward: `dwte[v] += Σ dout` over the positions holding token v and, when the model has
+/// learned positions, `dwpe[t] += Σ_b dout[b, t]`.
 ///
 /// Each row's contributions are summed in f32 in position order and added once. Allocates
 /// one `u32` per token position (to group positions by token), nothing proportional to C.
 pub fn encoder_backward<X: Float>(
     dwte: &mut [X],
-    dwpe: &mut [X],
+    dwpe: Option<&mut [X]>,
     dout: &[X],
     tokens: &[u32],
     t: usize,
     c: usize,
 ) {
     assert_eq!(dout.len(), tokens.len() * c, "dout must be (B, T, C)");
-    assert!(
-        t > 0 && tokens.len().is_multiple_of(t) && dwpe.len() >= t * c,
-        "dwpe must cover T positions"
-    );
+    check_positions(tokens.len(), t, c, dwpe.as_deref().map(<[X]>::len));
     let bt = tokens.len();
-    dwpe[..t * c]
-        .par_chunks_mut(c)
-        .enumerate()
-        .for_each(|(pos, d)| {
-            add_rows(d, (pos..bt).step_by(t), dout, c);
-        });
+    if let Some(dwpe) = dwpe {
+        dwpe[..t * c]
+            .par_chunks_mut(c)
+            .enumerate()
+            .for_each(|(pos, d)| {
+                add_rows(d, (pos..bt).step_by(t), dout, c);
+            });
+    }
     // Positions sorted by (token, position): each token's run is one task writing its own row.
     let mut order: Vec<u32> = (0..bt as u32).collect();
     order.sort_by_key(|&i| tokens[i as usize]);

@@ -1,4 +1,4 @@
-//! Numeric kernels for zerotrain's GPT-2 trainer (CPU back end).
+//! Numeric kernels for zerotrain's GPT-2 and Llama-family trainers (CPU back end).
 //!
 //! Activations live in a compute dtype `X` ([`Float`]: `f32`, `f16`, `bf16`); every kernel
 //! computes in `f32` and rounds once on store (round-to-nearest-even). LayerNorm statistics,
@@ -10,8 +10,8 @@
 //! Kernels run on the caller's current rayon pool (see [`cpu::thread_pool`]) and keep no
 //! allocations between calls.
 //!
-//! Shapes are written `(B, T, C)`: batch, sequence length, channels; `NH` heads of size `hs`,
-//! vocabulary `V`. All tensors are row-major slices.
+//! Shapes are written `(B, T, C)`: batch, sequence length, channels; `NH` heads of size `hs`
+//! (`KV` key/value heads under grouped-query attention), vocabulary `V`. All tensors are row-major slices.
 
 pub mod attention;
 pub mod cpu;
@@ -26,10 +26,14 @@ pub mod layernorm;
 mod math;
 pub mod matmul;
 pub mod norm;
+mod normalization;
 pub mod optim;
 mod par;
 pub mod reference;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
 mod simd;
+pub mod swiglu;
 
 pub use float::Float;

@@ -4,6 +4,7 @@
 
 use crate::attention::AttentionDims;
 use crate::matmul::Layout;
+use crate::rope::RopeDims;
 
 /// `out (B·T, C) = wte[tokens] + wpe[t]`.
 pub fn encoder_forward(tokens: &[u32], wte: &[f64], wpe: &[f64], t: usize, c: usize) -> Vec<f64> {
@@ -130,24 +131,58 @@ pub fn matmul_backward(
 
 /// `(out (B, T, C), att (B, NH, T, T))` from `qkv (B, T, 3C)`.
 pub fn attention_forward(qkv: &[f64], d: AttentionDims) -> (Vec<f64>, Vec<f64>) {
-    let AttentionDims {
-        b: bn,
-        t: tn,
-        c,
-        nh,
-    } = d;
-    let hs = c / nh;
-    let (mut out, mut att) = (vec![0.0; bn * tn * c], vec![0.0; bn * nh * tn * tn]);
-    let at = |b: usize, t: usize, p: usize, h: usize, i: usize| {
-        qkv[(b * tn + t) * 3 * c + p * c + h * hs + i]
-    };
-    for b in 0..bn {
+    let [q, k, v] = unpack(qkv, d.q_width());
+    gqa_attention_forward(&q, &k, &v, d)
+}
+
+/// `dqkv (B, T, 3C)` from `dout (B, T, C)` and the forward's `qkv` and `att`.
+pub fn attention_backward(dout: &[f64], qkv: &[f64], att: &[f64], d: AttentionDims) -> Vec<f64> {
+    let [q, k, v] = unpack(qkv, d.q_width());
+    let (dq, dk, dv) = gqa_attention_backward(dout, &q, &k, &v, att, d);
+    let c = d.q_width();
+    let mut dqkv = Vec::with_capacity(qkv.len());
+    for ((dq, dk), dv) in dq.chunks(c).zip(dk.chunks(c)).zip(dv.chunks(c)) {
+        dqkv.extend([dq, dk, dv].concat());
+    }
+    dqkv
+}
+
+/// q, k and v `(B, T, C)` of a packed `(B, T, 3C)`.
+fn unpack(qkv: &[f64], c: usize) -> [Vec<f64>; 3] {
+    [0, 1, 2].map(|p| {
+        qkv.chunks(3 * c)
+            .flat_map(|row| &row[p * c..(p + 1) * c])
+            .copied()
+            .collect()
+    })
+}
+
+/// Index of element `i` of head `h` at (b, t) in a `(B, T, heads·hs)` tensor.
+fn head_at(d: &AttentionDims, heads: usize, (b, t, h, i): (usize, usize, usize, usize)) -> usize {
+    (b * d.t + t) * heads * d.head_size + h * d.head_size + i
+}
+
+/// `(out (B, T, NH·hs), att (B, NH, T, T))` from `q (B, T, NH·hs)`, `k`, `v (B, T, KV·hs)`;
+/// query head h reads key/value head h / (NH/KV).
+pub fn gqa_attention_forward(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d: AttentionDims,
+) -> (Vec<f64>, Vec<f64>) {
+    let (tn, nh, hs, kv) = (d.t, d.nh, d.head_size, d.kv_heads);
+    let (qi, ki) = (
+        |b, t, h, i| head_at(&d, nh, (b, t, h, i)),
+        |b, t, h, i| head_at(&d, kv, (b, t, h / d.group(), i)),
+    );
+    let (mut out, mut att) = (vec![0.0; q.len()], vec![0.0; d.b * nh * tn * tn]);
+    for b in 0..d.b {
         for h in 0..nh {
             for t in 0..tn {
                 let s: Vec<f64> = (0..=t)
                     .map(|t2| {
                         (0..hs)
-                            .map(|i| at(b, t, 0, h, i) * at(b, t2, 1, h, i))
+                            .map(|i| q[qi(b, t, h, i)] * k[ki(b, t2, h, i)])
                             .sum::<f64>()
                             / (hs as f64).sqrt()
                     })
@@ -159,7 +194,7 @@ pub fn attention_forward(qkv: &[f64], d: AttentionDims) -> (Vec<f64>, Vec<f64>) 
                     let p = (s[t2] - max).exp() / z;
                     att[row + t2] = p;
                     for i in 0..hs {
-                        out[(b * tn + t) * c + h * hs + i] += p * at(b, t2, 2, h, i);
+                        out[qi(b, t, h, i)] += p * v[ki(b, t2, h, i)];
                     }
                 }
             }
@@ -168,41 +203,125 @@ pub fn attention_forward(qkv: &[f64], d: AttentionDims) -> (Vec<f64>, Vec<f64>) 
     (out, att)
 }
 
-/// `dqkv (B, T, 3C)` from `dout (B, T, C)` and the forward's `qkv` and `att`.
-pub fn attention_backward(dout: &[f64], qkv: &[f64], att: &[f64], d: AttentionDims) -> Vec<f64> {
-    let AttentionDims {
-        b: bn,
-        t: tn,
-        c,
-        nh,
-    } = d;
-    let hs = c / nh;
+/// `(dq, dk, dv)` from `dout (B, T, NH·hs)` and the forward's `q`, `k`, `v` and `att`.
+pub fn gqa_attention_backward(
+    dout: &[f64],
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    att: &[f64],
+    d: AttentionDims,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (tn, nh, hs, kv) = (d.t, d.nh, d.head_size, d.kv_heads);
     let scale = 1.0 / (hs as f64).sqrt();
-    let mut dqkv = vec![0.0; qkv.len()];
-    let idx = |b: usize, t: usize, p: usize, h: usize, i: usize| {
-        (b * tn + t) * 3 * c + p * c + h * hs + i
-    };
-    for b in 0..bn {
+    let (qi, ki) = (
+        |b, t, h, i| head_at(&d, nh, (b, t, h, i)),
+        |b, t, h, i| head_at(&d, kv, (b, t, h / d.group(), i)),
+    );
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    for b in 0..d.b {
         for h in 0..nh {
             for t in 0..tn {
                 let row = ((b * nh + h) * tn + t) * tn;
-                let dy = |i: usize| dout[(b * tn + t) * c + h * hs + i];
+                let dy = |i: usize| dout[qi(b, t, h, i)];
                 let datt: Vec<f64> = (0..=t)
-                    .map(|t2| (0..hs).map(|i| dy(i) * qkv[idx(b, t2, 2, h, i)]).sum())
+                    .map(|t2| (0..hs).map(|i| dy(i) * v[ki(b, t2, h, i)]).sum())
                     .collect();
                 let total: f64 = (0..=t).map(|t2| att[row + t2] * datt[t2]).sum();
                 for t2 in 0..=t {
                     let ds = att[row + t2] * (datt[t2] - total) * scale;
                     for i in 0..hs {
-                        dqkv[idx(b, t2, 2, h, i)] += att[row + t2] * dy(i);
-                        dqkv[idx(b, t, 0, h, i)] += ds * qkv[idx(b, t2, 1, h, i)];
-                        dqkv[idx(b, t2, 1, h, i)] += ds * qkv[idx(b, t, 0, h, i)];
+                        dv[ki(b, t2, h, i)] += att[row + t2] * dy(i);
+                        dq[qi(b, t, h, i)] += ds * k[ki(b, t2, h, i)];
+                        dk[ki(b, t2, h, i)] += ds * q[qi(b, t, h, i)];
                     }
                 }
             }
         }
     }
-    dqkv
+    (dq, dk, dv)
+}
+
+/// `(out (N, C), rstd (N))`: `out = inp · rstd · w`, `rstd = 1/sqrt(mean(inp²) + eps)`.
+pub fn rmsnorm_forward(inp: &[f64], w: &[f64], eps: f64) -> (Vec<f64>, Vec<f64>) {
+    let c = w.len();
+    let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![]);
+    for (x, o) in inp.chunks(c).zip(out.chunks_mut(c)) {
+        let r = 1.0 / (x.iter().map(|x| x * x).sum::<f64>() / c as f64 + eps).sqrt();
+        for j in 0..c {
+            o[j] = x[j] * r * w[j];
+        }
+        rstd.push(r);
+    }
+    (out, rstd)
+}
+
+/// `(dinp (N, C), dweight (C))`.
+pub fn rmsnorm_backward(
+    dout: &[f64],
+    inp: &[f64],
+    w: &[f64],
+    rstd: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
+    let c = w.len();
+    let (mut dinp, mut dw) = (vec![0.0; inp.len()], vec![0.0; c]);
+    for (i, (x, dy)) in inp.chunks(c).zip(dout.chunks(c)).enumerate() {
+        let r = rstd[i];
+        // ∂rstd/∂x_j = -x_j · rstd³ / C.
+        let s = (0..c).map(|j| w[j] * dy[j] * x[j]).sum::<f64>();
+        for j in 0..c {
+            dw[j] += dy[j] * x[j] * r;
+            dinp[i * c + j] = w[j] * dy[j] * r - x[j] * r * r * r * s / c as f64;
+        }
+    }
+    (dinp, dw)
+}
+
+/// Rotary embedding of `x (B, T, heads, D)` by `cos`, `sin` `(T, D/2)` (rotate-half), or
+/// by the negative angles (`back`: the backward, rotation's transpose).
+pub fn rope(x: &[f64], cos: &[f64], sin: &[f64], d: RopeDims, back: bool) -> Vec<f64> {
+    let (dim, h) = (d.head_dim, d.head_dim / 2);
+    let mut out = x.to_vec();
+    for (row, (o, x)) in out.chunks_mut(dim).zip(x.chunks(dim)).enumerate() {
+        let p = (row / d.heads) % d.t;
+        for i in 0..h {
+            let (c, s) = (
+                cos[p * h + i],
+                if back {
+                    -sin[p * h + i]
+                } else {
+                    sin[p * h + i]
+                },
+            );
+            o[i] = x[i] * c - x[i + h] * s;
+            o[i + h] = x[i + h] * c + x[i] * s;
+        }
+    }
+    out
+}
+
+fn sigmoid(g: f64) -> f64 {
+    1.0 / (1.0 + (-g).exp())
+}
+
+/// `silu(gate) · up`.
+pub fn swiglu_forward(gate: &[f64], up: &[f64]) -> Vec<f64> {
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| g * sigmoid(g) * u)
+        .collect()
+}
+
+/// `(dgate, dup)`.
+pub fn swiglu_backward(dout: &[f64], gate: &[f64], up: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let s = |g: f64| sigmoid(g) * (1.0 + g * (1.0 - sigmoid(g)));
+    let dgate = (0..gate.len())
+        .map(|i| dout[i] * up[i] * s(gate[i]))
+        .collect();
+    let dup = (0..gate.len())
+        .map(|i| dout[i] * gate[i] * sigmoid(gate[i]))
+        .collect();
+    (dgate, dup)
 }
 
 const GELU_K: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)

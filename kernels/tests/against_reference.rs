@@ -5,9 +5,20 @@
 mod common;
 
 use common::*;
-use kernels::attention::{AttentionDims, attention_backward, attention_forward};
-use kernels::matmul::{Layout, MIN_SCRATCH, matmul_backward, matmul_forward, scratch_len};
+use kernels::attention::{
+    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
+    gqa_attention_forward,
+};
+use kernels::matmul::{
+    DinpMode, Layout, MIN_SCRATCH, matmul_backward, matmul_forward, scratch_len,
+};
+use kernels::rope::{RopeDims, rope_backward, rope_forward};
 use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, reference, residual};
+use kernels::{rmsnorm, swiglu};
+
+fn plus(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(a, b)| a + b).collect()
+}
 
 const LAYOUTS: [Layout; 2] = [Layout::KN, Layout::NK];
 
@@ -93,11 +104,29 @@ fn matmul_backward_matches<X: Float>() {
                 &xw,
                 layout,
                 (m, k, n),
+                DinpMode::Overwrite,
                 &mut scratch,
             );
             assert_close("dinp", &to_f64(&gi), &di, rtol::<X>());
             assert_close("dweight", &to_f64(&gw), &want_dw, rtol::<X>());
             assert_close("dbias", &to_f64(&gb), &want_db, rtol::<X>());
+            // dinp accumulated: a second layer reading the same input adds its gradient.
+            let di0 = rounded::<X>(&rng.vec(m * k, 1.0));
+            let (mut gi, mut gw) = (to_x::<X>(&di0), to_x::<X>(&dw0));
+            matmul_backward(
+                &mut gi,
+                &mut gw,
+                None,
+                &dy,
+                &xi,
+                &xw,
+                layout,
+                (m, k, n),
+                DinpMode::Accumulate,
+                &mut scratch,
+            );
+            assert_close("dinp +=", &to_f64(&gi), &plus(&di, &di0), rtol::<X>());
+            assert_close("dweight (dinp +=)", &to_f64(&gw), &want_dw, rtol::<X>());
             let (mut gi, mut gw) = (vec![X::ZERO; m * k], to_x::<X>(&dw0));
             let dy = to_x::<f32>(&dout);
             matmul_backward(
@@ -109,6 +138,7 @@ fn matmul_backward_matches<X: Float>() {
                 &xw,
                 layout,
                 (m, k, n),
+                DinpMode::Overwrite,
                 &mut scratch,
             );
             assert_close("dinp (f32 dout)", &to_f64(&gi), &di, rtol::<X>());
@@ -126,7 +156,7 @@ fn encoder_matches<X: Float>() {
         rounded::<X>(&rng.vec(t * c, 1.0)),
     );
     let mut out = vec![X::ZERO; b * t * c];
-    encoder::encoder_forward(&mut out, &tokens, &to_x(&wte), &to_x(&wpe), t, c);
+    encoder::encoder_forward(&mut out, &tokens, &to_x(&wte), Some(&to_x(&wpe)), t, c);
     let want = reference::encoder_forward(&tokens, &wte, &wpe, t, c);
     assert_close("out", &to_f64(&out), &want, rtol::<X>());
 
@@ -137,10 +167,23 @@ fn encoder_matches<X: Float>() {
     );
     let (dwte, dwpe) = reference::encoder_backward(&dout, &tokens, v, t, c);
     let (mut gte, mut gpe) = (to_x::<X>(&d0), to_x::<X>(&p0));
-    encoder::encoder_backward(&mut gte, &mut gpe, &to_x(&dout), &tokens, t, c);
-    let plus = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(a, b)| a + b).collect::<Vec<_>>();
+    encoder::encoder_backward(&mut gte, Some(&mut gpe), &to_x(&dout), &tokens, t, c);
     assert_close("dwte", &to_f64(&gte), &plus(&dwte, &d0), rtol::<X>());
     assert_close("dwpe", &to_f64(&gpe), &plus(&dwpe, &p0), rtol::<X>());
+
+    // No learned positions (Llama): the reference with wpe = 0.
+    let mut out = vec![X::from_f32(f32::NAN); b * t * c];
+    encoder::encoder_forward(&mut out, &tokens, &to_x(&wte), None, t, c);
+    let want = reference::encoder_forward(&tokens, &wte, &vec![0.0; t * c], t, c);
+    assert_close("out without wpe", &to_f64(&out), &want, rtol::<X>());
+    let mut gte = to_x::<X>(&d0);
+    encoder::encoder_backward(&mut gte, None, &to_x(&dout), &tokens, t, c);
+    assert_close(
+        "dwte without wpe",
+        &to_f64(&gte),
+        &plus(&dwte, &d0),
+        rtol::<X>(),
+    );
 }
 
 fn layernorm_matches<X: Float>() {
@@ -185,7 +228,6 @@ fn layernorm_matches<X: Float>() {
         &mean,
         &rstd,
     );
-    let plus = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(a, b)| a + b).collect::<Vec<_>>();
     assert_close("dinp", &to_f64(&gi), &plus(&di, &di0), rtol::<X>());
     assert_close("dweight", &to_f64(&gw), &plus(&dw, &dw0), rtol::<X>());
     assert_close("dbias", &to_f64(&gb), &plus(&db, &db0), rtol::<X>());
@@ -193,16 +235,11 @@ fn layernorm_matches<X: Float>() {
 
 fn attention_matches<X: Float>() {
     let mut rng = Rng::new(5);
-    let d = AttentionDims {
-        b: 2,
-        t: 19,
-        c: 60,
-        nh: 3,
-    };
-    let qkv = rounded::<X>(&rng.vec(d.b * d.t * 3 * d.c, 1.0));
+    let (c, d) = (60, AttentionDims::mha(2, 19, 60, 3));
+    let qkv = rounded::<X>(&rng.vec(d.b * d.t * 3 * c, 1.0));
     let (want, want_att) = reference::attention_forward(&qkv, d);
     let (mut out, mut att) = (
-        vec![X::ZERO; d.b * d.t * d.c],
+        vec![X::ZERO; d.b * d.t * c],
         vec![X::ZERO; d.b * d.nh * d.t * d.t],
     );
     let xq = to_x::<X>(&qkv);
@@ -210,7 +247,7 @@ fn attention_matches<X: Float>() {
     assert_close("out", &to_f64(&out), &want, rtol::<X>());
     assert_close("att", &to_f64(&att), &want_att, rtol::<X>());
 
-    let dout = rounded::<X>(&rng.vec(d.b * d.t * d.c, 1.0));
+    let dout = rounded::<X>(&rng.vec(d.b * d.t * c, 1.0));
     let want = reference::attention_backward(&dout, &qkv, &to_f64(&att), d);
     let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; att.len()]);
     attention_backward(&mut dqkv, &mut datt, &to_x(&dout), &xq, &att, d);
@@ -267,7 +304,167 @@ fn norm_and_overflow_match<X: Float>() {
     }
 }
 
+/// Grouped-query attention with 2 and 4 query heads per key/value head and a head size that
+/// is not C/NH of any C the test has; and, with KV = NH, the same bits as the packed layout.
+fn gqa_attention_matches<X: Float>() {
+    let mut rng = Rng::new(9);
+    for kv in [2, 1] {
+        let d = AttentionDims::gqa(2, 17, 4, kv, 24);
+        let (qn, kn) = (d.b * d.t * d.q_width(), d.b * d.t * d.kv_width());
+        let (q, k, v) = (
+            rounded::<X>(&rng.vec(qn, 1.0)),
+            rounded::<X>(&rng.vec(kn, 1.0)),
+            rounded::<X>(&rng.vec(kn, 1.0)),
+        );
+        let (xq, xk, xv) = (to_x::<X>(&q), to_x::<X>(&k), to_x::<X>(&v));
+        let (want, want_att) = reference::gqa_attention_forward(&q, &k, &v, d);
+        let (mut out, mut att) = (nan::<X>(qn), nan::<X>(d.b * d.nh * d.t * d.t));
+        gqa_attention_forward(&mut out, &mut att, &xq, &xk, &xv, d);
+        assert_close("gqa out", &to_f64(&out), &want, rtol::<X>());
+        assert_close("gqa att", &to_f64(&att), &want_att, rtol::<X>());
+
+        let dout = rounded::<X>(&rng.vec(qn, 1.0));
+        let (wq, wk, wv) = reference::gqa_attention_backward(&dout, &q, &k, &v, &to_f64(&att), d);
+        let (mut dq, mut dk, mut dv) = (nan::<X>(qn), nan::<X>(kn), nan::<X>(kn));
+        let mut datt = vec![f32::NAN; att.len()];
+        gqa_attention_backward(
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            &mut datt,
+            &to_x(&dout),
+            &xq,
+            &xk,
+            &xv,
+            &att,
+            d,
+        );
+        assert_close("gqa dq", &to_f64(&dq), &wq, rtol::<X>());
+        assert_close("gqa dk", &to_f64(&dk), &wk, rtol::<X>());
+        assert_close("gqa dv", &to_f64(&dv), &wv, rtol::<X>());
+    }
+
+    let (c, d) = (48, AttentionDims::mha(2, 9, 48, 4));
+    let qkv = to_x::<X>(&rng.vec(d.b * d.t * 3 * c, 1.0));
+    let part = |p: usize| -> Vec<X> {
+        qkv.chunks(3 * c)
+            .flat_map(|row| row[p * c..(p + 1) * c].to_vec())
+            .collect()
+    };
+    let (q, k, v) = (part(0), part(1), part(2));
+    let n = d.b * d.nh * d.t * d.t;
+    let (mut po, mut pa, mut go, mut ga) = (
+        vec![X::ZERO; d.b * d.t * c],
+        vec![X::ZERO; n],
+        vec![X::ZERO; d.b * d.t * c],
+        vec![X::ZERO; n],
+    );
+    attention_forward(&mut po, &mut pa, &qkv, d);
+    gqa_attention_forward(&mut go, &mut ga, &q, &k, &v, d);
+    assert!(po == go && pa == ga, "packed and separate forward differ");
+    let dout = to_x::<X>(&rng.vec(d.b * d.t * c, 1.0));
+    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; n]);
+    attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &pa, d);
+    let (mut dq, mut dk, mut dv) = (q.clone(), k.clone(), v.clone());
+    gqa_attention_backward(
+        &mut dq, &mut dk, &mut dv, &mut datt, &dout, &q, &k, &v, &pa, d,
+    );
+    let packed: Vec<X> = (0..d.b * d.t)
+        .flat_map(|r| {
+            [&dq, &dk, &dv]
+                .map(|g| g[r * c..(r + 1) * c].to_vec())
+                .concat()
+        })
+        .collect();
+    assert!(packed == dqkv, "packed and separate backward differ");
+}
+
+/// RMSNorm as the block norm (C crosses the 256-element block) and as Qwen3's per-head norm.
+fn rmsnorm_matches<X: Float>() {
+    let mut rng = Rng::new(10);
+    let eps = 1e-6;
+    for (rows, c) in [(9, 300), (24, 64)] {
+        let inp = rounded::<X>(&rng.vec(rows * c, 2.0));
+        let w = rounded::<X>(&rng.vec(c, 1.0));
+        let (want, wrstd) = reference::rmsnorm_forward(&inp, &w, eps as f64);
+        let (mut out, mut rstd) = (nan::<X>(rows * c), vec![f32::NAN; rows]);
+        let (xi, xw) = (to_x::<X>(&inp), to_x::<X>(&w));
+        rmsnorm::rmsnorm_forward(&mut out, &mut rstd, &xi, &xw, eps);
+        assert_close("rmsnorm out", &to_f64(&out), &want, rtol::<X>());
+        assert_close("rmsnorm rstd", &to_f64(&rstd), &wrstd, 1e-6);
+
+        let dout = rounded::<X>(&rng.vec(rows * c, 1.0));
+        let (di0, dw0) = (
+            rounded::<X>(&rng.vec(rows * c, 1.0)),
+            rounded::<X>(&rng.vec(c, 1.0)),
+        );
+        let (di, dw) = reference::rmsnorm_backward(&dout, &inp, &w, &to_f64(&rstd));
+        let (mut gi, mut gw) = (to_x::<X>(&di0), to_x::<X>(&dw0));
+        rmsnorm::rmsnorm_backward(&mut gi, &mut gw, &to_x(&dout), &xi, &xw, &rstd);
+        assert_close("rmsnorm dinp", &to_f64(&gi), &plus(&di, &di0), rtol::<X>());
+        assert_close(
+            "rmsnorm dweight",
+            &to_f64(&gw),
+            &plus(&dw, &dw0),
+            rtol::<X>(),
+        );
+    }
+}
+
+fn rope_matches<X: Float>() {
+    let mut rng = Rng::new(11);
+    let d = RopeDims {
+        t: 7,
+        heads: 3,
+        head_dim: 20,
+    };
+    let n = 2 * d.t * d.heads * d.head_dim;
+    let (cos, sin) = rope_tables(d.t + 2, d.head_dim);
+    let (c64, s64) = (to_f64(&cos), to_f64(&sin));
+    let x = rounded::<X>(&rng.vec(n, 1.0));
+    for back in [false, true] {
+        let mut got = to_x::<X>(&x);
+        if back {
+            rope_backward(&mut got, &cos, &sin, d);
+        } else {
+            rope_forward(&mut got, &cos, &sin, d);
+        }
+        let want = reference::rope(&x, &c64, &s64, d, back);
+        assert_close(
+            &format!("rope (back {back})"),
+            &to_f64(&got),
+            &want,
+            rtol::<X>(),
+        );
+    }
+}
+
+fn swiglu_matches<X: Float>() {
+    let mut rng = Rng::new(12);
+    let n = 1000;
+    let (g, u, dy) = (
+        rounded::<X>(&rng.vec(n, 6.0)),
+        rounded::<X>(&rng.vec(n, 2.0)),
+        rounded::<X>(&rng.vec(n, 1.0)),
+    );
+    let (xg, xu) = (to_x::<X>(&g), to_x::<X>(&u));
+    let mut out = nan::<X>(n);
+    swiglu::swiglu_forward(&mut out, &xg, &xu);
+    let want = reference::swiglu_forward(&g, &u);
+    assert_close("swiglu", &to_f64(&out), &want, rtol::<X>());
+    // Overwritten, whatever they held.
+    let (mut dg, mut du) = (nan::<X>(n), nan::<X>(n));
+    swiglu::swiglu_backward(&mut dg, &mut du, &to_x(&dy), &xg, &xu);
+    let (wg, wu) = reference::swiglu_backward(&dy, &g, &u);
+    assert_close("swiglu dgate", &to_f64(&dg), &wg, rtol::<X>());
+    assert_close("swiglu dup", &to_f64(&du), &wu, rtol::<X>());
+}
+
 per_dtype! {
+    gqa_attention_agrees_with_reference => gqa_attention_matches;
+    rmsnorm_agrees_with_reference => rmsnorm_matches;
+    rope_agrees_with_reference => rope_matches;
+    swiglu_agrees_with_reference => swiglu_matches;
     matmul_forward_agrees_with_reference => matmul_forward_matches;
     matmul_backward_agrees_with_reference => matmul_backward_matches;
     encoder_agrees_with_reference => encoder_matches;

@@ -23,7 +23,7 @@ use cudarc::driver::LaunchConfig;
 use kernels::Float;
 use kernels::attention::{AttentionDims, attention_backward, attention_forward};
 use kernels::cuda::layers;
-use kernels::matmul::{self, Layout};
+use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, LIMBS, Lion, Momentum};
 use kernels::{crossentropy, encoder, gelu, layernorm, norm, residual};
 use shim::{Arg, Shim, inp, null, out, val};
@@ -125,7 +125,7 @@ fn encoder_matches_cpu<X: Float>() {
         ],
     );
     let mut want = vec![X::ZERO; bt * c];
-    encoder::encoder_forward(&mut want, &tokens, &wte, &wpe, t, c);
+    encoder::encoder_forward(&mut want, &tokens, &wte, Some(&wpe), t, c);
     close("encoder_forward", &got, &want, rtol::<X>());
 
     let dout = random::<X>(&mut rng, bt * c, 1.0);
@@ -165,7 +165,7 @@ fn encoder_matches_cpu<X: Float>() {
         ],
     );
     let (mut want_te, mut want_pe) = (dwte0, dwpe0);
-    encoder::encoder_backward(&mut want_te, &mut want_pe, &dout, &tokens, t, c);
+    encoder::encoder_backward(&mut want_te, Some(&mut want_pe), &dout, &tokens, t, c);
     close("encoder_backward dwte", &dwte, &want_te, rtol::<X>());
     close("encoder_backward dwpe", &dwpe, &want_pe, rtol::<X>());
 }
@@ -257,13 +257,8 @@ fn layernorm_matches_cpu<X: Float>() {
 fn attention_matches_cpu<X: Float>() {
     // Small (a thread per CUDA thread is slow), but T over the 8 warps of a block and a head
     // of 40 columns: lanes 0-7 take two.
-    let d = AttentionDims {
-        b: 1,
-        t: 13,
-        c: 80,
-        nh: 2,
-    };
-    let AttentionDims { b, t, c, nh } = d;
+    let (b, t, c, nh) = (1, 13, 80, 2);
+    let d = AttentionDims::mha(b, t, c, nh);
     let mut rng = Rng::new(4);
     let qkv = random::<X>(&mut rng, b * t * 3 * c, 1.0);
     let (mut o, mut att) = (nan::<X>(b * t * c), nan::<X>(b * nh * t * t));
@@ -433,6 +428,7 @@ fn bias_backward_matches_cpu<X: Float, G: Float>() {
         &w,
         Layout::KN,
         (m, k, n),
+        DinpMode::Overwrite,
         &mut scratch,
     );
     close(
@@ -1072,12 +1068,7 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
     };
     for (c, nh) in [(768, 12), (1024, 16), (1280, 20), (1600, 25)] {
         let (bt, v) = (64 * 1024, 50_257);
-        let d = AttentionDims {
-            b: 64,
-            t: 1024,
-            c,
-            nh,
-        };
+        let d = AttentionDims::mha(64, 1024, c, nh);
         // attention.cu's static shared memory: forward 13.1 KiB, backward_key 16 KiB.
         ok("attention", layers::attention_config(&d), 16 << 10);
         ok("layernorm rows", layers::layernorm_rows_config(bt), 0);
@@ -1108,12 +1099,7 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
         );
     }
 
-    let many_heads = AttentionDims {
-        b: 4096,
-        t: 8,
-        c: 512,
-        nh: 32,
-    }; // B·NH = 131,072 blocks in grid y
+    let many_heads = AttentionDims::mha(4096, 8, 512, 32); // B·NH = 131,072 blocks in grid y
     let cfg = layers::attention_config(&many_heads);
     let err = check_launch("attention_forward_bf16", &cfg, 0, 1024).unwrap_err();
     assert!(

@@ -14,7 +14,7 @@ use common::*;
 use cudarc::driver::CudaSlice;
 use kernels::attention::{AttentionDims, attention_backward, attention_forward};
 use kernels::cuda::{self, Device, DeviceFloat, Error, layers};
-use kernels::matmul::{self, Layout};
+use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
 use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, residual};
 
@@ -83,13 +83,13 @@ fn encoder_matches_cpu<X: DeviceFloat>() {
         &mut out.as_view_mut(),
         &up(d, &tokens).as_view(),
         &up(d, &wte).as_view(),
-        &up(d, &wpe).as_view(),
+        Some(&up(d, &wpe).as_view()),
         t,
         c,
     )
     .unwrap();
     let mut want = vec![X::ZERO; b * t * c];
-    encoder::encoder_forward(&mut want, &tokens, &wte, &wpe, t, c);
+    encoder::encoder_forward(&mut want, &tokens, &wte, Some(&wpe), t, c);
     close("encoder_forward", &down(d, &out), &want, rtol::<X>());
 
     let dout = random::<X>(&mut rng, b * t * c, 1.0);
@@ -101,7 +101,7 @@ fn encoder_matches_cpu<X: DeviceFloat>() {
     layers::encoder_backward(
         d,
         &mut dwte.as_view_mut(),
-        &mut dwpe.as_view_mut(),
+        Some(&mut dwpe.as_view_mut()),
         &up(d, &dout).as_view(),
         &tokens,
         t,
@@ -109,7 +109,7 @@ fn encoder_matches_cpu<X: DeviceFloat>() {
     )
     .unwrap();
     let (mut want_te, mut want_pe) = (dwte0, dwpe0);
-    encoder::encoder_backward(&mut want_te, &mut want_pe, &dout, &tokens, t, c);
+    encoder::encoder_backward(&mut want_te, Some(&mut want_pe), &dout, &tokens, t, c);
     close(
         "encoder_backward dwte",
         &down(d, &dwte),
@@ -249,6 +249,7 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
         &w_dev.as_view(),
         layout,
         (m, k, n),
+        DinpMode::Overwrite,
     )
     .unwrap();
     let (mut want_dx, mut want_dw, mut want_db) = (vec![X::ZERO; m * k], dw0, db0.clone());
@@ -261,6 +262,7 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
         &w,
         layout,
         (m, k, n),
+        DinpMode::Overwrite,
         &mut scratch,
     );
     close(
@@ -325,13 +327,8 @@ fn lm_head_matches_cpu<X: DeviceFloat>() {
 
 fn attention_matches_cpu<X: DeviceFloat>() {
     let Some(d) = device() else { return };
-    let dims = AttentionDims {
-        b: 2,
-        t: 33,
-        c: 48,
-        nh: 3,
-    };
-    let AttentionDims { b, t, c, nh } = dims;
+    let (b, t, c, nh) = (2, 33, 48, 3);
+    let dims = AttentionDims::mha(b, t, c, nh);
     let mut rng = Rng::new(4);
     let qkv = random::<X>(&mut rng, b * t * 3 * c, 1.0);
     let (mut out, mut att) = (

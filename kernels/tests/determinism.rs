@@ -6,10 +6,14 @@ mod common;
 
 use common::{Rng, to_x};
 use half::{bf16, f16};
-use kernels::attention::{AttentionDims, attention_backward, attention_forward};
-use kernels::matmul::{Layout, matmul_backward, matmul_forward, scratch_len};
+use kernels::attention::{
+    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
+    gqa_attention_forward,
+};
+use kernels::matmul::{DinpMode, Layout, matmul_backward, matmul_forward, scratch_len};
 use kernels::optim::*;
-use kernels::{Float, cpu, crossentropy, encoder, layernorm, norm};
+use kernels::rope::{RopeDims, rope_backward, rope_forward};
+use kernels::{Float, cpu, crossentropy, encoder, layernorm, norm, rmsnorm, swiglu};
 
 /// Bits of every output `run` produces.
 type Bits = Vec<Vec<u32>>;
@@ -69,6 +73,7 @@ fn matmul_bits<X: Float>(layout: Layout) -> Bits {
         &w,
         layout,
         (m, k, n),
+        DinpMode::Overwrite,
         &mut scratch,
     );
     vec![bits(&out), bits(&logits), bits(&dx), bits(&dw), bits(&db)]
@@ -85,16 +90,16 @@ fn matmul_is_deterministic() {
 fn layer_bits<X: Float>() -> Bits {
     let mut rng = Rng::new(42);
     let (b, t, c, v) = (4, 32, 96, 50);
-    let d = AttentionDims { b, t, c, nh: 4 };
+    let d = AttentionDims::mha(b, t, c, 4);
     let tokens = rng.tokens(b * t, v);
     let (wte, wpe) = (
         to_x::<X>(&rng.vec(v * c, 1.0)),
         to_x::<X>(&rng.vec(t * c, 1.0)),
     );
     let mut x = vec![X::ZERO; b * t * c];
-    encoder::encoder_forward(&mut x, &tokens, &wte, &wpe, t, c);
+    encoder::encoder_forward(&mut x, &tokens, &wte, Some(&wpe), t, c);
     let (mut dwte, mut dwpe) = (vec![X::ZERO; v * c], vec![X::ZERO; t * c]);
-    encoder::encoder_backward(&mut dwte, &mut dwpe, &x, &tokens, t, c);
+    encoder::encoder_backward(&mut dwte, Some(&mut dwpe), &x, &tokens, t, c);
 
     let (w, bias) = (to_x::<X>(&rng.vec(c, 1.0)), to_x::<X>(&rng.vec(c, 1.0)));
     let (mut ln, mut mean, mut rstd) =
@@ -144,6 +149,103 @@ fn layer_kernels_are_deterministic() {
     same_on_1_and_2_threads(layer_bits::<f32>);
     same_on_1_and_2_threads(layer_bits::<bf16>);
     same_on_1_and_2_threads(layer_bits::<f16>);
+}
+
+/// The Llama family's kernels: RMSNorm (C over two column blocks), rotary embeddings, SwiGLU,
+/// grouped-query attention (2 query heads per key/value head) and the encoder without wpe.
+fn llama_bits<X: Float>() -> Bits {
+    let mut rng = Rng::new(44);
+    let (b, t, c, v) = (4, 32, 320, 50);
+    let tokens = rng.tokens(b * t, v);
+    let wte = to_x::<X>(&rng.vec(v * c, 1.0));
+    let mut x = vec![X::ZERO; b * t * c];
+    encoder::encoder_forward(&mut x, &tokens, &wte, None, t, c);
+    let mut dwte = vec![X::ZERO; v * c];
+    encoder::encoder_backward(&mut dwte, None, &x, &tokens, t, c);
+
+    let w = to_x::<X>(&rng.vec(c, 1.0));
+    let (mut y, mut rstd) = (vec![X::ZERO; x.len()], vec![0f32; b * t]);
+    rmsnorm::rmsnorm_forward(&mut y, &mut rstd, &x, &w, 1e-6);
+    let (mut dx, mut dw) = (vec![X::ZERO; x.len()], vec![X::ZERO; c]);
+    rmsnorm::rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd);
+
+    let d = AttentionDims::gqa(b, t, 4, 2, 40);
+    let (qn, kn) = (b * t * d.q_width(), b * t * d.kv_width());
+    let (mut q, mut k, vv) = (
+        to_x::<X>(&rng.vec(qn, 1.0)),
+        to_x::<X>(&rng.vec(kn, 1.0)),
+        to_x::<X>(&rng.vec(kn, 1.0)),
+    );
+    let (cos, sin) = common::rope_tables(t, 40);
+    rope_forward(
+        &mut q,
+        &cos,
+        &sin,
+        RopeDims {
+            t,
+            heads: 4,
+            head_dim: 40,
+        },
+    );
+    rope_forward(
+        &mut k,
+        &cos,
+        &sin,
+        RopeDims {
+            t,
+            heads: 2,
+            head_dim: 40,
+        },
+    );
+    let (mut out, mut att) = (vec![X::ZERO; qn], vec![X::ZERO; b * 4 * t * t]);
+    gqa_attention_forward(&mut out, &mut att, &q, &k, &vv, d);
+    let (mut dq, mut dk, mut dv) = (vec![X::ZERO; qn], vec![X::ZERO; kn], vec![X::ZERO; kn]);
+    let mut datt = vec![0f32; att.len()];
+    gqa_attention_backward(
+        &mut dq, &mut dk, &mut dv, &mut datt, &out, &q, &k, &vv, &att, d,
+    );
+    rope_backward(
+        &mut dq,
+        &cos,
+        &sin,
+        RopeDims {
+            t,
+            heads: 4,
+            head_dim: 40,
+        },
+    );
+
+    let (g, u) = (to_x::<X>(&rng.vec(qn, 4.0)), to_x::<X>(&rng.vec(qn, 1.0)));
+    let mut h = vec![X::ZERO; qn];
+    swiglu::swiglu_forward(&mut h, &g, &u);
+    let (mut dg, mut du) = (vec![X::ZERO; qn], vec![X::ZERO; qn]);
+    swiglu::swiglu_backward(&mut dg, &mut du, &out, &g, &u);
+    [
+        bits(&x),
+        bits(&dwte),
+        bits(&y),
+        bits(&rstd),
+        bits(&dx),
+        bits(&dw),
+        bits(&q),
+        bits(&out),
+        bits(&att),
+        bits(&dq),
+        bits(&dk),
+        bits(&dv),
+        bits(&datt),
+        bits(&h),
+        bits(&dg),
+        bits(&du),
+    ]
+    .into()
+}
+
+#[test]
+fn llama_kernels_are_deterministic() {
+    same_on_1_and_2_threads(llama_bits::<f32>);
+    same_on_1_and_2_threads(llama_bits::<bf16>);
+    same_on_1_and_2_threads(llama_bits::<f16>);
 }
 
 fn optimizer_bits<G: Float>() -> Bits {

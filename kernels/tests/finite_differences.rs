@@ -3,10 +3,11 @@
 
 mod common;
 
-use common::Rng;
+use common::{Rng, rope_tables, to_f64};
 use kernels::attention::AttentionDims;
 use kernels::matmul::Layout;
 use kernels::reference as r;
+use kernels::rope::RopeDims;
 
 const H: f64 = 1e-5;
 
@@ -102,21 +103,84 @@ fn matmul_backward_matches_finite_differences() {
 #[test]
 fn attention_backward_matches_finite_differences() {
     let mut rng = Rng::new(14);
-    let d = AttentionDims {
-        b: 2,
-        t: 4,
-        c: 6,
-        nh: 2,
-    };
-    let (qkv, dout) = (
-        rng.vec(d.b * d.t * 3 * d.c, 1.0),
-        rng.vec(d.b * d.t * d.c, 1.0),
-    );
+    let (c, d) = (6, AttentionDims::mha(2, 4, 6, 2));
+    let (qkv, dout) = (rng.vec(d.b * d.t * 3 * c, 1.0), rng.vec(d.b * d.t * c, 1.0));
     let (_, att) = r::attention_forward(&qkv, d);
     let dqkv = r::attention_backward(&dout, &qkv, &att, d);
     check("dqkv", &qkv, &dqkv, |x| {
         dot(&dout, &r::attention_forward(x, d).0)
     });
+}
+
+/// Two query heads per key/value head: dk and dv sum over the group.
+#[test]
+fn gqa_attention_backward_matches_finite_differences() {
+    let mut rng = Rng::new(18);
+    let d = AttentionDims::gqa(2, 4, 4, 2, 3);
+    let (qn, kn) = (d.b * d.t * d.q_width(), d.b * d.t * d.kv_width());
+    let (q, k, v, dout) = (
+        rng.vec(qn, 1.0),
+        rng.vec(kn, 1.0),
+        rng.vec(kn, 1.0),
+        rng.vec(qn, 1.0),
+    );
+    let (_, att) = r::gqa_attention_forward(&q, &k, &v, d);
+    let (dq, dk, dv) = r::gqa_attention_backward(&dout, &q, &k, &v, &att, d);
+    check("dq", &q, &dq, |x| {
+        dot(&dout, &r::gqa_attention_forward(x, &k, &v, d).0)
+    });
+    check("dk", &k, &dk, |x| {
+        dot(&dout, &r::gqa_attention_forward(&q, x, &v, d).0)
+    });
+    check("dv", &v, &dv, |x| {
+        dot(&dout, &r::gqa_attention_forward(&q, &k, x, d).0)
+    });
+}
+
+#[test]
+fn rmsnorm_backward_matches_finite_differences() {
+    let mut rng = Rng::new(19);
+    let (rows, c, eps) = (3, 7, 1e-6);
+    let (inp, w, dout) = (
+        rng.vec(rows * c, 2.0),
+        rng.vec(c, 1.0),
+        rng.vec(rows * c, 1.0),
+    );
+    let (_, rstd) = r::rmsnorm_forward(&inp, &w, eps);
+    let (di, dw) = r::rmsnorm_backward(&dout, &inp, &w, &rstd);
+    check("dinp", &inp, &di, |x| {
+        dot(&dout, &r::rmsnorm_forward(x, &w, eps).0)
+    });
+    check("dweight", &w, &dw, |x| {
+        dot(&dout, &r::rmsnorm_forward(&inp, x, eps).0)
+    });
+}
+
+#[test]
+fn rope_backward_matches_finite_differences() {
+    let mut rng = Rng::new(20);
+    let d = RopeDims {
+        t: 3,
+        heads: 2,
+        head_dim: 6,
+    };
+    let (cos, sin) = rope_tables(d.t, d.head_dim);
+    let (cos, sin) = (to_f64(&cos), to_f64(&sin));
+    let n = 2 * d.t * d.heads * d.head_dim;
+    let (x, dout) = (rng.vec(n, 1.0), rng.vec(n, 1.0));
+    let dx = r::rope(&dout, &cos, &sin, d, true);
+    check("dx", &x, &dx, |x| {
+        dot(&dout, &r::rope(x, &cos, &sin, d, false))
+    });
+}
+
+#[test]
+fn swiglu_backward_matches_finite_differences() {
+    let mut rng = Rng::new(21);
+    let (g, u, dout) = (rng.vec(50, 6.0), rng.vec(50, 2.0), rng.vec(50, 1.0));
+    let (dg, du) = r::swiglu_backward(&dout, &g, &u);
+    check("dgate", &g, &dg, |x| dot(&dout, &r::swiglu_forward(x, &u)));
+    check("dup", &u, &du, |x| dot(&dout, &r::swiglu_forward(&g, x)));
 }
 
 #[test]

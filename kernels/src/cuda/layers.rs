@@ -4,9 +4,10 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
-use super::device::{MAX_GRID, THREADS, elementwise, launch, rows};
+use super::device::{MAX_GRID, THREADS, elementwise, input_ptr, launch, rows};
 use super::{Device, DeviceFloat, Error};
 use crate::attention::{AttentionDims, MAX_T};
+use crate::encoder::check_positions;
 use crate::layernorm::EPS;
 
 fn len(n: usize) -> i64 {
@@ -37,36 +38,35 @@ pub fn cast_to_f32<X: DeviceFloat>(
     Ok(())
 }
 
-/// `out (B, T, C) = wte[tokens] + wpe[0..T]`; a token outside the vocabulary gives NaN rows.
+/// `out (B, T, C) = wte[tokens] (+ wpe[0..T])`; a token outside the vocabulary gives NaN rows.
 pub fn encoder_forward<X: DeviceFloat>(
     dev: &Device,
     out: &mut CudaViewMut<'_, X>,
     tokens: &CudaView<'_, u32>,
     wte: &CudaView<'_, X>,
-    wpe: &CudaView<'_, X>,
+    wpe: Option<&CudaView<'_, X>>,
     t: usize,
     c: usize,
 ) -> Result<(), Error> {
     let bt = tokens.len();
     assert_eq!(out.len(), bt * c, "out must be (B, T, C)");
-    assert!(
-        t > 0 && bt.is_multiple_of(t) && wpe.len() >= t * c,
-        "wpe must cover T positions"
-    );
+    check_positions(bt, t, c, wpe.map(|w| w.len()));
     let (bt, t, c, v) = (len(bt), len(t), len(c), len(wte.len() / c));
     let cfg = elementwise(out.len());
+    let (wpe, _wpe) = input_ptr(wpe, dev.stream());
     launch!(dev, "encoder.cu", format!("encoder_forward_{}", X::NAME), cfg;
-        out, tokens, wte, wpe, &bt, &t, &c, &v);
+        out, tokens, wte, &wpe, &bt, &t, &c, &v);
     Ok(())
 }
 
-/// Backward: `dwte[v] += Σ dout` over the positions holding token v, `dwpe[t] += Σ_b dout[b, t]`.
+/// Backward: `dwte[v] += Σ dout` over the positions holding token v and, when the model has
+/// learned positions, `dwpe[t] += Σ_b dout[b, t]`.
 /// `tokens` is the host copy of the batch: positions are grouped by token on the host (as the
 /// CPU back end does), so each row of dwte is summed by one block in position order.
 pub fn encoder_backward<X: DeviceFloat>(
     dev: &Device,
     dwte: &mut CudaViewMut<'_, X>,
-    dwpe: &mut CudaViewMut<'_, X>,
+    dwpe: Option<&mut CudaViewMut<'_, X>>,
     dout: &CudaView<'_, X>,
     tokens: &[u32],
     t: usize,
@@ -74,10 +74,7 @@ pub fn encoder_backward<X: DeviceFloat>(
 ) -> Result<(), Error> {
     let bt = tokens.len();
     assert_eq!(dout.len(), bt * c, "dout must be (B, T, C)");
-    assert!(
-        t > 0 && bt.is_multiple_of(t) && dwpe.len() >= t * c,
-        "dwpe must cover T positions"
-    );
+    check_positions(bt, t, c, dwpe.as_ref().map(|w| w.len()));
     let v = dwte.len() / c;
     if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
         panic!("token {bad} outside the vocabulary of {v}");
@@ -90,8 +87,10 @@ pub fn encoder_backward<X: DeviceFloat>(
         dev.upload(&starts)?,
     );
     let (n, tl, cl) = (len(bt), len(t), len(c));
-    launch!(dev, "encoder.cu", format!("encoder_backward_wpe_{}", X::NAME), elementwise(t * c);
-        dwpe, dout, &n, &tl, &cl);
+    if let Some(dwpe) = dwpe {
+        launch!(dev, "encoder.cu", format!("encoder_backward_wpe_{}", X::NAME), elementwise(t * c);
+            dwpe, dout, &n, &tl, &cl);
+    }
     let cfg = encoder_wte_config(c, runs);
     let runs = len(runs);
     launch!(dev, "encoder.cu", format!("encoder_backward_wte_{}", X::NAME), cfg;
@@ -246,11 +245,18 @@ fn check_rows(len: usize, c: usize, nm: usize, nr: usize) -> usize {
 }
 
 fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i32, i32, i32) {
-    let AttentionDims { b, t, c, nh } = *d;
+    let AttentionDims {
+        b,
+        t,
+        nh,
+        kv_heads,
+        head_size,
+    } = *d;
     assert!(
-        nh > 0 && c.is_multiple_of(nh) && c / nh <= ATTENTION_MAX_HS,
-        "head size C/NH must divide C and be <= {ATTENTION_MAX_HS}"
+        nh > 0 && kv_heads == nh && head_size > 0 && head_size <= ATTENTION_MAX_HS,
+        "packed qkv needs a key/value head per query head, of size <= {ATTENTION_MAX_HS}"
     );
+    let c = nh * head_size;
     assert!(t <= MAX_T, "T = {t} exceeds MAX_T = {MAX_T}");
     assert!(
         qkv == b * t * 3 * c && out == b * t * c,

@@ -1,6 +1,6 @@
 //! Dense layers on cuBLASLt, with the shapes and semantics of [`crate::matmul`]: forward
-//! `out (M, N) = inp (M, K) · W + bias`, backward `dinp = dout · Wᵀ` (overwritten),
-//! `dweight += inpᵀ · dout` and `dbias +=` column sums of `dout`.
+//! `out (M, N) = inp (M, K) · W + bias`, backward `dinp = dout · Wᵀ` (overwritten or added
+//! to), `dweight += inpᵀ · dout` and `dbias +=` column sums of `dout`.
 //!
 //! cuBLASLt is column-major, and a row-major `(R, C)` matrix is its column-major transpose, so
 //! every product is handed over transposed (`outᵀ = op(W)ᵀ · inpᵀ`) and nothing is copied.
@@ -19,7 +19,7 @@ use super::device::launch;
 use super::layers::ColumnSums;
 use super::{Device, DeviceFloat, Error};
 use crate::Float;
-pub use crate::matmul::Layout;
+pub use crate::matmul::{DinpMode, Layout};
 
 /// cuBLASLt's scratch, one per device: NVIDIA's recommendation for Hopper.
 pub const WORKSPACE_BYTES: usize = 32 << 20;
@@ -111,8 +111,9 @@ pub fn matmul_forward<X: DeviceFloat, Y: DeviceFloat>(
     )
 }
 
-/// Backward of [`matmul_forward`]: `dinp (M, K) = dout · Wᵀ` (overwritten), `dweight += inpᵀ ·
-/// dout` in the layout of `weight`, `dbias (N) +=` column sums of `dout` (in f32, rounded once;
+/// Backward of [`matmul_forward`]: `dinp (M, K) = dout · Wᵀ` (overwritten, or added to with
+/// [`DinpMode::Accumulate`]: cuBLASLt's `beta = 1`), `dweight += inpᵀ · dout` in the layout of
+/// `weight`, `dbias (N) +=` column sums of `dout` (in f32, rounded once;
 /// see `matmul.cu`). `dout (M, N)` is `X` or `f32` (dlogits): an f32 `dout` with 16-bit
 /// weights is rounded to their dtype, row block by row block, before its products.
 #[allow(clippy::too_many_arguments)]
@@ -126,6 +127,7 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
     weight: &CudaView<'_, X>,
     layout: Layout,
     (m, k, n): (usize, usize, usize),
+    dinp_mode: DinpMode,
 ) -> Result<(), Error> {
     assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
     assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
@@ -169,7 +171,11 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
             Layout::KN => Mat::new::<X>(w, n, k).t(),
             Layout::NK => Mat::new::<X>(w, k, n),
         };
-        blas.product(s, Mat::new::<X>(dx, k, r), w, dy, Accumulate::No, None)?;
+        let acc = match dinp_mode {
+            DinpMode::Overwrite => Accumulate::No,
+            DinpMode::Accumulate => Accumulate::Yes,
+        };
+        blas.product(s, Mat::new::<X>(dx, k, r), w, dy, acc, None)?;
         // KN: dweightᵀ (N, K) += doutᵀ (N, r) · inp (r, K);
         // NK: dweightᵀ (K, N) += inpᵀ (K, r) · dout (r, N).
         let x = Mat::new::<X>(x, k, r);

@@ -27,6 +27,16 @@ pub enum Layout {
     NK,
 }
 
+/// Whether [`matmul_backward`] overwrites `dinp` or adds to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DinpMode {
+    /// `dinp = dout · Wᵀ`.
+    Overwrite,
+    /// `dinp += dout · Wᵀ`: layers that read one input (Llama's q, k, v projections; gate and
+    /// up) add their input gradients into one buffer, rounded once per layer.
+    Accumulate,
+}
+
 /// Preferred tile sizes (rows, depth, columns) when the scratch allows them.
 const TILE: (usize, usize, usize) = (512, 1024, 1024);
 /// Smallest tile edge; scratch shorter than `3 · 16²` cannot hold one tile of each operand.
@@ -92,7 +102,8 @@ pub fn matmul_forward<X: Float, Y: Float>(
     );
 }
 
-/// Backward of [`matmul_forward`]: `dinp (M, K) = dout · Wᵀ` (overwritten),
+/// Backward of [`matmul_forward`]: `dinp (M, K) = dout · Wᵀ` (overwritten, or added to with
+/// [`DinpMode::Accumulate`]),
 /// `dweight += inpᵀ · dout` in the layout of `weight` and `dbias (N) +=` column sums of `dout`.
 ///
 /// `dout (M, N)` is `X` or `f32` (dlogits). Scratch as for [`matmul_forward`].
@@ -106,6 +117,7 @@ pub fn matmul_backward<X: Float, G: Float>(
     weight: &[X],
     layout: Layout,
     (m, k, n): (usize, usize, usize),
+    dinp_mode: DinpMode,
     scratch: &mut [f32],
 ) {
     assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
@@ -114,10 +126,14 @@ pub fn matmul_backward<X: Float, G: Float>(
     assert_eq!(inp.len(), m * k, "inp must be (M, K)");
     assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
     let dy = Operand::new(dout, n, false);
+    let dinp_init = match dinp_mode {
+        DinpMode::Overwrite => Init::<X>::Zero,
+        DinpMode::Accumulate => Init::Read,
+    };
     match layout {
         Layout::KN => {
             let wt = Operand::new(weight, n, true);
-            product(dinp, dy, wt, (m, n, k), Init::<X>::Zero, scratch);
+            product(dinp, dy, wt, (m, n, k), dinp_init, scratch);
             let xt = Operand::new(inp, k, true);
             product(dweight, xt, dy, (k, m, n), Init::<X>::Read, scratch);
         }
@@ -127,7 +143,7 @@ pub fn matmul_backward<X: Float, G: Float>(
                 dy,
                 Operand::new(weight, k, false),
                 (m, n, k),
-                Init::<X>::Zero,
+                dinp_init,
                 scratch,
             );
             let dyt = Operand::new(dout, n, true);

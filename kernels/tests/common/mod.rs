@@ -70,6 +70,18 @@ pub fn nan<X: Float>(n: usize) -> Vec<X> {
     vec![X::from_f32(f32::NAN); n]
 }
 
+/// Llama's tables: position p, pair i at angle p · 10000^(-2i/D), for more positions than T.
+pub fn rope_tables(positions: usize, dim: usize) -> (Vec<f32>, Vec<f32>) {
+    let h = dim / 2;
+    let angle = |p: usize, i: usize| p as f64 * 10000f64.powf(-2.0 * i as f64 / dim as f64);
+    let table = |f: fn(f64) -> f64| -> Vec<f32> {
+        (0..positions * h)
+            .map(|j| f(angle(j / h, j % h)) as f32)
+            .collect()
+    };
+    (table(f64::cos), table(f64::sin))
+}
+
 /// Random `X` values of scale `s`.
 pub fn random<X: Float>(rng: &mut Rng, n: usize, s: f64) -> Vec<X> {
     to_x::<X>(&rng.vec(n, s))

@@ -5,9 +5,11 @@
 use std::ops::Range;
 
 use kernels::attention::AttentionDims;
-use kernels::matmul::Layout;
+use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{self as k, Adafactor, AdamW, Lion, Momentum};
+use kernels::rope::RopeDims;
 use kernels::{attention, crossentropy, encoder, gelu, layernorm, matmul, norm, residual};
+use kernels::{rmsnorm, rope, swiglu};
 
 use super::{Adam8bitState, Device, Elem, Moment, Num};
 use scheduler::memory::DeviceKind;
@@ -102,7 +104,7 @@ impl Device for Cpu {
         out: &mut [X],
         tokens: &[u32],
         wte: &[X],
-        wpe: &[X],
+        wpe: Option<&[X]>,
         t: usize,
         c: usize,
     ) -> Result<(), Error> {
@@ -113,7 +115,7 @@ impl Device for Cpu {
     fn encoder_backward<X: Num>(
         &self,
         dwte: &mut [X],
-        dwpe: &mut [X],
+        dwpe: Option<&mut [X]>,
         dout: &[X],
         tokens: &[u32],
         t: usize,
@@ -175,10 +177,11 @@ impl Device for Cpu {
         weight: &[X],
         layout: Layout,
         mkn: (usize, usize, usize),
+        dinp_mode: DinpMode,
         scratch: &mut [f32],
     ) -> Result<(), Error> {
         matmul::matmul_backward(
-            dinp, dweight, dbias, dout, inp, weight, layout, mkn, scratch,
+            dinp, dweight, dbias, dout, inp, weight, layout, mkn, dinp_mode, scratch,
         );
         Ok(())
     }
@@ -204,6 +207,100 @@ impl Device for Cpu {
         d: AttentionDims,
     ) -> Result<(), Error> {
         attention::attention_backward(dqkv, datt, dout, qkv, att, d);
+        Ok(())
+    }
+    #[inline]
+    fn gqa_attention_forward<X: Num>(
+        &self,
+        out: &mut [X],
+        att: &mut [X],
+        q: &[X],
+        k: &[X],
+        v: &[X],
+        d: AttentionDims,
+    ) -> Result<(), Error> {
+        attention::gqa_attention_forward(out, att, q, k, v, d);
+        Ok(())
+    }
+    #[inline]
+    fn gqa_attention_backward<X: Num>(
+        &self,
+        dq: &mut [X],
+        dk: &mut [X],
+        dv: &mut [X],
+        datt: &mut [f32],
+        dout: &[X],
+        q: &[X],
+        k: &[X],
+        v: &[X],
+        att: &[X],
+        d: AttentionDims,
+    ) -> Result<(), Error> {
+        attention::gqa_attention_backward(dq, dk, dv, datt, dout, q, k, v, att, d);
+        Ok(())
+    }
+    #[inline]
+    fn rmsnorm_forward<X: Num>(
+        &self,
+        out: &mut [X],
+        rstd: &mut [f32],
+        inp: &[X],
+        weight: &[X],
+        eps: f32,
+    ) -> Result<(), Error> {
+        rmsnorm::rmsnorm_forward(out, rstd, inp, weight, eps);
+        Ok(())
+    }
+    #[inline]
+    fn rmsnorm_backward<X: Num>(
+        &self,
+        dinp: &mut [X],
+        dweight: &mut [X],
+        dout: &[X],
+        inp: &[X],
+        weight: &[X],
+        rstd: &[f32],
+    ) -> Result<(), Error> {
+        rmsnorm::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
+        Ok(())
+    }
+    #[inline]
+    fn rope_forward<X: Num>(
+        &self,
+        x: &mut [X],
+        cos: &[f32],
+        sin: &[f32],
+        d: RopeDims,
+    ) -> Result<(), Error> {
+        rope::rope_forward(x, cos, sin, d);
+        Ok(())
+    }
+    #[inline]
+    fn rope_backward<X: Num>(
+        &self,
+        dx: &mut [X],
+        cos: &[f32],
+        sin: &[f32],
+        d: RopeDims,
+    ) -> Result<(), Error> {
+        rope::rope_backward(dx, cos, sin, d);
+        Ok(())
+    }
+    #[inline]
+    fn swiglu_forward<X: Num>(&self, out: &mut [X], gate: &[X], up: &[X]) -> Result<(), Error> {
+        swiglu::swiglu_forward(out, gate, up);
+        Ok(())
+    }
+    #[inline]
+    fn swiglu_backward<X: Num>(
+        &self,
+        dgate: &mut [X],
+        dup: &mut [X],
+        dout: &[X],
+        gate: &[X],
+        up: &[X],
+    ) -> Result<(), Error> {
+        swiglu::swiglu_backward(dgate, dup, dout, gate, up);
         Ok(())
     }
     #[inline]

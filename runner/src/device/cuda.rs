@@ -6,8 +6,9 @@ use std::sync::Mutex;
 
 use kernels::attention::AttentionDims;
 use kernels::cuda::{self as k, CudaSlice, CudaView, CudaViewMut};
-use kernels::matmul::Layout;
+use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
+use kernels::rope::RopeDims;
 
 use super::{Adam8bitState, Device, Elem, Moment, Num};
 use scheduler::memory::DeviceKind;
@@ -195,18 +196,24 @@ impl Device for Cuda {
         mut out: CudaViewMut<'_, X>,
         tokens: CudaView<'_, u32>,
         wte: CudaView<'_, X>,
-        wpe: CudaView<'_, X>,
+        wpe: Option<CudaView<'_, X>>,
         t: usize,
         c: usize,
     ) -> Result<(), Error> {
         Ok(k::layers::encoder_forward(
-            &self.dev, &mut out, &tokens, &wte, &wpe, t, c,
+            &self.dev,
+            &mut out,
+            &tokens,
+            &wte,
+            wpe.as_ref(),
+            t,
+            c,
         )?)
     }
     fn encoder_backward<X: Num>(
         &self,
         mut dwte: CudaViewMut<'_, X>,
-        mut dwpe: CudaViewMut<'_, X>,
+        mut dwpe: Option<CudaViewMut<'_, X>>,
         dout: CudaView<'_, X>,
         tokens: CudaView<'_, u32>,
         t: usize,
@@ -216,7 +223,13 @@ impl Device for Cuda {
         // micro-batch.
         let tokens = self.to_host(tokens)?;
         Ok(k::layers::encoder_backward(
-            &self.dev, &mut dwte, &mut dwpe, &dout, &tokens, t, c,
+            &self.dev,
+            &mut dwte,
+            opt(&mut dwpe),
+            &dout,
+            &tokens,
+            t,
+            c,
         )?)
     }
     fn layernorm_forward<X: Num>(
@@ -291,6 +304,7 @@ impl Device for Cuda {
         weight: CudaView<'_, X>,
         layout: Layout,
         mkn: (usize, usize, usize),
+        dinp_mode: DinpMode,
         _scratch: CudaViewMut<'_, f32>,
     ) -> Result<(), Error> {
         Ok(k::matmul::matmul_backward(
@@ -303,6 +317,7 @@ impl Device for Cuda {
             &weight,
             layout,
             mkn,
+            dinp_mode,
         )?)
     }
     fn attention_forward<X: Num>(
@@ -328,6 +343,89 @@ impl Device for Cuda {
         Ok(k::layers::attention_backward(
             &self.dev, &mut dqkv, &mut datt, &dout, &qkv, &att, d,
         )?)
+    }
+    fn gqa_attention_forward<X: Num>(
+        &self,
+        _out: CudaViewMut<'_, X>,
+        _att: CudaViewMut<'_, X>,
+        _q: CudaView<'_, X>,
+        _k: CudaView<'_, X>,
+        _v: CudaView<'_, X>,
+        _d: AttentionDims,
+    ) -> Result<(), Error> {
+        todo!("CUDA grouped-query attention")
+    }
+    fn gqa_attention_backward<X: Num>(
+        &self,
+        _dq: CudaViewMut<'_, X>,
+        _dk: CudaViewMut<'_, X>,
+        _dv: CudaViewMut<'_, X>,
+        _datt: CudaViewMut<'_, f32>,
+        _dout: CudaView<'_, X>,
+        _q: CudaView<'_, X>,
+        _k: CudaView<'_, X>,
+        _v: CudaView<'_, X>,
+        _att: CudaView<'_, X>,
+        _d: AttentionDims,
+    ) -> Result<(), Error> {
+        todo!("CUDA grouped-query attention")
+    }
+    fn rmsnorm_forward<X: Num>(
+        &self,
+        _out: CudaViewMut<'_, X>,
+        _rstd: CudaViewMut<'_, f32>,
+        _inp: CudaView<'_, X>,
+        _weight: CudaView<'_, X>,
+        _eps: f32,
+    ) -> Result<(), Error> {
+        todo!("CUDA RMSNorm")
+    }
+    fn rmsnorm_backward<X: Num>(
+        &self,
+        _dinp: CudaViewMut<'_, X>,
+        _dweight: CudaViewMut<'_, X>,
+        _dout: CudaView<'_, X>,
+        _inp: CudaView<'_, X>,
+        _weight: CudaView<'_, X>,
+        _rstd: CudaView<'_, f32>,
+    ) -> Result<(), Error> {
+        todo!("CUDA RMSNorm")
+    }
+    fn rope_forward<X: Num>(
+        &self,
+        _x: CudaViewMut<'_, X>,
+        _cos: CudaView<'_, f32>,
+        _sin: CudaView<'_, f32>,
+        _d: RopeDims,
+    ) -> Result<(), Error> {
+        todo!("CUDA RoPE")
+    }
+    fn rope_backward<X: Num>(
+        &self,
+        _dx: CudaViewMut<'_, X>,
+        _cos: CudaView<'_, f32>,
+        _sin: CudaView<'_, f32>,
+        _d: RopeDims,
+    ) -> Result<(), Error> {
+        todo!("CUDA RoPE")
+    }
+    fn swiglu_forward<X: Num>(
+        &self,
+        _out: CudaViewMut<'_, X>,
+        _gate: CudaView<'_, X>,
+        _up: CudaView<'_, X>,
+    ) -> Result<(), Error> {
+        todo!("CUDA SwiGLU")
+    }
+    fn swiglu_backward<X: Num>(
+        &self,
+        _dgate: CudaViewMut<'_, X>,
+        _dup: CudaViewMut<'_, X>,
+        _dout: CudaView<'_, X>,
+        _gate: CudaView<'_, X>,
+        _up: CudaView<'_, X>,
+    ) -> Result<(), Error> {
+        todo!("CUDA SwiGLU")
     }
     fn gelu_forward<X: Num>(
         &self,

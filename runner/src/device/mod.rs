@@ -11,8 +11,9 @@ use std::ops::Range;
 
 use kernels::Float;
 use kernels::attention::AttentionDims;
-use kernels::matmul::Layout;
+use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
+use kernels::rope::RopeDims;
 
 use scheduler::memory::DeviceKind;
 
@@ -118,14 +119,14 @@ pub trait Device: Sized + 'static {
         out: Self::ViewMut<'_, X>,
         tokens: Self::View<'_, u32>,
         wte: Self::View<'_, X>,
-        wpe: Self::View<'_, X>,
+        wpe: Option<Self::View<'_, X>>,
         t: usize,
         c: usize,
     ) -> Result<(), Error>;
     fn encoder_backward<X: Num>(
         &self,
         dwte: Self::ViewMut<'_, X>,
-        dwpe: Self::ViewMut<'_, X>,
+        dwpe: Option<Self::ViewMut<'_, X>>,
         dout: Self::View<'_, X>,
         tokens: Self::View<'_, u32>,
         t: usize,
@@ -172,6 +173,7 @@ pub trait Device: Sized + 'static {
         weight: Self::View<'_, X>,
         layout: Layout,
         mkn: (usize, usize, usize),
+        dinp_mode: DinpMode,
         scratch: Self::ViewMut<'_, f32>,
     ) -> Result<(), Error>;
     fn attention_forward<X: Num>(
@@ -189,6 +191,73 @@ pub trait Device: Sized + 'static {
         qkv: Self::View<'_, X>,
         att: Self::View<'_, X>,
         d: AttentionDims,
+    ) -> Result<(), Error>;
+    fn gqa_attention_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        att: Self::ViewMut<'_, X>,
+        q: Self::View<'_, X>,
+        k: Self::View<'_, X>,
+        v: Self::View<'_, X>,
+        d: AttentionDims,
+    ) -> Result<(), Error>;
+    fn gqa_attention_backward<X: Num>(
+        &self,
+        dq: Self::ViewMut<'_, X>,
+        dk: Self::ViewMut<'_, X>,
+        dv: Self::ViewMut<'_, X>,
+        datt: Self::ViewMut<'_, f32>,
+        dout: Self::View<'_, X>,
+        q: Self::View<'_, X>,
+        k: Self::View<'_, X>,
+        v: Self::View<'_, X>,
+        att: Self::View<'_, X>,
+        d: AttentionDims,
+    ) -> Result<(), Error>;
+    fn rmsnorm_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        rstd: Self::ViewMut<'_, f32>,
+        inp: Self::View<'_, X>,
+        weight: Self::View<'_, X>,
+        eps: f32,
+    ) -> Result<(), Error>;
+    fn rmsnorm_backward<X: Num>(
+        &self,
+        dinp: Self::ViewMut<'_, X>,
+        dweight: Self::ViewMut<'_, X>,
+        dout: Self::View<'_, X>,
+        inp: Self::View<'_, X>,
+        weight: Self::View<'_, X>,
+        rstd: Self::View<'_, f32>,
+    ) -> Result<(), Error>;
+    fn rope_forward<X: Num>(
+        &self,
+        x: Self::ViewMut<'_, X>,
+        cos: Self::View<'_, f32>,
+        sin: Self::View<'_, f32>,
+        d: RopeDims,
+    ) -> Result<(), Error>;
+    fn rope_backward<X: Num>(
+        &self,
+        dx: Self::ViewMut<'_, X>,
+        cos: Self::View<'_, f32>,
+        sin: Self::View<'_, f32>,
+        d: RopeDims,
+    ) -> Result<(), Error>;
+    fn swiglu_forward<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        gate: Self::View<'_, X>,
+        up: Self::View<'_, X>,
+    ) -> Result<(), Error>;
+    fn swiglu_backward<X: Num>(
+        &self,
+        dgate: Self::ViewMut<'_, X>,
+        dup: Self::ViewMut<'_, X>,
+        dout: Self::View<'_, X>,
+        gate: Self::View<'_, X>,
+        up: Self::View<'_, X>,
     ) -> Result<(), Error>;
     fn gelu_forward<X: Num>(
         &self,
