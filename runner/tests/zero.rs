@@ -74,7 +74,12 @@ fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whol
 }
 
 fn same_bits_at_every_stage(model: &str) {
-    let job = |world, stage, micro| job_of(model, world, stage, micro, "");
+    // Without clipping: stage 0 adds up the gradient norm in another order than the sharded
+    // stages, so a clipping coefficient below 1 differs in its last bits.
+    let job = |world, stage, micro| {
+        job_of(model, world, stage, micro, "")
+            .replace(r#""lr": 1e-3"#, r#""lr": 1e-3, "grad_clip": 0"#)
+    };
     let stage0 = exported(&job(4, 0, 2));
     for stage in 1..=3 {
         assert!(
