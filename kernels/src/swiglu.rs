@@ -41,13 +41,14 @@ pub fn swiglu_forward<X: Float>(out: &mut [X], gate: &[X], up: &[X]) {
     });
 }
 
-/// Backward, overwriting both gradients: `dup = dout · silu(gate)`,
-/// `dgate = dout · up · σ(gate)·(1 + gate·(1 − σ(gate)))`.
-pub fn swiglu_backward<X: Float>(dgate: &mut [X], dup: &mut [X], dout: &[X], gate: &[X], up: &[X]) {
+/// Backward, in place: `dup` holds ∂loss/∂out on entry (where the down projection's backward
+/// wrote it, beside `dgate`, sparing a buffer of its size) and `dup = dout · silu(gate)` on
+/// exit; `dgate = dout · up · σ(gate)·(1 + gate·(1 − σ(gate)))` is overwritten.
+pub fn swiglu_backward<X: Float>(dgate: &mut [X], dup: &mut [X], gate: &[X], up: &[X]) {
     let n = gate.len();
     assert!(
-        dgate.len() == n && dup.len() == n && dout.len() == n && up.len() == n,
-        "dgate, dup, dout, gate and up must have the same shape"
+        dgate.len() == n && dup.len() == n && up.len() == n,
+        "dgate, dup, gate and up must have the same shape"
     );
     let (dgate, dup) = (SharedMut::new(dgate), SharedMut::new(dup));
     for_ranges(n, CHUNK, |r| {
@@ -56,17 +57,14 @@ pub fn swiglu_backward<X: Float>(dgate: &mut [X], dup: &mut [X], dout: &[X], gat
         simd::dispatch(
             #[inline(always)]
             || {
-                let (mut gb, mut ub, mut yb) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
+                let (mut gb, mut ub, mut y) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
                 let (mut a, mut b) = ([0f32; BLOCK], [0f32; BLOCK]);
-                let inputs = gate[r.clone()]
-                    .chunks(BLOCK)
-                    .zip(up[r.clone()].chunks(BLOCK))
-                    .zip(dout[r].chunks(BLOCK));
-                for ((dg, du), ((g, u), y)) in
-                    dg.chunks_mut(BLOCK).zip(du.chunks_mut(BLOCK)).zip(inputs)
+                let inputs = gate[r.clone()].chunks(BLOCK).zip(up[r].chunks(BLOCK));
+                for ((dg, du), (g, u)) in dg.chunks_mut(BLOCK).zip(du.chunks_mut(BLOCK)).zip(inputs)
                 {
                     let m = dg.len();
-                    let (g, u, y) = (view(g, &mut gb), view(u, &mut ub), view(y, &mut yb));
+                    let (g, u) = (view(g, &mut gb), view(u, &mut ub));
+                    X::cast_to_f32(du, &mut y[..m]);
                     for i in 0..m {
                         let s = sigmoid(g[i]);
                         a[i] = y[i] * u[i] * (s * (1.0 + g[i] * (1.0 - s)));

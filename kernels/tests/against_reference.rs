@@ -452,9 +452,9 @@ fn swiglu_matches<X: Float>() {
     swiglu::swiglu_forward(&mut out, &xg, &xu);
     let want = reference::swiglu_forward(&g, &u);
     assert_close("swiglu", &to_f64(&out), &want, rtol::<X>());
-    // Overwritten, whatever they held.
-    let (mut dg, mut du) = (nan::<X>(n), nan::<X>(n));
-    swiglu::swiglu_backward(&mut dg, &mut du, &to_x(&dy), &xg, &xu);
+    // dgate overwritten whatever it held; dup holds ∂loss/∂out on entry.
+    let (mut dg, mut du) = (nan::<X>(n), to_x::<X>(&dy));
+    swiglu::swiglu_backward(&mut dg, &mut du, &xg, &xu);
     let (wg, wu) = reference::swiglu_backward(&dy, &g, &u);
     assert_close("swiglu dgate", &to_f64(&dg), &wg, rtol::<X>());
     assert_close("swiglu dup", &to_f64(&du), &wu, rtol::<X>());

@@ -218,8 +218,8 @@ fn llama_bits<X: Float>() -> Bits {
     let (g, u) = (to_x::<X>(&rng.vec(qn, 4.0)), to_x::<X>(&rng.vec(qn, 1.0)));
     let mut h = vec![X::ZERO; qn];
     swiglu::swiglu_forward(&mut h, &g, &u);
-    let (mut dg, mut du) = (vec![X::ZERO; qn], vec![X::ZERO; qn]);
-    swiglu::swiglu_backward(&mut dg, &mut du, &out, &g, &u);
+    let (mut dg, mut du) = (vec![X::ZERO; qn], out.clone());
+    swiglu::swiglu_backward(&mut dg, &mut du, &g, &u);
     [
         bits(&x),
         bits(&dwte),

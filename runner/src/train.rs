@@ -183,6 +183,7 @@ pub fn run_ranks(
             reason: "a bare parameter count has no architecture to train".into(),
         });
     };
+    let hf_config = &hf_config;
     let setup = plan.chosen.setup(spec);
     for rank in comms.iter().map(Communicator::rank) {
         if let Some((category, planned, layout)) =
@@ -217,7 +218,7 @@ pub fn run_ranks(
                         plan,
                         setup,
                         model,
-                        hf_config: &hf_config,
+                        hf_config,
                         opts,
                         progress: report,
                     };

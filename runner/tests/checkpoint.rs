@@ -7,7 +7,7 @@ use runner::checkpoint;
 use runner::data::DataRoots;
 use runner::train::{Options, Resume, Summary, run};
 use safetensors::SafeTensors;
-use scheduler::model::Preset;
+use scheduler::model::{ModelShape, Preset};
 use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
@@ -150,7 +150,7 @@ fn the_export_is_hugging_face_gpt2_and_loads_back() {
     assert_eq!(config["activation_function"], "gelu_new");
     let exported = out.path().join("model.safetensors");
     let units =
-        checkpoint::load_hf(&DataRoots::anywhere(), exported.to_str().unwrap(), &shape).unwrap();
+        checkpoint::load_hf(&DataRoots::anywhere(), exported.to_str().unwrap(), &ModelShape::Gpt2(shape)).unwrap();
     let wte_values: Vec<f32> = wte
         .data()
         .chunks_exact(4)
@@ -187,7 +187,11 @@ fn init_from_accepts_unprefixed_names_ignores_mask_buffers_and_refuses_wrong_sha
     let hf = out.path().join("gpt2-like.safetensors");
     safetensors::serialize_to_file(tensors, None, &hf).unwrap();
     let load = |path: &Path, shape: &scheduler::model::GptShape| {
-        checkpoint::load_hf(&DataRoots::anywhere(), path.to_str().unwrap(), shape)
+        checkpoint::load_hf(
+            &DataRoots::anywhere(),
+            path.to_str().unwrap(),
+            &ModelShape::Gpt2(*shape),
+        )
     };
     let from = load(&hf, &Preset::Tiny.shape()).unwrap();
     let original = load(&out.path().join("model.safetensors"), &Preset::Tiny.shape()).unwrap();

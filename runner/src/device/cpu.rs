@@ -296,11 +296,10 @@ impl Device for Cpu {
         &self,
         dgate: &mut [X],
         dup: &mut [X],
-        dout: &[X],
         gate: &[X],
         up: &[X],
     ) -> Result<(), Error> {
-        swiglu::swiglu_backward(dgate, dup, dout, gate, up);
+        swiglu::swiglu_backward(dgate, dup, gate, up);
         Ok(())
     }
     #[inline]

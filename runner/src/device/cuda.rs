@@ -421,7 +421,6 @@ impl Device for Cuda {
         &self,
         _dgate: CudaViewMut<'_, X>,
         _dup: CudaViewMut<'_, X>,
-        _dout: CudaView<'_, X>,
         _gate: CudaView<'_, X>,
         _up: CudaView<'_, X>,
     ) -> Result<(), Error> {

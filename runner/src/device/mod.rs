@@ -251,11 +251,11 @@ pub trait Device: Sized + 'static {
         gate: Self::View<'_, X>,
         up: Self::View<'_, X>,
     ) -> Result<(), Error>;
+    /// In place: `dup` holds ∂loss/∂out on entry.
     fn swiglu_backward<X: Num>(
         &self,
         dgate: Self::ViewMut<'_, X>,
         dup: Self::ViewMut<'_, X>,
-        dout: Self::View<'_, X>,
         gate: Self::View<'_, X>,
         up: Self::View<'_, X>,
     ) -> Result<(), Error>;

@@ -6,8 +6,8 @@ mod acts;
 mod pass;
 mod rope;
 
-pub use acts::{Acts, BlockActs};
-pub use rope::{inverse_frequencies, rope_tables};
+pub use acts::Acts;
+pub use rope::rope_tables;
 
 use kernels::attention::AttentionDims;
 use kernels::rope::RopeDims;

@@ -188,15 +188,6 @@ impl ModelSource {
             ModelSource::Params(n) => Architecture::Params(*n),
         }
     }
-
-    /// The field that names the model's kind: what a refusal of the whole model points at.
-    fn field(&self) -> &'static str {
-        match self {
-            ModelSource::Preset(_) | ModelSource::LlamaPreset(_) => "model.preset",
-            ModelSource::Config(_) => "model.config.model_type",
-            ModelSource::Shape(_) | ModelSource::Params(_) => "model",
-        }
-    }
 }
 
 impl ModelSpec {
