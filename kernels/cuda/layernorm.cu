@@ -1,4 +1,6 @@
-// LayerNorm over the last dimension, statistics in f32 (eps passed by the caller).
+// LayerNorm and RMSNorm over the last dimension, statistics in f32 (eps passed by the caller).
+// One body for both, as on the CPU: a null `mean` is RMSNorm (rows not centred, m = 0, and no
+// bias: `bias`/`dbias` null and no bias partials).
 //
 // Rows (forward, dinp): one warp per row, blockDim.x / 32 rows per block (8 at the launcher's
 // 256 threads); the lanes stride over the row and reduce with butterflies: no block barriers,
@@ -7,8 +9,8 @@
 
 #define LN_WARPS 8 // blockDim.y of the column sums
 
-// out = (x - mean)·rstd·w + b for rows blockIdx.x·warps + warp < n; writes mean and
-// rstd = 1/sqrt(var + eps).
+// out = (x - m)·rstd·w (+ b) for rows blockIdx.x·warps + warp < n; writes mean (when
+// centred) and rstd = 1/sqrt(mean((x - m)²) + eps).
 template <typename X>
 __device__ void forward(X *out, float *mean, float *rstd, const X *inp, const X *weight,
                         const X *bias, long c, long n, float eps) {
@@ -16,9 +18,12 @@ __device__ void forward(X *out, float *mean, float *rstd, const X *inp, const X 
     int lane = threadIdx.x % 32;
     if (row >= n) return; // the whole warp: no shuffle is left waiting
     const X *x = inp + row * c;
-    float s = 0.0f;
-    for (long j = lane; j < c; j += 32) s += load(x[j]);
-    float m = warp_sum(s) / (float)c;
+    float m = 0.0f;
+    if (mean) {
+        float s = 0.0f;
+        for (long j = lane; j < c; j += 32) s += load(x[j]);
+        m = warp_sum(s) / (float)c;
+    }
     float v = 0.0f;
     for (long j = lane; j < c; j += 32) {
         float d = load(x[j]) - m;
@@ -26,15 +31,17 @@ __device__ void forward(X *out, float *mean, float *rstd, const X *inp, const X 
     }
     float r = 1.0f / sqrtf(warp_sum(v) / (float)c + eps);
     for (long j = lane; j < c; j += 32) {
-        out[row * c + j] = store<X>((load(x[j]) - m) * r * load(weight[j]) + load(bias[j]));
+        float y = (load(x[j]) - m) * r * load(weight[j]);
+        out[row * c + j] = store<X>(bias ? y + load(bias[j]) : y);
     }
     if (lane == 0) {
-        mean[row] = m;
+        if (mean) mean[row] = m;
         rstd[row] = r;
     }
 }
 
-// A warp per row: dinp += (w·dy - mean(w·dy) - norm·mean(w·dy·norm))·rstd.
+// A warp per row: dinp += (w·dy - mean(w·dy) - norm·mean(w·dy·norm))·rstd, without the
+// mean(w·dy) term when not centred.
 template <typename X>
 __device__ void backward_rows(X *dinp, const X *dout, const X *inp, const X *weight,
                               const float *mean, const float *rstd, long c, long n) {
@@ -42,14 +49,14 @@ __device__ void backward_rows(X *dinp, const X *dout, const X *inp, const X *wei
     int lane = threadIdx.x % 32;
     if (row >= n) return;
     const X *x = inp + row * c, *dy = dout + row * c;
-    float m = mean[row], r = rstd[row];
+    float m = mean ? mean[row] : 0.0f, r = rstd[row];
     float s1 = 0.0f, s2 = 0.0f;
     for (long j = lane; j < c; j += 32) {
         float wd = load(weight[j]) * load(dy[j]);
         s1 += wd;
         s2 += wd * (load(x[j]) - m) * r;
     }
-    s1 = warp_sum(s1) / (float)c;
+    s1 = mean ? warp_sum(s1) / (float)c : 0.0f;
     s2 = warp_sum(s2) / (float)c;
     for (long j = lane; j < c; j += 32) {
         float g = (load(weight[j]) * load(dy[j]) - s1 - (load(x[j]) - m) * r * s2) * r;
@@ -61,7 +68,8 @@ __device__ void backward_rows(X *dinp, const X *dout, const X *inp, const X *wei
 // columns 32x.. and rows [y·chunk, (y+1)·chunk); thread (tx, ty) sums rows ty, ty + LN_WARPS,
 // ... of its column in order, then the LN_WARPS partials of a column are added in a fixed
 // tree. parts holds
-// Σ dy·norm at [y][j] and Σ dy at [gridDim.y + y][j] (2 · gridDim.y · c floats).
+// Σ dy·norm at [y][j] and, when centred, Σ dy at [gridDim.y + y][j] (2 · gridDim.y · c floats;
+// gridDim.y · c for RMSNorm).
 template <typename X>
 __device__ void backward_column_parts(float *parts, const X *dout, const X *inp,
                                       const float *mean, const float *rstd, long n, long c,
@@ -73,21 +81,22 @@ __device__ void backward_column_parts(float *parts, const X *dout, const X *inp,
     if (j < c) {
         for (long row = lo + ty; row < hi; row += LN_WARPS) {
             float dy = load(dout[row * c + j]);
-            aw += dy * ((load(inp[row * c + j]) - mean[row]) * rstd[row]);
+            aw += dy * ((load(inp[row * c + j]) - (mean ? mean[row] : 0.0f)) * rstd[row]);
             ab += dy;
         }
     }
     pw[ty][tx] = aw;
     pb[ty][tx] = ab;
     sum_down_columns<LN_WARPS>(pw);
-    sum_down_columns<LN_WARPS>(pb);
+    if (mean) sum_down_columns<LN_WARPS>(pb);
     if (ty == 0 && j < c) {
         parts[(long)blockIdx.y * c + j] = pw[0][tx];
-        parts[((long)gridDim.y + blockIdx.y) * c + j] = pb[0][tx];
+        if (mean) parts[((long)gridDim.y + blockIdx.y) * c + j] = pb[0][tx];
     }
 }
 
-// Stage 2: per column, the ceil(n / chunk) partials in order, added to dweight and dbias once.
+// Stage 2: per column, the ceil(n / chunk) partials in order, added to dweight and (when not
+// null) dbias once.
 template <typename X>
 __device__ void backward_column_sums(X *dweight, X *dbias, const float *parts, long n, long c,
                                      long chunk) {
@@ -96,10 +105,10 @@ __device__ void backward_column_sums(X *dweight, X *dbias, const float *parts, l
         float aw = 0.0f, ab = 0.0f;
         for (long r = 0; r < p; r++) {
             aw += parts[r * c + j];
-            ab += parts[(p + r) * c + j];
+            if (dbias) ab += parts[(p + r) * c + j];
         }
         dweight[j] = store<X>(load(dweight[j]) + aw);
-        dbias[j] = store<X>(load(dbias[j]) + ab);
+        if (dbias) dbias[j] = store<X>(load(dbias[j]) + ab);
     }
 }
 
@@ -123,5 +132,25 @@ __device__ void backward_column_sums(X *dweight, X *dbias, const float *parts, l
     extern "C" __global__ void layernorm_backward_column_sums_##name(                         \
         X *dweight, X *dbias, const float *parts, long n, long c, long chunk) {               \
         backward_column_sums(dweight, dbias, parts, n, c, chunk);                             \
+    }                                                                                         \
+    extern "C" __global__ void rmsnorm_forward_##name(X *out, float *rstd, const X *inp,      \
+                                                      const X *weight, long c, long n,        \
+                                                      float eps) {                            \
+        forward<X>(out, nullptr, rstd, inp, weight, nullptr, c, n, eps);                      \
+    }                                                                                         \
+    extern "C" __global__ void rmsnorm_backward_rows_##name(X *dinp, const X *dout,           \
+                                                            const X *inp, const X *weight,    \
+                                                            const float *rstd, long c,        \
+                                                            long n) {                         \
+        backward_rows<X>(dinp, dout, inp, weight, nullptr, rstd, c, n);                       \
+    }                                                                                         \
+    extern "C" __global__ void rmsnorm_backward_column_parts_##name(                          \
+        float *parts, const X *dout, const X *inp, const float *rstd, long n, long c,         \
+        long chunk) {                                                                         \
+        backward_column_parts<X>(parts, dout, inp, nullptr, rstd, n, c, chunk);               \
+    }                                                                                         \
+    extern "C" __global__ void rmsnorm_backward_column_sums_##name(                           \
+        X *dweight, const float *parts, long n, long c, long chunk) {                         \
+        backward_column_sums<X>(dweight, nullptr, parts, n, c, chunk);                        \
     }
 FOR_EACH_DTYPE(ENTRY)

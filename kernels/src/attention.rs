@@ -87,7 +87,7 @@ impl AttentionDims {
 
     /// Heads of the packed `qkv (B, T, 3C)` (`[q | k | v]`) and of `out (B, T, C)`, after
     /// checking their lengths.
-    fn packed(&self, qkv: usize, out: usize, att: usize) -> [Heads; 4] {
+    pub(crate) fn packed(&self, qkv: usize, out: usize, att: usize) -> [Heads; 4] {
         self.check(att);
         assert_eq!(
             self.kv_heads, self.nh,
@@ -108,7 +108,7 @@ impl AttentionDims {
 
     /// Heads of `q (B, T, NH·hs)`, `k`, `v (B, T, KV·hs)` and `out (B, T, NH·hs)`, after
     /// checking their lengths.
-    fn separate(&self, [q, k, v, out]: [usize; 4], att: usize) -> [Heads; 4] {
+    pub(crate) fn separate(&self, [q, k, v, out]: [usize; 4], att: usize) -> [Heads; 4] {
         self.check(att);
         let tokens = self.b * self.t;
         let (qc, kc) = (self.q_width(), self.kv_width());
@@ -128,7 +128,7 @@ impl AttentionDims {
 /// Where a tensor keeps its heads: row (b, t) of head h starts at element
 /// `offset + (b·T + t)·stride + h·hs`.
 #[derive(Clone, Copy)]
-struct Heads {
+pub(crate) struct Heads {
     offset: usize,
     stride: usize,
 }

@@ -30,23 +30,28 @@ pub fn rope_backward<X: Float>(dx: &mut [X], cos: &[f32], sin: &[f32], d: RopeDi
     rotate(dx, cos, sin, d, true);
 }
 
-/// Rotates every row by its position's angle, or by its negative (`back`).
-fn rotate<X: Float>(x: &mut [X], cos: &[f32], sin: &[f32], d: RopeDims, back: bool) {
-    let RopeDims { t, heads, head_dim } = d;
-    let h = head_dim / 2;
+/// Rows (of one head at one position) of an `x` of `len` elements, after checking the shapes.
+pub(crate) fn check(len: usize, cos: usize, sin: usize, d: &RopeDims) -> usize {
+    let RopeDims { t, heads, head_dim } = *d;
     assert!(
         head_dim > 0 && head_dim.is_multiple_of(2) && head_dim <= BLOCK,
         "head_dim {head_dim} must be even and at most {BLOCK}"
     );
     assert!(
-        t > 0 && heads > 0 && x.len().is_multiple_of(t * heads * head_dim),
+        t > 0 && heads > 0 && len.is_multiple_of(t * heads * head_dim),
         "x must be (B, T, heads, D)"
     );
     assert!(
-        cos.len() == sin.len() && cos.len() >= t * h,
+        cos == sin && cos >= t * head_dim / 2,
         "cos and sin must be (T, D/2) tables"
     );
-    let rows = x.len() / head_dim;
+    len / head_dim
+}
+
+/// Rotates every row by its position's angle, or by its negative (`back`).
+fn rotate<X: Float>(x: &mut [X], cos: &[f32], sin: &[f32], d: RopeDims, back: bool) {
+    let RopeDims { t, heads, head_dim } = d;
+    let (rows, h) = (check(x.len(), cos.len(), sin.len(), &d), head_dim / 2);
     let x = SharedMut::new(x);
     for_ranges(rows, CHUNK, |r| {
         // SAFETY: ranges of rows are disjoint.

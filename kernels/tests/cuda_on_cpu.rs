@@ -21,11 +21,15 @@ use std::time::Instant;
 use common::*;
 use cudarc::driver::LaunchConfig;
 use kernels::Float;
-use kernels::attention::{AttentionDims, attention_backward, attention_forward};
+use kernels::attention::{
+    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
+    gqa_attention_forward,
+};
 use kernels::cuda::layers;
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, LIMBS, Lion, Momentum};
-use kernels::{crossentropy, encoder, gelu, layernorm, norm, residual};
+use kernels::rope::{RopeDims, rope_backward, rope_forward};
+use kernels::{crossentropy, encoder, gelu, layernorm, norm, residual, rmsnorm, swiglu};
 use shim::{Arg, Shim, inp, null, out, val};
 
 type Bf16 = half::bf16;
@@ -127,6 +131,24 @@ fn encoder_matches_cpu<X: Float>() {
     let mut want = vec![X::ZERO; bt * c];
     encoder::encoder_forward(&mut want, &tokens, &wte, Some(&wpe), t, c);
     close("encoder_forward", &got, &want, rtol::<X>());
+    // Without learned positions (a null wpe).
+    let mut got = nan::<X>(bt * c);
+    run(
+        &format!("encoder_forward_{}", X::NAME),
+        kernels::cuda::elementwise(bt * c),
+        &[
+            out(&mut got),
+            inp(&tokens),
+            inp(&wte),
+            null(),
+            val(len(bt)),
+            val(len(t)),
+            val(len(c)),
+            val(len(v)),
+        ],
+    );
+    encoder::encoder_forward(&mut want, &tokens, &wte, None, t, c);
+    close("encoder_forward without wpe", &got, &want, rtol::<X>());
 
     let dout = random::<X>(&mut rng, bt * c, 1.0);
     let (dwte0, dwpe0) = (
@@ -283,11 +305,199 @@ fn attention_matches_cpu<X: Float>() {
     ];
     args.extend(dims());
     run(&format!("attention_backward_query_{}", X::NAME), cfg, &args);
-    run(&format!("attention_backward_key_{}", X::NAME), cfg, &args);
+    run(
+        &format!("attention_backward_key_{}", X::NAME),
+        layers::attention_key_config(&d),
+        &args,
+    );
     let (mut wq, mut ws) = (vec![X::ZERO; qkv.len()], vec![0f32; wa.len()]);
     attention_backward(&mut wq, &mut ws, &dout, &qkv, &wa, d);
     close("attention_backward dqkv", &dqkv, &wq, rtol::<X>());
     close("attention_backward datt", &datt, &ws, 1e-5);
+}
+
+fn gqa_attention_matches_cpu<X: Float>() {
+    // Two query heads per key/value head, heads of 40 columns, T over the 8 warps.
+    let d = AttentionDims::gqa(1, 13, 4, 2, 40);
+    let (qn, kn) = (d.b * d.t * d.q_width(), d.b * d.t * d.kv_width());
+    let mut rng = Rng::new(12);
+    let (q, k, v) = (
+        random::<X>(&mut rng, qn, 1.0),
+        random::<X>(&mut rng, kn, 1.0),
+        random::<X>(&mut rng, kn, 1.0),
+    );
+    let an = d.b * d.nh * d.t * d.t;
+    let dims = || {
+        [d.t, d.nh, d.kv_heads, d.head_size]
+            .into_iter()
+            .map(|n| val(n as i32))
+    };
+    let (mut o, mut att) = (nan::<X>(qn), nan::<X>(an));
+    let mut args = vec![out(&mut o), out(&mut att), inp(&q), inp(&k), inp(&v)];
+    args.extend(dims());
+    let name = |k: &str| format!("gqa_attention_{k}_{}", X::NAME);
+    run(&name("forward"), layers::attention_config(&d), &args);
+    let (mut wo, mut wa) = (vec![X::ZERO; qn], vec![X::ZERO; an]);
+    gqa_attention_forward(&mut wo, &mut wa, &q, &k, &v, d);
+    close("gqa_attention_forward out", &o, &wo, rtol::<X>());
+    close("gqa_attention_forward att", &att, &wa, rtol::<X>());
+
+    let dout = random::<X>(&mut rng, qn, 1.0);
+    let (mut dq, mut dk, mut dv, mut datt) = (nan::<X>(qn), nan::<X>(kn), nan::<X>(kn), nan(an));
+    let mut args = vec![
+        out(&mut dq),
+        out(&mut datt),
+        inp(&dout),
+        inp(&k),
+        inp(&v),
+        inp(&wa),
+    ];
+    args.extend(dims());
+    run(&name("backward_query"), layers::attention_config(&d), &args);
+    let mut args = vec![
+        out(&mut dk),
+        out(&mut dv),
+        inp(&datt),
+        inp(&dout),
+        inp(&q),
+        inp(&wa),
+    ];
+    args.extend(dims());
+    run(
+        &name("backward_key"),
+        layers::attention_key_config(&d),
+        &args,
+    );
+    let (mut wq, mut wk, mut wv, mut ws) = (
+        vec![X::ZERO; qn],
+        vec![X::ZERO; kn],
+        vec![X::ZERO; kn],
+        vec![0f32; an],
+    );
+    gqa_attention_backward(
+        &mut wq, &mut wk, &mut wv, &mut ws, &dout, &q, &k, &v, &wa, d,
+    );
+    close("gqa_attention_backward dq", &dq, &wq, rtol::<X>());
+    close("gqa_attention_backward dk", &dk, &wk, rtol::<X>());
+    close("gqa_attention_backward dv", &dv, &wv, rtol::<X>());
+    close("gqa_attention_backward datt", &datt, &ws, 1e-5);
+}
+
+/// RMSNorm as the block norm (C not a multiple of the block) and as a per-head norm.
+fn rmsnorm_matches_cpu<X: Float>() {
+    let mut rng = Rng::new(13);
+    for (n, c) in [(37, 300), (40, 64)] {
+        let x = random::<X>(&mut rng, n * c, 2.0);
+        let w = random::<X>(&mut rng, c, 1.0);
+        let (mut o, mut rstd) = (nan::<X>(n * c), nan::<f32>(n));
+        let what = |k: &str| format!("rmsnorm_{k} C {c}");
+        let name = |k: &str| format!("rmsnorm_{k}_{}", X::NAME);
+        run(
+            &name("forward"),
+            layers::layernorm_rows_config(n),
+            &[
+                out(&mut o),
+                out(&mut rstd),
+                inp(&x),
+                inp(&w),
+                val(len(c)),
+                val(len(n)),
+                val(1e-6f32),
+            ],
+        );
+        let (mut wo, mut wr) = (vec![X::ZERO; n * c], vec![0f32; n]);
+        rmsnorm::rmsnorm_forward(&mut wo, &mut wr, &x, &w, 1e-6);
+        close(&what("forward out"), &o, &wo, rtol::<X>());
+        close(&what("forward rstd"), &rstd, &wr, 1e-5);
+
+        let dout = random::<X>(&mut rng, n * c, 1.0);
+        let (dinp0, dw0) = (
+            random::<X>(&mut rng, n * c, 1.0),
+            random::<X>(&mut rng, c, 1.0),
+        );
+        let (mut dinp, mut dw) = (dinp0.clone(), dw0.clone());
+        run(
+            &name("backward_rows"),
+            layers::layernorm_rows_config(n),
+            &[
+                out(&mut dinp),
+                inp(&dout),
+                inp(&x),
+                inp(&w),
+                inp(&rstd),
+                val(len(c)),
+                val(len(n)),
+            ],
+        );
+        let cols = layers::ColumnSums::new(n, c, 1);
+        let mut scratch = nan::<f32>(cols.scratch);
+        let chunk = len(cols.chunk);
+        run(
+            &name("backward_column_parts"),
+            cols.parts,
+            &[
+                out(&mut scratch),
+                inp(&dout),
+                inp(&x),
+                inp(&rstd),
+                val(len(n)),
+                val(len(c)),
+                val(chunk),
+            ],
+        );
+        run(
+            &name("backward_column_sums"),
+            cols.sums,
+            &[
+                out(&mut dw),
+                inp(&scratch),
+                val(len(n)),
+                val(len(c)),
+                val(chunk),
+            ],
+        );
+        let (mut wi, mut ww) = (dinp0, dw0);
+        rmsnorm::rmsnorm_backward(&mut wi, &mut ww, &dout, &x, &w, &wr);
+        close(&what("backward dinp"), &dinp, &wi, rtol::<X>());
+        close(&what("backward dweight"), &dw, &ww, rtol::<X>());
+    }
+}
+
+fn rope_matches_cpu<X: Float>() {
+    let d = RopeDims {
+        t: 7,
+        heads: 3,
+        head_dim: 20,
+    };
+    let rows = 2 * d.t * d.heads;
+    let (cos, sin) = rope_tables(d.t + 2, d.head_dim);
+    let x = random::<X>(&mut Rng::new(14), rows * d.head_dim, 1.0);
+    let cfg = kernels::cuda::elementwise(rows * d.head_dim / 2);
+    for (kernel, cpu) in [
+        (
+            "rope_forward",
+            rope_forward::<X> as fn(&mut [X], &[f32], &[f32], RopeDims),
+        ),
+        ("rope_backward", rope_backward::<X>),
+    ] {
+        let mut got = x.clone();
+        run(
+            &format!("{kernel}_{}", X::NAME),
+            cfg,
+            &[
+                out(&mut got),
+                inp(&cos),
+                inp(&sin),
+                val(len(rows)),
+                val(len(d.t)),
+                val(len(d.heads)),
+                val(len(d.head_dim / 2)),
+            ],
+        );
+        let mut want = x.clone();
+        cpu(&mut want, &cos, &sin, d);
+        close(kernel, &got, &want, rtol::<X>());
+    }
 }
 
 fn elementwise_layers_match_cpu<X: Float>() {
@@ -332,6 +542,27 @@ fn elementwise_layers_match_cpu<X: Float>() {
     let mut want = a.clone();
     residual::residual_accumulate(&mut want, &b);
     close("residual_accumulate", &acc, &want, rtol::<X>());
+
+    let mut o = nan::<X>(n);
+    run(
+        &name("swiglu_forward"),
+        cfg,
+        &[out(&mut o), inp(&a), inp(&b), val(len(n))],
+    );
+    let mut want = vec![X::ZERO; n];
+    swiglu::swiglu_forward(&mut want, &a, &b);
+    close("swiglu_forward", &o, &want, rtol::<X>());
+    let dout = random::<X>(&mut rng, n, 1.0);
+    let (mut dg, mut du) = (nan::<X>(n), dout.clone());
+    run(
+        &name("swiglu_backward"),
+        cfg,
+        &[out(&mut dg), out(&mut du), inp(&a), inp(&b), val(len(n))],
+    );
+    let (mut wg, mut wu) = (vec![X::ZERO; n], dout.clone());
+    swiglu::swiglu_backward(&mut wg, &mut wu, &a, &b);
+    close("swiglu_backward dgate", &dg, &wg, rtol::<X>());
+    close("swiglu_backward dup", &du, &wu, rtol::<X>());
 }
 
 fn crossentropy_matches_cpu() {
@@ -998,6 +1229,9 @@ fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
     cases.extend(every_dtype!(encoder_matches_cpu));
     cases.extend(every_dtype!(layernorm_matches_cpu));
     cases.extend(every_dtype!(attention_matches_cpu));
+    cases.extend(every_dtype!(gqa_attention_matches_cpu));
+    cases.extend(every_dtype!(rmsnorm_matches_cpu));
+    cases.extend(every_dtype!(rope_matches_cpu));
     cases.extend(every_dtype!(elementwise_layers_match_cpu));
     cases.extend(every_dtype!(norms_match_cpu));
     cases.extend(every_dtype!(adafactor_phases_match_cpu));
@@ -1098,6 +1332,22 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
             2 * 1024 + 128,
         );
     }
+    // Llama-family shapes at B 16, T 1024: Llama-3-8B (32 query heads, 8 key/value heads of
+    // 128) and Qwen3's per-head norms over B·T·32 rows of 128.
+    let (bt, nh, kv, hs) = (16 * 1024, 32, 8, 128);
+    let d = AttentionDims::gqa(16, 1024, nh, kv, hs);
+    ok("gqa attention", layers::attention_config(&d), 16 << 10);
+    ok(
+        "gqa attention keys",
+        layers::attention_key_config(&d),
+        16 << 10,
+    );
+    for rows in [bt, bt * nh] {
+        ok("rmsnorm rows", layers::layernorm_rows_config(rows), 0);
+        let cols = layers::ColumnSums::new(rows, hs, 1);
+        ok("rmsnorm column parts", cols.parts, 2 * 8 * 33 * 4);
+    }
+    ok("rope", elementwise(bt * nh * hs / 2), 0);
 
     let many_heads = AttentionDims::mha(4096, 8, 512, 32); // B·NH = 131,072 blocks in grid y
     let cfg = layers::attention_config(&many_heads);

@@ -12,11 +12,15 @@ use std::sync::OnceLock;
 
 use common::*;
 use cudarc::driver::CudaSlice;
-use kernels::attention::{AttentionDims, attention_backward, attention_forward};
+use kernels::attention::{
+    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
+    gqa_attention_forward,
+};
 use kernels::cuda::{self, Device, DeviceFloat, Error, layers};
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
-use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, residual};
+use kernels::rope::{RopeDims, rope_backward, rope_forward};
+use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, residual, rmsnorm, swiglu};
 
 /// The GPU, opened once per test binary; `None` (after saying so) without a driver.
 fn device() -> Option<&'static Device> {
@@ -91,6 +95,24 @@ fn encoder_matches_cpu<X: DeviceFloat>() {
     let mut want = vec![X::ZERO; b * t * c];
     encoder::encoder_forward(&mut want, &tokens, &wte, Some(&wpe), t, c);
     close("encoder_forward", &down(d, &out), &want, rtol::<X>());
+    let mut out = up(d, &nan::<X>(b * t * c));
+    layers::encoder_forward(
+        d,
+        &mut out.as_view_mut(),
+        &up(d, &tokens).as_view(),
+        &up(d, &wte).as_view(),
+        None,
+        t,
+        c,
+    )
+    .unwrap();
+    encoder::encoder_forward(&mut want, &tokens, &wte, None, t, c);
+    close(
+        "encoder_forward without wpe",
+        &down(d, &out),
+        &want,
+        rtol::<X>(),
+    );
 
     let dout = random::<X>(&mut rng, b * t * c, 1.0);
     let (dwte0, dwpe0) = (
@@ -288,6 +310,42 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
     } else {
         assert_eq!(to_f64(&db), to_f64(&db0), "dbias untouched without a bias");
     }
+
+    // dinp added to (cuBLASLt's beta = 1), as a second layer reading the same input does.
+    let dinp0 = random::<X>(&mut rng, m * k, 1.0);
+    let (mut dinp, mut dw) = (up(d, &dinp0), up(d, &want_dw));
+    cuda::matmul::matmul_backward(
+        d,
+        &mut dinp.as_view_mut(),
+        &mut dw.as_view_mut(),
+        None,
+        &up(d, &dout).as_view(),
+        &inp_dev.as_view(),
+        &w_dev.as_view(),
+        layout,
+        (m, k, n),
+        DinpMode::Accumulate,
+    )
+    .unwrap();
+    let mut want_dx = dinp0;
+    matmul::matmul_backward(
+        &mut want_dx,
+        &mut want_dw,
+        None,
+        &dout,
+        &inp,
+        &w,
+        layout,
+        (m, k, n),
+        DinpMode::Accumulate,
+        &mut scratch,
+    );
+    close(
+        &format!("matmul_backward dinp += {what}"),
+        &down(d, &dinp),
+        &want_dx,
+        rtol::<X>(),
+    );
 }
 
 /// The trainer's layer shapes scaled down, plus depths and widths that are no multiple of 8
@@ -367,6 +425,177 @@ fn attention_matches_cpu<X: DeviceFloat>() {
     close("attention_backward datt", &down(d, &datt), &ws, 1e-5);
 }
 
+/// Grouped-query attention, 4 query heads per key/value head, heads of 64.
+fn gqa_attention_matches_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    let dims = AttentionDims::gqa(2, 33, 8, 2, 64);
+    let (qn, kn) = (
+        dims.b * dims.t * dims.q_width(),
+        dims.b * dims.t * dims.kv_width(),
+    );
+    let an = dims.b * dims.nh * dims.t * dims.t;
+    let mut rng = Rng::new(8);
+    let (q, k, v) = (
+        random::<X>(&mut rng, qn, 1.0),
+        random::<X>(&mut rng, kn, 1.0),
+        random::<X>(&mut rng, kn, 1.0),
+    );
+    let (dq_, dk_, dv_) = (up(d, &q), up(d, &k), up(d, &v));
+    let (mut out, mut att) = (up(d, &nan::<X>(qn)), up(d, &nan::<X>(an)));
+    layers::gqa_attention_forward(
+        d,
+        &mut out.as_view_mut(),
+        &mut att.as_view_mut(),
+        &dq_.as_view(),
+        &dk_.as_view(),
+        &dv_.as_view(),
+        dims,
+    )
+    .unwrap();
+    let (mut o, mut a) = (vec![X::ZERO; qn], vec![X::ZERO; an]);
+    gqa_attention_forward(&mut o, &mut a, &q, &k, &v, dims);
+    close("gqa_attention_forward out", &down(d, &out), &o, rtol::<X>());
+    close("gqa_attention_forward att", &down(d, &att), &a, rtol::<X>());
+
+    let dout = random::<X>(&mut rng, qn, 1.0);
+    let (mut gq, mut gk, mut gv, mut datt) = (
+        up(d, &nan::<X>(qn)),
+        up(d, &nan::<X>(kn)),
+        up(d, &nan::<X>(kn)),
+        up(d, &nan::<f32>(an)),
+    );
+    layers::gqa_attention_backward(
+        d,
+        &mut gq.as_view_mut(),
+        &mut gk.as_view_mut(),
+        &mut gv.as_view_mut(),
+        &mut datt.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &dq_.as_view(),
+        &dk_.as_view(),
+        &dv_.as_view(),
+        &up(d, &a).as_view(),
+        dims,
+    )
+    .unwrap();
+    let (mut wq, mut wk, mut wv, mut ws) = (
+        vec![X::ZERO; qn],
+        vec![X::ZERO; kn],
+        vec![X::ZERO; kn],
+        vec![0f32; an],
+    );
+    gqa_attention_backward(
+        &mut wq, &mut wk, &mut wv, &mut ws, &dout, &q, &k, &v, &a, dims,
+    );
+    close("gqa_attention_backward dq", &down(d, &gq), &wq, rtol::<X>());
+    close("gqa_attention_backward dk", &down(d, &gk), &wk, rtol::<X>());
+    close("gqa_attention_backward dv", &down(d, &gv), &wv, rtol::<X>());
+    close("gqa_attention_backward datt", &down(d, &datt), &ws, 1e-5);
+}
+
+/// RMSNorm as a block norm and as Qwen3's per-head norm (width 128, many rows).
+fn rmsnorm_matches_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    let mut rng = Rng::new(9);
+    for (n, c) in [(37, 300), (4000, 128)] {
+        let x = random::<X>(&mut rng, n * c, 2.0);
+        let w = random::<X>(&mut rng, c, 1.0);
+        let (dx, dw_) = (up(d, &x), up(d, &w));
+        let (mut out, mut rstd) = (up(d, &nan::<X>(n * c)), up(d, &nan::<f32>(n)));
+        layers::rmsnorm_forward(
+            d,
+            &mut out.as_view_mut(),
+            &mut rstd.as_view_mut(),
+            &dx.as_view(),
+            &dw_.as_view(),
+            1e-6,
+        )
+        .unwrap();
+        let (mut wo, mut wr) = (vec![X::ZERO; n * c], vec![0f32; n]);
+        rmsnorm::rmsnorm_forward(&mut wo, &mut wr, &x, &w, 1e-6);
+        close(
+            &format!("rmsnorm_forward out C {c}"),
+            &down(d, &out),
+            &wo,
+            rtol::<X>(),
+        );
+        close(
+            &format!("rmsnorm_forward rstd C {c}"),
+            &down(d, &rstd),
+            &wr,
+            1e-5,
+        );
+
+        let dout = random::<X>(&mut rng, n * c, 1.0);
+        let (dinp0, dweight0) = (
+            random::<X>(&mut rng, n * c, 1.0),
+            random::<X>(&mut rng, c, 1.0),
+        );
+        let (mut dinp, mut dweight) = (up(d, &dinp0), up(d, &dweight0));
+        layers::rmsnorm_backward(
+            d,
+            &mut dinp.as_view_mut(),
+            &mut dweight.as_view_mut(),
+            &up(d, &dout).as_view(),
+            &dx.as_view(),
+            &dw_.as_view(),
+            &up(d, &wr).as_view(),
+        )
+        .unwrap();
+        let (mut wi, mut ww) = (dinp0, dweight0);
+        rmsnorm::rmsnorm_backward(&mut wi, &mut ww, &dout, &x, &w, &wr);
+        close(
+            &format!("rmsnorm_backward dinp C {c}"),
+            &down(d, &dinp),
+            &wi,
+            rtol::<X>(),
+        );
+        close(
+            &format!("rmsnorm_backward dweight C {c}"),
+            &down(d, &dweight),
+            &ww,
+            rtol::<X>(),
+        );
+    }
+}
+
+fn rope_matches_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    let dims = RopeDims {
+        t: 33,
+        heads: 4,
+        head_dim: 64,
+    };
+    let n = 2 * dims.t * dims.heads * dims.head_dim;
+    let (cos, sin) = rope_tables(dims.t + 7, dims.head_dim);
+    let x = random::<X>(&mut Rng::new(10), n, 1.0);
+    let (dc, ds) = (up(d, &cos), up(d, &sin));
+    let mut got = up(d, &x);
+    layers::rope_forward(
+        d,
+        &mut got.as_view_mut(),
+        &dc.as_view(),
+        &ds.as_view(),
+        dims,
+    )
+    .unwrap();
+    let mut want = x.clone();
+    rope_forward(&mut want, &cos, &sin, dims);
+    close("rope_forward", &down(d, &got), &want, rtol::<X>());
+    let mut got = up(d, &x);
+    layers::rope_backward(
+        d,
+        &mut got.as_view_mut(),
+        &dc.as_view(),
+        &ds.as_view(),
+        dims,
+    )
+    .unwrap();
+    let mut want = x;
+    rope_backward(&mut want, &cos, &sin, dims);
+    close("rope_backward", &down(d, &got), &want, rtol::<X>());
+}
+
 fn elementwise_layers_match_cpu<X: DeviceFloat>() {
     let Some(d) = device() else { return };
     let n = 70_001; // several grid-stride rounds are not needed, but a ragged last block is
@@ -393,6 +622,26 @@ fn elementwise_layers_match_cpu<X: DeviceFloat>() {
     let mut want = a.clone();
     residual::residual_accumulate(&mut want, &b);
     close("residual_accumulate", &down(d, &acc), &want, rtol::<X>());
+
+    let mut out = up(d, &nan::<X>(n));
+    layers::swiglu_forward(d, &mut out.as_view_mut(), &da.as_view(), &db.as_view()).unwrap();
+    let mut want = vec![X::ZERO; n];
+    swiglu::swiglu_forward(&mut want, &a, &b);
+    close("swiglu_forward", &down(d, &out), &want, rtol::<X>());
+    let dout = random::<X>(&mut rng, n, 1.0);
+    let (mut dg, mut du) = (up(d, &nan::<X>(n)), up(d, &dout));
+    layers::swiglu_backward(
+        d,
+        &mut dg.as_view_mut(),
+        &mut du.as_view_mut(),
+        &da.as_view(),
+        &db.as_view(),
+    )
+    .unwrap();
+    let (mut wg, mut wu) = (vec![X::ZERO; n], dout.clone());
+    swiglu::swiglu_backward(&mut wg, &mut wu, &a, &b);
+    close("swiglu_backward dgate", &down(d, &dg), &wg, rtol::<X>());
+    close("swiglu_backward dup", &down(d, &du), &wu, rtol::<X>());
 }
 
 #[test]
@@ -826,6 +1075,9 @@ per_dtype! {
     encoder_parity => encoder_matches_cpu;
     layernorm_parity => layernorm_matches_cpu;
     attention_parity => attention_matches_cpu;
+    gqa_attention_parity => gqa_attention_matches_cpu;
+    rmsnorm_parity => rmsnorm_matches_cpu;
+    rope_parity => rope_matches_cpu;
     dense_layer_parity => dense_layers_match_cpu;
     lm_head_parity => lm_head_matches_cpu;
     elementwise_layer_parity => elementwise_layers_match_cpu;

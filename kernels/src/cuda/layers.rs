@@ -6,9 +6,10 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{MAX_GRID, THREADS, elementwise, input_ptr, launch, rows};
 use super::{Device, DeviceFloat, Error};
-use crate::attention::{AttentionDims, MAX_T};
+use crate::attention::AttentionDims;
 use crate::encoder::check_positions;
 use crate::layernorm::EPS;
+use crate::rope::{self, RopeDims};
 
 fn len(n: usize) -> i64 {
     n as i64
@@ -187,7 +188,7 @@ pub fn layernorm_forward<X: DeviceFloat>(
     bias: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     let c = weight.len();
-    let n = check_rows(inp.len(), c, mean.len(), rstd.len());
+    let n = check_rows(inp.len(), c, &[mean.len(), rstd.len()]);
     assert!(
         out.len() == inp.len() && bias.len() == c,
         "out must be (N, C), bias (C)"
@@ -213,7 +214,7 @@ pub fn layernorm_backward<X: DeviceFloat>(
     rstd: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
     let c = weight.len();
-    let n = check_rows(inp.len(), c, mean.len(), rstd.len());
+    let n = check_rows(inp.len(), c, &[mean.len(), rstd.len()]);
     assert!(
         dinp.len() == inp.len() && dout.len() == inp.len(),
         "dinp, dout must be (N, C)"
@@ -235,35 +236,77 @@ pub fn layernorm_backward<X: DeviceFloat>(
     Ok(())
 }
 
-fn check_rows(len: usize, c: usize, nm: usize, nr: usize) -> usize {
+/// `out (N, C) = inp · rstd · weight`, writing `rstd (N) = 1/sqrt(mean(inp²) + eps)`
+/// (RMSNorm: layernorm.cu's kernels, not centred).
+pub fn rmsnorm_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaViewMut<'_, X>,
+    rstd: &mut CudaViewMut<'_, f32>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    eps: f32,
+) -> Result<(), Error> {
+    let c = weight.len();
+    let n = check_rows(inp.len(), c, &[rstd.len()]);
+    assert_eq!(out.len(), inp.len(), "out must be (N, C)");
+    let (cl, nl) = (len(c), len(n));
+    launch!(dev, "layernorm.cu", format!("rmsnorm_forward_{}", X::NAME), layernorm_rows_config(n);
+        out, rstd, inp, weight, &cl, &nl, &eps);
+    Ok(())
+}
+
+/// Backward: `dinp += ∂L/∂inp`, `dweight += Σ dout·inp·rstd`. The column sums take
+/// `min(N/32, 64)·C` f32 of device scratch for the call.
+pub fn rmsnorm_backward<X: DeviceFloat>(
+    dev: &Device,
+    dinp: &mut CudaViewMut<'_, X>,
+    dweight: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, X>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    rstd: &CudaView<'_, f32>,
+) -> Result<(), Error> {
+    let c = weight.len();
+    let n = check_rows(inp.len(), c, &[rstd.len()]);
+    assert!(
+        dinp.len() == inp.len() && dout.len() == inp.len(),
+        "dinp, dout must be (N, C)"
+    );
+    assert_eq!(dweight.len(), c, "dweight must be (C)");
+    let (nl, cl) = (len(n), len(c));
+    launch!(dev, "layernorm.cu", format!("rmsnorm_backward_rows_{}", X::NAME), layernorm_rows_config(n);
+        dinp, dout, inp, weight, rstd, &cl, &nl);
+    let cols = ColumnSums::new(n, c, 1);
+    let mut parts = dev.zeros::<f32>(cols.scratch)?;
+    let chunk = len(cols.chunk);
+    launch!(dev, "layernorm.cu", format!("rmsnorm_backward_column_parts_{}", X::NAME), cols.parts;
+        &mut parts, dout, inp, rstd, &nl, &cl, &chunk);
+    launch!(dev, "layernorm.cu", format!("rmsnorm_backward_column_sums_{}", X::NAME), cols.sums;
+        dweight, &parts, &nl, &cl, &chunk);
+    Ok(())
+}
+
+/// Rows of `inp (N, C)`, after checking it and the statistics (N each).
+fn check_rows(len: usize, c: usize, stats: &[usize]) -> usize {
     assert!(
         c > 0 && len.is_multiple_of(c),
         "inp must be (N, C) with C = weight.len()"
     );
-    assert!(nm == len / c && nr == len / c, "mean and rstd must be (N)");
+    assert!(
+        stats.iter().all(|&s| s == len / c),
+        "the statistics (mean, rstd) must be (N)"
+    );
     len / c
 }
 
-fn check_attention(d: &AttentionDims, qkv: usize, out: usize, att: usize) -> (i32, i32, i32) {
-    let AttentionDims {
-        b,
-        t,
-        nh,
-        kv_heads,
-        head_size,
-    } = *d;
+/// The kernels' shape arguments `[T, NH, KV, hs]`, within attention.cu's head size.
+fn attention_args(d: &AttentionDims) -> [i32; 4] {
     assert!(
-        nh > 0 && kv_heads == nh && head_size > 0 && head_size <= ATTENTION_MAX_HS,
-        "packed qkv needs a key/value head per query head, of size <= {ATTENTION_MAX_HS}"
+        d.head_size <= ATTENTION_MAX_HS,
+        "head size {} is over attention.cu's {ATTENTION_MAX_HS}",
+        d.head_size
     );
-    let c = nh * head_size;
-    assert!(t <= MAX_T, "T = {t} exceeds MAX_T = {MAX_T}");
-    assert!(
-        qkv == b * t * 3 * c && out == b * t * c,
-        "qkv must be (B, T, 3C), out (B, T, C)"
-    );
-    assert_eq!(att, b * nh * t * t, "att must be (B, NH, T, T)");
-    (t as i32, c as i32, nh as i32)
+    [d.t, d.nh, d.kv_heads, d.head_size].map(|n| n as i32)
 }
 
 /// The largest head size of attention.cu (`MAX_HS`, at most one column per thread).
@@ -272,10 +315,19 @@ const ATTENTION_MAX_HS: usize = 256;
 /// Threads per attention block: `ATT_WARPS` (8) warps in attention.cu, whatever THREADS is.
 const ATTENTION_THREADS: u32 = 256;
 
-/// The launch of the three attention kernels: a block of 8 warps per row t (grid x) and head
-/// (b, h) (grid y, so B·NH ≤ 65,535).
+/// The launch of the attention forward and query-gradient kernels: a block of 8 warps per row
+/// t (grid x) and query head (b, h) (grid y, so B·NH ≤ 65,535).
 pub fn attention_config(d: &AttentionDims) -> LaunchConfig {
-    let mut cfg = rows(d.t, d.b * d.nh);
+    attention_blocks(d.t, d.b * d.nh)
+}
+
+/// The launch of the key/value-gradient kernels: per row t and key/value head (b, g).
+pub fn attention_key_config(d: &AttentionDims) -> LaunchConfig {
+    attention_blocks(d.t, d.b * d.kv_heads)
+}
+
+fn attention_blocks(t: usize, heads: usize) -> LaunchConfig {
+    let mut cfg = rows(t, heads);
     cfg.block_dim.0 = ATTENTION_THREADS;
     cfg
 }
@@ -288,7 +340,9 @@ pub fn attention_forward<X: DeviceFloat>(
     qkv: &CudaView<'_, X>,
     d: AttentionDims,
 ) -> Result<(), Error> {
-    let (t, c, nh) = check_attention(&d, qkv.len(), out.len(), att.len());
+    d.packed(qkv.len(), out.len(), att.len());
+    let [t, nh, _, hs] = attention_args(&d);
+    let c = nh * hs;
     launch!(dev, "attention.cu", format!("attention_forward_{}", X::NAME), attention_config(&d);
         out, att, qkv, &t, &c, &nh);
     Ok(())
@@ -305,17 +359,143 @@ pub fn attention_backward<X: DeviceFloat>(
     att: &CudaView<'_, X>,
     d: AttentionDims,
 ) -> Result<(), Error> {
-    let (t, c, nh) = check_attention(&d, qkv.len(), dout.len(), att.len());
+    d.packed(qkv.len(), dout.len(), att.len());
     assert!(
         dqkv.len() == qkv.len() && datt.len() == att.len(),
         "dqkv must be (B, T, 3C), datt (B, NH, T, T)"
     );
-    let grid = attention_config(&d);
-    launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), grid;
+    let [t, nh, _, hs] = attention_args(&d);
+    let c = nh * hs;
+    launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), attention_config(&d);
         &mut *dqkv, &mut *datt, dout, qkv, att, &t, &c, &nh);
     let datt = datt.as_view();
-    launch!(dev, "attention.cu", format!("attention_backward_key_{}", X::NAME), grid;
+    launch!(dev, "attention.cu", format!("attention_backward_key_{}", X::NAME), attention_key_config(&d);
         dqkv, &datt, dout, qkv, att, &t, &c, &nh);
+    Ok(())
+}
+
+/// Grouped-query forward: `out (B, T, NH·hs)` and `att (B, NH, T, T)` from `q (B, T, NH·hs)`,
+/// `k` and `v (B, T, KV·hs)`; query head h reads key/value head `h / d.group()`.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_attention_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaViewMut<'_, X>,
+    att: &mut CudaViewMut<'_, X>,
+    q: &CudaView<'_, X>,
+    k: &CudaView<'_, X>,
+    v: &CudaView<'_, X>,
+    d: AttentionDims,
+) -> Result<(), Error> {
+    d.separate([q.len(), k.len(), v.len(), out.len()], att.len());
+    let [t, nh, kv, hs] = attention_args(&d);
+    launch!(dev, "attention.cu", format!("gqa_attention_forward_{}", X::NAME), attention_config(&d);
+        out, att, q, k, v, &t, &nh, &kv, &hs);
+    Ok(())
+}
+
+/// Grouped-query backward: `dq`, `dk`, `dv` (overwritten; a key/value head's gradients summed
+/// over its query heads in head order); `datt (B, NH, T, T)` f32 scratch, left holding
+/// ∂L/∂scores.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_attention_backward<X: DeviceFloat>(
+    dev: &Device,
+    dq: &mut CudaViewMut<'_, X>,
+    dk: &mut CudaViewMut<'_, X>,
+    dv: &mut CudaViewMut<'_, X>,
+    datt: &mut CudaViewMut<'_, f32>,
+    dout: &CudaView<'_, X>,
+    q: &CudaView<'_, X>,
+    k: &CudaView<'_, X>,
+    v: &CudaView<'_, X>,
+    att: &CudaView<'_, X>,
+    d: AttentionDims,
+) -> Result<(), Error> {
+    d.separate([q.len(), k.len(), v.len(), dout.len()], att.len());
+    assert!(
+        dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
+        "dq, dk, dv must have the shapes of q, k, v"
+    );
+    assert_eq!(datt.len(), att.len(), "datt must be (B, NH, T, T)");
+    let [t, nh, kv, hs] = attention_args(&d);
+    launch!(dev, "attention.cu", format!("gqa_attention_backward_query_{}", X::NAME), attention_config(&d);
+        dq, &mut *datt, dout, k, v, att, &t, &nh, &kv, &hs);
+    let datt = datt.as_view();
+    launch!(dev, "attention.cu", format!("gqa_attention_backward_key_{}", X::NAME), attention_key_config(&d);
+        dk, dv, &datt, dout, q, att, &t, &nh, &kv, &hs);
+    Ok(())
+}
+
+/// In place on `x (B, T, heads, D)`: rotary embedding by the `(T', D/2)` tables, T' ≥ T.
+pub fn rope_forward<X: DeviceFloat>(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, X>,
+    cos: &CudaView<'_, f32>,
+    sin: &CudaView<'_, f32>,
+    d: RopeDims,
+) -> Result<(), Error> {
+    rotate(dev, "rope_forward", x, cos, sin, d)
+}
+
+/// Backward, in place on `dx`: the transposed rotation.
+pub fn rope_backward<X: DeviceFloat>(
+    dev: &Device,
+    dx: &mut CudaViewMut<'_, X>,
+    cos: &CudaView<'_, f32>,
+    sin: &CudaView<'_, f32>,
+    d: RopeDims,
+) -> Result<(), Error> {
+    rotate(dev, "rope_backward", dx, cos, sin, d)
+}
+
+fn rotate<X: DeviceFloat>(
+    dev: &Device,
+    kernel: &str,
+    x: &mut CudaViewMut<'_, X>,
+    cos: &CudaView<'_, f32>,
+    sin: &CudaView<'_, f32>,
+    d: RopeDims,
+) -> Result<(), Error> {
+    let rows = rope::check(x.len(), cos.len(), sin.len(), &d);
+    let h = d.head_dim / 2;
+    let (rl, tl, hl, half) = (len(rows), len(d.t), len(d.heads), len(h));
+    launch!(dev, "rope.cu", format!("{kernel}_{}", X::NAME), elementwise(rows * h);
+        x, cos, sin, &rl, &tl, &hl, &half);
+    Ok(())
+}
+
+/// `out = silu(gate) · up`.
+pub fn swiglu_forward<X: DeviceFloat>(
+    dev: &Device,
+    out: &mut CudaViewMut<'_, X>,
+    gate: &CudaView<'_, X>,
+    up: &CudaView<'_, X>,
+) -> Result<(), Error> {
+    assert!(
+        out.len() == gate.len() && gate.len() == up.len(),
+        "out, gate and up must have the same shape"
+    );
+    let n = len(gate.len());
+    launch!(dev, "swiglu.cu", format!("swiglu_forward_{}", X::NAME), elementwise(gate.len());
+        out, gate, up, &n);
+    Ok(())
+}
+
+/// Backward, overwriting `dgate` and `dup`.
+pub fn swiglu_backward<X: DeviceFloat>(
+    dev: &Device,
+    dgate: &mut CudaViewMut<'_, X>,
+    dup: &mut CudaViewMut<'_, X>,
+    gate: &CudaView<'_, X>,
+    up: &CudaView<'_, X>,
+) -> Result<(), Error> {
+    let n = gate.len();
+    assert!(
+        dgate.len() == n && dup.len() == n && up.len() == n,
+        "dgate, dup, gate and up must have the same shape"
+    );
+    let nl = len(n);
+    launch!(dev, "swiglu.cu", format!("swiglu_backward_{}", X::NAME), elementwise(n);
+        dgate, dup, gate, up, &nl);
     Ok(())
 }
 

@@ -58,6 +58,8 @@ pub const PROGRAMS: &[Program] = &[
     program!("norm.cu"),
     program!("optim.cu"),
     program!("residual.cu"),
+    program!("rope.cu"),
+    program!("swiglu.cu"),
 ];
 
 /// What NVRTC emits: PTX for a virtual architecture (`compute_90`: the driver JIT-compiles it

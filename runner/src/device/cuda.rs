@@ -346,85 +346,101 @@ impl Device for Cuda {
     }
     fn gqa_attention_forward<X: Num>(
         &self,
-        _out: CudaViewMut<'_, X>,
-        _att: CudaViewMut<'_, X>,
-        _q: CudaView<'_, X>,
-        _k: CudaView<'_, X>,
-        _v: CudaView<'_, X>,
-        _d: AttentionDims,
+        mut out: CudaViewMut<'_, X>,
+        mut att: CudaViewMut<'_, X>,
+        q: CudaView<'_, X>,
+        k: CudaView<'_, X>,
+        v: CudaView<'_, X>,
+        d: AttentionDims,
     ) -> Result<(), Error> {
-        todo!("CUDA grouped-query attention")
+        Ok(k::layers::gqa_attention_forward(
+            &self.dev, &mut out, &mut att, &q, &k, &v, d,
+        )?)
     }
     fn gqa_attention_backward<X: Num>(
         &self,
-        _dq: CudaViewMut<'_, X>,
-        _dk: CudaViewMut<'_, X>,
-        _dv: CudaViewMut<'_, X>,
-        _datt: CudaViewMut<'_, f32>,
-        _dout: CudaView<'_, X>,
-        _q: CudaView<'_, X>,
-        _k: CudaView<'_, X>,
-        _v: CudaView<'_, X>,
-        _att: CudaView<'_, X>,
-        _d: AttentionDims,
+        mut dq: CudaViewMut<'_, X>,
+        mut dk: CudaViewMut<'_, X>,
+        mut dv: CudaViewMut<'_, X>,
+        mut datt: CudaViewMut<'_, f32>,
+        dout: CudaView<'_, X>,
+        q: CudaView<'_, X>,
+        k: CudaView<'_, X>,
+        v: CudaView<'_, X>,
+        att: CudaView<'_, X>,
+        d: AttentionDims,
     ) -> Result<(), Error> {
-        todo!("CUDA grouped-query attention")
+        Ok(k::layers::gqa_attention_backward(
+            &self.dev, &mut dq, &mut dk, &mut dv, &mut datt, &dout, &q, &k, &v, &att, d,
+        )?)
     }
     fn rmsnorm_forward<X: Num>(
         &self,
-        _out: CudaViewMut<'_, X>,
-        _rstd: CudaViewMut<'_, f32>,
-        _inp: CudaView<'_, X>,
-        _weight: CudaView<'_, X>,
-        _eps: f32,
+        mut out: CudaViewMut<'_, X>,
+        mut rstd: CudaViewMut<'_, f32>,
+        inp: CudaView<'_, X>,
+        weight: CudaView<'_, X>,
+        eps: f32,
     ) -> Result<(), Error> {
-        todo!("CUDA RMSNorm")
+        Ok(k::layers::rmsnorm_forward(
+            &self.dev, &mut out, &mut rstd, &inp, &weight, eps,
+        )?)
     }
     fn rmsnorm_backward<X: Num>(
         &self,
-        _dinp: CudaViewMut<'_, X>,
-        _dweight: CudaViewMut<'_, X>,
-        _dout: CudaView<'_, X>,
-        _inp: CudaView<'_, X>,
-        _weight: CudaView<'_, X>,
-        _rstd: CudaView<'_, f32>,
+        mut dinp: CudaViewMut<'_, X>,
+        mut dweight: CudaViewMut<'_, X>,
+        dout: CudaView<'_, X>,
+        inp: CudaView<'_, X>,
+        weight: CudaView<'_, X>,
+        rstd: CudaView<'_, f32>,
     ) -> Result<(), Error> {
-        todo!("CUDA RMSNorm")
+        Ok(k::layers::rmsnorm_backward(
+            &self.dev,
+            &mut dinp,
+            &mut dweight,
+            &dout,
+            &inp,
+            &weight,
+            &rstd,
+        )?)
     }
     fn rope_forward<X: Num>(
         &self,
-        _x: CudaViewMut<'_, X>,
-        _cos: CudaView<'_, f32>,
-        _sin: CudaView<'_, f32>,
-        _d: RopeDims,
+        mut x: CudaViewMut<'_, X>,
+        cos: CudaView<'_, f32>,
+        sin: CudaView<'_, f32>,
+        d: RopeDims,
     ) -> Result<(), Error> {
-        todo!("CUDA RoPE")
+        Ok(k::layers::rope_forward(&self.dev, &mut x, &cos, &sin, d)?)
     }
     fn rope_backward<X: Num>(
         &self,
-        _dx: CudaViewMut<'_, X>,
-        _cos: CudaView<'_, f32>,
-        _sin: CudaView<'_, f32>,
-        _d: RopeDims,
+        mut dx: CudaViewMut<'_, X>,
+        cos: CudaView<'_, f32>,
+        sin: CudaView<'_, f32>,
+        d: RopeDims,
     ) -> Result<(), Error> {
-        todo!("CUDA RoPE")
+        Ok(k::layers::rope_backward(&self.dev, &mut dx, &cos, &sin, d)?)
     }
     fn swiglu_forward<X: Num>(
         &self,
-        _out: CudaViewMut<'_, X>,
-        _gate: CudaView<'_, X>,
-        _up: CudaView<'_, X>,
+        mut out: CudaViewMut<'_, X>,
+        gate: CudaView<'_, X>,
+        up: CudaView<'_, X>,
     ) -> Result<(), Error> {
-        todo!("CUDA SwiGLU")
+        Ok(k::layers::swiglu_forward(&self.dev, &mut out, &gate, &up)?)
     }
     fn swiglu_backward<X: Num>(
         &self,
-        _dgate: CudaViewMut<'_, X>,
-        _dup: CudaViewMut<'_, X>,
-        _gate: CudaView<'_, X>,
-        _up: CudaView<'_, X>,
+        mut dgate: CudaViewMut<'_, X>,
+        mut dup: CudaViewMut<'_, X>,
+        gate: CudaView<'_, X>,
+        up: CudaView<'_, X>,
     ) -> Result<(), Error> {
-        todo!("CUDA SwiGLU")
+        Ok(k::layers::swiglu_backward(
+            &self.dev, &mut dgate, &mut dup, &gate, &up,
+        )?)
     }
     fn gelu_forward<X: Num>(
         &self,
