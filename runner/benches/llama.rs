@@ -42,7 +42,11 @@ fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
     let mut progress = |p: Progress| seconds.push(tokens / p.tokens_per_second);
     let plan = plan_local(&spec, None).expect("the bench's specs fit");
     let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
-    assert!(summary.final_loss.is_finite(), "{dtype}: loss {}", summary.final_loss);
+    assert!(
+        summary.final_loss.is_finite(),
+        "{dtype}: loss {}",
+        summary.final_loss
+    );
     seconds.drain(..WARMUP);
     common::median_min_max(&seconds)
 }
@@ -52,7 +56,12 @@ fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
     let out = Command::new(python)
         .args([script, "--dtype", dtype, "--threads", &threads.to_string()])
-        .args(["--warmup", &WARMUP.to_string(), "--steps", &MEASURED.to_string()])
+        .args([
+            "--warmup",
+            &WARMUP.to_string(),
+            "--steps",
+            &MEASURED.to_string(),
+        ])
         .output()
         .expect("ZEROTRAIN_TORCH_PYTHON runs");
     assert!(
@@ -71,9 +80,13 @@ fn main() {
         .collect();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
-    println!("{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after {WARMUP}");
+    println!(
+        "{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after {WARMUP}"
+    );
     println!();
-    println!("| dtype | zerotrain s/step | min–max s | zerotrain tokens/s | transformers tokens/s | × transformers |");
+    println!(
+        "| dtype | zerotrain s/step | min–max s | zerotrain tokens/s | transformers tokens/s | × transformers |"
+    );
     println!("|---|---|---|---|---|---|");
     for dtype in ["fp32", "bf16"] {
         if !filters.is_empty() && !filters.iter().any(|f| dtype.contains(f.as_str())) {

@@ -418,8 +418,8 @@ fn shard_names(index: &[u8]) -> Result<Vec<String>, String> {
     struct Index {
         weight_map: std::collections::BTreeMap<String, String>,
     }
-    let index: Index = serde_json::from_slice(index)
-        .map_err(|e| format!("not a safetensors index: {e}"))?;
+    let index: Index =
+        serde_json::from_slice(index).map_err(|e| format!("not a safetensors index: {e}"))?;
     let mut files: Vec<String> = index.weight_map.into_values().collect();
     files.sort();
     files.dedup();
@@ -462,8 +462,11 @@ pub fn load_hf(roots: &DataRoots, path: &str, model: &ModelShape) -> Result<HfWe
         reason,
     };
     let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut std::io::Read::take(&file, MAX_INDEX_BYTES + 1), &mut bytes)
-        .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(&file, MAX_INDEX_BYTES + 1),
+        &mut bytes,
+    )
+    .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
     if bytes.len() as u64 > MAX_INDEX_BYTES {
         return Err(fail(format!("larger than {}", human(MAX_INDEX_BYTES))));
     }

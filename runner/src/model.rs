@@ -84,7 +84,9 @@ impl<X: Num, D: Device> Passes<X, D> {
         checkpointing: bool,
     ) -> Result<Self, Error> {
         Ok(match model {
-            ModelShape::Gpt2(s) => Passes::Gpt2(gpt::Model::new(dev, acct, s, b, t, checkpointing)?),
+            ModelShape::Gpt2(s) => {
+                Passes::Gpt2(gpt::Model::new(dev, acct, s, b, t, checkpointing)?)
+            }
             ModelShape::Llama(s) => {
                 Passes::Llama(llama::Model::new(dev, acct, s, b, t, checkpointing)?)
             }

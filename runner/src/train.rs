@@ -402,7 +402,8 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             engine.accountant(),
         )?;
         let scaler = LossScaler::new(spec.precision.effective_loss_scale());
-        let tokens_per_step = (engine.micro_batch_tokens() * setup.grad_accum * setup.world_size) as f64;
+        let tokens_per_step =
+            (engine.micro_batch_tokens() * setup.grad_accum * setup.world_size) as f64;
         Ok(Rank {
             engine,
             data,

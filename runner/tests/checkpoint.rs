@@ -149,8 +149,12 @@ fn the_export_is_hugging_face_gpt2_and_loads_back() {
     );
     assert_eq!(config["activation_function"], "gelu_new");
     let exported = out.path().join("model.safetensors");
-    let units =
-        checkpoint::load_hf(&DataRoots::anywhere(), exported.to_str().unwrap(), &ModelShape::Gpt2(shape)).unwrap();
+    let units = checkpoint::load_hf(
+        &DataRoots::anywhere(),
+        exported.to_str().unwrap(),
+        &ModelShape::Gpt2(shape),
+    )
+    .unwrap();
     let wte_values: Vec<f32> = wte
         .data()
         .chunks_exact(4)

@@ -58,7 +58,10 @@ fn parity(family: &str) {
     assert_eq!(summary.losses.len(), want.len());
     for (step, (got, want)) in summary.losses.iter().zip(&want).enumerate() {
         let rel = (got - want).abs() / want.abs();
-        eprintln!("{family} step {}: {got:.7} vs transformers {want:.7} ({rel:.1e})", step + 1);
+        eprintln!(
+            "{family} step {}: {got:.7} vs transformers {want:.7} ({rel:.1e})",
+            step + 1
+        );
         assert!(
             rel < 1e-5,
             "{family} step {}: loss {got} vs transformers' {want} (relative {rel:e})",
@@ -76,7 +79,11 @@ fn parity(family: &str) {
     assert_eq!(names, want_names, "{family}: exported tensor names");
     for (name, shape) in tensors {
         let shape: Vec<usize> = serde_json::from_value(shape.clone()).unwrap();
-        assert_eq!(file.tensor(name).unwrap().shape(), shape, "{family}: {name}");
+        assert_eq!(
+            file.tensor(name).unwrap().shape(),
+            shape,
+            "{family}: {name}"
+        );
     }
     let exported = read_json(&out.path().join("config.json"));
     let mut keys: Vec<&String> = exported.as_object().unwrap().keys().collect();

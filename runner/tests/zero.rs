@@ -142,7 +142,10 @@ fn setup(json: &str) -> Setup {
 
 #[test]
 fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
-    for (model, world) in MODELS.into_iter().flat_map(|m| [1, 2, 4, 8].map(|w| (m, w))) {
+    for (model, world) in MODELS
+        .into_iter()
+        .flat_map(|m| [1, 2, 4, 8].map(|w| (m, w)))
+    {
         for stage in 0..=3 {
             for dtype in ["fp32", "bf16"] {
                 let json = job_of(
@@ -198,9 +201,12 @@ fn stage_3_at_8_ranks_keeps_an_eighth_of_the_model_states_plus_gathered_units() 
 #[test]
 fn bytes_sent_per_step_equal_the_model_for_every_stage() {
     let steps = 3;
-    for (model, stage) in MODELS.into_iter().flat_map(|m| (0..=3).map(move |s| (m, s))) {
-        let json = job_of(model, 4, stage, 2, "")
-            .replace("\"steps\": 5", &format!("\"steps\": {steps}"));
+    for (model, stage) in MODELS
+        .into_iter()
+        .flat_map(|m| (0..=3).map(move |s| (m, s)))
+    {
+        let json =
+            job_of(model, 4, stage, 2, "").replace("\"steps\": 5", &format!("\"steps\": {steps}"));
         let predicted = memory::estimate(&setup(&json), DeviceKind::Cpu).comm;
         let summary = train(&json, None);
         for r in &summary.ranks {

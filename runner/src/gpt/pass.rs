@@ -5,294 +5,298 @@
 
 use kernels::matmul::{DinpMode, Layout};
 
-use super::{BlockActs, Model, block, block_mut, embeddings, embeddings_mut, final_norm, final_norm_mut};
+use super::{
+    BlockActs, Model, block, block_mut, embeddings, embeddings_mut, final_norm, final_norm_mut,
+};
 use crate::Error;
 use crate::device::{Device, Num};
 
 impl<X: Num, D: Device> Model<X, D> {
+    /// `encoded = wte[inputs] + wpe[0..T]`.
+    pub fn embed_forward(&mut self, dev: &D, emb: D::View<'_, X>) -> Result<(), Error> {
+        let (d, acts) = (&self.dims, &mut self.acts);
+        let [wte, wpe] = embeddings::<D, X>(emb, &self.shape);
+        let out = acts.encoded.view_mut();
+        dev.encoder_forward(out, acts.inputs.view(), wte, Some(wpe), d.t, d.c)
+    }
 
-/// `encoded = wte[inputs] + wpe[0..T]`.
-pub fn embed_forward(&mut self, dev: &D, emb: D::View<'_, X>) -> Result<(), Error> {
-    let (d, acts) = (&self.dims, &mut self.acts);
-    let [wte, wpe] = embeddings::<D, X>(emb, &self.shape);
-    let out = acts.encoded.view_mut();
-    dev.encoder_forward(out, acts.inputs.view(), wte, Some(wpe), d.t, d.c)
-}
+    /// Adds ∂loss/∂wte and ∂loss/∂wpe from `dres` (∂loss/∂encoded) into the embeddings' gradient.
+    pub fn embed_backward(&self, dev: &D, demb: D::ViewMut<'_, X>) -> Result<(), Error> {
+        let (d, acts) = (&self.dims, &self.acts);
+        let [dwte, dwpe] = embeddings_mut::<D, X>(demb, &self.shape);
+        let (dres, inputs) = (acts.dres.view(), acts.inputs.view());
+        dev.encoder_backward(dwte, Some(dwpe), dres, inputs, d.t, d.c)
+    }
 
-/// Adds ∂loss/∂wte and ∂loss/∂wpe from `dres` (∂loss/∂encoded) into the embeddings' gradient.
-pub fn embed_backward(&self, dev: &D, demb: D::ViewMut<'_, X>) -> Result<(), Error> {
-    let (d, acts) = (&self.dims, &self.acts);
-    let [dwte, dwpe] = embeddings_mut::<D, X>(demb, &self.shape);
-    let (dres, inputs) = (acts.dres.view(), acts.inputs.view());
-    dev.encoder_backward(dwte, Some(dwpe), dres, inputs, d.t, d.c)
-}
+    /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`, saving
+    /// what backward needs in `acts.blocks[slot]`.
+    pub fn block_forward(
+        &mut self,
+        dev: &D,
+        unit: D::View<'_, X>,
+        l: usize,
+        slot: usize,
+    ) -> Result<(), Error> {
+        let (p, d, acts) = (block::<D, X>(unit, &self.shape), &self.dims, &mut self.acts);
+        let (n, c) = (d.tokens(), d.c);
+        let (before, from_l) = acts.res3.split_at_mut(l);
+        let input = if l == 0 {
+            acts.encoded.view()
+        } else {
+            before[l - 1].view()
+        };
+        let out = &mut from_l[0];
+        let a = &mut acts.blocks[slot];
+        let mm = &mut acts.matmul_scratch;
+        dev.layernorm_forward(
+            a.ln1.view_mut(),
+            a.ln1_mean.view_mut(),
+            a.ln1_rstd.view_mut(),
+            D::share(&input),
+            D::share(&p.ln1_w),
+            D::share(&p.ln1_b),
+        )?;
+        dev.matmul_forward(
+            a.qkv.view_mut(),
+            a.ln1.view(),
+            D::share(&p.attn_w),
+            Some(D::share(&p.attn_b)),
+            Layout::KN,
+            (n, c, 3 * c),
+            mm.view_mut(),
+        )?;
+        dev.attention_forward(
+            a.atty.view_mut(),
+            a.att.view_mut(),
+            a.qkv.view(),
+            d.attention(),
+        )?;
+        dev.matmul_forward(
+            a.res2.view_mut(),
+            a.atty.view(),
+            D::share(&p.proj_w),
+            Some(D::share(&p.proj_b)),
+            Layout::KN,
+            (n, c, c),
+            mm.view_mut(),
+        )?;
+        dev.residual_accumulate(a.res2.view_mut(), D::share(&input))?;
+        dev.layernorm_forward(
+            a.ln2.view_mut(),
+            a.ln2_mean.view_mut(),
+            a.ln2_rstd.view_mut(),
+            a.res2.view(),
+            D::share(&p.ln2_w),
+            D::share(&p.ln2_b),
+        )?;
+        dev.matmul_forward(
+            a.fch.view_mut(),
+            a.ln2.view(),
+            D::share(&p.fc_w),
+            Some(D::share(&p.fc_b)),
+            Layout::KN,
+            (n, c, 4 * c),
+            mm.view_mut(),
+        )?;
+        dev.gelu_forward(a.fch_gelu.view_mut(), a.fch.view())?;
+        dev.matmul_forward(
+            out.view_mut(),
+            a.fch_gelu.view(),
+            D::share(&p.fcproj_w),
+            Some(D::share(&p.fcproj_b)),
+            Layout::KN,
+            (n, 4 * c, c),
+            mm.view_mut(),
+        )?;
+        dev.residual_accumulate(out.view_mut(), a.res2.view())
+    }
 
-/// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`, saving
-/// what backward needs in `acts.blocks[slot]`.
-pub fn block_forward(
-    &mut self,
-    dev: &D,
-    unit: D::View<'_, X>,
-    l: usize,
-    slot: usize,
-) -> Result<(), Error> {
-    let (p, d, acts) = (block::<D, X>(unit, &self.shape), &self.dims, &mut self.acts);
-    let (n, c) = (d.tokens(), d.c);
-    let (before, from_l) = acts.res3.split_at_mut(l);
-    let input = if l == 0 {
-        acts.encoded.view()
-    } else {
-        before[l - 1].view()
-    };
-    let out = &mut from_l[0];
-    let a = &mut acts.blocks[slot];
-    let mm = &mut acts.matmul_scratch;
-    dev.layernorm_forward(
-        a.ln1.view_mut(),
-        a.ln1_mean.view_mut(),
-        a.ln1_rstd.view_mut(),
-        D::share(&input),
-        D::share(&p.ln1_w),
-        D::share(&p.ln1_b),
-    )?;
-    dev.matmul_forward(
-        a.qkv.view_mut(),
-        a.ln1.view(),
-        D::share(&p.attn_w),
-        Some(D::share(&p.attn_b)),
-        Layout::KN,
-        (n, c, 3 * c),
-        mm.view_mut(),
-    )?;
-    dev.attention_forward(
-        a.atty.view_mut(),
-        a.att.view_mut(),
-        a.qkv.view(),
-        d.attention(),
-    )?;
-    dev.matmul_forward(
-        a.res2.view_mut(),
-        a.atty.view(),
-        D::share(&p.proj_w),
-        Some(D::share(&p.proj_b)),
-        Layout::KN,
-        (n, c, c),
-        mm.view_mut(),
-    )?;
-    dev.residual_accumulate(a.res2.view_mut(), D::share(&input))?;
-    dev.layernorm_forward(
-        a.ln2.view_mut(),
-        a.ln2_mean.view_mut(),
-        a.ln2_rstd.view_mut(),
-        a.res2.view(),
-        D::share(&p.ln2_w),
-        D::share(&p.ln2_b),
-    )?;
-    dev.matmul_forward(
-        a.fch.view_mut(),
-        a.ln2.view(),
-        D::share(&p.fc_w),
-        Some(D::share(&p.fc_b)),
-        Layout::KN,
-        (n, c, 4 * c),
-        mm.view_mut(),
-    )?;
-    dev.gelu_forward(a.fch_gelu.view_mut(), a.fch.view())?;
-    dev.matmul_forward(
-        out.view_mut(),
-        a.fch_gelu.view(),
-        D::share(&p.fcproj_w),
-        Some(D::share(&p.fcproj_b)),
-        Layout::KN,
-        (n, 4 * c, c),
-        mm.view_mut(),
-    )?;
-    dev.residual_accumulate(out.view_mut(), a.res2.view())
-}
+    /// Backward of block `l`: `dres` holds ∂loss/∂res3[l] on entry and ∂loss/∂(block input) on
+    /// exit; the block's parameter gradients are added into `g`.
+    pub fn block_backward(
+        &mut self,
+        dev: &D,
+        unit: D::View<'_, X>,
+        grad: D::ViewMut<'_, X>,
+        l: usize,
+        slot: usize,
+    ) -> Result<(), Error> {
+        let (p, g) = (
+            block::<D, X>(unit, &self.shape),
+            block_mut::<D, X>(grad, &self.shape),
+        );
+        let (d, acts) = (&self.dims, &mut self.acts);
+        let (n, c) = (d.tokens(), d.c);
+        let input = if l == 0 {
+            acts.encoded.view()
+        } else {
+            acts.res3[l - 1].view()
+        };
+        let a: &BlockActs<X, D> = &acts.blocks[slot];
+        let (dres, dchan, dwide) = (&mut acts.dres, &mut acts.dchan, &mut acts.dwide);
+        let mm = &mut acts.matmul_scratch;
+        // MLP.
+        dev.matmul_backward(
+            dwide.view_mut(),
+            g.fcproj_w,
+            Some(g.fcproj_b),
+            dres.view(),
+            a.fch_gelu.view(),
+            D::share(&p.fcproj_w),
+            Layout::KN,
+            (n, 4 * c, c),
+            DinpMode::Overwrite,
+            mm.view_mut(),
+        )?;
+        dev.gelu_backward(dwide.view_mut(), a.fch.view())?;
+        dev.matmul_backward(
+            dchan.view_mut(),
+            g.fc_w,
+            Some(g.fc_b),
+            dwide.view(),
+            a.ln2.view(),
+            D::share(&p.fc_w),
+            Layout::KN,
+            (n, c, 4 * c),
+            DinpMode::Overwrite,
+            mm.view_mut(),
+        )?;
+        dev.layernorm_backward(
+            dres.view_mut(),
+            g.ln2_w,
+            g.ln2_b,
+            dchan.view(),
+            a.res2.view(),
+            D::share(&p.ln2_w),
+            a.ln2_mean.view(),
+            a.ln2_rstd.view(),
+        )?;
+        // Attention; dres now holds ∂loss/∂res2.
+        dev.matmul_backward(
+            dchan.view_mut(),
+            g.proj_w,
+            Some(g.proj_b),
+            dres.view(),
+            a.atty.view(),
+            D::share(&p.proj_w),
+            Layout::KN,
+            (n, c, c),
+            DinpMode::Overwrite,
+            mm.view_mut(),
+        )?;
+        let dqkv = 0..n * 3 * c;
+        dev.attention_backward(
+            dwide.at_mut(dqkv.clone()),
+            acts.datt.view_mut(),
+            dchan.view(),
+            a.qkv.view(),
+            a.att.view(),
+            d.attention(),
+        )?;
+        dev.matmul_backward(
+            dchan.view_mut(),
+            g.attn_w,
+            Some(g.attn_b),
+            dwide.at(dqkv),
+            a.ln1.view(),
+            D::share(&p.attn_w),
+            Layout::KN,
+            (n, c, 3 * c),
+            DinpMode::Overwrite,
+            mm.view_mut(),
+        )?;
+        dev.layernorm_backward(
+            dres.view_mut(),
+            g.ln1_w,
+            g.ln1_b,
+            dchan.view(),
+            input,
+            D::share(&p.ln1_w),
+            a.ln1_mean.view(),
+            a.ln1_rstd.view(),
+        )
+    }
 
-/// Backward of block `l`: `dres` holds ∂loss/∂res3[l] on entry and ∂loss/∂(block input) on
-/// exit; the block's parameter gradients are added into `g`.
-pub fn block_backward(
-    &mut self,
-    dev: &D,
-    unit: D::View<'_, X>,
-    grad: D::ViewMut<'_, X>,
-    l: usize,
-    slot: usize,
-) -> Result<(), Error> {
-    let (p, g) = (block::<D, X>(unit, &self.shape), block_mut::<D, X>(grad, &self.shape));
-    let (d, acts) = (&self.dims, &mut self.acts);
-    let (n, c) = (d.tokens(), d.c);
-    let input = if l == 0 {
-        acts.encoded.view()
-    } else {
-        acts.res3[l - 1].view()
-    };
-    let a: &BlockActs<X, D> = &acts.blocks[slot];
-    let (dres, dchan, dwide) = (&mut acts.dres, &mut acts.dchan, &mut acts.dwide);
-    let mm = &mut acts.matmul_scratch;
-    // MLP.
-    dev.matmul_backward(
-        dwide.view_mut(),
-        g.fcproj_w,
-        Some(g.fcproj_b),
-        dres.view(),
-        a.fch_gelu.view(),
-        D::share(&p.fcproj_w),
-        Layout::KN,
-        (n, 4 * c, c),
-        DinpMode::Overwrite,
-        mm.view_mut(),
-    )?;
-    dev.gelu_backward(dwide.view_mut(), a.fch.view())?;
-    dev.matmul_backward(
-        dchan.view_mut(),
-        g.fc_w,
-        Some(g.fc_b),
-        dwide.view(),
-        a.ln2.view(),
-        D::share(&p.fc_w),
-        Layout::KN,
-        (n, c, 4 * c),
-        DinpMode::Overwrite,
-        mm.view_mut(),
-    )?;
-    dev.layernorm_backward(
-        dres.view_mut(),
-        g.ln2_w,
-        g.ln2_b,
-        dchan.view(),
-        a.res2.view(),
-        D::share(&p.ln2_w),
-        a.ln2_mean.view(),
-        a.ln2_rstd.view(),
-    )?;
-    // Attention; dres now holds ∂loss/∂res2.
-    dev.matmul_backward(
-        dchan.view_mut(),
-        g.proj_w,
-        Some(g.proj_b),
-        dres.view(),
-        a.atty.view(),
-        D::share(&p.proj_w),
-        Layout::KN,
-        (n, c, c),
-        DinpMode::Overwrite,
-        mm.view_mut(),
-    )?;
-    let dqkv = 0..n * 3 * c;
-    dev.attention_backward(
-        dwide.at_mut(dqkv.clone()),
-        acts.datt.view_mut(),
-        dchan.view(),
-        a.qkv.view(),
-        a.att.view(),
-        d.attention(),
-    )?;
-    dev.matmul_backward(
-        dchan.view_mut(),
-        g.attn_w,
-        Some(g.attn_b),
-        dwide.at(dqkv),
-        a.ln1.view(),
-        D::share(&p.attn_w),
-        Layout::KN,
-        (n, c, 3 * c),
-        DinpMode::Overwrite,
-        mm.view_mut(),
-    )?;
-    dev.layernorm_backward(
-        dres.view_mut(),
-        g.ln1_w,
-        g.ln1_b,
-        dchan.view(),
-        input,
-        D::share(&p.ln1_w),
-        a.ln1_mean.view(),
-        a.ln1_rstd.view(),
-    )
-}
+    /// The final LayerNorm, the tied LM head and the cross-entropy, forward and backward through
+    /// the head: returns the micro-batch's mean loss, leaves ∂loss/∂lnf in `dchan` and adds wte's
+    /// gradient into `dhead` (the embeddings unit's). `dloss` is the gradient of the loss each
+    /// token contributes (the loss scale over the tokens averaged).
+    pub fn loss(
+        &mut self,
+        dev: &D,
+        norm: D::View<'_, X>,
+        head: D::View<'_, X>,
+        dhead: D::ViewMut<'_, X>,
+        dloss: f32,
+    ) -> Result<f64, Error> {
+        let (d, acts) = (&self.dims, &mut self.acts);
+        let (n, c, v) = (d.tokens(), d.c, d.v);
+        let input = acts.res3[d.l - 1].view();
+        let [w, b] = final_norm::<D, X>(norm, &self.shape);
+        let [wte, _] = embeddings::<D, X>(head, &self.shape);
+        let mm = &mut acts.matmul_scratch;
+        dev.layernorm_forward(
+            acts.lnf.view_mut(),
+            acts.lnf_mean.view_mut(),
+            acts.lnf_rstd.view_mut(),
+            input,
+            w,
+            b,
+        )?;
+        dev.matmul_forward(
+            acts.logits.view_mut(),
+            acts.lnf.view(),
+            D::share(&wte),
+            None,
+            Layout::NK,
+            (n, c, v),
+            mm.view_mut(),
+        )?;
+        dev.crossentropy_forward(
+            acts.losses.view_mut(),
+            acts.logits.view_mut(),
+            acts.targets.view(),
+            v,
+            Some(dloss),
+        )?;
+        let [dwte, _] = embeddings_mut::<D, X>(dhead, &self.shape);
+        dev.matmul_backward(
+            acts.dchan.view_mut(),
+            dwte,
+            None,
+            acts.logits.view(),
+            acts.lnf.view(),
+            wte,
+            Layout::NK,
+            (n, c, v),
+            DinpMode::Overwrite,
+            mm.view_mut(),
+        )?;
+        let losses = dev.to_host(acts.losses.view())?;
+        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+    }
 
-/// The final LayerNorm, the tied LM head and the cross-entropy, forward and backward through
-/// the head: returns the micro-batch's mean loss, leaves ∂loss/∂lnf in `dchan` and adds wte's
-/// gradient into `dhead` (the embeddings unit's). `dloss` is the gradient of the loss each
-/// token contributes (the loss scale over the tokens averaged).
-pub fn loss(
-    &mut self,
-    dev: &D,
-    norm: D::View<'_, X>,
-    head: D::View<'_, X>,
-    dhead: D::ViewMut<'_, X>,
-    dloss: f32,
-) -> Result<f64, Error> {
-    let (d, acts) = (&self.dims, &mut self.acts);
-    let (n, c, v) = (d.tokens(), d.c, d.v);
-    let input = acts.res3[d.l - 1].view();
-    let [w, b] = final_norm::<D, X>(norm, &self.shape);
-    let [wte, _] = embeddings::<D, X>(head, &self.shape);
-    let mm = &mut acts.matmul_scratch;
-    dev.layernorm_forward(
-        acts.lnf.view_mut(),
-        acts.lnf_mean.view_mut(),
-        acts.lnf_rstd.view_mut(),
-        input,
-        w,
-        b,
-    )?;
-    dev.matmul_forward(
-        acts.logits.view_mut(),
-        acts.lnf.view(),
-        D::share(&wte),
-        None,
-        Layout::NK,
-        (n, c, v),
-        mm.view_mut(),
-    )?;
-    dev.crossentropy_forward(
-        acts.losses.view_mut(),
-        acts.logits.view_mut(),
-        acts.targets.view(),
-        v,
-        Some(dloss),
-    )?;
-    let [dwte, _] = embeddings_mut::<D, X>(dhead, &self.shape);
-    dev.matmul_backward(
-        acts.dchan.view_mut(),
-        dwte,
-        None,
-        acts.logits.view(),
-        acts.lnf.view(),
-        wte,
-        Layout::NK,
-        (n, c, v),
-        DinpMode::Overwrite,
-        mm.view_mut(),
-    )?;
-    let losses = dev.to_host(acts.losses.view())?;
-    Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
-}
-
-/// Back through the final LayerNorm: `dres` becomes ∂loss/∂(last block output) and the norm's
-/// gradient is added into `dnorm`.
-pub fn norm_backward(
-    &mut self,
-    dev: &D,
-    norm: D::View<'_, X>,
-    dnorm: D::ViewMut<'_, X>,
-) -> Result<(), Error> {
-    let (d, acts) = (&self.dims, &mut self.acts);
-    let [w, _] = final_norm::<D, X>(norm, &self.shape);
-    let [dw, db] = final_norm_mut::<D, X>(dnorm, &self.shape);
-    dev.fill_zero(acts.dres.view_mut())?;
-    dev.layernorm_backward(
-        acts.dres.view_mut(),
-        dw,
-        db,
-        acts.dchan.view(),
-        acts.res3[d.l - 1].view(),
-        w,
-        acts.lnf_mean.view(),
-        acts.lnf_rstd.view(),
-    )
-}
+    /// Back through the final LayerNorm: `dres` becomes ∂loss/∂(last block output) and the norm's
+    /// gradient is added into `dnorm`.
+    pub fn norm_backward(
+        &mut self,
+        dev: &D,
+        norm: D::View<'_, X>,
+        dnorm: D::ViewMut<'_, X>,
+    ) -> Result<(), Error> {
+        let (d, acts) = (&self.dims, &mut self.acts);
+        let [w, _] = final_norm::<D, X>(norm, &self.shape);
+        let [dw, db] = final_norm_mut::<D, X>(dnorm, &self.shape);
+        dev.fill_zero(acts.dres.view_mut())?;
+        dev.layernorm_backward(
+            acts.dres.view_mut(),
+            dw,
+            db,
+            acts.dchan.view(),
+            acts.res3[d.l - 1].view(),
+            w,
+            acts.lnf_mean.view(),
+            acts.lnf_rstd.view(),
+        )
+    }
 }

@@ -115,7 +115,12 @@ impl<S> Block<S> {
             Some(parts.swap_remove(i).1)
         };
         let mut need = |kind: T| get(kind).expect("every block has its projections and norms");
-        let (q, k, v, o) = (need(T::QProj), need(T::KProj), need(T::VProj), need(T::OProj));
+        let (q, k, v, o) = (
+            need(T::QProj),
+            need(T::KProj),
+            need(T::VProj),
+            need(T::OProj),
+        );
         let (gate, up, down) = (need(T::GateProj), need(T::UpProj), need(T::DownProj));
         let (norm1, norm2) = (need(T::InputNorm), need(T::PostAttentionNorm));
         Block {

@@ -21,7 +21,15 @@ fn linear<D: Device, X: Num>(
     scratch: &mut Buffer<f32, D>,
 ) -> Result<(), Error> {
     let bias = b.as_ref().map(D::share);
-    dev.matmul_forward(out, inp, D::share(w), bias, Layout::NK, mkn, scratch.view_mut())
+    dev.matmul_forward(
+        out,
+        inp,
+        D::share(w),
+        bias,
+        Layout::NK,
+        mkn,
+        scratch.view_mut(),
+    )
 }
 
 /// Backward of [`linear`]: `dinp` set or added to (`mode`), `dw` and `db` added to.
@@ -99,7 +107,14 @@ impl<X: Num, D: Device> Model<X, D> {
         match (&p.q_norm, &p.k_norm) {
             (Some(qn), Some(kn)) => {
                 let (x, qw, kw) = (a.norm1.view(), (&p.q, &p.q_bias), (&p.k, &p.k_bias));
-                linear(dev, a.q_pre_norm.view_mut(), D::share(&x), qw, (n, c, q), mm)?;
+                linear(
+                    dev,
+                    a.q_pre_norm.view_mut(),
+                    D::share(&x),
+                    qw,
+                    (n, c, q),
+                    mm,
+                )?;
                 linear(dev, a.k_pre_norm.view_mut(), x, kw, (n, c, kv), mm)?;
                 let (qp, kp) = (a.q_pre_norm.view(), a.k_pre_norm.view());
                 let (qr, kr) = (a.q_norm_rstd.view_mut(), a.k_norm_rstd.view_mut());
@@ -108,7 +123,14 @@ impl<X: Num, D: Device> Model<X, D> {
             }
             _ => {
                 let x = a.norm1.view();
-                linear(dev, a.q.view_mut(), D::share(&x), (&p.q, &p.q_bias), (n, c, q), mm)?;
+                linear(
+                    dev,
+                    a.q.view_mut(),
+                    D::share(&x),
+                    (&p.q, &p.q_bias),
+                    (n, c, q),
+                    mm,
+                )?;
                 linear(dev, a.k.view_mut(), x, (&p.k, &p.k_bias), (n, c, kv), mm)?;
             }
         }
@@ -177,14 +199,44 @@ impl<X: Num, D: Device> Model<X, D> {
         let down = (g.down, g.down_bias);
         let product = a.product.view();
         let up_grad = dwide.at_mut(up_at.clone());
-        linear_backward(dev, up_grad, down, dres.view(), product, &p.down, (n, i, c), Overwrite, mm)?;
+        linear_backward(
+            dev,
+            up_grad,
+            down,
+            dres.view(),
+            product,
+            &p.down,
+            (n, i, c),
+            Overwrite,
+            mm,
+        )?;
         let (dgate, dup) = D::split_at_mut(dwide.at_mut(0..2 * n * i), n * i);
         dev.swiglu_backward(dgate, dup, a.gate.view(), a.up.view())?;
         let (x, gate, up) = (a.norm2.view(), (g.gate, g.gate_bias), (g.up, g.up_bias));
         let dgate = dwide.at(gate_at);
         let mkn = (n, c, i);
-        linear_backward(dev, dchan.at_mut(dx.clone()), gate, dgate, D::share(&x), &p.gate, mkn, Overwrite, mm)?;
-        linear_backward(dev, dchan.at_mut(dx.clone()), up, dwide.at(up_at), x, &p.up, mkn, Accumulate, mm)?;
+        linear_backward(
+            dev,
+            dchan.at_mut(dx.clone()),
+            gate,
+            dgate,
+            D::share(&x),
+            &p.gate,
+            mkn,
+            Overwrite,
+            mm,
+        )?;
+        linear_backward(
+            dev,
+            dchan.at_mut(dx.clone()),
+            up,
+            dwide.at(up_at),
+            x,
+            &p.up,
+            mkn,
+            Accumulate,
+            mm,
+        )?;
         dev.rmsnorm_backward(
             dres.view_mut(),
             g.norm2,
@@ -195,8 +247,22 @@ impl<X: Num, D: Device> Model<X, D> {
         )?;
         // Attention; dres now holds ∂loss/∂res2.
         let o = (g.o, g.o_bias);
-        linear_backward(dev, dchan.at_mut(0..n * q), o, dres.view(), a.atty.view(), &p.o, (n, q, c), Overwrite, mm)?;
-        let (dq_at, dk_at, dv_at) = (0..n * q, n * q..n * (q + kv), n * (q + kv)..n * (q + 2 * kv));
+        linear_backward(
+            dev,
+            dchan.at_mut(0..n * q),
+            o,
+            dres.view(),
+            a.atty.view(),
+            &p.o,
+            (n, q, c),
+            Overwrite,
+            mm,
+        )?;
+        let (dq_at, dk_at, dv_at) = (
+            0..n * q,
+            n * q..n * (q + kv),
+            n * (q + kv)..n * (q + 2 * kv),
+        );
         let (dq, dkv) = D::split_at_mut(dwide.at_mut(0..n * (q + 2 * kv)), n * q);
         let (dk, dv) = D::split_at_mut(dkv, n * kv);
         dev.gqa_attention_backward(
@@ -211,8 +277,18 @@ impl<X: Num, D: Device> Model<X, D> {
             a.att.view(),
             d.attention(),
         )?;
-        dev.rope_backward(dwide.at_mut(dq_at.clone()), cos.view(), sin.view(), d.rope(d.h))?;
-        dev.rope_backward(dwide.at_mut(dk_at.clone()), cos.view(), sin.view(), d.rope(d.kv))?;
+        dev.rope_backward(
+            dwide.at_mut(dq_at.clone()),
+            cos.view(),
+            sin.view(),
+            d.rope(d.h),
+        )?;
+        dev.rope_backward(
+            dwide.at_mut(dk_at.clone()),
+            cos.view(),
+            sin.view(),
+            d.rope(d.kv),
+        )?;
         let (dq_at, dk_at) = match (&p.q_norm, &p.k_norm, g.q_norm, g.k_norm) {
             (Some(qn), Some(kn), Some(dqn), Some(dkn)) => {
                 let dqkv = n * (q + 2 * kv);
@@ -237,11 +313,41 @@ impl<X: Num, D: Device> Model<X, D> {
         let x = a.norm1.view();
         let (wq, wk, wv) = ((g.q, g.q_bias), (g.k, g.k_bias), (g.v, g.v_bias));
         let dxq = dchan.at_mut(dx.clone());
-        linear_backward(dev, dxq, wq, dwide.at(dq_at), D::share(&x), &p.q, (n, c, q), Overwrite, mm)?;
+        linear_backward(
+            dev,
+            dxq,
+            wq,
+            dwide.at(dq_at),
+            D::share(&x),
+            &p.q,
+            (n, c, q),
+            Overwrite,
+            mm,
+        )?;
         let dxk = dchan.at_mut(dx.clone());
-        linear_backward(dev, dxk, wk, dwide.at(dk_at), D::share(&x), &p.k, (n, c, kv), Accumulate, mm)?;
+        linear_backward(
+            dev,
+            dxk,
+            wk,
+            dwide.at(dk_at),
+            D::share(&x),
+            &p.k,
+            (n, c, kv),
+            Accumulate,
+            mm,
+        )?;
         let dxv = dchan.at_mut(dx.clone());
-        linear_backward(dev, dxv, wv, dwide.at(dv_at), x, &p.v, (n, c, kv), Accumulate, mm)?;
+        linear_backward(
+            dev,
+            dxv,
+            wv,
+            dwide.at(dv_at),
+            x,
+            &p.v,
+            (n, c, kv),
+            Accumulate,
+            mm,
+        )?;
         dev.rmsnorm_backward(
             dres.view_mut(),
             g.norm1,

@@ -37,25 +37,39 @@ pub fn inverse_frequencies(rope: &Rope, head_dim: usize) -> Vec<f32> {
 pub fn rope_tables(rope: &Rope, head_dim: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
     let inv = inverse_frequencies(rope, head_dim);
     let angles = || (0..t).flat_map(|p| inv.iter().map(move |f| p as f32 * f));
-    (angles().map(f32::cos).collect(), angles().map(f32::sin).collect())
+    (
+        angles().map(f32::cos).collect(),
+        angles().map(f32::sin).collect(),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use scheduler::model::{LlamaPreset, Llama3Rope};
+    use scheduler::model::{Llama3Rope, LlamaPreset};
 
     #[test]
     fn llama3_scaling_divides_low_frequencies_and_keeps_high_ones() {
         let rope = LlamaPreset::Llama32_1B.shape().rope;
-        let plain = inverse_frequencies(&Rope { llama3: None, ..rope }, 64);
+        let plain = inverse_frequencies(
+            &Rope {
+                llama3: None,
+                ..rope
+            },
+            64,
+        );
         let scaled = inverse_frequencies(&rope, 64);
         let Llama3Rope { factor, .. } = rope.llama3.unwrap();
         // The highest frequency (wavelength 2π) is kept, the lowest divided by the factor.
         assert_eq!(scaled[0], plain[0]);
         assert_eq!(scaled[31], plain[31] / factor as f32);
         // In between, the smoothed ones lie between the two.
-        assert!(scaled.iter().zip(&plain).any(|(s, p)| *s < *p && *s > *p / factor as f32));
+        assert!(
+            scaled
+                .iter()
+                .zip(&plain)
+                .any(|(s, p)| *s < *p && *s > *p / factor as f32)
+        );
     }
 
     #[test]

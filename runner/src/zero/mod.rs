@@ -403,8 +403,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                 param(gathered, params, head, head_len),
             );
             let g_head = grad(unit_grads, grads, head, head_len);
-            self.passes
-                .loss(&self.dev, p_norm, p_head, g_head, dloss)?
+            self.passes.loss(&self.dev, p_norm, p_head, g_head, dloss)?
         };
         if head != EMB {
             self.after_unit_backward(head)?;
@@ -438,8 +437,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             } = &mut self.bufs;
             let p = param(gathered, params, l + 1, len);
             let g = grad(unit_grads, grads, l + 1, len);
-            self.passes
-                .block_backward(&self.dev, p, g, l, slot(l))?;
+            self.passes.block_backward(&self.dev, p, g, l, slot(l))?;
             // Gathered ahead (into the slot of the unit whose backward is done) before this
             // unit's gradient is reduced: on NCCL's stream the gather need not wait for this
             // block's backward, the reduction must. The embeddings' backward reads no weights.

@@ -4,8 +4,8 @@ use super::*;
 use crate::data::{BatchLayout, DataRoots};
 use crate::gpt::{self, BatchDims};
 use crate::llama;
-use scheduler::model::{GptShape, LlamaShape};
 use half::f16;
+use scheduler::model::{GptShape, LlamaShape};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 
 /// A single-rank stage-0 engine for `json` (seeded by `seed`) with micro-batch `b` of the
@@ -154,18 +154,27 @@ fn llama_reference_loss(
             ks = r::rmsnorm_forward(&ks, kn, eps).0;
         }
         let (qs, ks) = (rotate(&qs, d.h), rotate(&ks, d.kv));
-        let (y, _) = r::gqa_attention_forward(&qs, &ks, &vs, AttentionDims::gqa(d.b, d.t, d.h, d.kv, d.d));
+        let (y, _) =
+            r::gqa_attention_forward(&qs, &ks, &vs, AttentionDims::gqa(d.b, d.t, d.h, d.kv, d.d));
         let res2 = r::residual_forward(&x, &lin(&y, p.o, p.o_bias.as_ref(), (q, c)));
         let (h2, _) = r::rmsnorm_forward(&res2, p.norm2, eps);
         let gate = lin(&h2, p.gate, p.gate_bias.as_ref(), (c, i));
         let up = lin(&h2, p.up, p.up_bias.as_ref(), (c, i));
-        let mlp = lin(&r::swiglu_forward(&gate, &up), p.down, p.down_bias.as_ref(), (i, c));
+        let mlp = lin(
+            &r::swiglu_forward(&gate, &up),
+            p.down,
+            p.down_bias.as_ref(),
+            (i, c),
+        );
         x = r::residual_forward(&res2, &mlp);
     }
     let (hf, _) = r::rmsnorm_forward(&x, &units[d.l + 1][..c], eps);
     let head = if s.tie_word_embeddings { EMB } else { d.l + 2 };
     let logits = r::matmul_forward(&hf, &units[head][..v * c], None, NK, (n, c, v));
-    r::crossentropy_forward(&logits, targets, v).iter().sum::<f64>() / n as f64
+    r::crossentropy_forward(&logits, targets, v)
+        .iter()
+        .sum::<f64>()
+        / n as f64
 }
 
 /// Checks three elements of every tensor's gradient after one micro-batch of `json` against
@@ -228,12 +237,13 @@ fn gradients_agree_with_finite_differences(
 fn whole_model_gradients_agree_with_finite_differences_of_an_f64_reference() {
     let json = r#"{"model": {"vocab_size": 32, "context_length": 16, "n_layer": 2, "n_head": 2, "n_embd": 16},
                    "training": {"seq_len": 8}}"#;
-    let checked = gradients_agree_with_finite_differences(json, |passes, params, inputs, targets| {
-        let Passes::Gpt2(m) = passes else {
-            unreachable!("a GPT-2 spec")
-        };
-        reference_loss(params, &m.shape, inputs, targets, m.dims)
-    });
+    let checked =
+        gradients_agree_with_finite_differences(json, |passes, params, inputs, targets| {
+            let Passes::Gpt2(m) = passes else {
+                unreachable!("a GPT-2 spec")
+            };
+            reference_loss(params, &m.shape, inputs, targets, m.dims)
+        });
     assert_eq!(checked, 3 * (2 + 12 * 2 + 2));
 }
 
@@ -260,12 +270,13 @@ fn llama_family_gradients_agree_with_finite_differences_of_an_f64_reference() {
         let json = format!(r#"{{"model": {{"config": {config}}}, "training": {{"seq_len": 8}}}}"#);
         let spec = JobSpec::parse(&json, Purpose::Train).unwrap().spec;
         let tensors = spec.architecture().model().unwrap().units(1).tensor_count();
-        let checked = gradients_agree_with_finite_differences(&json, |passes, params, inputs, targets| {
-            let Passes::Llama(m) = passes else {
-                unreachable!("a Llama-family spec")
-            };
-            llama_reference_loss(params, &m.shape, inputs, targets, m.dims)
-        });
+        let checked =
+            gradients_agree_with_finite_differences(&json, |passes, params, inputs, targets| {
+                let Passes::Llama(m) = passes else {
+                    unreachable!("a Llama-family spec")
+                };
+                llama_reference_loss(params, &m.shape, inputs, targets, m.dims)
+            });
         assert_eq!(checked, 3 * tensors, "{config}");
     }
 }

@@ -491,7 +491,10 @@ pub(crate) fn write(model: &ModelShape) -> Map<String, Value> {
                 }
                 LlamaType::Qwen2 => {}
             }
-            if matches!(s.model_type, LlamaType::Mistral | LlamaType::Qwen2 | LlamaType::Qwen3) {
+            if matches!(
+                s.model_type,
+                LlamaType::Mistral | LlamaType::Qwen2 | LlamaType::Qwen3
+            ) {
                 m.insert("sliding_window".into(), s.sliding_window.into());
             }
             c
