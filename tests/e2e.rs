@@ -542,6 +542,91 @@ async fn a_job_started_from_another_job_s_model_computes_that_model_s_last_loss(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen2_job_from_a_hugging_face_directory_trains_and_is_pulled_in_transformers_form() {
+    let s = service().await;
+    let (stop, thread) = agent(&s, "llama", 2, 1 << 30);
+    s.wait_nodes(1).await;
+    // A Hugging Face model directory (config.json + model.safetensors, as transformers saved
+    // it) and a token shard, inside the data roots.
+    let reference = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/llama_parity");
+    let root = s.server.state().data_roots.dirs()[0].to_path_buf();
+    let dir = root.join("qwen2");
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors", "expected.json"] {
+        std::fs::copy(reference.join("qwen2").join(file), dir.join(file)).unwrap();
+    }
+    std::fs::copy(reference.join("tokens.bin"), root.join("tokens.bin")).unwrap();
+    let read =
+        |path: &Path| -> Value { serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap() };
+    let expected = read(&dir.join("expected.json"));
+    let spec = json!({"model": {"config": read(&dir.join("config.json")),
+            "init_from": dir.display().to_string()},
+        "data": {"kind": "tokens", "path": root.join("tokens.bin").display().to_string()},
+        "world_size": 2, "zero": {"stage": 3}, "precision": {"dtype": "fp32"},
+        "training": {"steps": 3, "micro_batch_size": 1, "seq_len": 32}});
+    let (status, created) = s.submit(spec).await;
+    assert_eq!(status, 201, "{created}");
+    let id = job_id(&created);
+    let job = s.finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(job["state"], "succeeded", "{job}");
+    // Started from transformers' weights: the first loss is theirs on the same batch (two
+    // ranks of one sequence each read the window make.py's batch of two did).
+    let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+    let first = m["steps"][0]["loss"].as_f64().unwrap();
+    let want = expected["losses"][0].as_f64().unwrap();
+    assert!(
+        (first - want).abs() < 1e-5 * want,
+        "{first} vs transformers' {want}"
+    );
+    let pulled = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args([
+            "pull",
+            &id,
+            "--url",
+            &s.server.url(),
+            "--token",
+            ADMIN,
+            "--to",
+        ])
+        .arg(pulled.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let weights = std::fs::read(pulled.path().join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&weights).unwrap();
+    let want = expected["export"]["tensors"].as_object().unwrap();
+    let mut names = tensors.names();
+    names.sort();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    for (name, shape) in want {
+        let shape: Vec<usize> = serde_json::from_value(shape.clone()).unwrap();
+        assert_eq!(tensors.tensor(name).unwrap().shape(), shape, "{name}");
+    }
+    let config = read(&pulled.path().join("config.json"));
+    let mut keys: Vec<&String> = config.as_object().unwrap().keys().collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        expected["export"]["config_keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k.as_str().unwrap())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(config["model_type"], "qwen2");
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_resumed_from_another_job_s_checkpoint_continues_it_exactly() {
     let s = service().await;
     let (stop, thread) = agent(&s, "resumer", 2, 1 << 30);

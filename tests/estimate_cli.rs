@@ -183,8 +183,18 @@ fn model_dir_takes_the_rest_of_the_spec_from_the_spec_file() {
 
 #[test]
 fn train_starts_a_llama_family_model_from_a_hugging_face_directory() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/llama_parity/qwen3");
-    let out = stdout(&zerotrain(&["train", "--model-dir", dir, "--json", "--threads", "1"]));
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/reference/llama_parity/qwen3"
+    );
+    let out = stdout(&zerotrain(&[
+        "train",
+        "--model-dir",
+        dir,
+        "--json",
+        "--threads",
+        "1",
+    ]));
     let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
     let losses = summary["losses"].as_array().unwrap();
     // From transformers' random weights the first loss is about ln(256) (expected.json: 5.5574).

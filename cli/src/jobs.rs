@@ -66,15 +66,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<36}  {:<20}  {:<9}  {:>5}  {:>7}  REASON",
-        "ID", "NAME", "STATE", "RANKS", "ATTEMPT"
+        "{:<36}  {:<20}  {:<9}  {:<14}  {:>5}  {:>7}  REASON",
+        "ID", "NAME", "STATE", "MODEL", "RANKS", "ATTEMPT"
     );
     for j in &jobs {
+        // The spec as the server normalised it: its model's type and size.
+        let model = serde_json::from_value::<scheduler::spec::JobSpec>(j["spec"].clone())
+            .map_or_else(|_| "-".to_string(), |s| s.architecture().label());
         println!(
-            "{:<36}  {:<20}  {:<9}  {:>5}  {:>7}  {}",
+            "{:<36}  {:<20}  {:<9}  {:<14}  {:>5}  {:>7}  {}",
             j["id"].as_str().unwrap_or_default(),
             j["name"].as_str().unwrap_or("-"),
             j["state"].as_str().unwrap_or_default(),
+            model,
             j["world_size"].to_string(),
             j["attempt"].to_string(),
             j["reason"].as_str().unwrap_or_default(),

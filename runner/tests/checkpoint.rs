@@ -31,14 +31,16 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn resuming_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
-    for (dtype, optimizer) in [
+    let runs = [
         ("fp32", "adamw"),
         ("bf16", "adam8bit"),
         ("fp16", "adafactor"),
         ("bf16", "lion"),
-    ] {
+    ];
+    let models = ["gpt2-tiny", "llama-tiny"];
+    for (model, (dtype, optimizer)) in models.into_iter().flat_map(|m| runs.map(|r| (m, r))) {
         let json = format!(
-            r#"{{"model": {{"preset": "gpt2-tiny"}}, "optimizer": {{"type": "{optimizer}"}},
+            r#"{{"model": {{"preset": "{model}"}}, "optimizer": {{"type": "{optimizer}"}},
                 "precision": {{"dtype": "{dtype}"}}, "training": {{"steps": 10, "lr": 1e-3}},
                 "checkpoint": {{"every_steps": 4}}}}"#
         );
@@ -49,12 +51,12 @@ fn resuming_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
         copy_dir(&a.path().join(&step4), &b.path().join(&step4));
         fs::write(b.path().join("checkpoints/latest"), "step-00000004").unwrap();
         let resumed = train_in(&json, b.path());
-        assert_eq!(resumed.resumed_from, Some(4), "{dtype} {optimizer}");
-        assert_eq!(resumed.losses, whole.losses, "{dtype} {optimizer}");
-        let model = |dir: &Path| fs::read(dir.join("model.safetensors")).unwrap();
+        assert_eq!(resumed.resumed_from, Some(4), "{model} {dtype} {optimizer}");
+        assert_eq!(resumed.losses, whole.losses, "{model} {dtype} {optimizer}");
+        let weights = |dir: &Path| fs::read(dir.join("model.safetensors")).unwrap();
         assert!(
-            model(a.path()) == model(b.path()),
-            "{dtype} {optimizer}: exported weights differ"
+            weights(a.path()) == weights(b.path()),
+            "{model} {dtype} {optimizer}: exported weights differ"
         );
     }
 }
@@ -290,4 +292,71 @@ fn a_run_resumes_from_the_checkpoint_it_is_given_not_the_newest_on_disk() {
         fresh.resumed_from, None,
         "a fresh run ignores what is on disk"
     );
+}
+
+/// The Llama parity reference model (`tests/reference/llama_parity/qwen3`).
+fn qwen3_reference() -> (std::path::PathBuf, ModelShape) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/llama_parity/qwen3");
+    let config = fs::read_to_string(dir.join("config.json")).unwrap();
+    let spec = JobSpec::parse(
+        &format!(r#"{{"model": {{"config": {config}}}}}"#),
+        Purpose::Train,
+    )
+    .unwrap()
+    .spec;
+    (dir, spec.architecture().model().unwrap())
+}
+
+#[test]
+fn a_sharded_hugging_face_set_reads_as_its_single_file_does() {
+    let (dir, model) = qwen3_reference();
+    let bytes = fs::read(dir.join("model.safetensors")).unwrap();
+    let single = SafeTensors::deserialize(&bytes).unwrap();
+    // Two shards, the tensors dealt alternately, and the index transformers writes.
+    let sharded = tempfile::tempdir().unwrap();
+    let mut names = single.names();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for k in 0..2 {
+        let file = format!("model-0000{}-of-00002.safetensors", k + 1);
+        let tensors: Vec<_> = names
+            .iter()
+            .skip(k)
+            .step_by(2)
+            .map(|n| (n.to_string(), single.tensor(n).unwrap()))
+            .collect();
+        for (n, _) in &tensors {
+            weight_map.insert(n.clone(), file.clone().into());
+        }
+        safetensors::serialize_to_file(tensors, None, &sharded.path().join(&file)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+    fs::write(
+        sharded.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let roots = DataRoots::anywhere();
+    let load = |p: &Path| checkpoint::load_hf(&roots, p.to_str().unwrap(), &model);
+    let (a, b) = (load(&dir).unwrap(), load(sharded.path()).unwrap());
+    for u in 0..model.units(1).iter().count() {
+        assert_eq!(
+            a.unit_values(u).unwrap(),
+            b.unit_values(u).unwrap(),
+            "unit {u}"
+        );
+    }
+    // An index may only name files beside it.
+    let escape = serde_json::json!({"weight_map": {"model.norm.weight": "../model.safetensors"}});
+    fs::write(
+        sharded.path().join("model.safetensors.index.json"),
+        escape.to_string(),
+    )
+    .unwrap();
+    let err = load(sharded.path()).unwrap_err().to_string();
+    assert!(err.contains("not a .safetensors file beside it"), "{err}");
+    // A directory with neither names both.
+    let empty = tempfile::tempdir().unwrap();
+    let err = load(empty.path()).unwrap_err().to_string();
+    assert!(err.contains("holds neither"), "{err}");
 }

@@ -51,16 +51,19 @@ def test_estimate_and_nodes(zt: Client) -> None:
     assert len(zt.nodes()) == 1
 
 
-def test_a_model_dir_is_estimated_but_not_yet_trained(zt: Client, tmp_path: Path) -> None:
+def test_a_model_dir_is_estimated_and_its_weights_must_be_in_the_data_roots(
+    zt: Client, tmp_path: Path
+) -> None:
     reference = Path(__file__).parents[3] / "tests/reference/hf_configs"
     shutil.copy(reference / "smollm2-135M.json", tmp_path / "config.json")
     est = zt.estimate(model_dir=tmp_path, training={"seq_len": 128})
     assert est["parameters"] == 134515008
     assert est["model"]["family"] == "llama"
+    # Training reads the weights from the directory, which lies outside the server's data roots.
     with pytest.raises(ZerotrainError) as e:
         zt.submit(model_dir=tmp_path)
     assert e.value.status == 422
-    assert e.value.field == "model.config.model_type"
+    assert e.value.field == "model.init_from"
 
 
 def test_cancel_ends_a_job(zt: Client) -> None:

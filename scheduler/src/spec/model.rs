@@ -132,6 +132,23 @@ impl Architecture {
         }
     }
 
+    /// What the console and `zerotrain jobs` call the model: its Hugging Face `model_type` and
+    /// its size (`qwen3 596.0M`, `gpt2 124.4M`), or the bare count (`7.0B parameters`).
+    pub fn label(&self) -> String {
+        let n = self.parameter_count() as f64;
+        let size = if n >= 1e9 {
+            format!("{:.1}B", n / 1e9)
+        } else if n >= 1e6 {
+            format!("{:.1}M", n / 1e6)
+        } else {
+            format!("{:.1}K", n / 1e3)
+        };
+        match self.model() {
+            Some(m) => format!("{} {size}", m.summary().model_type),
+            None => format!("{size} parameters"),
+        }
+    }
+
     /// The model zerotrain describes exactly, unless this is a bare parameter count.
     pub fn model(&self) -> Option<ModelShape> {
         match *self {

@@ -150,6 +150,7 @@ async fn load(
         world_size: job.world_size,
         submitted: view::time(job.created_at),
         plan: vec![
+            ("model", model_line(&job.spec)),
             ("ZeRO stage", chosen.zero_stage.index().to_string()),
             ("micro-batch", chosen.micro_batch_size.to_string()),
             ("gradient accumulation", chosen.grad_accum_steps.to_string()),
@@ -238,5 +239,18 @@ async fn whole_log(state: &AppState, id: &str) -> Result<String, ApiError> {
         for l in &lines {
             text.push_str(&format!("{}\t{}\t{}\n", l.seq, view::time(l.at), l.line));
         }
+    }
+}
+
+/// The model as the estimate report names it: family, type and shape, and its parameters.
+fn model_line(spec: &scheduler::spec::JobSpec) -> String {
+    let arch = spec.architecture();
+    match arch.model() {
+        Some(m) => format!(
+            "{} ({} parameters)",
+            m.summary().line(),
+            arch.parameter_count()
+        ),
+        None => arch.label(),
     }
 }

@@ -30,6 +30,8 @@ struct Row {
     name: String,
     state: &'static str,
     owner: String,
+    /// The model's type and size.
+    model: String,
     world_size: u32,
     zero_stage: String,
     priority: i32,
@@ -152,6 +154,7 @@ pub async fn page(
             name: j.name.unwrap_or_default(),
             state: j.state.as_str(),
             owner: j.owner,
+            model: j.spec.architecture().label(),
             world_size: j.world_size,
             zero_stage: j.plan.chosen.zero_stage.index().to_string(),
             priority: j.priority,

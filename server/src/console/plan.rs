@@ -24,14 +24,6 @@ const STARTER: &str = r#"{
   "training": {"micro_batch_size": 4, "seq_len": 64, "steps": 50}
 }"#;
 
-const PRESETS: [&str; 5] = [
-    "gpt2-tiny",
-    "gpt2-124M",
-    "gpt2-350M",
-    "gpt2-774M",
-    "gpt2-1558M",
-];
-
 #[derive(Debug, Deserialize)]
 pub struct PlanQuery {
     from: Option<String>,
@@ -42,7 +34,7 @@ pub struct PlanQuery {
 struct PlanPage {
     layout: Layout,
     spec: String,
-    presets: [&'static str; 5],
+    presets: &'static [&'static str],
     /// The largest registered device, in GiB: what the estimate compares against at first.
     device_gib: String,
     can_submit: bool,
@@ -72,7 +64,7 @@ pub async fn page(
     render(&PlanPage {
         layout: Layout::new("plan", &caller),
         spec,
-        presets: PRESETS,
+        presets: scheduler::spec::PRESET_NAMES,
         device_gib: format!("{gib:.2}")
             .trim_end_matches('0')
             .trim_end_matches('.')
