@@ -1,9 +1,10 @@
-//! zerotrain's side of the GPU benchmark (feature `cuda`): gpt2-124M, bf16 over fp32 master
-//! weights, AdamW, T = 1024, ZeRO 0 on GPU 0, at B = 16 and at the largest micro-batch the
-//! memory model says fits the GPU. Prints median step time, tokens/s and MFU (llm.c's FLOP
-//! count, `6·N + 6·L·C·T` per token, against the bf16 cuBLASLt rate of 8192³ products measured
-//! first in the same run), and with `ZEROTRAIN_BENCH_JSON=FILE` writes the rows there for
-//! `scripts/bench_torch.py`, which prints them beside PyTorch's on the same GPU.
+//! zerotrain's side of the GPU benchmark (feature `cuda`): gpt2-124M and a SmolLM2-135M-shaped
+//! Llama, bf16 over fp32 master weights, AdamW, T = 1024, ZeRO 0 on GPU 0, at B = 16 and at
+//! the largest micro-batch the memory model says fits the GPU. Prints median step time,
+//! tokens/s and MFU (llm.c's FLOP count, `6·N + 6·L·H·D·T` per token, against the bf16
+//! cuBLASLt rate of 8192³ products measured first in the same run), and with
+//! `ZEROTRAIN_BENCH_JSON=FILE` writes the rows there for `scripts/bench_torch.py`, which prints
+//! the gpt2-124M rows beside PyTorch's on the same GPU.
 //!
 //! `cargo bench -p runner --bench gpu` (scripts/gpu-check runs it from the
 //! bundle). Without a GPU it says so and exits 0.
@@ -12,7 +13,7 @@ use runner::device::Target;
 use runner::train::{Options, Progress, run};
 use scheduler::memory::DeviceKind;
 use scheduler::plan::plan_local_on;
-use scheduler::spec::{Architecture, JobSpec, Purpose};
+use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
 
@@ -21,10 +22,12 @@ const WARMUP: usize = 3;
 const MEASURED: usize = 10;
 /// Micro-batches tried for "largest that fits", largest first.
 const BATCHES: [usize; 6] = [64, 48, 32, 24, 20, 16];
+/// The models timed, one of each family.
+const MODELS: [&str; 2] = ["gpt2-124M", "smollm2-135M"];
 
-fn spec(b: usize) -> JobSpec {
+fn spec(model: &str, b: usize) -> JobSpec {
     let json = format!(
-        r#"{{"model": {{"preset": "gpt2-124M"}}, "precision": {{"dtype": "bf16"}},
+        r#"{{"model": {{"preset": "{model}"}}, "precision": {{"dtype": "bf16"}},
             "optimizer": {{"type": "adamw"}}, "zero": {{"stage": 0}},
             "activation_checkpointing": false,
             "training": {{"micro_batch_size": {b}, "seq_len": {T}, "steps": {}}}}}"#,
@@ -37,19 +40,19 @@ fn spec(b: usize) -> JobSpec {
 
 /// One measured configuration.
 struct Row {
+    model: &'static str,
     batch: usize,
     step: (f64, f64, f64),
     tokens_per_step: f64,
     flops_per_step: f64,
 }
 
-fn time(b: usize, budget: u64) -> Row {
-    let spec = spec(b);
-    let Architecture::Gpt(shape) = spec.architecture() else {
-        unreachable!("a preset has a GPT architecture")
-    };
-    let per_token =
-        6.0 * shape.parameter_count() as f64 + 6.0 * (shape.n_layer * shape.n_embd * T) as f64;
+fn time(model: &'static str, b: usize, budget: u64) -> Row {
+    let spec = spec(model, b);
+    let shape = spec.architecture().model().expect("a preset has a shape");
+    let s = shape.summary();
+    let attention = s.layers * s.attention_heads * s.head_dim * T;
+    let per_token = 6.0 * shape.parameter_count() as f64 + 6.0 * attention as f64;
     let tokens_per_step = (b * T) as f64;
     let plan = plan_local_on(&spec, Some(budget), DeviceKind::Cuda).expect("B fits the GPU");
     let opts = Options {
@@ -62,11 +65,12 @@ fn time(b: usize, budget: u64) -> Row {
     let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
     assert!(
         summary.final_loss.is_finite(),
-        "B={b}: loss {}",
+        "{model} B={b}: loss {}",
         summary.final_loss
     );
     seconds.drain(..WARMUP);
     Row {
+        model,
         batch: b,
         step: common::median_min_max(&seconds),
         tokens_per_step,
@@ -85,42 +89,49 @@ fn main() {
             return;
         }
     };
-    // The model is exact, so the largest micro-batch it admits on this GPU is the one to run.
-    let largest = BATCHES
-        .into_iter()
-        .find(|&b| plan_local_on(&spec(b), Some(total), DeviceKind::Cuda).is_ok());
     println!(
-        "GPU 0: {:.1} GiB; bf16 8192³ cuBLASLt: {:.0} TFLOP/s; largest micro-batch the model admits: {}",
+        "GPU 0: {:.1} GiB; bf16 8192³ cuBLASLt: {:.0} TFLOP/s",
         total as f64 / f64::from(1 << 30),
         peak / 1e3,
-        largest.map_or(format!("none of {BATCHES:?}"), |b| b.to_string())
     );
     println!();
-    println!("| run | B | median step ms | min–max ms | tokens/s | MFU |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| run | model | B | median step ms | min–max ms | tokens/s | MFU |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     // `ZEROTRAIN_BENCH_BATCHES=16,32` names the micro-batches (gpu-check runs 16 only, within
-    // its budget); by default 16 and the largest that fits.
-    let batches: Vec<usize> = match std::env::var("ZEROTRAIN_BENCH_BATCHES") {
-        Ok(list) => list
-            .split(',')
-            .map(|b| {
-                b.trim()
-                    .parse()
-                    .expect("ZEROTRAIN_BENCH_BATCHES: micro-batches, a,b,…")
-            })
-            .collect(),
-        Err(_) => std::iter::once(16)
-            .chain(largest.filter(|&b| b != 16))
-            .collect(),
+    // its budget); by default 16 and the largest that fits: the model is exact, so the
+    // largest micro-batch it admits on this GPU is the one to run.
+    let batches = |model: &str| -> Vec<usize> {
+        match std::env::var("ZEROTRAIN_BENCH_BATCHES") {
+            Ok(list) => list
+                .split(',')
+                .map(|b| {
+                    b.trim()
+                        .parse()
+                        .expect("ZEROTRAIN_BENCH_BATCHES: micro-batches, a,b,…")
+                })
+                .collect(),
+            Err(_) => {
+                let largest = BATCHES.into_iter().find(|&b| {
+                    plan_local_on(&spec(model, b), Some(total), DeviceKind::Cuda).is_ok()
+                });
+                std::iter::once(16)
+                    .chain(largest.filter(|&b| b != 16))
+                    .collect()
+            }
+        }
     };
-    for b in batches {
-        let r = time(b, total);
+    for (model, b) in MODELS
+        .into_iter()
+        .flat_map(|m| batches(m).into_iter().map(move |b| (m, b)))
+    {
+        let r = time(model, b, total);
         let (step, lo, hi) = r.step;
         let tps = r.tokens_per_step / step;
         let mfu = r.flops_per_step / step / 1e9 / peak;
         println!(
-            "| zerotrain | {} | {:.1} | {:.1}–{:.1} | {tps:.0} | {:.1}% |",
+            "| zerotrain | {} | {} | {:.1} | {:.1}–{:.1} | {tps:.0} | {:.1}% |",
+            r.model,
             r.batch,
             step * 1e3,
             lo * 1e3,
@@ -128,7 +139,7 @@ fn main() {
             100.0 * mfu
         );
         rows.push(serde_json::json!({
-            "run": "zerotrain", "batch": r.batch, "step_seconds": step,
+            "run": "zerotrain", "model": r.model, "batch": r.batch, "step_seconds": step,
             "tokens_per_second": tps, "mfu": mfu,
         }));
         // After every row, so a bench stopped by gpu-check's budget leaves what it measured.

@@ -4,6 +4,7 @@
 
 use std::marker::PhantomData;
 
+use kernels::matmul::{DinpMode, Layout};
 use scheduler::memory::{Category, DeviceKind};
 use scheduler::model::{MATMUL_SCRATCH_F32, ModelShape, StepTensors};
 
@@ -55,6 +56,19 @@ impl<'a, D: Device, S, X: Num> Alloc<'a, D, S, X> {
         )
     }
 
+    /// The micro-batch's family-independent buffers, from the family's names for them.
+    pub(crate) fn batch<A: StepTensors<Shape = S>>(
+        &self,
+        [inputs, targets, logits, losses]: [A; 4],
+    ) -> Result<Batch<D>, Error> {
+        Ok(Batch {
+            inputs: self.take(inputs)?,
+            targets: self.take(targets)?,
+            logits: self.take(logits)?,
+            losses: self.take(losses)?,
+        })
+    }
+
     /// Where the CPU's GEMMs widen 16-bit tiles; empty for fp32 and on a GPU
     /// (`scheduler::memory::rank_breakdown_on`).
     pub(crate) fn matmul_scratch(&self) -> Result<Buffer<f32, D>, Error> {
@@ -64,6 +78,51 @@ impl<'a, D: Device, S, X: Num> Alloc<'a, D, S, X> {
             MATMUL_SCRATCH_F32
         };
         self.acct.alloc_on(self.dev, Category::Buffers, len)
+    }
+}
+
+/// What every family's step holds beside its activations: the micro-batch's token ids, the
+/// logits (overwritten by their gradient) and each token's loss.
+pub(crate) struct Batch<D: Device> {
+    pub inputs: Buffer<u32, D>,
+    pub targets: Buffer<u32, D>,
+    pub logits: Buffer<f32, D>,
+    pub losses: Buffer<f32, D>,
+}
+
+impl<D: Device> Batch<D> {
+    /// The LM head and the cross-entropy, forward and backward at once, as every family has
+    /// them: logits = x·Wᵀ for the head weight W (V, C), each token's loss and, in place of
+    /// the logits, their gradient (`dloss` per token); then `dx` = ∂loss/∂x and ∂loss/∂W added
+    /// into `dw`. Returns the micro-batch's mean loss.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn lm_head<X: Num>(
+        &mut self,
+        dev: &D,
+        x: D::View<'_, X>,
+        (w, dw): (D::View<'_, X>, D::ViewMut<'_, X>),
+        dx: D::ViewMut<'_, X>,
+        (n, c, v): (usize, usize, usize),
+        dloss: f32,
+        scratch: &mut Buffer<f32, D>,
+    ) -> Result<f64, Error> {
+        let (logits, mkn) = (&mut self.logits, (n, c, v));
+        let (nk, mm) = (Layout::NK, scratch);
+        let (x2, w2) = (D::share(&x), D::share(&w));
+        dev.matmul_forward(logits.view_mut(), x2, w2, None, nk, mkn, mm.view_mut())?;
+        let targets = self.targets.view();
+        dev.crossentropy_forward(
+            self.losses.view_mut(),
+            logits.view_mut(),
+            targets,
+            v,
+            Some(dloss),
+        )?;
+        let dlogits = logits.view();
+        let mode = DinpMode::Overwrite;
+        dev.matmul_backward(dx, dw, None, dlogits, x, w, nk, mkn, mode, mm.view_mut())?;
+        let losses = dev.to_host(self.losses.view())?;
+        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
     }
 }
 
@@ -101,19 +160,12 @@ impl<X: Num, D: Device> Passes<X, D> {
         }
     }
 
-    /// Where the data loader writes the micro-batch: input and target token ids.
-    pub(crate) fn batch_mut(&mut self) -> (&mut Buffer<u32, D>, &mut Buffer<u32, D>) {
+    /// The token ids the data loader writes, and the logits, dead outside a step (the export
+    /// gathers through them).
+    pub(crate) fn batch(&mut self) -> &mut Batch<D> {
         match self {
-            Passes::Gpt2(m) => (&mut m.acts.inputs, &mut m.acts.targets),
-            Passes::Llama(m) => (&mut m.acts.inputs, &mut m.acts.targets),
-        }
-    }
-
-    /// The logits buffer, dead outside a step (the export gathers through it).
-    pub(crate) fn logits_mut(&mut self) -> &mut Buffer<f32, D> {
-        match self {
-            Passes::Gpt2(m) => &mut m.acts.logits,
-            Passes::Llama(m) => &mut m.acts.logits,
+            Passes::Gpt2(m) => &mut m.acts.batch,
+            Passes::Llama(m) => &mut m.acts.batch,
         }
     }
 

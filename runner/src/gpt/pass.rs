@@ -17,14 +17,14 @@ impl<X: Num, D: Device> Model<X, D> {
         let (d, acts) = (&self.dims, &mut self.acts);
         let [wte, wpe] = embeddings::<D, X>(emb, &self.shape);
         let out = acts.encoded.view_mut();
-        dev.encoder_forward(out, acts.inputs.view(), wte, Some(wpe), d.t, d.c)
+        dev.encoder_forward(out, acts.batch.inputs.view(), wte, Some(wpe), d.t, d.c)
     }
 
     /// Adds ∂loss/∂wte and ∂loss/∂wpe from `dres` (∂loss/∂encoded) into the embeddings' gradient.
     pub fn embed_backward(&self, dev: &D, demb: D::ViewMut<'_, X>) -> Result<(), Error> {
         let (d, acts) = (&self.dims, &self.acts);
         let [dwte, dwpe] = embeddings_mut::<D, X>(demb, &self.shape);
-        let (dres, inputs) = (acts.dres.view(), acts.inputs.view());
+        let (dres, inputs) = (acts.dres.view(), acts.batch.inputs.view());
         dev.encoder_backward(dwte, Some(dwpe), dres, inputs, d.t, d.c)
     }
 
@@ -234,7 +234,6 @@ impl<X: Num, D: Device> Model<X, D> {
         let input = acts.res3[d.l - 1].view();
         let [w, b] = final_norm::<D, X>(norm, &self.shape);
         let [wte, _] = embeddings::<D, X>(head, &self.shape);
-        let mm = &mut acts.matmul_scratch;
         dev.layernorm_forward(
             acts.lnf.view_mut(),
             acts.lnf_mean.view_mut(),
@@ -243,37 +242,11 @@ impl<X: Num, D: Device> Model<X, D> {
             w,
             b,
         )?;
-        dev.matmul_forward(
-            acts.logits.view_mut(),
-            acts.lnf.view(),
-            D::share(&wte),
-            None,
-            Layout::NK,
-            (n, c, v),
-            mm.view_mut(),
-        )?;
-        dev.crossentropy_forward(
-            acts.losses.view_mut(),
-            acts.logits.view_mut(),
-            acts.targets.view(),
-            v,
-            Some(dloss),
-        )?;
         let [dwte, _] = embeddings_mut::<D, X>(dhead, &self.shape);
-        dev.matmul_backward(
-            acts.dchan.view_mut(),
-            dwte,
-            None,
-            acts.logits.view(),
-            acts.lnf.view(),
-            wte,
-            Layout::NK,
-            (n, c, v),
-            DinpMode::Overwrite,
-            mm.view_mut(),
-        )?;
-        let losses = dev.to_host(acts.losses.view())?;
-        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+        let mm = &mut acts.matmul_scratch;
+        let (x, dx) = (acts.lnf.view(), acts.dchan.view_mut());
+        acts.batch
+            .lm_head(dev, x, (wte, dwte), dx, (n, c, v), dloss, mm)
     }
 
     /// Back through the final LayerNorm: `dres` becomes ∂loss/∂(last block output) and the norm's

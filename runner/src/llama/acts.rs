@@ -7,7 +7,7 @@ use super::rope_tables;
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::device::{Device, Num};
-use crate::model::Alloc;
+use crate::model::{Alloc, Batch};
 
 /// What one block's forward keeps for its backward (its output is in `Acts::res3`). The q/k
 /// norm tensors are empty without q/k norms.
@@ -50,10 +50,7 @@ pub struct Acts<X, D: Device> {
     pub dchan: Buffer<X, D>,
     pub dwide: Buffer<X, D>,
     pub datt: Buffer<f32, D>,
-    pub logits: Buffer<f32, D>,
-    pub losses: Buffer<f32, D>,
-    pub inputs: Buffer<u32, D>,
-    pub targets: Buffer<u32, D>,
+    pub batch: Batch<D>,
     /// Where the matmuls widen fp16/bf16 tiles (empty for fp32).
     pub matmul_scratch: Buffer<f32, D>,
 }
@@ -115,10 +112,7 @@ impl<X: Num, D: Device> Acts<X, D> {
             dchan: a.take(A::DChannels)?,
             dwide: a.take(A::DWide)?,
             datt: a.take(A::DAtt)?,
-            logits: a.take(A::Logits)?,
-            losses: a.take(A::Losses)?,
-            inputs: a.take(A::Inputs)?,
-            targets: a.take(A::Targets)?,
+            batch: a.batch([A::Inputs, A::Targets, A::Logits, A::Losses])?,
             matmul_scratch: a.matmul_scratch()?,
         })
     }

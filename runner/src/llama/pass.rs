@@ -65,14 +65,21 @@ impl<X: Num, D: Device> Model<X, D> {
         let (d, acts) = (self.dims, &mut self.acts);
         let wte = D::slice(emb, 0..d.v * d.c);
         let out = acts.encoded.view_mut();
-        dev.encoder_forward(out, acts.inputs.view(), wte, None, d.t, d.c)
+        dev.encoder_forward(out, acts.batch.inputs.view(), wte, None, d.t, d.c)
     }
 
     /// Adds ∂loss/∂embed_tokens from `dres` (∂loss/∂encoded) into the embeddings' gradient.
     pub fn embed_backward(&self, dev: &D, demb: D::ViewMut<'_, X>) -> Result<(), Error> {
         let (d, acts) = (self.dims, &self.acts);
         let dwte = D::slice_mut(demb, 0..d.v * d.c);
-        dev.encoder_backward(dwte, None, acts.dres.view(), acts.inputs.view(), d.t, d.c)
+        dev.encoder_backward(
+            dwte,
+            None,
+            acts.dres.view(),
+            acts.batch.inputs.view(),
+            d.t,
+            d.c,
+        )
     }
 
     /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`,
@@ -380,37 +387,9 @@ impl<X: Num, D: Device> Model<X, D> {
             D::slice(norm, 0..c),
             d.eps,
         )?;
-        let w = D::slice(head, 0..v * c);
-        dev.matmul_forward(
-            acts.logits.view_mut(),
-            acts.normf.view(),
-            D::share(&w),
-            None,
-            Layout::NK,
-            (n, c, v),
-            mm.view_mut(),
-        )?;
-        dev.crossentropy_forward(
-            acts.losses.view_mut(),
-            acts.logits.view_mut(),
-            acts.targets.view(),
-            v,
-            Some(dloss),
-        )?;
-        dev.matmul_backward(
-            acts.dchan.at_mut(0..n * c),
-            D::slice_mut(dhead, 0..v * c),
-            None,
-            acts.logits.view(),
-            acts.normf.view(),
-            w,
-            Layout::NK,
-            (n, c, v),
-            DinpMode::Overwrite,
-            mm.view_mut(),
-        )?;
-        let losses = dev.to_host(acts.losses.view())?;
-        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+        let head = (D::slice(head, 0..v * c), D::slice_mut(dhead, 0..v * c));
+        let (x, dx) = (acts.normf.view(), acts.dchan.at_mut(0..n * c));
+        acts.batch.lm_head(dev, x, head, dx, (n, c, v), dloss, mm)
     }
 
     /// Back through the final RMSNorm: `dres` becomes ∂loss/∂(last block output) and the

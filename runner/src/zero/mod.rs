@@ -477,9 +477,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let dloss = scale / tokens as f32;
         let mut loss = 0.0;
         for _ in 0..self.grad_accum {
-            let (dev, (inputs, targets)) = (&self.dev, self.passes.batch_mut());
-            dev.on_host(inputs.view_mut(), |inputs| {
-                dev.on_host(targets.view_mut(), |targets| {
+            let (dev, batch) = (&self.dev, self.passes.batch());
+            dev.on_host(batch.inputs.view_mut(), |inputs| {
+                dev.on_host(batch.targets.view_mut(), |targets| {
                     data.next_batch(inputs, targets)
                 })
             })???;

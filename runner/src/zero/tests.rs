@@ -30,8 +30,9 @@ fn engine<X: Num + Summable>(json: &str, b: usize, seed: u64) -> (Engine<X>, Dat
 
 /// Loads the engine's next micro-batch from `data`.
 fn next_batch<X: Num + Summable>(e: &mut Engine<X>, data: &mut DataLoader) {
-    let (inputs, targets) = e.passes.batch_mut();
-    data.next_batch(inputs, targets).unwrap();
+    let batch = e.passes.batch();
+    data.next_batch(&mut batch.inputs, &mut batch.targets)
+        .unwrap();
 }
 
 /// Gradient elements that are zero in fp16 but not in fp32, after one micro-batch whose
@@ -194,8 +195,8 @@ fn gradients_agree_with_finite_differences(
         .map(|p| p.iter().map(|&x| f64::from(x)).collect())
         .collect();
     let (inputs, targets) = {
-        let (i, t) = e.passes.batch_mut();
-        (i.to_vec(), t.to_vec())
+        let batch = e.passes.batch();
+        (batch.inputs.to_vec(), batch.targets.to_vec())
     };
     let f = |params: &[Vec<f64>]| reference(&e.passes, params, &inputs, &targets);
     let at_start = f(&params);

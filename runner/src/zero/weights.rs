@@ -43,7 +43,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             comm,
             ..
         } = self;
-        let logits = passes.logits_mut();
+        let logits = &mut passes.batch().logits;
         let (n, rank) = (comm.world_size(), comm.rank());
         let part = if master.is_some() {
             Part::State
