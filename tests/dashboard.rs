@@ -24,7 +24,8 @@ fn exported() -> String {
         step_seconds: 0.1,
         at: 0,
     };
-    m.observe_step("j", &step);
+    let model = scheduler::spec::Architecture::Gpt(scheduler::model::Preset::Tiny.shape());
+    m.observe_step("j", &model, &step);
     let sent = BTreeMap::from([(Op::AllReduce, 8u64)]);
     let b = Breakdown::default();
     m.observe_memory("j", 0, &b, &b, Some(1 << 30), &sent);

@@ -80,30 +80,50 @@ fn main() {
         .collect();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
+    let peak = kernels::cpu::thread_pool(threads)
+        .expect("a thread pool")
+        .install(kernels::matmul::measure_peak_gflops);
+    let json = format!(r#"{{"model": {{"preset": "{MODEL}"}}}}"#);
+    let spec = JobSpec::parse(&json, Purpose::Train).expect("the preset is valid");
+    let model = spec
+        .spec
+        .architecture()
+        .model()
+        .expect("a preset has a shape");
+    let s = model.summary();
+    let attention = s.layers * s.attention_heads * s.head_dim * T;
+    let per_token = 6.0 * model.parameter_count() as f64 + 6.0 * attention as f64;
+    let mfu = |step: f64| 100.0 * per_token * (B * T) as f64 / step / 1e9 / peak;
     println!(
-        "{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after {WARMUP}"
+        "{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after \
+         {WARMUP}; peak (2048³ sgemm, median of 5): {peak:.0} GFLOP/s"
     );
     println!();
     println!(
-        "| dtype | zerotrain s/step | min–max s | zerotrain tokens/s | transformers tokens/s | × transformers |"
+        "| dtype | zerotrain s/step | min–max s | tokens/s | MFU | transformers tokens/s | MFU | × transformers |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for dtype in ["fp32", "bf16"] {
         if !filters.is_empty() && !filters.iter().any(|f| dtype.contains(f.as_str())) {
             continue;
         }
         let (step, lo, hi) = ours(dtype, threads);
         let tokens = (B * T) as f64;
-        let (torch, ratio) = match &python {
+        let (torch, torch_mfu, ratio) = match &python {
             Some(py) => {
-                let s = theirs(py, dtype, threads);
-                (format!("{:.1}", tokens / s), format!("{:.2}×", s / step))
+                let t = theirs(py, dtype, threads);
+                (
+                    format!("{:.1}", tokens / t),
+                    format!("{:.1}%", mfu(t)),
+                    format!("{:.2}×", t / step),
+                )
             }
-            None => ("—".into(), "—".into()),
+            None => ("—".into(), "—".into(), "—".into()),
         };
         println!(
-            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {torch} | {ratio} |",
-            tokens / step
+            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {:.1}% | {torch} | {torch_mfu} | {ratio} |",
+            tokens / step,
+            mfu(step)
         );
     }
 }

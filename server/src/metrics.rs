@@ -12,6 +12,7 @@ use prometheus::{
     TextEncoder,
 };
 use scheduler::memory::{Breakdown, Category};
+use scheduler::spec::Architecture;
 use wire::Op;
 use wire::agent::RefusalReason;
 
@@ -45,6 +46,8 @@ wire::metrics! {
     pub struct TrainingMetrics("zerotrain_") {
         /// Peak bytes a rank holds, by category: measured by the trainer or predicted by the memory model; on a GPU also the device's used memory as its driver reports it (category total, source device).
         pub training_memory_bytes: IntGaugeVec, labels = ["job", "rank", "category", "source"];
+        /// 1 for each job with steps, naming its model (type and size, as the console shows it) and family: join on `job` to label its other series.
+        pub training_job_info: IntGaugeVec, labels = ["job", "model", "family"];
         /// Training loss of the job's last step.
         pub training_loss: GaugeVec, labels = ["job"];
         /// Loss scale after the job's last step (1 without fp16 loss scaling).
@@ -74,6 +77,8 @@ pub struct Metrics {
 
 #[derive(Default)]
 struct JobSeries {
+    /// The labels of its `training_job_info`.
+    info: Option<(String, &'static str)>,
     memory: BTreeSet<(String, &'static str, &'static str)>,
     comm: BTreeSet<(String, String)>,
 }
@@ -123,8 +128,19 @@ impl Metrics {
         }
     }
 
-    pub fn observe_step(&self, job: &str, step: &StepRecord) {
+    /// A step of `job`, whose model is `model`.
+    pub fn observe_step(&self, job: &str, model: &Architecture, step: &StepRecord) {
         let t = &self.training;
+        let mut series = self.job_series.lock().expect("metrics lock");
+        let series = series.entry(job.to_string()).or_default();
+        if series.info.is_none() {
+            let family = model.model().map_or("none", |m| m.summary().family);
+            let label = model.label();
+            t.training_job_info
+                .with_label_values(&[job, &label, family])
+                .set(1);
+            series.info = Some((label, family));
+        }
         t.training_loss.with_label_values(&[job]).set(step.loss);
         t.training_loss_scale
             .with_label_values(&[job])
@@ -222,6 +238,11 @@ impl Metrics {
             .expect("metrics lock")
             .remove(job)
             .unwrap_or_default();
+        if let Some((model, family)) = &series.info {
+            let _ = t
+                .training_job_info
+                .remove_label_values(&[job, model, family]);
+        }
         for (rank, category, source) in &series.memory {
             let _ = t
                 .training_memory_bytes
@@ -252,10 +273,14 @@ mod tests {
         }
     }
 
+    fn llama_tiny() -> Architecture {
+        Architecture::Llama(scheduler::model::LlamaPreset::Tiny.shape())
+    }
+
     #[test]
     fn series_are_named_with_the_prefix_and_help_from_the_doc_comment() {
         let m = Metrics::default();
-        m.observe_step("j1", &step(true));
+        m.observe_step("j1", &llama_tiny(), &step(true));
         let text = m.render();
         assert!(
             text.contains("# HELP zerotrain_training_loss Training loss of the job's last step."),
@@ -263,13 +288,19 @@ mod tests {
         );
         assert!(text.contains("zerotrain_training_tokens_total{job=\"j1\"} 500"));
         assert!(text.contains("zerotrain_training_skipped_steps_total{job=\"j1\"} 1"));
+        assert!(
+            text.contains(
+                "zerotrain_training_job_info{family=\"llama\",job=\"j1\",model=\"llama 158.0K\"} 1"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
     fn a_jobs_series_go_once_it_has_ended_and_the_grace_period_passed() {
         let m = Metrics::default();
-        m.observe_step("j1", &step(false));
-        m.observe_step("j2", &step(false));
+        m.observe_step("j1", &llama_tiny(), &step(false));
+        m.observe_step("j2", &llama_tiny(), &step(false));
         let bytes = Breakdown {
             params: 10,
             ..Breakdown::default()

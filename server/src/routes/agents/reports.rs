@@ -135,7 +135,8 @@ pub(super) async fn apply(
                     at: now,
                 };
                 if !job.state.is_terminal() {
-                    app.metrics.observe_step(&job.id, &record);
+                    app.metrics
+                        .observe_step(&job.id, &job.spec.architecture(), &record);
                 }
                 pending.steps.entry(job.id).or_default().push(record);
             }
