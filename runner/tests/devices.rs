@@ -1,5 +1,5 @@
-//! One test body for every device this machine has: gpt2-tiny trains 50 steps per dtype on
-//! each, the losses follow the CPU run's (fp32 tightly, fp16/bf16 to their precision), and the
+//! One test body for every device this machine has: gpt2-tiny and llama-tiny train 50 steps per
+//! dtype on each, the losses follow the CPU run's (fp32 tightly, fp16/bf16 to their precision), and the
 //! bytes each rank measured equal the memory model's for that device, category by category; a
 //! checkpoint written on one device resumes on each other one.
 //! Where a device cannot be opened the test says so and why; `ZEROTRAIN_REQUIRE_GPU=1` turns
@@ -15,8 +15,12 @@ use scheduler::plan::plan_local_on;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn job(dtype: &str, steps: u32) -> JobSpec {
+    job_of("gpt2-tiny", dtype, steps)
+}
+
+fn job_of(model: &str, dtype: &str, steps: u32) -> JobSpec {
     let json = format!(
-        r#"{{"model": {{"preset": "gpt2-tiny"}}, "precision": {{"dtype": "{dtype}"}},
+        r#"{{"model": {{"preset": "{model}"}}, "precision": {{"dtype": "{dtype}"}},
             "activation_checkpointing": false,
             "training": {{"steps": {steps}, "micro_batch_size": 2, "lr": 1e-3}}}}"#
     );
@@ -79,25 +83,32 @@ fn assert_measured_is_predicted(device: Target, dtype: &str, s: &Summary) {
 fn every_device_trains_like_the_cpu_within_its_dtype_and_measures_the_model_bytes() {
     let gpus = gpus();
     // Relative loss tolerance per dtype: GEMMs sum in another order on the GPU.
-    for (dtype, rtol) in [("fp32", 1e-4), ("bf16", 2e-2), ("fp16", 5e-3)] {
-        let spec = job(dtype, 50);
+    let dtypes = [("fp32", 1e-4), ("bf16", 2e-2), ("fp16", 5e-3)];
+    for (model, (dtype, rtol)) in ["gpt2-tiny", "llama-tiny"]
+        .into_iter()
+        .flat_map(|m| dtypes.map(|d| (m, d)))
+    {
+        let spec = job_of(model, dtype, 50);
         let cpu = train(Target::Cpu, &spec).unwrap();
         assert_measured_is_predicted(Target::Cpu, dtype, &cpu);
         assert!(
             cpu.final_loss < cpu.losses[0] - 0.5,
-            "{dtype}: the CPU run learns ({:?})",
+            "{model}, {dtype}: the CPU run learns ({:?})",
             cpu.losses
         );
         for &gpu in &gpus {
-            let got = train(gpu, &spec).unwrap_or_else(|e| panic!("{gpu}, {dtype}: {e}"));
+            let got = train(gpu, &spec).unwrap_or_else(|e| panic!("{gpu}, {model}, {dtype}: {e}"));
             assert_measured_is_predicted(gpu, dtype, &got);
             for (step, (g, c)) in got.losses.iter().zip(&cpu.losses).enumerate() {
                 assert!(
                     (g - c).abs() <= rtol * c.abs(),
-                    "{gpu}, {dtype}, step {step}: loss {g} vs the CPU's {c}"
+                    "{gpu}, {model}, {dtype}, step {step}: loss {g} vs the CPU's {c}"
                 );
             }
-            assert_eq!(got.skipped_steps, cpu.skipped_steps, "{gpu}, {dtype}");
+            assert_eq!(
+                got.skipped_steps, cpu.skipped_steps,
+                "{gpu}, {model}, {dtype}"
+            );
         }
     }
 }
