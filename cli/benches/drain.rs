@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use serde_json::json;
 use server::auth;
@@ -78,7 +78,7 @@ async fn drain(jobs: usize) -> f64 {
         name: "bench".into(),
         host: "127.0.0.1".into(),
         devices: vec![
-            Device {
+            DeviceSlot {
                 kind: DeviceKind::Cpu,
                 memory_bytes: 1 << 30,
             };

@@ -15,7 +15,7 @@ use wire::data_roots::DataRoots;
 use runner::agent::gpus::{self, Gpu, Selection};
 use runner::agent::offered_devices;
 use scheduler::bytes::{human, parse_size};
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 
 use server::settings::default_data_dir;
 
@@ -83,7 +83,7 @@ impl Offer {
         &self,
         who: &str,
         default_cpus: usize,
-    ) -> anyhow::Result<(Vec<Device>, Vec<Gpu>)> {
+    ) -> anyhow::Result<(Vec<DeviceSlot>, Vec<Gpu>)> {
         let found = gpus::discover();
         // A build without CUDA looks for none: nothing to say.
         if let Some(why) = found

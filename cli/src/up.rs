@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use scheduler::bytes::human;
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 
 use runner::agent::AgentMetrics;
@@ -77,12 +77,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// `4 CPU device(s) of 2.1 GB`, `1 GPU(s) and 2 CPU device(s) of 2.1 GB`.
-fn describe(devices: &[Device]) -> String {
+fn describe(devices: &[DeviceSlot]) -> String {
     let gpus = devices
         .iter()
         .filter(|d| d.kind == DeviceKind::Cuda)
         .count();
-    let cpu: Vec<&Device> = devices
+    let cpu: Vec<&DeviceSlot> = devices
         .iter()
         .filter(|d| d.kind == DeviceKind::Cpu)
         .collect();

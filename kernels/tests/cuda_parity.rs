@@ -16,16 +16,16 @@ use kernels::attention::{
     AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
     gqa_attention_forward,
 };
-use kernels::cuda::{self, Device, DeviceFloat, Error, layers};
+use kernels::cuda::{self, DeviceFloat, Error, Gpu, layers};
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
 use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, residual, rmsnorm, swiglu};
 
 /// The GPU, opened once per test binary; `None` (after saying so) without a driver.
-fn device() -> Option<&'static Device> {
-    static DEVICE: OnceLock<Result<Device, Error>> = OnceLock::new();
-    match DEVICE.get_or_init(|| Device::new(0)) {
+fn device() -> Option<&'static Gpu> {
+    static DEVICE: OnceLock<Result<Gpu, Error>> = OnceLock::new();
+    match DEVICE.get_or_init(|| Gpu::new(0)) {
         Ok(d) => Some(d),
         Err(e @ Error::NoDriver) => {
             if std::env::var_os("ZEROTRAIN_REQUIRE_GPU").is_some_and(|v| v == "1") {
@@ -38,11 +38,11 @@ fn device() -> Option<&'static Device> {
     }
 }
 
-fn up<T: cudarc::driver::DeviceRepr>(d: &Device, host: &[T]) -> CudaSlice<T> {
+fn up<T: cudarc::driver::DeviceRepr>(d: &Gpu, host: &[T]) -> CudaSlice<T> {
     d.upload(host).expect("upload")
 }
 
-fn down<T: cudarc::driver::DeviceRepr>(d: &Device, dev: &CudaSlice<T>) -> Vec<T> {
+fn down<T: cudarc::driver::DeviceRepr>(d: &Gpu, dev: &CudaSlice<T>) -> Vec<T> {
     d.download(dev).expect("download")
 }
 
@@ -209,7 +209,7 @@ fn layernorm_matches_cpu<X: DeviceFloat>() {
 /// NaN (overwritten), `dweight` and `dbias` as random values (accumulated into). `Y` is the
 /// dtype of `out` and `dout` (X, or f32 for logits); `out_rtol` the tolerance of `out`.
 fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
-    d: &Device,
+    d: &Gpu,
     seed: u64,
     (m, k, n): (usize, usize, usize),
     layout: Layout,

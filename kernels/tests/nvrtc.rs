@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kernels::cuda::{
-    Error, Image, PROGRAMS, Program, Target, cache_file, compile, compile_all_in, nvrtc_present,
+    Arch, Error, Image, PROGRAMS, Program, cache_file, compile, compile_all_in, nvrtc_present,
 };
 
 /// False (after saying why on stderr) when NVRTC is absent and not required.
@@ -32,7 +32,7 @@ fn nvrtc_available() -> bool {
 }
 
 /// Compiled one by one through [`compile`]; `sm_90` goes through the device's cached path.
-const TARGETS: [Target; 2] = [Target::Ptx { compute: 90 }, Target::Ptx { compute: 80 }];
+const TARGETS: [Arch; 2] = [Arch::Ptx { compute: 90 }, Arch::Ptx { compute: 80 }];
 
 /// The newest PTX ISA the CUDA 13.0 driver of the H200 machine accepts (NVRTC 13.0 emits it).
 const MAX_PTX_VERSION: (u32, u32) = (9, 0);
@@ -64,7 +64,7 @@ fn every_kernel_program_compiles_for_compute_90_compute_80_and_sm_90() {
         for target in TARGETS {
             match compile(program, target) {
                 Ok(Image::Ptx(ptx)) => {
-                    let Target::Ptx { compute } = target else {
+                    let Arch::Ptx { compute } = target else {
                         panic!("{}: PTX for {target:?}", program.name)
                     };
                     assert!(
@@ -88,7 +88,7 @@ fn every_kernel_program_compiles_for_compute_90_compute_80_and_sm_90() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 
     // sm_90 as a device compiles it: every program at once, in parallel, kept on disk.
-    let sm90 = Target::Cubin { sm: 90 };
+    let sm90 = Arch::Cubin { sm: 90 };
     let dir = temp_dir("sm90");
     let t0 = Instant::now();
     let images = compile_all_in(Some(&dir), PROGRAMS, sm90).unwrap_or_else(|e| panic!("{e}"));
@@ -160,7 +160,7 @@ fn a_broken_kernel_is_an_error_carrying_nvrtcs_log() {
         name: "broken.cu",
         source: "extern \"C\" __global__ void broken(float *x) { x[0] = undeclared_name; }\n",
     };
-    match compile(&broken, Target::Ptx { compute: 90 }) {
+    match compile(&broken, Arch::Ptx { compute: 90 }) {
         Err(Error::Compile { program, log, .. }) => {
             assert_eq!(program, "broken.cu");
             assert!(

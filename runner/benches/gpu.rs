@@ -79,7 +79,7 @@ fn time(model: &'static str, b: usize, budget: u64) -> Row {
 }
 
 fn main() {
-    let (peak, total) = match kernels::cuda::Device::new(0) {
+    let (peak, total) = match kernels::cuda::Gpu::new(0) {
         Ok(dev) => (
             kernels::cuda::matmul::measure_peak_gflops(&dev).expect("the peak GEMM runs"),
             dev.opening_memory().total as u64,

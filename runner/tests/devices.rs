@@ -208,7 +208,7 @@ fn the_driver_measured_cuda_overhead_fits_the_models_allowance() {
     if gpus().is_empty() {
         return;
     }
-    let dev = kernels::cuda::Device::new(0).unwrap();
+    let dev = kernels::cuda::Gpu::new(0).unwrap();
     let m = dev.opening_memory();
     let mib = |b: u64| b as f64 / f64::from(1 << 20);
     let base = before.unwrap_or(0);

@@ -4,8 +4,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::memory::DeviceKind;
 
+/// One device of a node as the planner sees it: its kind and the memory a rank may use there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Device {
+pub struct DeviceSlot {
     pub kind: DeviceKind,
     /// Memory a rank may use on this device.
     pub memory_bytes: u64,
@@ -14,7 +15,7 @@ pub struct Device {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Node {
     pub name: String,
-    pub devices: Vec<Device>,
+    pub devices: Vec<DeviceSlot>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -28,12 +29,12 @@ impl Inventory {
         Inventory {
             nodes: vec![Node {
                 name: "node-0".into(),
-                devices: vec![Device { kind, memory_bytes }; count],
+                devices: vec![DeviceSlot { kind, memory_bytes }; count],
             }],
         }
     }
 
-    pub fn devices(&self) -> impl Iterator<Item = &Device> {
+    pub fn devices(&self) -> impl Iterator<Item = &DeviceSlot> {
         self.nodes.iter().flat_map(|n| &n.devices)
     }
 }

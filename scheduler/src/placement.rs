@@ -8,7 +8,7 @@
 
 use serde::Serialize;
 
-use crate::inventory::{Device, Inventory};
+use crate::inventory::{DeviceSlot, Inventory};
 use crate::memory::DeviceKind;
 
 /// Where one rank runs: indices into the inventory's nodes and that node's devices.
@@ -28,11 +28,11 @@ pub fn place(
     kind: DeviceKind,
     need: u64,
 ) -> Option<Vec<Slot>> {
-    let fits = |d: &Device| {
+    let fits = |d: &DeviceSlot| {
         let usable = (d.memory_bytes as f64 * (1.0 - margin)) as u64;
         d.kind == kind && need <= usable
     };
-    let leftover = |d: &Device| d.memory_bytes - need;
+    let leftover = |d: &DeviceSlot| d.memory_bytes - need;
     // Per node, its devices that fit, best fit first.
     let mut nodes: Vec<(usize, Vec<usize>)> = free
         .nodes
@@ -92,7 +92,7 @@ mod tests {
             name: name.into(),
             devices: sizes
                 .iter()
-                .map(|&gb| Device {
+                .map(|&gb| DeviceSlot {
                     kind: DeviceKind::Cpu,
                     memory_bytes: gb * GB,
                 })
@@ -159,7 +159,7 @@ mod tests {
             name: name.into(),
             devices: devices
                 .iter()
-                .map(|&(kind, gb)| Device {
+                .map(|&(kind, gb)| DeviceSlot {
                     kind,
                     memory_bytes: gb * GB,
                 })

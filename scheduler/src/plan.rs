@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bytes::human;
 use crate::error::Error;
-use crate::inventory::{Device, Inventory};
+use crate::inventory::{DeviceSlot, Inventory};
 use crate::memory::{self, Breakdown, Category, Comm, DeviceKind, Setup};
 use crate::spec::{Auto, JobSpec, ZeroStage};
 
@@ -70,7 +70,7 @@ impl Candidate {
         self.base.total() + kind.overhead_bytes()
     }
 
-    fn fits(&self, d: &Device) -> bool {
+    fn fits(&self, d: &DeviceSlot) -> bool {
         self.need_on(d.kind) <= d.memory_bytes
     }
 
@@ -280,7 +280,7 @@ pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
 /// [`plan`] on the devices of `kind` in `inventory`, ignoring the others.
 fn plan_on(spec: &JobSpec, inventory: &Inventory, kind: DeviceKind) -> Result<Plan, Error> {
     let n = spec.world_size.get() as usize;
-    let devices: Vec<&Device> = inventory.devices().filter(|d| d.kind == kind).collect();
+    let devices: Vec<&DeviceSlot> = inventory.devices().filter(|d| d.kind == kind).collect();
     let fitting = |c: &Candidate| devices.iter().filter(|d| c.fits(d)).count();
     let need = |c: &Candidate| c.need_on(kind);
 

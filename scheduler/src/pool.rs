@@ -10,14 +10,14 @@
 
 use std::collections::BTreeSet;
 
-use crate::inventory::{Device, Inventory};
+use crate::inventory::{DeviceSlot, Inventory};
 use crate::memory::DeviceKind;
 use crate::placement::Slot;
 
 #[derive(Debug, Clone, Default)]
 pub struct Pool {
     /// The distinct devices (kind and memory) of every node.
-    classes: Vec<Device>,
+    classes: Vec<DeviceSlot>,
     /// Per node, in the order added: each device's class and whether it is still free.
     nodes: Vec<Vec<(usize, bool)>>,
     /// Each node's profile, an index into `profiles`.
@@ -42,7 +42,7 @@ impl Pool {
     /// Adds a node with `devices` free; its slots are `Slot { node: i, device: j }` with `i` the
     /// number of nodes added before it and `j` the position in `devices`. Nodes added earlier win
     /// ties, as earlier nodes of an inventory do.
-    pub fn add_node(&mut self, devices: impl IntoIterator<Item = Device>) -> usize {
+    pub fn add_node(&mut self, devices: impl IntoIterator<Item = DeviceSlot>) -> usize {
         let node = self.nodes.len();
         let entries: Vec<(usize, bool)> =
             devices.into_iter().map(|d| (self.class(d), true)).collect();
@@ -190,7 +190,7 @@ impl Pool {
         }
     }
 
-    fn class(&mut self, device: Device) -> usize {
+    fn class(&mut self, device: DeviceSlot) -> usize {
         match self.classes.iter().position(|c| *c == device) {
             Some(i) => i,
             None => {
@@ -264,7 +264,7 @@ mod tests {
                     name: format!("n{i}"),
                     devices: devices
                         .iter()
-                        .map(|&(kind, gb)| Device {
+                        .map(|&(kind, gb)| DeviceSlot {
                             kind,
                             memory_bytes: gb * GB,
                         })

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::inventory::Device;
+use crate::inventory::DeviceSlot;
 use crate::memory::DeviceKind;
 use crate::plan::Plan;
 use crate::pool::Pool;
@@ -50,7 +50,7 @@ pub struct BoardNode {
 #[derive(Debug, Clone, PartialEq)]
 pub struct BoardDevice {
     pub index: u32,
-    pub spec: Device,
+    pub spec: DeviceSlot,
     /// An unreleased assignment holds it.
     pub held: bool,
 }
@@ -237,7 +237,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, &gb)| BoardDevice {
                     index: i as u32,
-                    spec: Device {
+                    spec: DeviceSlot {
                         kind: DeviceKind::Cpu,
                         memory_bytes: gb * GB,
                     },

@@ -1,7 +1,7 @@
 //! The planner over a range of inventories: its choices and its explanations.
 
 use scheduler::Error;
-use scheduler::inventory::{Device, Inventory, Node};
+use scheduler::inventory::{DeviceSlot, Inventory, Node};
 use scheduler::memory::{CUDA_OVERHEAD_BYTES, DeviceKind};
 use scheduler::plan::{NoFit, Plan, plan};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
@@ -133,7 +133,7 @@ fn counts_devices_and_explains_when_too_few_are_large_enough() {
             Node {
                 name: "big".into(),
                 devices: vec![
-                    Device {
+                    DeviceSlot {
                         kind: DeviceKind::Cpu,
                         memory_bytes: 80 * GB
                     };
@@ -143,7 +143,7 @@ fn counts_devices_and_explains_when_too_few_are_large_enough() {
             Node {
                 name: "small".into(),
                 devices: vec![
-                    Device {
+                    DeviceSlot {
                         kind: DeviceKind::Cpu,
                         memory_bytes: 16 * GB
                     };
@@ -192,7 +192,7 @@ fn cuda_devices_pay_their_runtime_overhead() {
 
 /// Two 30 GB GPUs beside four CPU devices of 30 GB and a CPU process's overhead.
 fn gpus_beside_cpus() -> Inventory {
-    let devices = |kind, memory_bytes, n| vec![Device { kind, memory_bytes }; n];
+    let devices = |kind, memory_bytes, n| vec![DeviceSlot { kind, memory_bytes }; n];
     Inventory {
         nodes: vec![
             Node {

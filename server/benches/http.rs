@@ -11,7 +11,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use serde_json::{Value, json};
 use server::auth;
@@ -97,7 +97,7 @@ async fn bench(store: &str, url: &str, data_dir: &std::path::Path, args: &Args) 
     // One node: the first jobs are placed, the rest queue, as on a busy service.
     let register = json!({
         "name": "bench",
-        "devices": vec![Device { kind: DeviceKind::Cpu, memory_bytes: 8 << 30 }; 8],
+        "devices": vec![DeviceSlot { kind: DeviceKind::Cpu, memory_bytes: 8 << 30 }; 8],
         "host": "127.0.0.1",
     });
     http.post(format!("{base}/v1/agents/register"))

@@ -21,7 +21,7 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
 use scheduler::queue::{OwnerQuota, RANKS_PER_PASS, decide};
@@ -180,7 +180,7 @@ async fn populate(store: &Store) {
     for n in 0..NODES {
         let memory_bytes = if n % 2 == 0 { 80 * GB } else { 40 * GB };
         let devices = vec![
-            Device {
+            DeviceSlot {
                 kind: DeviceKind::Cuda,
                 memory_bytes,
             };

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::JobSpec;
@@ -114,7 +114,7 @@ pub struct NodeRecord {
     /// Where the node's ranks accept TCP connections.
     pub host: String,
     #[schema(value_type = Vec<Object>)]
-    pub devices: Vec<Device>,
+    pub devices: Vec<DeviceSlot>,
     pub registered_at: i64,
     pub last_heartbeat: i64,
     /// Silent past the heartbeat timeout; its jobs were requeued.

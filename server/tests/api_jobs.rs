@@ -4,7 +4,7 @@ mod api_helpers;
 
 use api_helpers::*;
 use axum::http::{Method, StatusCode};
-use scheduler::inventory::{Device, Inventory, Node};
+use scheduler::inventory::{DeviceSlot, Inventory, Node};
 use scheduler::memory::DeviceKind;
 use scheduler::report::Report;
 use scheduler::spec::{JobSpec, Purpose};
@@ -291,7 +291,7 @@ async fn estimate_is_the_estimate_report_plus_the_nodes_that_could_hold_it() {
 
     // The same report `zerotrain estimate --json` prints for these devices.
     let parsed = JobSpec::parse(&spec.to_string(), Purpose::Estimate).unwrap();
-    let device = |gib: u64| Device {
+    let device = |gib: u64| DeviceSlot {
         kind: DeviceKind::Cpu,
         memory_bytes: gib * GIB,
     };
@@ -410,8 +410,8 @@ async fn a_spec_with_three_independent_mistakes_gets_one_422_naming_all_three() 
     );
 }
 
-fn gpus(count: usize, gib: u64) -> Vec<Device> {
-    let gpu = Device {
+fn gpus(count: usize, gib: u64) -> Vec<DeviceSlot> {
+    let gpu = DeviceSlot {
         kind: DeviceKind::Cuda,
         memory_bytes: gib * GIB,
     };

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
 use scheduler::queue::{Decision, HeldRanks, QueuedJob};
@@ -259,9 +259,9 @@ async fn submit(store: &Store, name: &str, priority: i32, world_size: u32) -> Jo
         .unwrap()
 }
 
-fn devices(count: usize) -> Vec<Device> {
+fn devices(count: usize) -> Vec<DeviceSlot> {
     vec![
-        Device {
+        DeviceSlot {
             kind: DeviceKind::Cpu,
             memory_bytes: 16 * GB,
         };
@@ -290,7 +290,7 @@ const LEASE: Duration = Duration::from_secs(60);
 struct FreeDevice {
     node_id: String,
     device: u32,
-    spec: Device,
+    spec: DeviceSlot,
 }
 
 /// The free devices on `board`, nodes in registration order, devices by index.
@@ -935,7 +935,7 @@ async fn count_by_state_lists_every_state(db: TestDb) {
 
 async fn a_registered_node_is_found_by_its_token_hash(db: TestDb) {
     let mut devs = devices(2);
-    devs[1] = Device {
+    devs[1] = DeviceSlot {
         kind: DeviceKind::Cuda,
         memory_bytes: 80 * GB,
     };

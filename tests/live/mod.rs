@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use axum::extract::Request;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use server::app::{self, Server};
 use server::auth;
@@ -100,7 +100,7 @@ pub fn agent_at(
         name: name.into(),
         host: "127.0.0.1".into(),
         devices: vec![
-            Device {
+            DeviceSlot {
                 kind: DeviceKind::Cpu,
                 memory_bytes: memory
             };

@@ -25,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::JobSpec;
@@ -38,7 +38,7 @@ use crate::Op;
 pub struct RegisterRequest {
     /// A name for the node (its hostname by default).
     pub name: String,
-    pub devices: Vec<Device>,
+    pub devices: Vec<DeviceSlot>,
     /// Host the node's ranks accept TCP connections on (for jobs spanning nodes).
     pub host: String,
 }

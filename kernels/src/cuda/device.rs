@@ -10,7 +10,7 @@ use cudarc::driver::{
 };
 
 use super::matmul::Blas;
-use super::{Error, PROGRAMS, Target, compile_all};
+use super::{Arch, Error, PROGRAMS, compile_all};
 use crate::Float;
 
 /// A storage dtype the kernels take: `f32`, `half::f16`, `half::bf16`.
@@ -18,7 +18,7 @@ pub trait DeviceFloat: Float + DeviceRepr + ValidAsZeroBits {}
 impl<X: Float + DeviceRepr + ValidAsZeroBits> DeviceFloat for X {}
 
 /// An opened GPU with every kernel program loaded and cuBLASLt ready.
-pub struct Device {
+pub struct Gpu {
     stream: Arc<CudaStream>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
     blas: Blas,
@@ -26,7 +26,7 @@ pub struct Device {
 }
 
 /// Device memory in use (`cuMemGetInfo`: total less free, every process's) at each stage of
-/// [`Device::new`], from which the memory model's CUDA overhead is measured.
+/// [`Gpu::new`], from which the memory model's CUDA overhead is measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpeningMemory {
     pub total: usize,
@@ -38,7 +38,7 @@ pub struct OpeningMemory {
     pub after_blas: usize,
 }
 
-impl Device {
+impl Gpu {
     /// Open GPU `ordinal`, compile every program as a cubin for its architecture (no JIT; kept
     /// in the process and on disk, so only the first opening compiles: [`compile_all`]) and
     /// allocate cuBLASLt's buffers ([`super::matmul::resident_bytes`]). A machine without the
@@ -53,7 +53,7 @@ impl Device {
         let used = || -> Result<usize, Error> { Ok(total - ctx.mem_get_info()?.0) };
         let after_context = used()?;
         let (major, minor) = ctx.compute_capability()?;
-        let target = Target::Cubin {
+        let target = Arch::Cubin {
             sm: (major * 10 + minor) as u32,
         };
         let mut modules = HashMap::new();

@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{MAX_GRID, THREADS, elementwise, input_ptr, launch, rows};
-use super::{Device, DeviceFloat, Error};
+use super::{DeviceFloat, Error, Gpu};
 use crate::attention::AttentionDims;
 use crate::encoder::check_positions;
 use crate::layernorm::EPS;
@@ -17,7 +17,7 @@ fn len(n: usize) -> i64 {
 
 /// `out = round(src)` for a 16-bit `X`: the trainer's compute copies.
 pub fn cast_from_f32<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dst: &mut CudaViewMut<'_, X>,
     src: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
@@ -29,7 +29,7 @@ pub fn cast_from_f32<X: DeviceFloat>(
 
 /// `dst = src as f32` for a 16-bit `X`.
 pub fn cast_to_f32<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dst: &mut CudaViewMut<'_, f32>,
     src: &CudaView<'_, X>,
 ) -> Result<(), Error> {
@@ -41,7 +41,7 @@ pub fn cast_to_f32<X: DeviceFloat>(
 
 /// `out (B, T, C) = wte[tokens] (+ wpe[0..T])`; a token outside the vocabulary gives NaN rows.
 pub fn encoder_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     tokens: &CudaView<'_, u32>,
     wte: &CudaView<'_, X>,
@@ -65,7 +65,7 @@ pub fn encoder_forward<X: DeviceFloat>(
 /// `tokens` is the host copy of the batch: positions are grouped by token on the host (as the
 /// CPU back end does), so each row of dwte is summed by one block in position order.
 pub fn encoder_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dwte: &mut CudaViewMut<'_, X>,
     dwpe: Option<&mut CudaViewMut<'_, X>>,
     dout: &CudaView<'_, X>,
@@ -179,7 +179,7 @@ impl ColumnSums {
 
 /// `out (N, C) = (inp - mean)·rstd·weight + bias`, writing `mean (N)` and `rstd (N)`.
 pub fn layernorm_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     mean: &mut CudaViewMut<'_, f32>,
     rstd: &mut CudaViewMut<'_, f32>,
@@ -203,7 +203,7 @@ pub fn layernorm_forward<X: DeviceFloat>(
 /// take `2·min(N/32, 64)·C` f32 of device scratch for the call (384 KiB at most at C = 768).
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dinp: &mut CudaViewMut<'_, X>,
     dweight: &mut CudaViewMut<'_, X>,
     dbias: &mut CudaViewMut<'_, X>,
@@ -239,7 +239,7 @@ pub fn layernorm_backward<X: DeviceFloat>(
 /// `out (N, C) = inp · rstd · weight`, writing `rstd (N) = 1/sqrt(mean(inp²) + eps)`
 /// (RMSNorm: layernorm.cu's kernels, not centred).
 pub fn rmsnorm_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     rstd: &mut CudaViewMut<'_, f32>,
     inp: &CudaView<'_, X>,
@@ -258,7 +258,7 @@ pub fn rmsnorm_forward<X: DeviceFloat>(
 /// Backward: `dinp += ∂L/∂inp`, `dweight += Σ dout·inp·rstd`. The column sums take
 /// `min(N/32, 64)·C` f32 of device scratch for the call.
 pub fn rmsnorm_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dinp: &mut CudaViewMut<'_, X>,
     dweight: &mut CudaViewMut<'_, X>,
     dout: &CudaView<'_, X>,
@@ -334,7 +334,7 @@ fn attention_blocks(t: usize, heads: usize) -> LaunchConfig {
 
 /// Forward: `out (B, T, C)` and the probabilities `att (B, NH, T, T)` from `qkv (B, T, 3C)`.
 pub fn attention_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     att: &mut CudaViewMut<'_, X>,
     qkv: &CudaView<'_, X>,
@@ -351,7 +351,7 @@ pub fn attention_forward<X: DeviceFloat>(
 /// Backward: `dqkv (B, T, 3C)` (overwritten); `datt (B, NH, T, T)` f32 scratch, left holding
 /// ∂L/∂scores.
 pub fn attention_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dqkv: &mut CudaViewMut<'_, X>,
     datt: &mut CudaViewMut<'_, f32>,
     dout: &CudaView<'_, X>,
@@ -378,7 +378,7 @@ pub fn attention_backward<X: DeviceFloat>(
 /// `k` and `v (B, T, KV·hs)`; query head h reads key/value head `h / d.group()`.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     att: &mut CudaViewMut<'_, X>,
     q: &CudaView<'_, X>,
@@ -398,7 +398,7 @@ pub fn gqa_attention_forward<X: DeviceFloat>(
 /// ∂L/∂scores.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dq: &mut CudaViewMut<'_, X>,
     dk: &mut CudaViewMut<'_, X>,
     dv: &mut CudaViewMut<'_, X>,
@@ -427,7 +427,7 @@ pub fn gqa_attention_backward<X: DeviceFloat>(
 
 /// In place on `x (B, T, heads, D)`: rotary embedding by the `(T', D/2)` tables, T' ≥ T.
 pub fn rope_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     x: &mut CudaViewMut<'_, X>,
     cos: &CudaView<'_, f32>,
     sin: &CudaView<'_, f32>,
@@ -438,7 +438,7 @@ pub fn rope_forward<X: DeviceFloat>(
 
 /// Backward, in place on `dx`: the transposed rotation.
 pub fn rope_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dx: &mut CudaViewMut<'_, X>,
     cos: &CudaView<'_, f32>,
     sin: &CudaView<'_, f32>,
@@ -448,7 +448,7 @@ pub fn rope_backward<X: DeviceFloat>(
 }
 
 fn rotate<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     kernel: &str,
     x: &mut CudaViewMut<'_, X>,
     cos: &CudaView<'_, f32>,
@@ -465,7 +465,7 @@ fn rotate<X: DeviceFloat>(
 
 /// `out = silu(gate) · up`.
 pub fn swiglu_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     gate: &CudaView<'_, X>,
     up: &CudaView<'_, X>,
@@ -482,7 +482,7 @@ pub fn swiglu_forward<X: DeviceFloat>(
 
 /// Backward, overwriting `dgate` and `dup`.
 pub fn swiglu_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dgate: &mut CudaViewMut<'_, X>,
     dup: &mut CudaViewMut<'_, X>,
     gate: &CudaView<'_, X>,
@@ -501,7 +501,7 @@ pub fn swiglu_backward<X: DeviceFloat>(
 
 /// `out = gelu(inp)`.
 pub fn gelu_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     inp: &CudaView<'_, X>,
 ) -> Result<(), Error> {
@@ -513,7 +513,7 @@ pub fn gelu_forward<X: DeviceFloat>(
 
 /// In place: `grad = grad · gelu'(inp)`.
 pub fn gelu_backward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     grad: &mut CudaViewMut<'_, X>,
     inp: &CudaView<'_, X>,
 ) -> Result<(), Error> {
@@ -529,7 +529,7 @@ pub fn gelu_backward<X: DeviceFloat>(
 
 /// `out = a + b`.
 pub fn residual_forward<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
     a: &CudaView<'_, X>,
     b: &CudaView<'_, X>,
@@ -545,7 +545,7 @@ pub fn residual_forward<X: DeviceFloat>(
 
 /// `a += b`.
 pub fn residual_accumulate<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     a: &mut CudaViewMut<'_, X>,
     b: &CudaView<'_, X>,
 ) -> Result<(), Error> {
@@ -558,7 +558,7 @@ pub fn residual_accumulate<X: DeviceFloat>(
 /// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`; with
 /// `dloss = Some(s)` the logits become `(softmax - onehot)·s`. One block of 1024 per row.
 pub fn crossentropy_forward(
-    dev: &Device,
+    dev: &Gpu,
     losses: &mut CudaViewMut<'_, f32>,
     logits: &mut CudaViewMut<'_, f32>,
     targets: &CudaView<'_, u32>,

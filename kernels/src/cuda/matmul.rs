@@ -17,7 +17,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, De
 
 use super::device::launch;
 use super::layers::ColumnSums;
-use super::{Device, DeviceFloat, Error};
+use super::{DeviceFloat, Error, Gpu};
 use crate::Float;
 pub use crate::matmul::{DinpMode, Layout};
 
@@ -72,7 +72,7 @@ pub const fn resident_bytes() -> usize {
 /// `(N, K)` for [`Layout::NK`]. `out` is `X` or `f32` (logits); the bias, added by cuBLASLt's
 /// epilogue in f32 before the one rounding, has the dtype of `out`.
 pub fn matmul_forward<X: DeviceFloat, Y: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     out: &mut CudaViewMut<'_, Y>,
     inp: &CudaView<'_, X>,
     weight: &CudaView<'_, X>,
@@ -118,7 +118,7 @@ pub fn matmul_forward<X: DeviceFloat, Y: DeviceFloat>(
 /// weights is rounded to their dtype, row block by row block, before its products.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     dinp: &mut CudaViewMut<'_, X>,
     dweight: &mut CudaViewMut<'_, X>,
     dbias: Option<&mut CudaViewMut<'_, X>>,
@@ -433,7 +433,7 @@ impl Drop for Pref {
 
 /// The bf16 GEMM rate of `dev` in GFLOP/s: the median of 5 timings of ten 8192³ products
 /// (f32 accumulation, as the trainer's), the MFU denominator of the GPU benchmark.
-pub fn measure_peak_gflops(dev: &Device) -> Result<f64, Error> {
+pub fn measure_peak_gflops(dev: &Gpu) -> Result<f64, Error> {
     const S: usize = 8192;
     const REPS: usize = 10;
     let a: Vec<half::bf16> = (0..S * S)

@@ -15,12 +15,12 @@ pub use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, ValidAsZeroBits,
 };
 pub use device::{
-    Device, DeviceFloat, MAX_GRID, MAX_SHARED, MAX_THREADS, OpeningMemory, THREADS, check_launch,
+    DeviceFloat, Gpu, MAX_GRID, MAX_SHARED, MAX_THREADS, OpeningMemory, THREADS, check_launch,
     elementwise, rows,
 };
 
 pub use program::{
-    Image, PROGRAMS, Program, Target, cache_dir, cache_file, compile, compile_all, compile_all_in,
+    Arch, Image, PROGRAMS, Program, cache_dir, cache_file, compile, compile_all, compile_all_in,
     nvrtc_present,
 };
 

@@ -15,7 +15,7 @@ use cudarc::nccl::{result, sys};
 
 pub use cudarc::nccl::NcclType;
 
-use super::{Device, Error};
+use super::{Error, Gpu};
 
 /// Bytes of an NCCL unique id.
 pub const ID_BYTES: usize = 128;
@@ -58,7 +58,7 @@ impl Nccl {
     /// Joins `device`'s GPU to the communicator `id` names as rank `rank` of `world_size`, on a
     /// new stream. Blocks until every rank has joined (NCCL refuses two ranks on one GPU).
     pub fn join(
-        device: &Device,
+        device: &Gpu,
         rank: usize,
         world_size: usize,
         id: &[u8; ID_BYTES],

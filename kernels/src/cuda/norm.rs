@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{THREADS, elementwise, launch};
-use super::{Device, DeviceFloat, Error};
+use super::{DeviceFloat, Error, Gpu};
 
 /// Partial sums of [`sum_squares`], as the CPU's `norm::sum_squares`.
 const PARTS: usize = 256;
@@ -12,7 +12,7 @@ const PARTS: usize = 256;
 /// `grad *= inv_scale` in place; sets `found_inf[0] = 1` when any result is inf or NaN (it is
 /// never cleared here: zero it once per step).
 pub fn unscale<G: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     grad: &mut CudaViewMut<'_, G>,
     inv_scale: f32,
     found_inf: &mut CudaViewMut<'_, i32>,
@@ -27,7 +27,7 @@ pub fn unscale<G: DeviceFloat>(
 /// `Σ x²` in f64 into `total[0]` (one value per rank's share of the global norm; non-finite
 /// when any element is). `parts` is scratch of [`sum_squares_parts_len`] f64.
 pub fn sum_squares<X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     total: &mut CudaViewMut<'_, f64>,
     parts: &mut CudaViewMut<'_, f64>,
     x: &CudaView<'_, X>,

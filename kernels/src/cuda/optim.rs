@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{THREADS, elementwise, input_ptr, launch, optional_ptr};
-use super::{Device, DeviceFloat, Error};
+use super::{DeviceFloat, Error, Gpu};
 use crate::optim::{Adafactor, AdamW, LIMBS, Lion, Momentum, bias_correction, dynamic_map};
 
 fn name<G: DeviceFloat, X: DeviceFloat>(kernel: &str) -> String {
@@ -19,7 +19,7 @@ fn check_out<X>(out: &Option<&mut CudaViewMut<'_, X>>, n: usize) {
 }
 
 /// Decoupled weight decay: `master *= factor`.
-pub fn decay(dev: &Device, master: &mut CudaViewMut<'_, f32>, factor: f32) -> Result<(), Error> {
+pub fn decay(dev: &Gpu, master: &mut CudaViewMut<'_, f32>, factor: f32) -> Result<(), Error> {
     let n = master.len() as i64;
     let cfg = elementwise(master.len());
     launch!(dev, "optim.cu", "decay", cfg; master, &factor, &n);
@@ -28,7 +28,7 @@ pub fn decay(dev: &Device, master: &mut CudaViewMut<'_, f32>, factor: f32) -> Re
 
 /// Plain SGD: `p -= lr·g`.
 pub fn sgd_step<G: DeviceFloat, X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     mut param_out: Option<&mut CudaViewMut<'_, X>>,
@@ -46,7 +46,7 @@ pub fn sgd_step<G: DeviceFloat, X: DeviceFloat>(
 
 /// SGD with momentum (PyTorch semantics, dampening 0).
 pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     buf: &mut CudaViewMut<'_, f32>,
@@ -70,7 +70,7 @@ pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
 /// AdamW step `t ≥ 1` (weight decay is [`decay`]).
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     m: &mut CudaViewMut<'_, f32>,
@@ -96,7 +96,7 @@ pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
 
 /// Lion: `p -= lr·sign(β1·m + (1-β1)·g)`, then `m = β2·m + (1-β2)·g`.
 pub fn lion_step<G: DeviceFloat, X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     m: &mut CudaViewMut<'_, f32>,
@@ -124,7 +124,7 @@ pub struct Adam8bitCodes {
 }
 
 impl Adam8bitCodes {
-    pub fn new(dev: &Device) -> Result<Self, Error> {
+    pub fn new(dev: &Gpu) -> Result<Self, Error> {
         Ok(Self {
             signed: dev.upload(&dynamic_map(true))?,
             unsigned: dev.upload(&dynamic_map(false))?,
@@ -135,7 +135,7 @@ impl Adam8bitCodes {
 /// One 8-bit Adam step (`crate::optim::adam8bit_step`): one CUDA block per quantisation block.
 #[allow(clippy::too_many_arguments)]
 pub fn adam8bit_step<G: DeviceFloat, X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     m: &mut CudaViewMut<'_, u8>,
@@ -186,7 +186,7 @@ pub fn adam8bit_config(n: usize, block: usize) -> LaunchConfig {
 /// `[start, start + grad.len())` of a `(rows, cols)` matrix to `row_sums (rows · LIMBS)`,
 /// `col_sums (cols · LIMBS)` (f64 atomics on integer-valued limbs: exact, so deterministic).
 pub fn adafactor_sq_sums<G: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     grad: &CudaView<'_, G>,
     start: usize,
     grad_scale: f32,
@@ -212,7 +212,7 @@ pub fn adafactor_sq_sums<G: DeviceFloat>(
 
 /// Adafactor phase 2 (matrix): the row and column EMAs from the all-reduced sums.
 pub fn adafactor_update_stats(
-    dev: &Device,
+    dev: &Gpu,
     row: &mut CudaViewMut<'_, f32>,
     col: &mut CudaViewMut<'_, f32>,
     row_sums: &CudaView<'_, f64>,
@@ -235,7 +235,7 @@ pub fn adafactor_update_stats(
 /// Adafactor phase 1 (vector): `v = β2t·v + (1-β2t)·(g² + eps1)`, adding the exact `Σ u²` to
 /// `rms_sum (LIMBS)`.
 pub fn adafactor_vector_ema<G: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     v: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     grad_scale: f32,
@@ -271,7 +271,7 @@ pub enum Moment<'a> {
 
 /// `mean(row)` into `row_mean`, summed in the CPU's order (16 lanes, then pairwise).
 fn row_mean(
-    dev: &Device,
+    dev: &Gpu,
     row_mean: &mut CudaViewMut<'_, f32>,
     row: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
@@ -293,7 +293,7 @@ pub fn row_mean_config() -> LaunchConfig {
 /// Adafactor phase 3 (matrix): add the exact `Σ u²` over the range to `rms_sum (LIMBS)`.
 #[allow(clippy::too_many_arguments)]
 pub fn adafactor_rms_sum<G: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     grad: &CudaView<'_, G>,
     grad_scale: f32,
     row: &CudaView<'_, f32>,
@@ -320,7 +320,7 @@ pub fn adafactor_rms_sum<G: DeviceFloat>(
 /// subtracted from `master`; `rms_sum` is the all-reduced `Σ u²`.
 #[allow(clippy::too_many_arguments)]
 pub fn adafactor_apply<G: DeviceFloat, X: DeviceFloat>(
-    dev: &Device,
+    dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
     grad: &CudaView<'_, G>,
     mut exp_avg: Option<&mut CudaViewMut<'_, f32>>,

@@ -65,16 +65,17 @@ pub const PROGRAMS: &[Program] = &[
 /// What NVRTC emits: PTX for a virtual architecture (`compute_90`: the driver JIT-compiles it
 /// for any later GPU) or a cubin for one real architecture (`sm_90`: no JIT at load time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
+pub enum Arch {
     Ptx { compute: u32 },
     Cubin { sm: u32 },
 }
 
-impl Target {
-    fn arch(self) -> String {
+impl Arch {
+    /// The NVRTC option that selects it.
+    fn option(self) -> String {
         match self {
-            Target::Ptx { compute } => format!("--gpu-architecture=compute_{compute}"),
-            Target::Cubin { sm } => format!("--gpu-architecture=sm_{sm}"),
+            Arch::Ptx { compute } => format!("--gpu-architecture=compute_{compute}"),
+            Arch::Cubin { sm } => format!("--gpu-architecture=sm_{sm}"),
         }
     }
 }
@@ -114,7 +115,7 @@ pub fn nvrtc_present() -> bool {
 
 /// Compile `program` for `target`; NVRTC's log comes
 /// back in [`Error::Compile`].
-pub fn compile(program: &Program, target: Target) -> Result<Image, Error> {
+pub fn compile(program: &Program, target: Arch) -> Result<Image, Error> {
     if !nvrtc_present() {
         return Err(Error::NoNvrtc);
     }
@@ -127,7 +128,7 @@ fn source(program: &Program) -> String {
     format!("{COMMON}\n#line 1 \"{}\"\n{}", program.name, program.source)
 }
 
-fn compile_source(name: &str, source: &str, target: Target) -> Result<Image, Error> {
+fn compile_source(name: &str, source: &str, target: Arch) -> Result<Image, Error> {
     let src = CString::new(source).map_err(|_| Error::Source(name.into()))?;
     let cname = CString::new(name).map_err(|_| Error::Source(name.into()))?;
     let prog = result::create_program(&src, Some(&cname)).map_err(Error::Nvrtc)?;
@@ -139,9 +140,9 @@ fn compile_source(name: &str, source: &str, target: Target) -> Result<Image, Err
     Ok(image)
 }
 
-fn build(prog: sys::nvrtcProgram, name: &str, target: Target) -> Result<Image, Error> {
+fn build(prog: sys::nvrtcProgram, name: &str, target: Arch) -> Result<Image, Error> {
     let mut options: Vec<String> = OPTIONS.iter().map(|o| o.to_string()).collect();
-    options.push(target.arch());
+    options.push(target.option());
     // SAFETY: `prog` is a live program (see compile_source).
     if let Err(e) = unsafe { result::compile_program(prog, &options) } {
         let log = unsafe { result::get_program_log(prog) }.map_err(Error::Nvrtc)?;
@@ -153,11 +154,11 @@ fn build(prog: sys::nvrtcProgram, name: &str, target: Target) -> Result<Image, E
         });
     }
     match target {
-        Target::Ptx { .. } => {
+        Arch::Ptx { .. } => {
             let ptx = unsafe { result::get_ptx(prog) }.map_err(Error::Nvrtc)?;
             Ok(Image::Ptx(text(&ptx)))
         }
-        Target::Cubin { .. } => {
+        Arch::Cubin { .. } => {
             let mut size = 0usize;
             // SAFETY: `prog` compiled for a real architecture, so it holds a cubin of `size`
             // bytes, which NVRTC copies into a buffer of that size.
@@ -204,7 +205,7 @@ pub fn cache_dir() -> Option<&'static Path> {
 
 /// Every program of [`PROGRAMS`] for `target`, in that order: from this process's cache, else
 /// from the disk cache ([`cache_dir`]), else compiled (the misses in parallel) and kept in both.
-pub fn compile_all(target: Target) -> Result<Vec<Image>, Error> {
+pub fn compile_all(target: Arch) -> Result<Vec<Image>, Error> {
     compile_all_in(cache_dir(), PROGRAMS, target)
 }
 
@@ -212,7 +213,7 @@ pub fn compile_all(target: Target) -> Result<Vec<Image>, Error> {
 pub fn compile_all_in(
     dir: Option<&Path>,
     programs: &[Program],
-    target: Target,
+    target: Arch,
 ) -> Result<Vec<Image>, Error> {
     if !nvrtc_present() {
         return Err(Error::NoNvrtc);
@@ -267,7 +268,7 @@ pub fn compile_all_in(
 
 /// The disk cache's file for `program` compiled for `target` by this process's NVRTC (it
 /// exists once [`compile_all_in`] put it there). `None` without NVRTC.
-pub fn cache_file(dir: &Path, program: &Program, target: Target) -> Option<PathBuf> {
+pub fn cache_file(dir: &Path, program: &Program, target: Arch) -> Option<PathBuf> {
     nvrtc_present().then(|| dir.join(Key::new(program, target, nvrtc_version()).file_name()))
 }
 
@@ -298,10 +299,10 @@ struct Key {
 }
 
 impl Key {
-    fn new(program: &Program, target: Target, nvrtc: (i32, i32)) -> Self {
+    fn new(program: &Program, target: Arch, nvrtc: (i32, i32)) -> Self {
         let arch = match target {
-            Target::Ptx { compute } => format!("compute_{compute}"),
-            Target::Cubin { sm } => format!("sm_{sm}"),
+            Arch::Ptx { compute } => format!("compute_{compute}"),
+            Arch::Cubin { sm } => format!("sm_{sm}"),
         };
         let mut h = Fnv128::default();
         for part in [program.name, &source(program), &OPTIONS.join(" "), &arch] {
@@ -424,13 +425,13 @@ mod tests {
             source: "// edited\n",
             ..p
         };
-        let sm90 = Target::Cubin { sm: 90 };
+        let sm90 = Arch::Cubin { sm: 90 };
         let key = Key::new(&p, sm90, (13, 0));
         assert_eq!(key.hash, Key::new(&p, sm90, (13, 0)).hash);
         for other in [
             Key::new(&edited, sm90, (13, 0)),
-            Key::new(&p, Target::Cubin { sm: 100 }, (13, 0)),
-            Key::new(&p, Target::Ptx { compute: 90 }, (13, 0)),
+            Key::new(&p, Arch::Cubin { sm: 100 }, (13, 0)),
+            Key::new(&p, Arch::Ptx { compute: 90 }, (13, 0)),
             Key::new(&p, sm90, (13, 1)),
         ] {
             assert_ne!(key.hash, other.hash);
@@ -441,7 +442,7 @@ mod tests {
             "{name}"
         );
         assert!(
-            Key::new(&p, Target::Ptx { compute: 90 }, (13, 0))
+            Key::new(&p, Arch::Ptx { compute: 90 }, (13, 0))
                 .file_name()
                 .ends_with(".ptx")
         );

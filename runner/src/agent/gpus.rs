@@ -10,7 +10,7 @@
 
 use std::str::FromStr;
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 
 use crate::Error;
@@ -18,8 +18,8 @@ use crate::Error;
 pub use kernels::gpu::Gpu;
 
 /// The device the agent registers for `gpu`.
-pub fn device(gpu: &Gpu) -> Device {
-    Device {
+pub fn device(gpu: &Gpu) -> DeviceSlot {
+    DeviceSlot {
         kind: DeviceKind::Cuda,
         memory_bytes: gpu.total_bytes,
     }

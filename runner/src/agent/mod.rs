@@ -16,7 +16,7 @@ pub use metrics::AgentMetrics;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 
 use crate::Error;
@@ -39,7 +39,7 @@ pub struct AgentConfig {
     pub host: String,
     /// What the node offers: a `cuda` device for each of `gpus`, in order, then its CPU
     /// devices ([`offered_devices`]).
-    pub devices: Vec<Device>,
+    pub devices: Vec<DeviceSlot>,
     /// The GPUs offered; a rank placed on device `i < gpus.len()` trains on `gpus[i]`.
     pub gpus: Vec<Gpu>,
     /// Kernel threads (default: all cores).
@@ -52,8 +52,8 @@ pub struct AgentConfig {
 }
 
 /// The devices a node offers: each GPU, then `cpus` virtual CPU devices of `cpu_memory` bytes.
-pub fn offered_devices(gpus: &[Gpu], cpus: usize, cpu_memory: u64) -> Vec<Device> {
-    let cpu = Device {
+pub fn offered_devices(gpus: &[Gpu], cpus: usize, cpu_memory: u64) -> Vec<DeviceSlot> {
+    let cpu = DeviceSlot {
         kind: DeviceKind::Cpu,
         memory_bytes: cpu_memory,
     };

@@ -39,7 +39,7 @@ impl Communicator {
     /// id and broadcasts it over this communicator's ring, then every rank joins. Device
     /// collectives run there from then on; host ones (the loss and norm the ranks agree on,
     /// barriers, the export's gathers) stay on the ring.
-    fn join_nccl(&mut self, device: &kernels::cuda::Device) -> Result<(), Error> {
+    fn join_nccl(&mut self, device: &kernels::cuda::Gpu) -> Result<(), Error> {
         let mut id = [0u8; ID_BYTES];
         if self.rank == 0 {
             id = unique_id()?;

@@ -17,7 +17,7 @@ use crate::Error;
 
 /// One GPU with its kernels, and the few bytes of scratch its reductions and 8-bit Adam need.
 pub struct Cuda {
-    dev: k::Device,
+    dev: k::Gpu,
     scratch: Mutex<Scratch>,
     codes: k::optim::Adam8bitCodes,
 }
@@ -38,7 +38,7 @@ struct Scratch {
 impl Cuda {
     /// Opens GPU `ordinal`: "no CUDA driver found: …" where there is none.
     pub fn new(ordinal: usize) -> Result<Cuda, Error> {
-        let dev = k::Device::new(ordinal)?;
+        let dev = k::Gpu::new(ordinal)?;
         let scratch = Scratch {
             total: dev.zeros(1)?,
             parts: dev.zeros(k::norm::sum_squares_parts_len())?,
@@ -52,7 +52,7 @@ impl Cuda {
     }
 
     /// The GPU itself (NCCL joins on it).
-    pub(crate) fn gpu(&self) -> &k::Device {
+    pub(crate) fn gpu(&self) -> &k::Gpu {
         &self.dev
     }
 

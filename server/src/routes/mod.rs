@@ -19,7 +19,7 @@ use utoipa_axum::routes;
 use crate::app::AppState;
 use crate::domain::NodeRecord;
 use crate::settings::Settings;
-use scheduler::inventory::{Device, Inventory, Node};
+use scheduler::inventory::{DeviceSlot, Inventory, Node};
 
 /// Every endpoint, and the OpenAPI document of exactly these. Each is registered through
 /// `routes!`, which takes its path and methods from the handler's `#[utoipa::path]`, and
@@ -88,7 +88,7 @@ pub(crate) fn planning_inventory(nodes: &[NodeRecord], settings: &Settings) -> I
                 devices: n
                     .devices
                     .iter()
-                    .map(|d| Device {
+                    .map(|d| DeviceSlot {
                         kind: d.kind,
                         memory_bytes: (d.memory_bytes as f64 * keep) as u64,
                     })

@@ -18,7 +18,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::queue::{BoardDevice, BoardNode, HeldRanks, QueuedJob};
 
 use super::StoreError;
@@ -439,7 +439,7 @@ async fn load_nodes(c: &mut Conn<'_>, board: &mut Board) -> Result<(), StoreErro
             .devices
             .push(BoardDevice {
                 index: to_u32(index, "device index")?,
-                spec: Device {
+                spec: DeviceSlot {
                     kind: kind(&kind_name)?,
                     memory_bytes: bytes as u64,
                 },

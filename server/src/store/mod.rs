@@ -23,7 +23,7 @@ mod tokens;
 
 use std::time::Duration;
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::queue::Decision;
 use sqlx::postgres::PgConnectOptions;
 
@@ -311,7 +311,7 @@ impl Store {
         &self,
         name: &str,
         host: &str,
-        devices: &[Device],
+        devices: &[DeviceSlot],
         token_hash: &str,
     ) -> Result<NodeRecord, StoreError> {
         let mut tx = self.pool.write().await?;

@@ -1,7 +1,7 @@
 //! Nodes (runner agents) and their devices, heartbeats, lost nodes, and the assignments agents
 //! read.
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 
 use super::StoreError;
 use super::backend::{Arg, Conn, insert_rows, lock_scheduling, on};
@@ -16,7 +16,7 @@ pub(super) async fn register(
     c: &mut Conn<'_>,
     name: &str,
     host: &str,
-    devices: &[Device],
+    devices: &[DeviceSlot],
     token_hash: &str,
     now: i64,
 ) -> Result<NodeRecord, StoreError> {

@@ -1,7 +1,7 @@
 //! Rows as the databases return them (integers as i64, JSON as text) and their conversion to
 //! the domain records, which is where stored values are checked.
 
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use serde::de::DeserializeOwned;
 
@@ -184,7 +184,7 @@ pub(super) fn nodes_from_rows(rows: Vec<NodeDeviceRow>) -> Result<Vec<NodeRecord
                     format!("node {} lacks device {}", node.id, node.devices.len()),
                 ));
             }
-            node.devices.push(Device {
+            node.devices.push(DeviceSlot {
                 kind: kind(&k)?,
                 memory_bytes: u64::try_from(bytes).map_err(|_| corrupt("device memory", bytes))?,
             });

@@ -6,7 +6,7 @@
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Method, Request, StatusCode, header};
-use scheduler::inventory::Device;
+use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use serde_json::{Value, json};
 use server::clock::Clock;
@@ -172,7 +172,7 @@ impl TestApp {
 
     /// Registers a node of `count` CPU devices of `memory` bytes: (node id, agent token).
     pub async fn register(&self, name: &str, count: usize, memory: u64) -> (String, String) {
-        let cpu = Device {
+        let cpu = DeviceSlot {
             kind: DeviceKind::Cpu,
             memory_bytes: memory,
         };
@@ -180,7 +180,7 @@ impl TestApp {
     }
 
     /// Registers a node of `devices`: (node id, agent token).
-    pub async fn register_devices(&self, name: &str, devices: Vec<Device>) -> (String, String) {
+    pub async fn register_devices(&self, name: &str, devices: Vec<DeviceSlot>) -> (String, String) {
         let req = RegisterRequest {
             name: name.into(),
             devices,
