@@ -140,6 +140,30 @@ impl Service {
         .await
     }
 
+    /// `zerotrain pull` of job `id`'s model into a new folder.
+    fn pull(&self, id: &str) -> tempfile::TempDir {
+        let pulled = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+            .args([
+                "pull",
+                id,
+                "--url",
+                &self.server.url(),
+                "--token",
+                ADMIN,
+                "--to",
+            ])
+            .arg(pulled.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        pulled
+    }
+
     async fn wait_state(&self, id: &str, state: &str, limit: Duration) {
         poll(limit, Duration::from_millis(50), || async {
             let job = self.get(&format!("/v1/jobs/{id}")).await;
@@ -442,25 +466,7 @@ async fn a_killed_agent_s_job_resumes_elsewhere_from_its_checkpoint_to_the_same_
     let digest = sha256_hex(&bytes);
     assert_eq!(digest, model["sha256"].as_str().unwrap());
     // `zerotrain pull` writes the folder `from_pretrained` loads: the config and the weights.
-    let pulled = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args([
-            "pull",
-            &id,
-            "--url",
-            &s.server.url(),
-            "--token",
-            ADMIN,
-            "--to",
-        ])
-        .arg(pulled.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let pulled = s.pull(&id);
     let weights = std::fs::read(pulled.path().join("model.safetensors")).unwrap();
     assert_eq!(sha256_hex(&weights), digest);
     let tensors = safetensors::SafeTensors::deserialize(&weights).unwrap();
@@ -578,25 +584,7 @@ async fn a_qwen2_job_from_a_hugging_face_directory_trains_and_is_pulled_in_trans
         (first - want).abs() < 1e-5 * want,
         "{first} vs transformers' {want}"
     );
-    let pulled = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
-        .args([
-            "pull",
-            &id,
-            "--url",
-            &s.server.url(),
-            "--token",
-            ADMIN,
-            "--to",
-        ])
-        .arg(pulled.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let pulled = s.pull(&id);
     let weights = std::fs::read(pulled.path().join("model.safetensors")).unwrap();
     let tensors = safetensors::SafeTensors::deserialize(&weights).unwrap();
     let want = expected["export"]["tensors"].as_object().unwrap();
