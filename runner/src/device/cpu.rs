@@ -16,6 +16,20 @@ use scheduler::memory::DeviceKind;
 
 use crate::Error;
 
+/// Methods that call the `kernels` function of the same name with the same arguments: the
+/// CPU's kernels are those functions, so its methods only forward (and cannot fail).
+macro_rules! forward {
+    ($($module:ident::$name:ident $(<$($g:ident: $bound:ident),+>)? ($($arg:ident: $ty:ty),* $(,)?);)+) => {
+        $(
+            #[inline]
+            fn $name $(<$($g: $bound),+>)? (&self, $($arg: $ty),*) -> Result<(), Error> {
+                $module::$name($($arg),*);
+                Ok(())
+            }
+        )+
+    };
+}
+
 /// Host memory and the CPU kernels (their thread pool is `kernels::cpu`'s).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cpu;
@@ -98,236 +112,183 @@ impl Device for Cpu {
         Ok(())
     }
 
-    #[inline]
-    fn encoder_forward<X: Num>(
-        &self,
-        out: &mut [X],
-        tokens: &[u32],
-        wte: &[X],
-        wpe: Option<&[X]>,
-        t: usize,
-        c: usize,
-    ) -> Result<(), Error> {
-        encoder::encoder_forward(out, tokens, wte, wpe, t, c);
-        Ok(())
-    }
-    #[inline]
-    fn encoder_backward<X: Num>(
-        &self,
-        dwte: &mut [X],
-        dwpe: Option<&mut [X]>,
-        dout: &[X],
-        tokens: &[u32],
-        t: usize,
-        c: usize,
-    ) -> Result<(), Error> {
-        encoder::encoder_backward(dwte, dwpe, dout, tokens, t, c);
-        Ok(())
-    }
-    #[inline]
-    fn layernorm_forward<X: Num>(
-        &self,
-        out: &mut [X],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-        inp: &[X],
-        weight: &[X],
-        bias: &[X],
-    ) -> Result<(), Error> {
-        layernorm::layernorm_forward(out, mean, rstd, inp, weight, bias);
-        Ok(())
-    }
-    #[inline]
-    fn layernorm_backward<X: Num>(
-        &self,
-        dinp: &mut [X],
-        dweight: &mut [X],
-        dbias: &mut [X],
-        dout: &[X],
-        inp: &[X],
-        weight: &[X],
-        mean: &[f32],
-        rstd: &[f32],
-    ) -> Result<(), Error> {
-        layernorm::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd);
-        Ok(())
-    }
-    #[inline]
-    fn matmul_forward<X: Num, Y: Num>(
-        &self,
-        out: &mut [Y],
-        inp: &[X],
-        weight: &[X],
-        bias: Option<&[X]>,
-        layout: Layout,
-        mkn: (usize, usize, usize),
-        scratch: &mut [f32],
-    ) -> Result<(), Error> {
-        matmul::matmul_forward(out, inp, weight, bias, layout, mkn, scratch);
-        Ok(())
-    }
-    #[inline]
-    fn matmul_backward<X: Num, G: Num>(
-        &self,
-        dinp: &mut [X],
-        dweight: &mut [X],
-        dbias: Option<&mut [X]>,
-        dout: &[G],
-        inp: &[X],
-        weight: &[X],
-        layout: Layout,
-        mkn: (usize, usize, usize),
-        dinp_mode: DinpMode,
-        scratch: &mut [f32],
-    ) -> Result<(), Error> {
-        matmul::matmul_backward(
-            dinp, dweight, dbias, dout, inp, weight, layout, mkn, dinp_mode, scratch,
+    forward! {
+        encoder::encoder_forward<X: Num>(
+            out: &mut [X],
+            tokens: &[u32],
+            wte: &[X],
+            wpe: Option<&[X]>,
+            t: usize,
+            c: usize,
         );
-        Ok(())
-    }
-    #[inline]
-    fn attention_forward<X: Num>(
-        &self,
-        out: &mut [X],
-        att: &mut [X],
-        qkv: &[X],
-        d: AttentionDims,
-    ) -> Result<(), Error> {
-        attention::attention_forward(out, att, qkv, d);
-        Ok(())
-    }
-    #[inline]
-    fn attention_backward<X: Num>(
-        &self,
-        dqkv: &mut [X],
-        datt: &mut [f32],
-        dout: &[X],
-        qkv: &[X],
-        att: &[X],
-        d: AttentionDims,
-    ) -> Result<(), Error> {
-        attention::attention_backward(dqkv, datt, dout, qkv, att, d);
-        Ok(())
-    }
-    #[inline]
-    fn gqa_attention_forward<X: Num>(
-        &self,
-        out: &mut [X],
-        att: &mut [X],
-        q: &[X],
-        k: &[X],
-        v: &[X],
-        d: AttentionDims,
-    ) -> Result<(), Error> {
-        attention::gqa_attention_forward(out, att, q, k, v, d);
-        Ok(())
-    }
-    #[inline]
-    fn gqa_attention_backward<X: Num>(
-        &self,
-        dq: &mut [X],
-        dk: &mut [X],
-        dv: &mut [X],
-        datt: &mut [f32],
-        dout: &[X],
-        q: &[X],
-        k: &[X],
-        v: &[X],
-        att: &[X],
-        d: AttentionDims,
-    ) -> Result<(), Error> {
-        attention::gqa_attention_backward(dq, dk, dv, datt, dout, q, k, v, att, d);
-        Ok(())
-    }
-    #[inline]
-    fn rmsnorm_forward<X: Num>(
-        &self,
-        out: &mut [X],
-        rstd: &mut [f32],
-        inp: &[X],
-        weight: &[X],
-        eps: f32,
-    ) -> Result<(), Error> {
-        rmsnorm::rmsnorm_forward(out, rstd, inp, weight, eps);
-        Ok(())
-    }
-    #[inline]
-    fn rmsnorm_backward<X: Num>(
-        &self,
-        dinp: &mut [X],
-        dweight: &mut [X],
-        dout: &[X],
-        inp: &[X],
-        weight: &[X],
-        rstd: &[f32],
-    ) -> Result<(), Error> {
-        rmsnorm::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
-        Ok(())
-    }
-    #[inline]
-    fn rope_forward<X: Num>(
-        &self,
-        x: &mut [X],
-        cos: &[f32],
-        sin: &[f32],
-        d: RopeDims,
-    ) -> Result<(), Error> {
-        rope::rope_forward(x, cos, sin, d);
-        Ok(())
-    }
-    #[inline]
-    fn rope_backward<X: Num>(
-        &self,
-        dx: &mut [X],
-        cos: &[f32],
-        sin: &[f32],
-        d: RopeDims,
-    ) -> Result<(), Error> {
-        rope::rope_backward(dx, cos, sin, d);
-        Ok(())
-    }
-    #[inline]
-    fn swiglu_forward<X: Num>(&self, out: &mut [X], gate: &[X], up: &[X]) -> Result<(), Error> {
-        swiglu::swiglu_forward(out, gate, up);
-        Ok(())
-    }
-    #[inline]
-    fn swiglu_backward<X: Num>(
-        &self,
-        dgate: &mut [X],
-        dup: &mut [X],
-        gate: &[X],
-        up: &[X],
-    ) -> Result<(), Error> {
-        swiglu::swiglu_backward(dgate, dup, gate, up);
-        Ok(())
-    }
-    #[inline]
-    fn gelu_forward<X: Num>(&self, out: &mut [X], inp: &[X]) -> Result<(), Error> {
-        gelu::gelu_forward(out, inp);
-        Ok(())
-    }
-    #[inline]
-    fn gelu_backward<X: Num>(&self, grad: &mut [X], inp: &[X]) -> Result<(), Error> {
-        gelu::gelu_backward(grad, inp);
-        Ok(())
-    }
-    #[inline]
-    fn residual_accumulate<X: Num>(&self, acc: &mut [X], x: &[X]) -> Result<(), Error> {
-        residual::residual_accumulate(acc, x);
-        Ok(())
-    }
-    #[inline]
-    fn crossentropy_forward(
-        &self,
-        losses: &mut [f32],
-        logits: &mut [f32],
-        targets: &[u32],
-        v: usize,
-        dloss: Option<f32>,
-    ) -> Result<(), Error> {
-        crossentropy::crossentropy_forward(losses, logits, targets, v, dloss);
-        Ok(())
+        encoder::encoder_backward<X: Num>(
+            dwte: &mut [X],
+            dwpe: Option<&mut [X]>,
+            dout: &[X],
+            tokens: &[u32],
+            t: usize,
+            c: usize,
+        );
+        layernorm::layernorm_forward<X: Num>(
+            out: &mut [X],
+            mean: &mut [f32],
+            rstd: &mut [f32],
+            inp: &[X],
+            weight: &[X],
+            bias: &[X],
+        );
+        layernorm::layernorm_backward<X: Num>(
+            dinp: &mut [X],
+            dweight: &mut [X],
+            dbias: &mut [X],
+            dout: &[X],
+            inp: &[X],
+            weight: &[X],
+            mean: &[f32],
+            rstd: &[f32],
+        );
+        matmul::matmul_forward<X: Num, Y: Num>(
+            out: &mut [Y],
+            inp: &[X],
+            weight: &[X],
+            bias: Option<&[X]>,
+            layout: Layout,
+            mkn: (usize, usize, usize),
+            scratch: &mut [f32],
+        );
+        matmul::matmul_backward<X: Num, G: Num>(
+            dinp: &mut [X],
+            dweight: &mut [X],
+            dbias: Option<&mut [X]>,
+            dout: &[G],
+            inp: &[X],
+            weight: &[X],
+            layout: Layout,
+            mkn: (usize, usize, usize),
+            dinp_mode: DinpMode,
+            scratch: &mut [f32],
+        );
+        attention::attention_forward<X: Num>(
+            out: &mut [X],
+            att: &mut [X],
+            qkv: &[X],
+            d: AttentionDims,
+        );
+        attention::attention_backward<X: Num>(
+            dqkv: &mut [X],
+            datt: &mut [f32],
+            dout: &[X],
+            qkv: &[X],
+            att: &[X],
+            d: AttentionDims,
+        );
+        attention::gqa_attention_forward<X: Num>(
+            out: &mut [X],
+            att: &mut [X],
+            q: &[X],
+            k: &[X],
+            v: &[X],
+            d: AttentionDims,
+        );
+        attention::gqa_attention_backward<X: Num>(
+            dq: &mut [X],
+            dk: &mut [X],
+            dv: &mut [X],
+            datt: &mut [f32],
+            dout: &[X],
+            q: &[X],
+            k: &[X],
+            v: &[X],
+            att: &[X],
+            d: AttentionDims,
+        );
+        rmsnorm::rmsnorm_forward<X: Num>(
+            out: &mut [X],
+            rstd: &mut [f32],
+            inp: &[X],
+            weight: &[X],
+            eps: f32,
+        );
+        rmsnorm::rmsnorm_backward<X: Num>(
+            dinp: &mut [X],
+            dweight: &mut [X],
+            dout: &[X],
+            inp: &[X],
+            weight: &[X],
+            rstd: &[f32],
+        );
+        rope::rope_forward<X: Num>(x: &mut [X], cos: &[f32], sin: &[f32], d: RopeDims);
+        rope::rope_backward<X: Num>(dx: &mut [X], cos: &[f32], sin: &[f32], d: RopeDims);
+        swiglu::swiglu_forward<X: Num>(out: &mut [X], gate: &[X], up: &[X]);
+        swiglu::swiglu_backward<X: Num>(dgate: &mut [X], dup: &mut [X], gate: &[X], up: &[X]);
+        gelu::gelu_forward<X: Num>(out: &mut [X], inp: &[X]);
+        gelu::gelu_backward<X: Num>(grad: &mut [X], inp: &[X]);
+        residual::residual_accumulate<X: Num>(acc: &mut [X], x: &[X]);
+        crossentropy::crossentropy_forward(
+            losses: &mut [f32],
+            logits: &mut [f32],
+            targets: &[u32],
+            v: usize,
+            dloss: Option<f32>,
+        );
+        k::sgd_step<X: Num>(
+            master: &mut [f32],
+            grad: &[X],
+            param_out: Option<&mut [X]>,
+            lr: f32,
+            grad_scale: f32,
+        );
+        k::momentum_step<X: Num>(
+            master: &mut [f32],
+            grad: &[X],
+            buf: &mut [f32],
+            param_out: Option<&mut [X]>,
+            hp: &Momentum,
+            grad_scale: f32,
+        );
+        k::lion_step<X: Num>(
+            master: &mut [f32],
+            grad: &[X],
+            m: &mut [f32],
+            param_out: Option<&mut [X]>,
+            hp: &Lion,
+            grad_scale: f32,
+        );
+        k::adamw_step<X: Num>(
+            master: &mut [f32],
+            grad: &[X],
+            m: &mut [f32],
+            v: &mut [f32],
+            param_out: Option<&mut [X]>,
+            hp: &AdamW,
+            step: u64,
+            grad_scale: f32,
+        );
+        k::adafactor_update_stats(
+            row: &mut [f32],
+            col: &mut [f32],
+            row_sums: &[f64],
+            col_sums: &[f64],
+            hp: &Adafactor,
+            step: u64,
+        );
+        k::adafactor_vector_ema<X: Num>(
+            v: &mut [f32],
+            grad: &[X],
+            grad_scale: f32,
+            hp: &Adafactor,
+            step: u64,
+            rms_sum: &mut [f64],
+        );
+        k::decay(master: &mut [f32], factor: f32);
+        k::adafactor_sq_sums<X: Num>(
+            grad: &[X],
+            start: usize,
+            grad_scale: f32,
+            hp: &Adafactor,
+            row_sums: &mut [f64],
+            col_sums: &mut [f64],
+        );
     }
 
     #[inline]
@@ -335,64 +296,6 @@ impl Device for Cpu {
         Ok(norm::sum_squares(x))
     }
 
-    #[inline]
-    fn decay(&self, master: &mut [f32], factor: f32) -> Result<(), Error> {
-        k::decay(master, factor);
-        Ok(())
-    }
-    #[inline]
-    fn sgd_step<X: Num>(
-        &self,
-        master: &mut [f32],
-        grad: &[X],
-        param_out: Option<&mut [X]>,
-        lr: f32,
-        grad_scale: f32,
-    ) -> Result<(), Error> {
-        k::sgd_step(master, grad, param_out, lr, grad_scale);
-        Ok(())
-    }
-    #[inline]
-    fn momentum_step<X: Num>(
-        &self,
-        master: &mut [f32],
-        grad: &[X],
-        buf: &mut [f32],
-        param_out: Option<&mut [X]>,
-        hp: &Momentum,
-        grad_scale: f32,
-    ) -> Result<(), Error> {
-        k::momentum_step(master, grad, buf, param_out, hp, grad_scale);
-        Ok(())
-    }
-    #[inline]
-    fn lion_step<X: Num>(
-        &self,
-        master: &mut [f32],
-        grad: &[X],
-        m: &mut [f32],
-        param_out: Option<&mut [X]>,
-        hp: &Lion,
-        grad_scale: f32,
-    ) -> Result<(), Error> {
-        k::lion_step(master, grad, m, param_out, hp, grad_scale);
-        Ok(())
-    }
-    #[inline]
-    fn adamw_step<X: Num>(
-        &self,
-        master: &mut [f32],
-        grad: &[X],
-        m: &mut [f32],
-        v: &mut [f32],
-        param_out: Option<&mut [X]>,
-        hp: &AdamW,
-        step: u64,
-        grad_scale: f32,
-    ) -> Result<(), Error> {
-        k::adamw_step(master, grad, m, v, param_out, hp, step, grad_scale);
-        Ok(())
-    }
     #[inline]
     fn adam8bit_step<X: Num>(
         &self,
@@ -414,45 +317,6 @@ impl Device for Cpu {
         k::adam8bit_step(
             master, grad, m, v, absmax_m, absmax_v, param_out, hp, step, grad_scale, block,
         );
-        Ok(())
-    }
-    #[inline]
-    fn adafactor_sq_sums<X: Num>(
-        &self,
-        grad: &[X],
-        start: usize,
-        grad_scale: f32,
-        hp: &Adafactor,
-        row_sums: &mut [f64],
-        col_sums: &mut [f64],
-    ) -> Result<(), Error> {
-        k::adafactor_sq_sums(grad, start, grad_scale, hp, row_sums, col_sums);
-        Ok(())
-    }
-    #[inline]
-    fn adafactor_update_stats(
-        &self,
-        row: &mut [f32],
-        col: &mut [f32],
-        row_sums: &[f64],
-        col_sums: &[f64],
-        hp: &Adafactor,
-        step: u64,
-    ) -> Result<(), Error> {
-        k::adafactor_update_stats(row, col, row_sums, col_sums, hp, step);
-        Ok(())
-    }
-    #[inline]
-    fn adafactor_vector_ema<X: Num>(
-        &self,
-        v: &mut [f32],
-        grad: &[X],
-        grad_scale: f32,
-        hp: &Adafactor,
-        step: u64,
-        rms_sum: &mut [f64],
-    ) -> Result<(), Error> {
-        k::adafactor_vector_ema(v, grad, grad_scale, hp, step, rms_sum);
         Ok(())
     }
     #[inline]
