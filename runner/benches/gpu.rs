@@ -10,7 +10,7 @@
 //! bundle). Without a GPU it says so and exits 0.
 
 use runner::device::Target;
-use runner::train::{Options, Progress, run};
+use runner::train::Options;
 use scheduler::memory::DeviceKind;
 use scheduler::plan::plan_local_on;
 use scheduler::spec::{JobSpec, Purpose};
@@ -50,9 +50,6 @@ struct Row {
 fn time(model: &'static str, b: usize, budget: u64) -> Row {
     let spec = spec(model, b);
     let shape = spec.architecture().model().expect("a preset has a shape");
-    let s = shape.summary();
-    let attention = s.layers * s.attention_heads * s.head_dim * T;
-    let per_token = 6.0 * shape.parameter_count() as f64 + 6.0 * attention as f64;
     let tokens_per_step = (b * T) as f64;
     let plan = plan_local_on(&spec, Some(budget), DeviceKind::Cuda).expect("B fits the GPU");
     let opts = Options {
@@ -60,21 +57,14 @@ fn time(model: &'static str, b: usize, budget: u64) -> Row {
         device_memory: Some(budget),
         ..Options::default()
     };
-    let mut seconds = Vec::new();
-    let mut progress = |p: Progress| seconds.push(p.step_seconds);
-    let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
-    assert!(
-        summary.final_loss.is_finite(),
-        "{model} B={b}: loss {}",
-        summary.final_loss
-    );
-    seconds.drain(..WARMUP);
+    let what = format!("{model} B={b}");
+    let seconds = common::step_seconds(&spec, &plan, &opts, WARMUP, &what);
     Row {
         model,
         batch: b,
         step: common::median_min_max(&seconds),
         tokens_per_step,
-        flops_per_step: per_token * tokens_per_step,
+        flops_per_step: common::flops_per_token(&shape, T) * tokens_per_step,
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::process::Command;
 
-use runner::train::{Options, Progress, run};
+use runner::train::Options;
 use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
@@ -37,18 +37,8 @@ fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
         threads: Some(threads),
         ..Options::default()
     };
-    let tokens = (B * T) as f64;
-    let mut seconds = Vec::with_capacity(steps);
-    let mut progress = |p: Progress| seconds.push(tokens / p.tokens_per_second);
     let plan = plan_local(&spec, None).expect("the bench's specs fit");
-    let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
-    assert!(
-        summary.final_loss.is_finite(),
-        "{dtype}: loss {}",
-        summary.final_loss
-    );
-    seconds.drain(..WARMUP);
-    common::median_min_max(&seconds)
+    common::median_min_max(&common::step_seconds(&spec, &plan, &opts, WARMUP, dtype))
 }
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
@@ -90,9 +80,7 @@ fn main() {
         .architecture()
         .model()
         .expect("a preset has a shape");
-    let s = model.summary();
-    let attention = s.layers * s.attention_heads * s.head_dim * T;
-    let per_token = 6.0 * model.parameter_count() as f64 + 6.0 * attention as f64;
+    let per_token = common::flops_per_token(&model, T);
     let mfu = |step: f64| 100.0 * per_token * (B * T) as f64 / step / 1e9 / peak;
     println!(
         "{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after \

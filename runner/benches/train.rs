@@ -9,9 +9,9 @@
 //! llm.c's `train_gpt2.c` measured on the same machine (gpt2-124M fp32, B=4, T=64), the
 //! gpt2-124M rows also print the speed-up over it.
 
-use runner::train::{Options, Progress, run};
+use runner::train::Options;
 use scheduler::plan::plan_local;
-use scheduler::spec::{Architecture, JobSpec, Purpose};
+use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
 
@@ -71,33 +71,17 @@ fn time_case(case: &Case, threads: usize) -> Timing {
     let spec = JobSpec::parse(&json, Purpose::Train)
         .expect("the benchmark spec is valid")
         .spec;
-    let Architecture::Gpt(shape) = spec.architecture() else {
-        unreachable!("a preset has a GPT architecture")
-    };
+    let model = spec.architecture().model().expect("a preset has a shape");
     let tokens_per_step = (B * T) as f64;
-    // llm.c: 6 FLOPs per parameter per token (forward + backward) plus the attention scores
-    // and their weighted sum, 6·L·C·T per token.
-    let per_token =
-        6.0 * shape.parameter_count() as f64 + 6.0 * (shape.n_layer * shape.n_embd * T) as f64;
     let opts = Options {
         threads: Some(threads),
         ..Options::default()
     };
-    let mut seconds = Vec::with_capacity(steps);
-    let mut progress = |p: Progress| seconds.push(tokens_per_step / p.tokens_per_second);
     let plan = plan_local(&spec, None).expect("the bench's specs fit");
-    let summary = run(&spec, &plan, &opts, &mut progress).expect("training runs");
-    assert!(
-        summary.final_loss.is_finite(),
-        "{}/{}: loss {}",
-        case.model,
-        case.dtype,
-        summary.final_loss
-    );
-    seconds.drain(..case.warmup);
+    let what = format!("{}/{}", case.model, case.dtype);
     Timing {
-        seconds,
-        flops_per_step: per_token * tokens_per_step,
+        seconds: common::step_seconds(&spec, &plan, &opts, case.warmup, &what),
+        flops_per_step: common::flops_per_token(&model, T) * tokens_per_step,
         tokens_per_step,
     }
 }

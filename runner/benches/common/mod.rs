@@ -1,4 +1,40 @@
-//! What the runner's benchmarks share: order statistics of step times.
+//! What the runner's benchmarks share: llm.c's FLOP count, a timed training run, and order
+//! statistics of step times.
+#![allow(dead_code)] // each bench uses its own part
+
+use runner::train::{Options, Progress, run};
+use scheduler::model::ModelShape;
+use scheduler::plan::Plan;
+use scheduler::spec::JobSpec;
+
+/// Training FLOPs per token as llm.c counts them: 6 per parameter (forward and backward) and
+/// 6·L·H·D·T for the attention scores and their weighted sum at sequence length `t`.
+pub fn flops_per_token(model: &ModelShape, t: usize) -> f64 {
+    let s = model.summary();
+    let attention = s.layers * s.attention_heads * s.head_dim * t;
+    6.0 * model.parameter_count() as f64 + 6.0 * attention as f64
+}
+
+/// Trains `spec` by `plan` and returns each step's seconds after the first `warmup`; fails
+/// naming `what` if the loss is not finite.
+pub fn step_seconds(
+    spec: &JobSpec,
+    plan: &Plan,
+    opts: &Options,
+    warmup: usize,
+    what: &str,
+) -> Vec<f64> {
+    let mut seconds = Vec::new();
+    let mut progress = |p: Progress| seconds.push(p.step_seconds);
+    let summary = run(spec, plan, opts, &mut progress).expect("training runs");
+    assert!(
+        summary.final_loss.is_finite(),
+        "{what}: loss {}",
+        summary.final_loss
+    );
+    seconds.drain(..warmup);
+    seconds
+}
 
 /// Median, and the smallest and largest value, of `xs` (not empty).
 pub fn median_min_max(xs: &[f64]) -> (f64, f64, f64) {
