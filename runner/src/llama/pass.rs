@@ -2,8 +2,6 @@
 //! `LlamaDecoderLayer` order. Backward kernels add into gradient buffers (`+=`), so gradients
 //! of successive micro-batches add up; `dres` carries ∂loss/∂(residual stream) down the blocks.
 
-use std::ops::Range;
-
 use kernels::matmul::{DinpMode, Layout};
 
 use super::{Model, block, block_mut};
@@ -111,38 +109,27 @@ impl<X: Num, D: Device> Model<X, D> {
             D::share(&p.norm1),
             d.eps,
         )?;
-        match (&p.q_norm, &p.k_norm) {
-            (Some(qn), Some(kn)) => {
-                let (x, qw, kw) = (a.norm1.view(), (&p.q, &p.q_bias), (&p.k, &p.k_bias));
-                linear(
-                    dev,
-                    a.q_pre_norm.view_mut(),
-                    D::share(&x),
-                    qw,
-                    (n, c, q),
-                    mm,
-                )?;
-                linear(dev, a.k_pre_norm.view_mut(), x, kw, (n, c, kv), mm)?;
-                let (qp, kp) = (a.q_pre_norm.view(), a.k_pre_norm.view());
-                let (qr, kr) = (a.q_norm_rstd.view_mut(), a.k_norm_rstd.view_mut());
-                dev.rmsnorm_forward(a.q.view_mut(), qr, qp, D::share(qn), d.eps)?;
-                dev.rmsnorm_forward(a.k.view_mut(), kr, kp, D::share(kn), d.eps)?;
-            }
-            _ => {
-                let x = a.norm1.view();
-                linear(
-                    dev,
-                    a.q.view_mut(),
-                    D::share(&x),
-                    (&p.q, &p.q_bias),
-                    (n, c, q),
-                    mm,
-                )?;
-                linear(dev, a.k.view_mut(), x, (&p.k, &p.k_bias), (n, c, kv), mm)?;
-            }
+        // With q/k norms (Qwen3) the projections land before their norms, which write q and k.
+        let qk_norms = p.q_norm.as_ref().zip(p.k_norm.as_ref());
+        let (q_out, k_out) = match qk_norms {
+            Some(_) => (&mut a.q_pre_norm, &mut a.k_pre_norm),
+            None => (&mut a.q, &mut a.k),
+        };
+        let (x, qw, kw, vw) = (
+            a.norm1.view(),
+            (&p.q, &p.q_bias),
+            (&p.k, &p.k_bias),
+            (&p.v, &p.v_bias),
+        );
+        linear(dev, q_out.view_mut(), D::share(&x), qw, (n, c, q), mm)?;
+        linear(dev, k_out.view_mut(), D::share(&x), kw, (n, c, kv), mm)?;
+        linear(dev, a.v.view_mut(), x, vw, (n, c, kv), mm)?;
+        if let Some((qn, kn)) = qk_norms {
+            let (qp, kp) = (a.q_pre_norm.view(), a.k_pre_norm.view());
+            let (qr, kr) = (a.q_norm_rstd.view_mut(), a.k_norm_rstd.view_mut());
+            dev.rmsnorm_forward(a.q.view_mut(), qr, qp, D::share(qn), d.eps)?;
+            dev.rmsnorm_forward(a.k.view_mut(), kr, kp, D::share(kn), d.eps)?;
         }
-        let vw = (&p.v, &p.v_bias);
-        linear(dev, a.v.view_mut(), a.norm1.view(), vw, (n, c, kv), mm)?;
         dev.rope_forward(a.q.view_mut(), cos.view(), sin.view(), d.rope(d.h))?;
         dev.rope_forward(a.k.view_mut(), cos.view(), sin.view(), d.rope(d.kv))?;
         dev.gqa_attention_forward(
@@ -299,7 +286,7 @@ impl<X: Num, D: Device> Model<X, D> {
         let (dq_at, dk_at) = match (&p.q_norm, &p.k_norm, g.q_norm, g.k_norm) {
             (Some(qn), Some(kn), Some(dqn), Some(dkn)) => {
                 let dqkv = n * (q + 2 * kv);
-                let q_pre: Range<usize> = dqkv..dqkv + n * q;
+                let q_pre = dqkv..dqkv + n * q;
                 dev.fill_zero(dwide.at_mut(q_pre.clone()))?;
                 // Queries: from dwide's q part into the part after v.
                 let (lo, hi) = D::split_at_mut(dwide.at_mut(0..q_pre.end), dqkv);

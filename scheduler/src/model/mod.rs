@@ -140,15 +140,6 @@ impl ModelTensor {
             _ => panic!("{self:?} is not a tensor of {model:?}"),
         }
     }
-
-    /// Whether weight decay applies (tensors of two dimensions).
-    pub fn decayed(self, model: &ModelShape) -> bool {
-        match (self, model) {
-            (ModelTensor::Gpt2(k), ModelShape::Gpt2(s)) => k.decayed(s),
-            (ModelTensor::Llama(k), ModelShape::Llama(s)) => k.decayed(s),
-            _ => panic!("{self:?} is not a tensor of {model:?}"),
-        }
-    }
 }
 
 /// What the estimate report says of a model: its family and shape.
