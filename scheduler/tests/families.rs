@@ -498,3 +498,25 @@ fn the_estimate_report_names_the_family_and_shape() {
     let report = Report::new(&params, Vec::new(), &inventory, DeviceKind::Cuda).unwrap();
     assert!(report.model.is_none());
 }
+
+#[test]
+fn the_config_an_export_writes_for_a_preset_reads_back_as_the_same_model() {
+    let presets = LlamaPreset::ALL
+        .map(|p| p.name())
+        .into_iter()
+        .chain(["gpt2-tiny", "gpt2-124M"]);
+    for preset in presets {
+        let spec = json!({"model": {"preset": preset}});
+        let parsed = JobSpec::parse(&spec.to_string(), Purpose::Train).unwrap().spec;
+        let config = parsed.model.hf_config().unwrap();
+        let again = json!({"model": {"config": config}});
+        let reread = JobSpec::parse(&again.to_string(), Purpose::Train)
+            .unwrap_or_else(|e| panic!("{preset}: {e}"))
+            .spec;
+        assert_eq!(
+            reread.architecture(),
+            parsed.architecture(),
+            "{preset}: {config:?}"
+        );
+    }
+}
