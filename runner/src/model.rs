@@ -106,21 +106,35 @@ impl<D: Device> Batch<D> {
         dloss: f32,
         scratch: &mut Buffer<f32, D>,
     ) -> Result<f64, Error> {
-        let (logits, mkn) = (&mut self.logits, (n, c, v));
-        let (nk, mm) = (Layout::NK, scratch);
-        let (x2, w2) = (D::share(&x), D::share(&w));
-        dev.matmul_forward(logits.view_mut(), x2, w2, None, nk, mkn, mm.view_mut())?;
-        let targets = self.targets.view();
+        let mkn = (n, c, v);
+        dev.matmul_forward(
+            self.logits.view_mut(),
+            D::share(&x),
+            D::share(&w),
+            None,
+            Layout::NK,
+            mkn,
+            scratch.view_mut(),
+        )?;
         dev.crossentropy_forward(
             self.losses.view_mut(),
-            logits.view_mut(),
-            targets,
+            self.logits.view_mut(),
+            self.targets.view(),
             v,
             Some(dloss),
         )?;
-        let dlogits = logits.view();
-        let mode = DinpMode::Overwrite;
-        dev.matmul_backward(dx, dw, None, dlogits, x, w, nk, mkn, mode, mm.view_mut())?;
+        dev.matmul_backward(
+            dx,
+            dw,
+            None,
+            self.logits.view(),
+            x,
+            w,
+            Layout::NK,
+            mkn,
+            DinpMode::Overwrite,
+            scratch.view_mut(),
+        )?;
         let losses = dev.to_host(self.losses.view())?;
         Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
     }
