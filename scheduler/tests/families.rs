@@ -507,7 +507,9 @@ fn the_config_an_export_writes_for_a_preset_reads_back_as_the_same_model() {
         .chain(["gpt2-tiny", "gpt2-124M"]);
     for preset in presets {
         let spec = json!({"model": {"preset": preset}});
-        let parsed = JobSpec::parse(&spec.to_string(), Purpose::Train).unwrap().spec;
+        let parsed = JobSpec::parse(&spec.to_string(), Purpose::Train)
+            .unwrap()
+            .spec;
         let config = parsed.model.hf_config().unwrap();
         let again = json!({"model": {"config": config}});
         let reread = JobSpec::parse(&again.to_string(), Purpose::Train)
