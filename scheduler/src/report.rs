@@ -7,7 +7,7 @@ use crate::Error;
 use crate::compare::Comparison;
 use crate::inventory::Inventory;
 use crate::memory::{self, Breakdown, Comm, DeviceKind, Setup};
-use crate::model::ModelSummary;
+use crate::model::{ModelSummary, StepScratch};
 use crate::plan::{self, Plan};
 use crate::spec::{JobSpec, ZeroStage};
 
@@ -22,6 +22,10 @@ pub struct Report {
     pub micro_batch_size: u32,
     pub grad_accum_steps: u32,
     pub activation_checkpointing: bool,
+    /// What the stage table's activations and buffers hold for attention (linear in T) and for
+    /// the loss (logits of one chunk of rows); absent for a bare parameter count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_scratch: Option<StepScratch>,
     /// Device overhead the stage table includes.
     pub device_kind: DeviceKind,
     pub stages: Vec<StageRow>,
@@ -103,6 +107,10 @@ impl Report {
             micro_batch_size: micro,
             grad_accum_steps: accum,
             activation_checkpointing: ckpt,
+            step_scratch: spec
+                .architecture()
+                .model()
+                .map(|m| m.step_scratch(micro as usize, t.seq_len.get() as usize, ckpt)),
             device_kind,
             stages,
             plan,

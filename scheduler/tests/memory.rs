@@ -119,14 +119,14 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
     assert_eq!(b.params, 2 * psi);
     assert_eq!(b.grads, 2 * psi);
     assert_eq!(b.optimizer, 12 * psi);
-    // B=4, T=64, C=768, NH=12, L=12 in bf16 (LayerNorm statistics fp32):
-    // per block 5·BTC + 3BTC + B·NH·T² + 8BTC = 3,342,336 bf16 + 1,024 fp32 elements;
-    // once: 2·BTC (encoded, lnf) + 2·BTC + 4BTC (backward scratch) bf16, 512 fp32 statistics
-    // and the B·NH·T² fp32 gradient of the attention scores.
-    let per_block = 3_342_336 * 2 + 1_024 * 4;
-    let once = (2 * 196_608 + 2 * 196_608 + 786_432) * 2 + 512 * 4 + 196_608 * 4;
+    // B=4, T=64, C=768, NH=12, L=12 in bf16 (LayerNorm statistics and the attention's
+    // log-sum-exp fp32): per block 5·BTC + 3BTC + 8BTC = 3,145,728 bf16 and 4BT + B·NH·T =
+    // 4,096 fp32 elements; once: 2·BTC (encoded, lnf) + 2·BTC + 4BTC (backward scratch) bf16,
+    // 512 fp32 statistics and the attention backward's B·NH·T fp32 row sums. Nothing is T².
+    let per_block = 3_145_728 * 2 + 4_096 * 4;
+    let once = (2 * 196_608 + 2 * 196_608 + 786_432) * 2 + 512 * 4 + 3_072 * 4;
     assert_eq!(b.activations, 12 * per_block + once);
-    // Logits (B, T, V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch,
+    // Logits of all B·T = 256 rows (one chunk: 64 MiB holds 333 rows of V) fp32, losses fp32, input and target ids u32, the matmuls' f32 scratch,
     // the synthetic corpus's table (32² contexts × 4 u32) and one row of T + 1 u32; no
     // communication at N = 1.
     assert_eq!(

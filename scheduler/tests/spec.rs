@@ -84,6 +84,19 @@ const INVALID: &[Invalid] = &[
         "model",
         "missing n_head",
     ),
+    // Heads wider than the attention kernels take: trainable no, estimable yes.
+    train(
+        r#"{"model": {"vocab_size": 64, "context_length": 64, "n_layer": 1, "n_head": 1, "n_embd": 512}}"#,
+        "model.n_head",
+        "512 channels per attention head; the trainer's attention kernels take at most 256",
+    ),
+    train(
+        r#"{"model": {"config": {"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1,
+            "head_dim": 264, "max_position_embeddings": 64}}}"#,
+        "model.config.head_dim",
+        "264 channels per attention head",
+    ),
     train(
         r#"{"model": {"init_from": "gpt2.safetensors"}}"#,
         "model",

@@ -2,6 +2,8 @@
 //! saves for its backward, the backward's scratch, and the step's buffers (logits, tokens).
 //! B = micro-batch, T = sequence length, C = channels, NH = heads, V = vocabulary, L = layers.
 
+use serde::Serialize;
+
 use super::GptShape;
 
 /// Every tensor the trainer allocates per micro-batch, named for its role.
@@ -15,8 +17,9 @@ pub enum ActivationTensor {
     Ln1Rstd,
     /// (B, T, 3C) query, key, value.
     Qkv,
-    /// (B, NH, T, T) attention probabilities.
-    Att,
+    /// (B, NH, T) fp32 log-sum-exp of each query row's scores: all the attention backward
+    /// needs of the probabilities, which it recomputes tile by tile.
+    AttLse,
     /// (B, T, C) attention output before its projection.
     AttY,
     /// (B, T, C) residual stream after attention.
@@ -46,10 +49,11 @@ pub enum ActivationTensor {
     DChannels,
     /// (B, T, 4C) gradient of the MLP hidden layer, then of qkv.
     DWide,
-    /// (B, NH, T, T) fp32 gradient of the attention scores.
-    DAtt,
+    /// (B, NH, T) fp32 `rowsum(dout ∘ out)` of each query row, the attention backward's scratch.
+    AttDelta,
     // Buffers.
-    /// (B, T, V) fp32 logits, overwritten in place by their gradient.
+    /// (rows, V) fp32 logits of one chunk of [`loss_chunk_rows`] tokens, overwritten in place
+    /// by their gradient.
     Logits,
     /// (B, T) fp32 per-token losses.
     Losses,
@@ -84,7 +88,7 @@ impl ActivationTensor {
         Self::Ln1Mean,
         Self::Ln1Rstd,
         Self::Qkv,
-        Self::Att,
+        Self::AttLse,
         Self::AttY,
         Self::Res2,
         Self::Ln2,
@@ -103,7 +107,7 @@ impl ActivationTensor {
         Self::DResidual,
         Self::DChannels,
         Self::DWide,
-        Self::DAtt,
+        Self::AttDelta,
         Self::Logits,
         Self::Losses,
         Self::Inputs,
@@ -123,6 +127,7 @@ impl ActivationTensor {
             | Self::Losses
             | Self::Inputs
             | Self::Targets => tokens,
+            Self::AttLse | Self::AttDelta => tokens * s.n_head,
             Self::Ln1
             | Self::AttY
             | Self::Res2
@@ -134,8 +139,7 @@ impl ActivationTensor {
             | Self::DChannels => tokens * c,
             Self::Qkv => tokens * 3 * c,
             Self::Fch | Self::FchGelu | Self::DWide => tokens * 4 * c,
-            Self::Att | Self::DAtt => b * s.n_head * t * t,
-            Self::Logits => tokens * s.vocab_size,
+            Self::Logits => loss_chunk_rows(tokens, s.vocab_size) * s.vocab_size,
         }
     }
 
@@ -147,7 +151,8 @@ impl ActivationTensor {
             | Self::Ln2Rstd
             | Self::LnfMean
             | Self::LnfRstd
-            | Self::DAtt
+            | Self::AttLse
+            | Self::AttDelta
             | Self::Logits
             | Self::Losses => Element::F32,
             Self::Inputs | Self::Targets => Element::U32,
@@ -180,6 +185,10 @@ pub trait StepTensors: Copy + PartialEq + 'static {
     const PER_STEP: &'static [Self];
     /// The block output: kept per layer even under checkpointing.
     const BLOCK_OUTPUT: Self;
+    /// The attention's saved log-sum-exp and its backward's scratch.
+    const ATTENTION: [Self; 2];
+    /// One chunk of the loss's logits.
+    const LOGITS: Self;
     fn elements(self, s: &Self::Shape, b: usize, t: usize) -> usize;
     fn stored_as(self) -> Element;
     fn buffer(self) -> bool;
@@ -191,6 +200,8 @@ impl StepTensors for ActivationTensor {
     const PER_BLOCK: &'static [Self] = &Self::BLOCK;
     const PER_STEP: &'static [Self] = &Self::ONCE;
     const BLOCK_OUTPUT: Self = Self::Res3;
+    const ATTENTION: [Self; 2] = [Self::AttLse, Self::AttDelta];
+    const LOGITS: Self = Self::Logits;
     fn elements(self, s: &GptShape, b: usize, t: usize) -> usize {
         self.len(s, b, t)
     }
@@ -211,6 +222,35 @@ pub(crate) fn copies<A: StepTensors>(tensor: A, s: &A::Shape, checkpointing: boo
         A::layers(s)
     } else {
         1
+    }
+}
+
+/// What the attention and the loss hold of a step, as the estimate states them: the two
+/// terms that grew with T² and with B·T·V before attention ran in tiles and the loss in chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StepScratch {
+    /// Rows of logits the loss computes at once ([`loss_chunk_rows`]).
+    pub loss_chunk_rows: u64,
+    /// fp32 logits of one chunk (among the buffers).
+    pub logits_bytes: u64,
+    /// The attention's log-sum-exp saved per layer and its backward's scratch (among the
+    /// activations).
+    pub attention_bytes: u64,
+}
+
+impl StepScratch {
+    /// For a micro-batch of `b` × `t` tokens of a model of `A`'s family with vocabulary `v`.
+    pub(crate) fn of<A: StepTensors>(
+        s: &A::Shape,
+        (b, t, v): (usize, usize, usize),
+        checkpointing: bool,
+    ) -> Self {
+        let bytes = |a: A| (a.elements(s, b, t) * copies(a, s, checkpointing)) as u64 * 4;
+        StepScratch {
+            loss_chunk_rows: loss_chunk_rows(b * t, v) as u64,
+            logits_bytes: bytes(A::LOGITS),
+            attention_bytes: A::ATTENTION.into_iter().map(bytes).sum(),
+        }
     }
 }
 
@@ -237,6 +277,16 @@ pub(crate) fn tally<A: StepTensors>(
         }
     }
     out
+}
+
+/// The most bytes the loss's logits take: the LM head and the cross-entropy run over chunks
+/// of rows, forward and backward fused per chunk, so logits never exist for a whole batch.
+pub const LOSS_CHUNK_BYTES: usize = 64 << 20;
+
+/// Rows per chunk of the loss over `tokens` rows and a vocabulary of `v`: as many as fit in
+/// [`LOSS_CHUNK_BYTES`] of fp32 logits, at least 64 (the head's GEMM wants rows), at most all.
+pub fn loss_chunk_rows(tokens: usize, v: usize) -> usize {
+    (LOSS_CHUNK_BYTES / (4 * v.max(1))).max(64).min(tokens)
 }
 
 /// f32 scratch the matrix multiplications widen fp16/bf16 tiles into: enough for the kernels'

@@ -8,7 +8,7 @@
 //! B = micro-batch, T = sequence length, C = hidden size, H = attention heads, KV = key/value
 //! heads, D = head dim, I = intermediate size, V = vocabulary, L = layers.
 
-use super::activations::{Activations, Element, StepTensors, copies, tally};
+use super::activations::{Activations, Element, StepTensors, copies, loss_chunk_rows, tally};
 use super::params::{TensorDims, TensorInit, UnitKind, Units};
 
 /// Which Hugging Face `model_type` a Llama-family model is: they share the arithmetic below and
@@ -289,8 +289,9 @@ pub enum LlamaActivation {
     K,
     /// (B, T, KV·D) values, by key/value head.
     V,
-    /// (B, H, T, T) attention probabilities.
-    Att,
+    /// (B, H, T) fp32 log-sum-exp of each query row's scores: all the attention backward
+    /// needs of the probabilities, which it recomputes tile by tile.
+    AttLse,
     /// (B, T, H·D) attention output before the output projection.
     AttY,
     /// (B, T, C) residual stream after attention.
@@ -324,10 +325,11 @@ pub enum LlamaActivation {
     /// (B, T, max(2I, (H + 2KV)·D)) gradients of gate and up, then of q, k and v; with q/k
     /// norms (B, T, max(2I, (2H + 2KV)·D)): also the gradient of the queries before their norm.
     DWide,
-    /// (B, H, T, T) fp32 gradient of the attention scores.
-    DAtt,
+    /// (B, H, T) fp32 `rowsum(dout ∘ out)` of each query row, the attention backward's scratch.
+    AttDelta,
     // Buffers.
-    /// (B, T, V) fp32 logits, overwritten in place by their gradient.
+    /// (rows, V) fp32 logits of one chunk of [`loss_chunk_rows`] tokens, overwritten in place
+    /// by their gradient.
     Logits,
     /// (B, T) fp32 per-token losses.
     Losses,
@@ -350,7 +352,7 @@ impl LlamaActivation {
         Self::Q,
         Self::K,
         Self::V,
-        Self::Att,
+        Self::AttLse,
         Self::AttY,
         Self::Res2,
         Self::Norm2,
@@ -370,7 +372,7 @@ impl LlamaActivation {
         Self::DResidual,
         Self::DChannels,
         Self::DWide,
-        Self::DAtt,
+        Self::AttDelta,
         Self::Logits,
         Self::Losses,
         Self::Inputs,
@@ -403,12 +405,12 @@ impl LlamaActivation {
             Self::KNormRstd => qk_norm * tokens * s.num_key_value_heads,
             Self::Q | Self::AttY => tokens * q,
             Self::K | Self::V => tokens * kv,
-            Self::Att | Self::DAtt => b * s.num_attention_heads * t * t,
+            Self::AttLse | Self::AttDelta => tokens * s.num_attention_heads,
             Self::Gate | Self::Up | Self::Product => tokens * i,
             Self::RopeCos | Self::RopeSin => t * (s.head_dim / 2),
             Self::DChannels => tokens * c.max(q),
             Self::DWide => tokens * (2 * i).max(q + 2 * kv + qk_norm * q),
-            Self::Logits => tokens * s.vocab_size,
+            Self::Logits => loss_chunk_rows(tokens, s.vocab_size) * s.vocab_size,
         }
     }
 
@@ -421,7 +423,8 @@ impl LlamaActivation {
             | Self::NormFRstd
             | Self::RopeCos
             | Self::RopeSin
-            | Self::DAtt
+            | Self::AttLse
+            | Self::AttDelta
             | Self::Logits
             | Self::Losses => Element::F32,
             Self::Inputs | Self::Targets => Element::U32,
@@ -449,6 +452,8 @@ impl StepTensors for LlamaActivation {
     const PER_BLOCK: &'static [Self] = &Self::BLOCK;
     const PER_STEP: &'static [Self] = &Self::ONCE;
     const BLOCK_OUTPUT: Self = Self::Res3;
+    const ATTENTION: [Self; 2] = [Self::AttLse, Self::AttDelta];
+    const LOGITS: Self = Self::Logits;
     fn elements(self, s: &LlamaShape, b: usize, t: usize) -> usize {
         self.len(s, b, t)
     }

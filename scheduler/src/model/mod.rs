@@ -10,7 +10,8 @@ mod llama;
 mod params;
 
 pub use activations::{
-    ActivationTensor, Activations, Element, MATMUL_SCRATCH_F32, StepTensors, matmul_scratch_bytes,
+    ActivationTensor, Activations, Element, LOSS_CHUNK_BYTES, MATMUL_SCRATCH_F32, StepScratch,
+    StepTensors, loss_chunk_rows, matmul_scratch_bytes,
 };
 pub use llama::{
     Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
@@ -48,6 +49,10 @@ impl GptShape {
         self.n_embd / self.n_head
     }
 }
+
+/// The most channels per attention head the trainer runs (`kernels::attention::MAX_HEAD_SIZE`,
+/// which a runner test compares with this): admission refuses a wider head for training.
+pub const MAX_HEAD_SIZE: usize = 256;
 
 /// Named model sizes, following the GPT-2 family (`gpt2-tiny` is a test-sized model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -209,6 +214,15 @@ impl ModelShape {
         match self {
             ModelShape::Gpt2(s) => Activations::new(s, b, t, checkpointing, compute),
             ModelShape::Llama(s) => Activations::llama(s, b, t, checkpointing, compute),
+        }
+    }
+
+    /// What the attention and the loss hold of a micro-batch of `b` × `t` tokens.
+    pub fn step_scratch(&self, b: usize, t: usize, checkpointing: bool) -> StepScratch {
+        let v = self.vocab_size();
+        match self {
+            ModelShape::Gpt2(s) => StepScratch::of::<ActivationTensor>(s, (b, t, v), checkpointing),
+            ModelShape::Llama(s) => StepScratch::of::<LlamaActivation>(s, (b, t, v), checkpointing),
         }
     }
 

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::Purpose;
 use crate::error::{Error, Problems};
-use crate::model::{GptShape, LlamaPreset, LlamaShape, ModelShape, Preset};
+use crate::model::{GptShape, LlamaPreset, LlamaShape, MAX_HEAD_SIZE, ModelShape, Preset};
 
 pub use hf_config::MODEL_TYPES;
 
@@ -223,6 +223,18 @@ impl ModelSpec {
             (Architecture::Gpt(s), _) => validate_shape(&s, p),
             // Read and checked with the config, or a preset.
             (Architecture::Llama(_), _) => {}
+        }
+        if let (Some(model), Purpose::Train) = (arch.model(), purpose) {
+            let hs = model.summary().head_dim;
+            let field = match arch {
+                Architecture::Llama(_) => "model.config.head_dim",
+                _ => "model.n_head",
+            };
+            p.ensure(hs <= MAX_HEAD_SIZE, field, || {
+                format!(
+                    "{hs} channels per attention head; the trainer's attention kernels take at most {MAX_HEAD_SIZE}"
+                )
+            });
         }
         match &self.init_from {
             Some(InitFrom::Path(path)) => {
