@@ -277,14 +277,41 @@ pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
     plan_on(spec, inventory, kind)
 }
 
+/// The most query heads (sequences × heads) one attention launch takes on a GPU: attention.cu's
+/// grid runs one y index per head (`kernels::cuda::layers::attention_config`).
+pub const CUDA_MAX_ATTENTION_HEADS: usize = 65_535;
+
+/// The largest micro-batch `kind`'s kernels run for `spec`'s model, if bounded.
+fn micro_batch_limit(spec: &JobSpec, kind: DeviceKind) -> Option<u32> {
+    let model = spec
+        .architecture()
+        .model()
+        .filter(|_| kind == DeviceKind::Cuda)?;
+    Some((CUDA_MAX_ATTENTION_HEADS / model.summary().attention_heads) as u32)
+}
+
 /// [`plan`] on the devices of `kind` in `inventory`, ignoring the others.
 fn plan_on(spec: &JobSpec, inventory: &Inventory, kind: DeviceKind) -> Result<Plan, Error> {
     let n = spec.world_size.get() as usize;
     let devices: Vec<&DeviceSlot> = inventory.devices().filter(|d| d.kind == kind).collect();
     let fitting = |c: &Candidate| devices.iter().filter(|d| c.fits(d)).count();
     let need = |c: &Candidate| c.need_on(kind);
+    let limit = micro_batch_limit(spec, kind).unwrap_or(u32::MAX);
+    let runnable = |relax| {
+        let mut all = candidates(spec, relax);
+        all.retain(|c| c.chosen.micro_batch_size <= limit);
+        all
+    };
 
-    let allowed = candidates(spec, false);
+    let allowed = runnable(false);
+    if allowed.is_empty() {
+        return Err(Error::spec(
+            "training.micro_batch_size",
+            format!(
+                "a GPU's attention runs at most {CUDA_MAX_ATTENTION_HEADS} sequences × heads at once: at most {limit} sequences of this model"
+            ),
+        ));
+    }
     if let Some(chosen) = allowed.iter().find(|c| fitting(c) >= n) {
         // The plan states the bytes of the kind its ranks land on, which the trainer must
         // then hold exactly.
@@ -311,7 +338,7 @@ fn plan_on(spec: &JobSpec, inventory: &Inventory, kind: DeviceKind) -> Result<Pl
         .iter()
         .min_by_key(|c| need(c))
         .expect("a valid spec allows at least one configuration");
-    let relaxed = candidates(spec, true);
+    let relaxed = runnable(true);
     let alternative = match relaxed.iter().find(|c| fitting(c) >= n) {
         Some(c) => Some((*c, need(c), true)),
         None => relaxed

@@ -190,6 +190,41 @@ fn cuda_devices_pay_their_runtime_overhead() {
     );
 }
 
+/// A GPU's attention launch takes at most 65,535 sequences × heads: a fixed micro-batch past it
+/// is refused at its field, an automatic one is held under it; CPU devices have no such bound.
+#[test]
+fn a_micro_batch_past_the_gpu_attention_grid_is_refused_on_gpus_only() {
+    let json = |training: &str| {
+        format!(
+            r#"{{"model": {{"preset": "gpt2-tiny"}}, "training": {{"seq_len": 8, {training}}}}}"#
+        )
+    };
+    let fixed = |m: u32| json(&format!(r#""micro_batch_size": {m}"#));
+    let gpus = Inventory::uniform(1, 1 << 50, DeviceKind::Cuda);
+    // gpt2-tiny has 4 heads: 16,383 sequences is the most, 16,384 one too many.
+    assert_eq!(fits(&fixed(16383), &gpus).chosen.micro_batch_size, 16383);
+    match plan(&spec(&fixed(16384)), &gpus) {
+        Err(Error::InvalidSpec(errors)) => {
+            assert_eq!(errors[0].field, "training.micro_batch_size");
+            assert!(
+                errors[0].reason.contains("at most 16383 sequences"),
+                "{}",
+                errors[0].reason
+            );
+        }
+        other => panic!("expected a refusal at training.micro_batch_size, got {other:?}"),
+    }
+    assert_eq!(
+        fits(&fixed(16384), &cpus(1, 1 << 50))
+            .chosen
+            .micro_batch_size,
+        16384
+    );
+    // "auto" picks the largest micro-batch dividing the batch that the grid takes: 10,000.
+    let auto = json(r#""micro_batch_size": "auto", "batch_size": 20000"#);
+    assert_eq!(fits(&auto, &gpus).chosen.micro_batch_size, 10000);
+}
+
 /// Two 30 GB GPUs beside four CPU devices of 30 GB and a CPU process's overhead.
 fn gpus_beside_cpus() -> Inventory {
     let devices = |kind, memory_bytes, n| vec![DeviceSlot { kind, memory_bytes }; n];
