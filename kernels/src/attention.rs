@@ -8,8 +8,8 @@ use crate::math::{BLOCK, dot, exp, view};
 use crate::par::{SharedMut, for_ranges};
 use crate::simd;
 
-/// Longest sequence supported (GPT-2's context): one row of scores lives on the stack.
-pub const MAX_T: usize = 1024;
+/// Largest head size any back end runs (CPU stack rows, CUDA shared memory).
+pub const MAX_HEAD_SIZE: usize = 256;
 
 /// Shapes of one call: batch, sequence length, query heads, key/value heads and head size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,7 +65,7 @@ impl AttentionDims {
         self.kv_heads * self.head_size
     }
 
-    fn check(&self, att: usize) {
+    fn check(&self, lse: usize) {
         let AttentionDims {
             b,
             t,
@@ -78,17 +78,16 @@ impl AttentionDims {
             "KV = {kv_heads} key/value heads must divide NH = {nh}"
         );
         assert!(
-            head_size > 0 && head_size <= BLOCK,
-            "head size {head_size} must be in 1..={BLOCK}"
+            head_size > 0 && head_size <= MAX_HEAD_SIZE,
+            "head size {head_size} must be in 1..={MAX_HEAD_SIZE}"
         );
-        assert!(t <= MAX_T, "T = {t} exceeds MAX_T = {MAX_T}");
-        assert_eq!(att, b * nh * t * t, "att must be (B, NH, T, T)");
+        assert_eq!(lse, b * nh * t, "lse must be (B, NH, T)");
     }
 
     /// Heads of the packed `qkv (B, T, 3C)` (`[q | k | v]`) and of `out (B, T, C)`, after
-    /// checking their lengths.
-    pub(crate) fn packed(&self, qkv: usize, out: usize, att: usize) -> [Heads; 4] {
-        self.check(att);
+    /// checking their lengths and that of `lse (B, NH, T)`.
+    pub(crate) fn packed(&self, qkv: usize, out: usize, lse: usize) -> [Heads; 4] {
+        self.check(lse);
         assert_eq!(
             self.kv_heads, self.nh,
             "packed qkv has a key/value head per query head"
@@ -107,9 +106,9 @@ impl AttentionDims {
     }
 
     /// Heads of `q (B, T, NH·hs)`, `k`, `v (B, T, KV·hs)` and `out (B, T, NH·hs)`, after
-    /// checking their lengths.
-    pub(crate) fn separate(&self, [q, k, v, out]: [usize; 4], att: usize) -> [Heads; 4] {
-        self.check(att);
+    /// checking their lengths and that of `lse (B, NH, T)`.
+    pub(crate) fn separate(&self, [q, k, v, out]: [usize; 4], lse: usize) -> [Heads; 4] {
+        self.check(lse);
         let tokens = self.b * self.t;
         let (qc, kc) = (self.q_width(), self.kv_width());
         assert!(
@@ -314,7 +313,7 @@ fn forward<X: Float>(
                 #[inline(always)]
                 || {
                     let (mut qb, mut o) = ([0f32; BLOCK], [0f32; BLOCK]);
-                    let mut s = [0f32; MAX_T];
+                    let mut s = vec![0f32; t_len];
                     for h in g * d.group()..(g + 1) * d.group() {
                         for t in 0..t_len {
                             let row = (b * d.nh + h) * t_len + t;
@@ -483,7 +482,7 @@ fn backward<X: Float>(
                 #[inline(always)]
                 || {
                     let mut gq = [0f32; BLOCK];
-                    let mut a = [0f32; MAX_T];
+                    let mut a = vec![0f32; t_len];
                     // Per query row t: ∂L/∂scores = att ⊙ (datt - Σ att·datt), dq = scale · Σ ds·k.
                     for (j, (h, _, dy)) in heads.iter().enumerate() {
                         let head = first + j * t_len;

@@ -9,6 +9,7 @@
 //! Needs a C++20 compiler (`c++`, or `$CXX`); no GPU, no CUDA.
 #![cfg(feature = "cuda")]
 
+mod attention_reference;
 mod common;
 mod shim;
 
@@ -18,13 +19,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use attention_reference::{AttentionCase, OUTPUTS, pack, tolerances, unpack};
 use common::*;
 use cudarc::driver::LaunchConfig;
 use kernels::Float;
-use kernels::attention::{
-    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
-    gqa_attention_forward,
-};
+use kernels::attention::AttentionDims;
 use kernels::cuda::layers;
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, LIMBS, Lion, Momentum};
@@ -276,111 +275,140 @@ fn layernorm_matches_cpu<X: Float>() {
     close("layernorm_backward dbias", &db, &wb, rtol::<X>());
 }
 
-fn attention_matches_cpu<X: Float>() {
-    // Small (a thread per CUDA thread is slow), but T over the 8 warps of a block and a head
-    // of 40 columns: lanes 0-7 take two.
-    let (b, t, c, nh) = (1, 13, 80, 2);
-    let d = AttentionDims::mha(b, t, c, nh);
-    let mut rng = Rng::new(4);
-    let qkv = random::<X>(&mut rng, b * t * 3 * c, 1.0);
-    let (mut o, mut att) = (nan::<X>(b * t * c), nan::<X>(b * nh * t * t));
-    let dims = || [val(t as i32), val(c as i32), val(nh as i32)];
-    let cfg = layers::attention_config(&d);
-    let mut args = vec![out(&mut o), out(&mut att), inp(&qkv)];
-    args.extend(dims());
-    run(&format!("attention_forward_{}", X::NAME), cfg, &args);
-    let (mut wo, mut wa) = (vec![X::ZERO; b * t * c], vec![X::ZERO; b * nh * t * t]);
-    attention_forward(&mut wo, &mut wa, &qkv, d);
-    close("attention_forward out", &o, &wo, rtol::<X>());
-    close("attention_forward att", &att, &wa, rtol::<X>());
-
-    let dout = random::<X>(&mut rng, b * t * c, 1.0);
-    let (mut dqkv, mut datt) = (nan::<X>(qkv.len()), nan::<f32>(wa.len()));
-    let mut args = vec![
-        out(&mut dqkv),
-        out(&mut datt),
-        inp(&dout),
-        inp(&qkv),
-        inp(&wa),
-    ];
-    args.extend(dims());
-    run(&format!("attention_backward_query_{}", X::NAME), cfg, &args);
-    run(
-        &format!("attention_backward_key_{}", X::NAME),
-        layers::attention_key_config(&d),
-        &args,
+/// The attention kernels of one layout (packed GPT-2 qkv, else separate q, k, v) through the
+/// shim with the launchers' tiles and grids, against the f64 reference (each output starts as
+/// NaN). Returns the outputs, for comparing layouts bit for bit.
+fn attention_case<X: Float>(d: AttentionDims, packed: bool, seed: u64) -> Vec<Vec<f64>> {
+    let case = AttentionCase::new::<X>(d, seed);
+    let (qn, kn, rows) = (case.q.len(), case.k.len(), d.b * d.nh * d.t);
+    let [xq, xk, xv, xdout] = [&case.q, &case.k, &case.v, &case.dout].map(|x| to_x::<X>(x));
+    let (fwd, bwd) = (
+        layers::AttentionTiles::forward(d.head_size),
+        layers::AttentionTiles::backward(d.head_size),
     );
-    let (mut wq, mut ws) = (vec![X::ZERO; qkv.len()], vec![0f32; wa.len()]);
-    attention_backward(&mut wq, &mut ws, &dout, &qkv, &wa, d);
-    close("attention_backward dqkv", &dqkv, &wq, rtol::<X>());
-    close("attention_backward datt", &datt, &ws, 1e-5);
-}
-
-fn gqa_attention_matches_cpu<X: Float>() {
-    // Two query heads per key/value head, heads of 40 columns, T over the 8 warps.
-    let d = AttentionDims::gqa(1, 13, 4, 2, 40);
-    let (qn, kn) = (d.b * d.t * d.q_width(), d.b * d.t * d.kv_width());
-    let mut rng = Rng::new(12);
-    let (q, k, v) = (
-        random::<X>(&mut rng, qn, 1.0),
-        random::<X>(&mut rng, kn, 1.0),
-        random::<X>(&mut rng, kn, 1.0),
-    );
-    let an = d.b * d.nh * d.t * d.t;
-    let dims = || {
-        [d.t, d.nh, d.kv_heads, d.head_size]
-            .into_iter()
+    let dims = if packed {
+        vec![d.t, d.q_width(), d.nh]
+    } else {
+        vec![d.t, d.nh, d.kv_heads, d.head_size]
+    };
+    let shape = |tiles: layers::AttentionTiles| {
+        dims.iter()
+            .copied()
+            .chain([tiles.q, tiles.k])
             .map(|n| val(n as i32))
     };
-    let (mut o, mut att) = (nan::<X>(qn), nan::<X>(an));
-    let mut args = vec![out(&mut o), out(&mut att), inp(&q), inp(&k), inp(&v)];
-    args.extend(dims());
-    let name = |k: &str| format!("gqa_attention_{k}_{}", X::NAME);
-    run(&name("forward"), layers::attention_config(&d), &args);
-    let (mut wo, mut wa) = (vec![X::ZERO; qn], vec![X::ZERO; an]);
-    gqa_attention_forward(&mut wo, &mut wa, &q, &k, &v, d);
-    close("gqa_attention_forward out", &o, &wo, rtol::<X>());
-    close("gqa_attention_forward att", &att, &wa, rtol::<X>());
+    let (query, keys) = (
+        layers::attention_config(&d, bwd),
+        layers::attention_key_config(&d, bwd),
+    );
+    let layout = if packed { "attention" } else { "gqa_attention" };
+    let name = |k: &str| format!("{layout}_{k}_{}", X::NAME);
+    let (mut o, mut lse, mut delta) = (nan::<X>(qn), nan::<f32>(rows), nan::<f32>(rows));
+    let (dq, dk, dv) = if packed {
+        let c = d.q_width();
+        let qkv = pack(&xq, &xk, &xv, c);
+        let mut args = vec![out(&mut o), out(&mut lse), inp(&qkv)];
+        args.extend(shape(fwd));
+        run(&name("forward"), layers::attention_config(&d, fwd), &args);
+        let mut dqkv = nan::<X>(qkv.len());
+        let mut args = vec![
+            out(&mut dqkv),
+            out(&mut delta),
+            inp(&xdout),
+            inp(&qkv),
+            inp(&o),
+            inp(&lse),
+        ];
+        args.extend(shape(bwd));
+        run(&name("backward_query"), query, &args);
+        let mut args = vec![
+            out(&mut dqkv),
+            inp(&xdout),
+            inp(&qkv),
+            inp(&lse),
+            inp(&delta),
+        ];
+        args.extend(shape(bwd));
+        run(&name("backward_key"), keys, &args);
+        let [dq, dk, dv] = unpack(&dqkv, c);
+        (dq, dk, dv)
+    } else {
+        let mut args = vec![out(&mut o), out(&mut lse), inp(&xq), inp(&xk), inp(&xv)];
+        args.extend(shape(fwd));
+        run(&name("forward"), layers::attention_config(&d, fwd), &args);
+        let (mut dq, mut dk, mut dv) = (nan::<X>(qn), nan::<X>(kn), nan::<X>(kn));
+        let mut args = vec![
+            out(&mut dq),
+            out(&mut delta),
+            inp(&xdout),
+            inp(&xq),
+            inp(&xk),
+            inp(&xv),
+            inp(&o),
+            inp(&lse),
+        ];
+        args.extend(shape(bwd));
+        run(&name("backward_query"), query, &args);
+        let mut args = vec![
+            out(&mut dk),
+            out(&mut dv),
+            inp(&xdout),
+            inp(&xq),
+            inp(&xk),
+            inp(&xv),
+            inp(&lse),
+            inp(&delta),
+        ];
+        args.extend(shape(bwd));
+        run(&name("backward_key"), keys, &args);
+        (dq, dk, dv)
+    };
+    let got = vec![
+        to_f64(&o),
+        to_f64(&lse),
+        to_f64(&delta),
+        to_f64(&dq),
+        to_f64(&dk),
+        to_f64(&dv),
+    ];
+    let want = case.expected(&got[0]);
+    for (i, what) in OUTPUTS.iter().enumerate() {
+        let label = format!(
+            "{layout} {what} (B {}, T {}, NH {}, KV {}, hs {}) ({})",
+            d.b,
+            d.t,
+            d.nh,
+            d.kv_heads,
+            d.head_size,
+            X::NAME
+        );
+        close_f64(&label, &got[i], &want[i], tolerances::<X>()[i]);
+    }
+    got
+}
 
-    let dout = random::<X>(&mut rng, qn, 1.0);
-    let (mut dq, mut dk, mut dv, mut datt) = (nan::<X>(qn), nan::<X>(kn), nan::<X>(kn), nan(an));
-    let mut args = vec![
-        out(&mut dq),
-        out(&mut datt),
-        inp(&dout),
-        inp(&k),
-        inp(&v),
-        inp(&wa),
-    ];
-    args.extend(dims());
-    run(&name("backward_query"), layers::attention_config(&d), &args);
-    let mut args = vec![
-        out(&mut dk),
-        out(&mut dv),
-        inp(&datt),
-        inp(&dout),
-        inp(&q),
-        inp(&wa),
-    ];
-    args.extend(dims());
-    run(
-        &name("backward_key"),
-        layers::attention_key_config(&d),
-        &args,
+/// The packed (GPT-2) layout: T past a tile (and two batches), T = 1, a head of 100 columns
+/// (padded to 128: 32 × 16 forward tiles) and T past 1024. With KV = NH the separate layout
+/// gives the same bits.
+fn attention_matches_reference<X: Float>() {
+    let d = AttentionDims::mha(2, 70, 80, 2); // hs 40: forward 64 × 32, backward 32 × 32 tiles
+    assert!(
+        attention_case::<X>(d, true, 4) == attention_case::<X>(d, false, 4),
+        "packed and separate attention differ ({})",
+        X::NAME
     );
-    let (mut wq, mut wk, mut wv, mut ws) = (
-        vec![X::ZERO; qn],
-        vec![X::ZERO; kn],
-        vec![X::ZERO; kn],
-        vec![0f32; an],
-    );
-    gqa_attention_backward(
-        &mut wq, &mut wk, &mut wv, &mut ws, &dout, &q, &k, &v, &wa, d,
-    );
-    close("gqa_attention_backward dq", &dq, &wq, rtol::<X>());
-    close("gqa_attention_backward dk", &dk, &wk, rtol::<X>());
-    close("gqa_attention_backward dv", &dv, &wv, rtol::<X>());
-    close("gqa_attention_backward datt", &datt, &ws, 1e-5);
+    attention_case::<X>(AttentionDims::mha(1, 1, 6, 2), true, 5);
+    attention_case::<X>(AttentionDims::mha(1, 40, 200, 2), true, 6);
+    attention_case::<X>(AttentionDims::mha(1, 1100, 16, 1), true, 7);
+}
+
+/// Grouped-query attention: 2 and 4 query heads per key/value head, heads of 64, 24 and 256
+/// (16 × 8 forward and 8 × 8 backward tiles), and T past 1024.
+fn gqa_attention_matches_reference<X: Float>() {
+    attention_case::<X>(AttentionDims::gqa(1, 37, 4, 2, 64), false, 12);
+    attention_case::<X>(AttentionDims::gqa(2, 19, 8, 2, 24), false, 13);
+    attention_case::<X>(AttentionDims::gqa(1, 20, 2, 1, 256), false, 14);
+    attention_case::<X>(AttentionDims::gqa(1, 1030, 2, 1, 8), false, 15);
 }
 
 /// RMSNorm as the block norm (C not a multiple of the block) and as a per-head norm.
@@ -1228,8 +1256,8 @@ fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
     ];
     cases.extend(every_dtype!(encoder_matches_cpu));
     cases.extend(every_dtype!(layernorm_matches_cpu));
-    cases.extend(every_dtype!(attention_matches_cpu));
-    cases.extend(every_dtype!(gqa_attention_matches_cpu));
+    cases.extend(every_dtype!(attention_matches_reference));
+    cases.extend(every_dtype!(gqa_attention_matches_reference));
     cases.extend(every_dtype!(rmsnorm_matches_cpu));
     cases.extend(every_dtype!(rope_matches_cpu));
     cases.extend(every_dtype!(elementwise_layers_match_cpu));
@@ -1290,6 +1318,27 @@ fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
     );
 }
 
+/// attention.cu's static shared memory per block: forward 42,496 bytes, backward_query 37,760,
+/// backward_key 41,984 (the largest tiles' arrays).
+const ATTENTION_SHARED: [usize; 3] = [42_496, 37_760, 41_984];
+
+/// The three attention launches of `d` are within the GPU's limits.
+fn attention_fits(d: &AttentionDims) {
+    use kernels::cuda::check_launch;
+    let (fwd, bwd) = (
+        layers::AttentionTiles::forward(d.head_size),
+        layers::AttentionTiles::backward(d.head_size),
+    );
+    let launches = [
+        layers::attention_config(d, fwd),
+        layers::attention_config(d, bwd),
+        layers::attention_key_config(d, bwd),
+    ];
+    for (cfg, shared) in launches.iter().zip(ATTENTION_SHARED) {
+        check_launch("attention", cfg, shared, 1024).unwrap_or_else(|e| panic!("{d:?}: {e}"));
+    }
+}
+
 /// The launch geometries of the trainer's largest steps (B 64, T 1024, GPT-2 small to XL
 /// widths, V 50257) are within the GPU's limits; past them `check_launch` names the kernel
 /// and the limit (`Error::Launch`) instead of the driver's "invalid argument", and the shim
@@ -1303,8 +1352,7 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
     for (c, nh) in [(768, 12), (1024, 16), (1280, 20), (1600, 25)] {
         let (bt, v) = (64 * 1024, 50_257);
         let d = AttentionDims::mha(64, 1024, c, nh);
-        // attention.cu's static shared memory: forward 13.1 KiB, backward_key 16 KiB.
-        ok("attention", layers::attention_config(&d), 16 << 10);
+        attention_fits(&d);
         ok("layernorm rows", layers::layernorm_rows_config(bt), 0);
         let cols = layers::ColumnSums::new(bt, c, 2);
         ok("layernorm column parts", cols.parts, 2 * 8 * 33 * 4);
@@ -1335,13 +1383,10 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
     // Llama-family shapes at B 16, T 1024: Llama-3-8B (32 query heads, 8 key/value heads of
     // 128) and Qwen3's per-head norms over B·T·32 rows of 128.
     let (bt, nh, kv, hs) = (16 * 1024, 32, 8, 128);
-    let d = AttentionDims::gqa(16, 1024, nh, kv, hs);
-    ok("gqa attention", layers::attention_config(&d), 16 << 10);
-    ok(
-        "gqa attention keys",
-        layers::attention_key_config(&d),
-        16 << 10,
-    );
+    attention_fits(&AttentionDims::gqa(16, 1024, nh, kv, hs));
+    // Long sequences and the largest head: the grid grows in x only.
+    attention_fits(&AttentionDims::gqa(1, 131_072, nh, kv, hs));
+    attention_fits(&AttentionDims::gqa(16, 4096, 16, 4, 256));
     for rows in [bt, bt * nh] {
         ok("rmsnorm rows", layers::layernorm_rows_config(rows), 0);
         let cols = layers::ColumnSums::new(rows, hs, 1);
@@ -1350,7 +1395,7 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
     ok("rope", elementwise(bt * nh * hs / 2), 0);
 
     let many_heads = AttentionDims::mha(4096, 8, 512, 32); // B·NH = 131,072 blocks in grid y
-    let cfg = layers::attention_config(&many_heads);
+    let cfg = layers::attention_config(&many_heads, layers::AttentionTiles::forward(16));
     let err = check_launch("attention_forward_bf16", &cfg, 0, 1024).unwrap_err();
     assert!(
         matches!(&err, Error::Launch { kernel, .. } if kernel == "attention_forward_bf16")

@@ -5,17 +5,16 @@
 //! skip silently.
 #![cfg(feature = "cuda")]
 
+mod attention_reference;
 mod common;
 
 use std::io::Write;
 use std::sync::OnceLock;
 
+use attention_reference::{AttentionCase, OUTPUTS, pack, tolerances, unpack};
 use common::*;
 use cudarc::driver::CudaSlice;
-use kernels::attention::{
-    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
-    gqa_attention_forward,
-};
+use kernels::attention::AttentionDims;
 use kernels::cuda::{self, DeviceFloat, Error, Gpu, layers};
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
@@ -383,114 +382,126 @@ fn lm_head_matches_cpu<X: DeviceFloat>() {
     dense_matches_cpu::<X, f32>(d, 60, (m, k, v), Layout::NK, false, rtol::<f32>());
 }
 
-fn attention_matches_cpu<X: DeviceFloat>() {
-    let Some(d) = device() else { return };
-    let (b, t, c, nh) = (2, 33, 48, 3);
-    let dims = AttentionDims::mha(b, t, c, nh);
-    let mut rng = Rng::new(4);
-    let qkv = random::<X>(&mut rng, b * t * 3 * c, 1.0);
-    let (mut out, mut att) = (
-        up(d, &nan::<X>(b * t * c)),
-        up(d, &nan::<X>(b * nh * t * t)),
+/// The attention launchers of one layout (packed GPT-2 qkv, else separate q, k, v) against
+/// the f64 reference (each output starts as NaN). Returns the outputs, for comparing runs and
+/// layouts bit for bit.
+fn attention_case<X: DeviceFloat>(
+    dev: &Gpu,
+    d: AttentionDims,
+    packed: bool,
+    seed: u64,
+) -> Vec<Vec<f64>> {
+    let case = AttentionCase::new::<X>(d, seed);
+    let (qn, kn, rows) = (case.q.len(), case.k.len(), d.b * d.nh * d.t);
+    let [xq, xk, xv, xdout] = [&case.q, &case.k, &case.v, &case.dout].map(|x| to_x::<X>(x));
+    let dout = up(dev, &xdout);
+    let (mut out, mut lse, mut delta) = (
+        up(dev, &nan::<X>(qn)),
+        up(dev, &nan::<f32>(rows)),
+        up(dev, &nan::<f32>(rows)),
     );
-    let dq = up(d, &qkv);
-    layers::attention_forward(
-        d,
-        &mut out.as_view_mut(),
-        &mut att.as_view_mut(),
-        &dq.as_view(),
-        dims,
-    )
-    .unwrap();
-    let (mut o, mut a) = (vec![X::ZERO; b * t * c], vec![X::ZERO; b * nh * t * t]);
-    attention_forward(&mut o, &mut a, &qkv, dims);
-    close("attention_forward out", &down(d, &out), &o, rtol::<X>());
-    close("attention_forward att", &down(d, &att), &a, rtol::<X>());
-
-    let dout = random::<X>(&mut rng, b * t * c, 1.0);
-    let (mut dqkv, mut datt) = (up(d, &nan::<X>(qkv.len())), up(d, &nan::<f32>(a.len())));
-    layers::attention_backward(
-        d,
-        &mut dqkv.as_view_mut(),
-        &mut datt.as_view_mut(),
-        &up(d, &dout).as_view(),
-        &dq.as_view(),
-        &up(d, &a).as_view(),
-        dims,
-    )
-    .unwrap();
-    let (mut wq, mut ws) = (vec![X::ZERO; qkv.len()], vec![0f32; a.len()]);
-    attention_backward(&mut wq, &mut ws, &dout, &qkv, &a, dims);
-    close("attention_backward dqkv", &down(d, &dqkv), &wq, rtol::<X>());
-    close("attention_backward datt", &down(d, &datt), &ws, 1e-5);
+    let (dq, dk, dv) = if packed {
+        let c = d.q_width();
+        let qkv = up(dev, &pack(&xq, &xk, &xv, c));
+        layers::attention_forward(
+            dev,
+            &mut out.as_view_mut(),
+            &mut lse.as_view_mut(),
+            &qkv.as_view(),
+            d,
+        )
+        .unwrap();
+        let mut dqkv = up(dev, &nan::<X>(3 * qn));
+        layers::attention_backward(
+            dev,
+            &mut dqkv.as_view_mut(),
+            &mut delta.as_view_mut(),
+            &dout.as_view(),
+            &qkv.as_view(),
+            &out.as_view(),
+            &lse.as_view(),
+            d,
+        )
+        .unwrap();
+        let [dq, dk, dv] = unpack(&down(dev, &dqkv), c);
+        (dq, dk, dv)
+    } else {
+        let (q, k, v) = (up(dev, &xq), up(dev, &xk), up(dev, &xv));
+        layers::gqa_attention_forward(
+            dev,
+            &mut out.as_view_mut(),
+            &mut lse.as_view_mut(),
+            &q.as_view(),
+            &k.as_view(),
+            &v.as_view(),
+            d,
+        )
+        .unwrap();
+        let (mut dq, mut dk, mut dv) = (
+            up(dev, &nan::<X>(qn)),
+            up(dev, &nan::<X>(kn)),
+            up(dev, &nan::<X>(kn)),
+        );
+        layers::gqa_attention_backward(
+            dev,
+            &mut dq.as_view_mut(),
+            &mut dk.as_view_mut(),
+            &mut dv.as_view_mut(),
+            &mut delta.as_view_mut(),
+            &dout.as_view(),
+            &q.as_view(),
+            &k.as_view(),
+            &v.as_view(),
+            &out.as_view(),
+            &lse.as_view(),
+            d,
+        )
+        .unwrap();
+        (down(dev, &dq), down(dev, &dk), down(dev, &dv))
+    };
+    let got = vec![
+        to_f64(&down(dev, &out)),
+        to_f64(&down(dev, &lse)),
+        to_f64(&down(dev, &delta)),
+        to_f64(&dq),
+        to_f64(&dk),
+        to_f64(&dv),
+    ];
+    let want = case.expected(&got[0]);
+    for (i, what) in OUTPUTS.iter().enumerate() {
+        let label = format!("attention {what} {d:?} packed {packed} ({})", X::NAME);
+        assert_close(&label, &got[i], &want[i], tolerances::<X>()[i]);
+    }
+    got
 }
 
-/// Grouped-query attention, 4 query heads per key/value head, heads of 64.
-fn gqa_attention_matches_cpu<X: DeviceFloat>() {
-    let Some(d) = device() else { return };
-    let dims = AttentionDims::gqa(2, 33, 8, 2, 64);
-    let (qn, kn) = (
-        dims.b * dims.t * dims.q_width(),
-        dims.b * dims.t * dims.kv_width(),
+/// The packed (GPT-2) layout: T past the tiles, the same bits run to run and as the separate
+/// layout; T past 1024 (issue 28); T = 1.
+fn attention_matches_reference<X: DeviceFloat>() {
+    let Some(dev) = device() else { return };
+    let d = AttentionDims::mha(2, 333, 192, 3);
+    let first = attention_case::<X>(dev, d, true, 4);
+    assert!(
+        first == attention_case::<X>(dev, d, true, 4),
+        "attention differs run to run ({})",
+        X::NAME
     );
-    let an = dims.b * dims.nh * dims.t * dims.t;
-    let mut rng = Rng::new(8);
-    let (q, k, v) = (
-        random::<X>(&mut rng, qn, 1.0),
-        random::<X>(&mut rng, kn, 1.0),
-        random::<X>(&mut rng, kn, 1.0),
+    assert!(
+        first == attention_case::<X>(dev, d, false, 4),
+        "packed and separate attention differ ({})",
+        X::NAME
     );
-    let (dq_, dk_, dv_) = (up(d, &q), up(d, &k), up(d, &v));
-    let (mut out, mut att) = (up(d, &nan::<X>(qn)), up(d, &nan::<X>(an)));
-    layers::gqa_attention_forward(
-        d,
-        &mut out.as_view_mut(),
-        &mut att.as_view_mut(),
-        &dq_.as_view(),
-        &dk_.as_view(),
-        &dv_.as_view(),
-        dims,
-    )
-    .unwrap();
-    let (mut o, mut a) = (vec![X::ZERO; qn], vec![X::ZERO; an]);
-    gqa_attention_forward(&mut o, &mut a, &q, &k, &v, dims);
-    close("gqa_attention_forward out", &down(d, &out), &o, rtol::<X>());
-    close("gqa_attention_forward att", &down(d, &att), &a, rtol::<X>());
+    attention_case::<X>(dev, AttentionDims::mha(1, 1100, 128, 2), true, 5);
+    attention_case::<X>(dev, AttentionDims::mha(1, 1, 96, 1), true, 6);
+}
 
-    let dout = random::<X>(&mut rng, qn, 1.0);
-    let (mut gq, mut gk, mut gv, mut datt) = (
-        up(d, &nan::<X>(qn)),
-        up(d, &nan::<X>(kn)),
-        up(d, &nan::<X>(kn)),
-        up(d, &nan::<f32>(an)),
-    );
-    layers::gqa_attention_backward(
-        d,
-        &mut gq.as_view_mut(),
-        &mut gk.as_view_mut(),
-        &mut gv.as_view_mut(),
-        &mut datt.as_view_mut(),
-        &up(d, &dout).as_view(),
-        &dq_.as_view(),
-        &dk_.as_view(),
-        &dv_.as_view(),
-        &up(d, &a).as_view(),
-        dims,
-    )
-    .unwrap();
-    let (mut wq, mut wk, mut wv, mut ws) = (
-        vec![X::ZERO; qn],
-        vec![X::ZERO; kn],
-        vec![X::ZERO; kn],
-        vec![0f32; an],
-    );
-    gqa_attention_backward(
-        &mut wq, &mut wk, &mut wv, &mut ws, &dout, &q, &k, &v, &a, dims,
-    );
-    close("gqa_attention_backward dq", &down(d, &gq), &wq, rtol::<X>());
-    close("gqa_attention_backward dk", &down(d, &gk), &wk, rtol::<X>());
-    close("gqa_attention_backward dv", &down(d, &gv), &wv, rtol::<X>());
-    close("gqa_attention_backward datt", &down(d, &datt), &ws, 1e-5);
+/// Grouped-query attention: 4 and 2 query heads per key/value head, heads of 128, 256 and 80
+/// (the three tile sizes), T = 2048.
+fn gqa_attention_matches_reference<X: DeviceFloat>() {
+    let Some(dev) = device() else { return };
+    attention_case::<X>(dev, AttentionDims::gqa(2, 257, 8, 2, 128), false, 8);
+    attention_case::<X>(dev, AttentionDims::gqa(1, 100, 4, 2, 256), false, 9);
+    attention_case::<X>(dev, AttentionDims::gqa(1, 2048, 2, 1, 80), false, 10);
 }
 
 /// RMSNorm as a block norm and as Qwen3's per-head norm (width 128, many rows).
@@ -1074,8 +1085,8 @@ mod casts {
 per_dtype! {
     encoder_parity => encoder_matches_cpu;
     layernorm_parity => layernorm_matches_cpu;
-    attention_parity => attention_matches_cpu;
-    gqa_attention_parity => gqa_attention_matches_cpu;
+    attention_parity => attention_matches_reference;
+    gqa_attention_parity => gqa_attention_matches_reference;
     rmsnorm_parity => rmsnorm_matches_cpu;
     rope_parity => rope_matches_cpu;
     dense_layer_parity => dense_layers_match_cpu;

@@ -299,129 +299,188 @@ fn check_rows(len: usize, c: usize, stats: &[usize]) -> usize {
     len / c
 }
 
-/// The kernels' shape arguments `[T, NH, KV, hs]`, within attention.cu's head size.
+/// The kernels' shape arguments `[T, NH, KV, hs]`, after checking the grid: a block row per
+/// query head (b, h), so B·NH within grid y's 65,535 (the head size is checked with the
+/// operands, against `MAX_HEAD_SIZE`).
 fn attention_args(d: &AttentionDims) -> [i32; 4] {
+    let heads = d.b * d.nh;
     assert!(
-        d.head_size <= ATTENTION_MAX_HS,
-        "head size {} is over attention.cu's {ATTENTION_MAX_HS}",
-        d.head_size
+        heads <= MAX_GRID.1 as usize,
+        "B·NH = {heads} query heads: attention.cu takes at most 65,535 (the grid's y limit)"
+    );
+    assert!(
+        i32::try_from(d.t).is_ok(),
+        "T = {} is over attention.cu's int",
+        d.t
     );
     [d.t, d.nh, d.kv_heads, d.head_size].map(|n| n as i32)
 }
 
-/// The largest head size of attention.cu (`MAX_HS`, at most one column per thread).
-const ATTENTION_MAX_HS: usize = 256;
+/// Floats of attention.cu's shared tiles: a forward query tile holds at most
+/// `FWD_QUERY_FLOATS` (rows × head size), every other tile `TILE_FLOATS`.
+const ATTENTION_FWD_QUERY_FLOATS: usize = 4096;
+const ATTENTION_TILE_FLOATS: usize = 2048;
 
-/// Threads per attention block: `ATT_WARPS` (8) warps in attention.cu, whatever THREADS is.
+/// Threads per attention block (`ATT_THREADS` in attention.cu), whatever THREADS is.
 const ATTENTION_THREADS: u32 = 256;
 
-/// The launch of the attention forward and query-gradient kernels: a block of 8 warps per row
-/// t (grid x) and query head (b, h) (grid y, so B·NH ≤ 65,535).
-pub fn attention_config(d: &AttentionDims) -> LaunchConfig {
-    attention_blocks(d.t, d.b * d.nh)
+/// Rows of queries (`q`) and of keys (`k`) per block of attention.cu's kernels. With the head
+/// size padded to `hp = max(64, hs.next_power_of_two())`, tiles of `4096/hp` and `2048/hp`
+/// rows fill attention.cu's shared memory (about 42 KiB of the 48 KiB a block may have).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionTiles {
+    pub q: usize,
+    pub k: usize,
 }
 
-/// The launch of the key/value-gradient kernels: per row t and key/value head (b, g).
-pub fn attention_key_config(d: &AttentionDims) -> LaunchConfig {
-    attention_blocks(d.t, d.b * d.kv_heads)
+impl AttentionTiles {
+    /// The forward's: 64 query × 32 key rows at hs ≤ 64, 32 × 16 at 128, 16 × 8 at 256.
+    pub fn forward(head_size: usize) -> Self {
+        let hp = Self::padded(head_size);
+        Self {
+            q: ATTENTION_FWD_QUERY_FLOATS / hp,
+            k: ATTENTION_TILE_FLOATS / hp,
+        }
+    }
+
+    /// The backward's (both kernels): 32 × 32 rows at hs ≤ 64, 16 × 16 at 128, 8 × 8 at 256.
+    pub fn backward(head_size: usize) -> Self {
+        let rows = ATTENTION_TILE_FLOATS / Self::padded(head_size);
+        Self { q: rows, k: rows }
+    }
+
+    fn padded(head_size: usize) -> usize {
+        head_size.next_power_of_two().max(64)
+    }
+
+    /// The kernels' `tile_q, tile_k`.
+    fn args(self) -> [i32; 2] {
+        [self.q, self.k].map(|n| n as i32)
+    }
 }
 
-fn attention_blocks(t: usize, heads: usize) -> LaunchConfig {
-    let mut cfg = rows(t, heads);
+/// The launch of the forward and query-gradient kernels: a block per query tile (grid x) and
+/// query head (b, h) (grid y).
+pub fn attention_config(d: &AttentionDims, tiles: AttentionTiles) -> LaunchConfig {
+    attention_blocks(d.t.div_ceil(tiles.q), d.b * d.nh)
+}
+
+/// The launch of the key/value-gradient kernel: per key tile and key/value head (b, g).
+pub fn attention_key_config(d: &AttentionDims, tiles: AttentionTiles) -> LaunchConfig {
+    attention_blocks(d.t.div_ceil(tiles.k), d.b * d.kv_heads)
+}
+
+fn attention_blocks(tiles: usize, heads: usize) -> LaunchConfig {
+    let mut cfg = rows(tiles, heads);
     cfg.block_dim.0 = ATTENTION_THREADS;
     cfg
 }
 
-/// Forward: `out (B, T, C)` and the probabilities `att (B, NH, T, T)` from `qkv (B, T, 3C)`.
+/// Forward: `out (B, T, C)` and `lse (B, NH, T)`, the log-sum-exp of each query row's scaled
+/// scores, from `qkv (B, T, 3C)`.
 pub fn attention_forward<X: DeviceFloat>(
     dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
-    att: &mut CudaViewMut<'_, X>,
+    lse: &mut CudaViewMut<'_, f32>,
     qkv: &CudaView<'_, X>,
     d: AttentionDims,
 ) -> Result<(), Error> {
-    d.packed(qkv.len(), out.len(), att.len());
+    d.packed(qkv.len(), out.len(), lse.len());
     let [t, nh, _, hs] = attention_args(&d);
     let c = nh * hs;
-    launch!(dev, "attention.cu", format!("attention_forward_{}", X::NAME), attention_config(&d);
-        out, att, qkv, &t, &c, &nh);
+    let tiles = AttentionTiles::forward(d.head_size);
+    let [tq, tk] = tiles.args();
+    launch!(dev, "attention.cu", format!("attention_forward_{}", X::NAME), attention_config(&d, tiles);
+        out, lse, qkv, &t, &c, &nh, &tq, &tk);
     Ok(())
 }
 
-/// Backward: `dqkv (B, T, 3C)` (overwritten); `datt (B, NH, T, T)` f32 scratch, left holding
-/// ∂L/∂scores.
+/// Backward: `dqkv (B, T, 3C)` (overwritten) from `dout (B, T, C)` and the forward's `qkv`,
+/// `out` and `lse`; `delta (B, NH, T)` f32 scratch, left holding rowsum(dout ∘ out).
+#[allow(clippy::too_many_arguments)]
 pub fn attention_backward<X: DeviceFloat>(
     dev: &Gpu,
     dqkv: &mut CudaViewMut<'_, X>,
-    datt: &mut CudaViewMut<'_, f32>,
+    delta: &mut CudaViewMut<'_, f32>,
     dout: &CudaView<'_, X>,
     qkv: &CudaView<'_, X>,
-    att: &CudaView<'_, X>,
+    out: &CudaView<'_, X>,
+    lse: &CudaView<'_, f32>,
     d: AttentionDims,
 ) -> Result<(), Error> {
-    d.packed(qkv.len(), dout.len(), att.len());
+    d.packed(qkv.len(), dout.len(), lse.len());
     assert!(
-        dqkv.len() == qkv.len() && datt.len() == att.len(),
-        "dqkv must be (B, T, 3C), datt (B, NH, T, T)"
+        dqkv.len() == qkv.len() && out.len() == dout.len() && delta.len() == lse.len(),
+        "dqkv must be (B, T, 3C), out (B, T, C), delta (B, NH, T)"
     );
     let [t, nh, _, hs] = attention_args(&d);
     let c = nh * hs;
-    launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), attention_config(&d);
-        &mut *dqkv, &mut *datt, dout, qkv, att, &t, &c, &nh);
-    let datt = datt.as_view();
-    launch!(dev, "attention.cu", format!("attention_backward_key_{}", X::NAME), attention_key_config(&d);
-        dqkv, &datt, dout, qkv, att, &t, &c, &nh);
+    let tiles = AttentionTiles::backward(d.head_size);
+    let [tq, tk] = tiles.args();
+    launch!(dev, "attention.cu", format!("attention_backward_query_{}", X::NAME), attention_config(&d, tiles);
+        &mut *dqkv, &mut *delta, dout, qkv, out, lse, &t, &c, &nh, &tq, &tk);
+    let delta = delta.as_view();
+    launch!(dev, "attention.cu", format!("attention_backward_key_{}", X::NAME), attention_key_config(&d, tiles);
+        dqkv, dout, qkv, lse, &delta, &t, &c, &nh, &tq, &tk);
     Ok(())
 }
 
-/// Grouped-query forward: `out (B, T, NH·hs)` and `att (B, NH, T, T)` from `q (B, T, NH·hs)`,
+/// Grouped-query forward: `out (B, T, NH·hs)` and `lse (B, NH, T)` from `q (B, T, NH·hs)`,
 /// `k` and `v (B, T, KV·hs)`; query head h reads key/value head `h / d.group()`.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention_forward<X: DeviceFloat>(
     dev: &Gpu,
     out: &mut CudaViewMut<'_, X>,
-    att: &mut CudaViewMut<'_, X>,
+    lse: &mut CudaViewMut<'_, f32>,
     q: &CudaView<'_, X>,
     k: &CudaView<'_, X>,
     v: &CudaView<'_, X>,
     d: AttentionDims,
 ) -> Result<(), Error> {
-    d.separate([q.len(), k.len(), v.len(), out.len()], att.len());
+    d.separate([q.len(), k.len(), v.len(), out.len()], lse.len());
     let [t, nh, kv, hs] = attention_args(&d);
-    launch!(dev, "attention.cu", format!("gqa_attention_forward_{}", X::NAME), attention_config(&d);
-        out, att, q, k, v, &t, &nh, &kv, &hs);
+    let tiles = AttentionTiles::forward(d.head_size);
+    let [tq, tk] = tiles.args();
+    launch!(dev, "attention.cu", format!("gqa_attention_forward_{}", X::NAME), attention_config(&d, tiles);
+        out, lse, q, k, v, &t, &nh, &kv, &hs, &tq, &tk);
     Ok(())
 }
 
 /// Grouped-query backward: `dq`, `dk`, `dv` (overwritten; a key/value head's gradients summed
-/// over its query heads in head order); `datt (B, NH, T, T)` f32 scratch, left holding
-/// ∂L/∂scores.
+/// over its query heads in head order) from `dout (B, T, NH·hs)` and the forward's inputs,
+/// `out` and `lse`; `delta (B, NH, T)` f32 scratch, left holding rowsum(dout ∘ out).
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention_backward<X: DeviceFloat>(
     dev: &Gpu,
     dq: &mut CudaViewMut<'_, X>,
     dk: &mut CudaViewMut<'_, X>,
     dv: &mut CudaViewMut<'_, X>,
-    datt: &mut CudaViewMut<'_, f32>,
+    delta: &mut CudaViewMut<'_, f32>,
     dout: &CudaView<'_, X>,
     q: &CudaView<'_, X>,
     k: &CudaView<'_, X>,
     v: &CudaView<'_, X>,
-    att: &CudaView<'_, X>,
+    out: &CudaView<'_, X>,
+    lse: &CudaView<'_, f32>,
     d: AttentionDims,
 ) -> Result<(), Error> {
-    d.separate([q.len(), k.len(), v.len(), dout.len()], att.len());
+    d.separate([q.len(), k.len(), v.len(), dout.len()], lse.len());
     assert!(
         dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
         "dq, dk, dv must have the shapes of q, k, v"
     );
-    assert_eq!(datt.len(), att.len(), "datt must be (B, NH, T, T)");
+    assert!(
+        out.len() == dout.len() && delta.len() == lse.len(),
+        "out must be (B, T, NH·hs), delta (B, NH, T)"
+    );
     let [t, nh, kv, hs] = attention_args(&d);
-    launch!(dev, "attention.cu", format!("gqa_attention_backward_query_{}", X::NAME), attention_config(&d);
-        dq, &mut *datt, dout, k, v, att, &t, &nh, &kv, &hs);
-    let datt = datt.as_view();
-    launch!(dev, "attention.cu", format!("gqa_attention_backward_key_{}", X::NAME), attention_key_config(&d);
-        dk, dv, &datt, dout, q, att, &t, &nh, &kv, &hs);
+    let tiles = AttentionTiles::backward(d.head_size);
+    let [tq, tk] = tiles.args();
+    launch!(dev, "attention.cu", format!("gqa_attention_backward_query_{}", X::NAME), attention_config(&d, tiles);
+        dq, &mut *delta, dout, q, k, v, out, lse, &t, &nh, &kv, &hs, &tq, &tk);
+    let delta = delta.as_view();
+    launch!(dev, "attention.cu", format!("gqa_attention_backward_key_{}", X::NAME), attention_key_config(&d, tiles);
+        dk, dv, dout, q, k, v, lse, &delta, &t, &nh, &kv, &hs, &tq, &tk);
     Ok(())
 }
 
