@@ -39,10 +39,10 @@ fn gpt2<X: Float>(t: usize) -> (f64, f64) {
         fill::<X>(B * t * 3 * 768, 1.0),
         fill::<X>(B * t * 768, 0.01),
     );
-    let (mut out, mut att) = (vec![X::ZERO; dout.len()], vec![X::ZERO; B * 12 * t * t]);
-    let fwd = median(|| attention_forward(&mut out, &mut att, &qkv, d));
-    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; att.len()]);
-    let bwd = median(|| attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &att, d));
+    let (mut out, mut lse) = (vec![X::ZERO; dout.len()], vec![0f32; B * 12 * t]);
+    let fwd = median(|| attention_forward(&mut out, &mut lse, &qkv, d));
+    let (mut dqkv, mut delta) = (vec![X::ZERO; qkv.len()], vec![0f32; lse.len()]);
+    let bwd = median(|| attention_backward(&mut dqkv, &mut delta, &dout, &qkv, &out, &lse, d));
     (fwd, bwd)
 }
 
@@ -56,13 +56,13 @@ fn smollm2<X: Float>(t: usize) -> (f64, f64) {
         fill::<X>(kn, 1.0),
         fill::<X>(qn, 0.01),
     );
-    let (mut out, mut att) = (vec![X::ZERO; qn], vec![X::ZERO; B * 9 * t * t]);
-    let fwd = median(|| gqa_attention_forward(&mut out, &mut att, &q, &k, &v, d));
+    let (mut out, mut lse) = (vec![X::ZERO; qn], vec![0f32; B * 9 * t]);
+    let fwd = median(|| gqa_attention_forward(&mut out, &mut lse, &q, &k, &v, d));
     let (mut dq, mut dk, mut dv) = (vec![X::ZERO; qn], vec![X::ZERO; kn], vec![X::ZERO; kn]);
-    let mut datt = vec![0f32; att.len()];
+    let mut delta = vec![0f32; lse.len()];
     let bwd = median(|| {
         gqa_attention_backward(
-            &mut dq, &mut dk, &mut dv, &mut datt, &dout, &q, &k, &v, &att, d,
+            &mut dq, &mut dk, &mut dv, &mut delta, &dout, &q, &k, &v, &out, &lse, d,
         )
     });
     (fwd, bwd)
@@ -93,7 +93,7 @@ fn main() {
         .collect();
     let mut lengths: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
     if lengths.is_empty() {
-        lengths = vec![256, 1024];
+        lengths = vec![256, 1024, 4096];
     }
     let named = |d: &str| args.iter().any(|a| a == d);
     let all = !named("f32") && !named("bf16");
