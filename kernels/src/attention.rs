@@ -201,6 +201,17 @@ fn tiles<const N: usize>(d: &AttentionDims) -> [Vec<f32>; N] {
     std::array::from_fn(|_| vec![0f32; TILE * padded(d.head_size).max(TILE)])
 }
 
+/// `src` widened into `dst`; f32 and bf16 (a shift) inline, so that a row of a tile costs
+/// no call and no run-time dispatch.
+#[inline(always)]
+fn widen<X: Float>(src: &[X], dst: &mut [f32]) {
+    if X::as_f32(src).is_some() || X::as_bf16(src).is_some() {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    } else {
+        X::cast_to_f32(src, dst);
+    }
+}
+
 impl<X: Float> Operand<'_, X> {
     /// Rows `t0..t0 + n` of head h of batch b, widened into rows of `dst (TILE, padded hs)`
     /// with zero padding.
@@ -215,7 +226,7 @@ impl<X: Float> Operand<'_, X> {
         let hs = d.head_size;
         for (i, row) in dst.chunks_exact_mut(padded(hs)).take(n).enumerate() {
             let at = self.heads.at(d, b, t0 + i, h);
-            X::cast_to_f32(&self.data[at..at + hs], &mut row[..hs]);
+            widen(&self.data[at..at + hs], &mut row[..hs]);
             row[hs..].fill(0.0);
         }
     }
@@ -234,7 +245,8 @@ impl<X: Float> Operand<'_, X> {
         let mut buf = [0f32; MAX_HEAD_SIZE];
         for i in 0..n {
             let at = self.heads.at(d, b, t0 + i, h);
-            for (j, &x) in view(&self.data[at..at + hs], &mut buf).iter().enumerate() {
+            widen(&self.data[at..at + hs], &mut buf[..hs]);
+            for (j, &x) in buf[..hs].iter().enumerate() {
                 dst[j * TILE + i] = x;
             }
         }
