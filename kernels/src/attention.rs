@@ -196,7 +196,7 @@ fn span(d: &AttentionDims, i: usize) -> (usize, usize) {
     (i * TILE, TILE.min(d.t - i * TILE))
 }
 
-/// `n` zeroed scratch tiles of one task, each `TILE` rows of a padded head or of `TILE` scores.
+/// `N` zeroed scratch tiles of one task, each `TILE` rows of a padded head or of `TILE` scores.
 fn tiles<const N: usize>(d: &AttentionDims) -> [Vec<f32>; N] {
     std::array::from_fn(|_| vec![0f32; TILE * padded(d.head_size).max(TILE)])
 }
@@ -214,7 +214,7 @@ fn widen<X: Float>(src: &[X], dst: &mut [f32]) {
 
 impl<X: Float> Operand<'_, X> {
     /// Rows `t0..t0 + n` of head h of batch b, widened into rows of `dst (TILE, padded hs)`
-    /// with zero padding.
+    /// with zero padding; rows from n on keep what they held (no result read depends on them).
     #[inline(always)]
     fn rows(
         &self,
