@@ -82,18 +82,17 @@ fn layers<X: Float>() -> Vec<Row> {
     );
     let d = AttentionDims::mha(B, T, C, NH);
     let qkv = fill::<X>(N * 3 * C, 1.0);
-    let mut att = vec![X::ZERO; B * NH * T * T];
+    let mut lse = vec![0f32; B * NH * T];
     row(
         "attention fwd",
         L,
-        median(|| attention_forward(&mut out, &mut att, &qkv, d)),
+        median(|| attention_forward(&mut out, &mut lse, &qkv, d)),
     );
-    let mut dqkv = vec![X::ZERO; N * 3 * C];
-    let mut datt = vec![0f32; B * NH * T * T];
+    let (mut dqkv, mut delta) = (vec![X::ZERO; N * 3 * C], vec![0f32; B * NH * T]);
     row(
         "attention bwd",
         L,
-        median(|| attention_backward(&mut dqkv, &mut datt, &dy, &qkv, &att, d)),
+        median(|| attention_backward(&mut dqkv, &mut delta, &dy, &qkv, &out, &lse, d)),
     );
     let pre = fill::<X>(N * 4 * C, 2.0);
     let mut post = vec![X::ZERO; N * 4 * C];

@@ -1,15 +1,31 @@
-//! Causal self-attention (scale 1/sqrt(hs)), materialising the probabilities: GPT-2's
-//! multi-head attention on a packed `qkv`, and grouped-query attention (Llama) on separate
-//! q, k, v, where each key/value head serves a group of query heads. Both run one
-//! implementation, which reads every operand by head rows (start and row stride).
+//! Causal self-attention (scale 1/sqrt(hs)), tiled as FlashAttention-2: GPT-2's multi-head
+//! attention on a packed `qkv`, and grouped-query attention (Llama) on separate q, k, v, where
+//! each key/value head serves a group of query heads. Both run one implementation, which reads
+//! every operand by head rows (start and row stride).
+//!
+//! Nothing of size T² is kept: the forward stores each query row's log-sum-exp of scores
+//! (`lse`), from which the backward recomputes the probabilities tile by tile. A task works on
+//! `TILE × TILE` blocks of scores in f32 scratch (a few tiles, in L2), computed as small
+//! matrix products whose vector lanes run along a tile, so no sum is horizontal; every sum
+//! runs in one fixed order within one task, so the bits do not depend on the thread count.
 
 use crate::Float;
-use crate::math::{BLOCK, dot, exp, view};
+use crate::math::{dot, exp, view};
 use crate::par::{SharedMut, for_ranges};
 use crate::simd;
 
 /// Largest head size any back end runs (CPU stack rows, CUDA shared memory).
 pub const MAX_HEAD_SIZE: usize = 256;
+
+/// Query rows and key rows of one tile: a tile of f32 scores is 16 KiB, and the 5 to 8 tiles
+/// of one task (at hs 64) stay in L2.
+const TILE: usize = 64;
+/// Rows a micro-kernel computes at once: 4 rows of 64 lanes are 16 AVX-512 accumulators.
+const ROWS: usize = 4;
+/// Head columns a micro-kernel computes at once, then the 16-column steps a head's rows are
+/// padded to.
+const WIDE: usize = 64;
+const NARROW: usize = 16;
 
 /// Shapes of one call: batch, sequence length, query heads, key/value heads and head size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,7 +101,7 @@ impl AttentionDims {
     }
 
     /// Heads of the packed `qkv (B, T, 3C)` (`[q | k | v]`) and of `out (B, T, C)`, after
-    /// checking their lengths and that of `lse (B, NH, T)`.
+    /// checking their lengths.
     pub(crate) fn packed(&self, qkv: usize, out: usize, lse: usize) -> [Heads; 4] {
         self.check(lse);
         assert_eq!(
@@ -106,7 +122,7 @@ impl AttentionDims {
     }
 
     /// Heads of `q (B, T, NH·hs)`, `k`, `v (B, T, KV·hs)` and `out (B, T, NH·hs)`, after
-    /// checking their lengths and that of `lse (B, NH, T)`.
+    /// checking their lengths.
     pub(crate) fn separate(&self, [q, k, v, out]: [usize; 4], lse: usize) -> [Heads; 4] {
         self.check(lse);
         let tokens = self.b * self.t;
@@ -144,11 +160,6 @@ impl Heads {
     fn at(self, d: &AttentionDims, b: usize, t: usize, h: usize) -> usize {
         self.offset + (b * d.t + t) * self.stride + h * d.head_size
     }
-
-    /// The rows of head h of batch b, as [`Rows::new`] takes them.
-    fn rows(self, d: &AttentionDims, b: usize, h: usize) -> (usize, usize, usize) {
-        (self.at(d, b, 0, h), self.stride, d.head_size)
-    }
 }
 
 /// A tensor read by heads.
@@ -175,114 +186,178 @@ impl<X> Output<X> {
     }
 }
 
-/// Rows `i` of one head's part of a tensor, as f32: strided views of the tensor itself when
-/// it is f32, else rows widened once into a scratch buffer.
-#[derive(Clone, Copy)]
-struct Rows<'a> {
-    data: &'a [f32],
-    start: usize,
-    stride: usize,
-    len: usize,
+/// A head's row length in scratch: the head size rounded up to whole 16-lane steps.
+fn padded(hs: usize) -> usize {
+    hs.next_multiple_of(NARROW)
 }
 
-impl<'a> Rows<'a> {
-    /// Rows `start + i·stride .. + len` of `src` for `i < n`, widening into `buf` if needed.
+/// First row and number of rows of tile `i`.
+fn span(d: &AttentionDims, i: usize) -> (usize, usize) {
+    (i * TILE, TILE.min(d.t - i * TILE))
+}
+
+/// `N` zeroed scratch tiles of one task, each `TILE` rows of a padded head or of `TILE` scores.
+fn tiles<const N: usize>(d: &AttentionDims) -> [Vec<f32>; N] {
+    std::array::from_fn(|_| vec![0f32; TILE * padded(d.head_size).max(TILE)])
+}
+
+/// `src` widened into `dst`; f32 and bf16 (a shift) inline, so that a row of a tile costs
+/// no call and no run-time dispatch.
+#[inline(always)]
+fn widen<X: Float>(src: &[X], dst: &mut [f32]) {
+    if X::as_f32(src).is_some() || X::as_bf16(src).is_some() {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    } else {
+        X::cast_to_f32(src, dst);
+    }
+}
+
+impl<X: Float> Operand<'_, X> {
+    /// Rows `t0..t0 + n` of head h of batch b, widened into rows of `dst (TILE, padded hs)`
+    /// with zero padding; rows from n on keep what they held (no result read depends on them).
     #[inline(always)]
-    fn new<X: Float>(
-        src: &'a [X],
-        (start, stride, len): (usize, usize, usize),
-        n: usize,
-        buf: &'a mut [f32],
-    ) -> Rows<'a> {
-        match X::as_f32(src) {
-            Some(data) => Rows {
-                data,
-                start,
-                stride,
-                len,
-            },
-            None => {
-                for (i, dst) in buf[..n * len].chunks_exact_mut(len).enumerate() {
-                    X::cast_to_f32(&src[start + i * stride..][..len], dst);
-                }
-                Rows {
-                    data: &buf[..n * len],
-                    start: 0,
-                    stride: len,
-                    len,
-                }
-            }
+    fn rows(
+        &self,
+        d: &AttentionDims,
+        (b, h): (usize, usize),
+        (t0, n): (usize, usize),
+        dst: &mut [f32],
+    ) {
+        let hs = d.head_size;
+        for (i, row) in dst.chunks_exact_mut(padded(hs)).take(n).enumerate() {
+            let at = self.heads.at(d, b, t0 + i, h);
+            widen(&self.data[at..at + hs], &mut row[..hs]);
+            row[hs..].fill(0.0);
         }
     }
 
-    /// Head h of batch b of `x`, widening into `buf` if needed.
+    /// The same rows transposed into `dst (hs, TILE)`: column i is row t0 + i, columns from n
+    /// on are zero.
     #[inline(always)]
-    fn head<X: Float>(
-        x: Operand<'a, X>,
+    fn columns(
+        &self,
         d: &AttentionDims,
-        b: usize,
-        h: usize,
-        buf: &'a mut [f32],
-    ) -> Rows<'a> {
-        Rows::new(x.data, x.heads.rows(d, b, h), d.t, buf)
-    }
-
-    #[inline(always)]
-    fn row(&self, i: usize) -> &'a [f32] {
-        &self.data[self.start + i * self.stride..][..self.len]
+        (b, h): (usize, usize),
+        (t0, n): (usize, usize),
+        dst: &mut [f32],
+    ) {
+        let hs = d.head_size;
+        let mut buf = [0f32; MAX_HEAD_SIZE];
+        for i in 0..n {
+            let at = self.heads.at(d, b, t0 + i, h);
+            widen(&self.data[at..at + hs], &mut buf[..hs]);
+            for (j, &x) in buf[..hs].iter().enumerate() {
+                dst[j * TILE + i] = x;
+            }
+        }
+        for column in dst[..hs * TILE].chunks_exact_mut(TILE) {
+            column[n..].fill(0.0);
+        }
     }
 }
 
-/// `parts` scratch buffers of one widened `(T, hs)` head slice each, empty when `X` is f32.
-fn scratch<X: Float>(parts: usize, d: &AttentionDims) -> Vec<Vec<f32>> {
-    let len = match X::as_f32(&[]) {
-        Some(_) => 0,
-        None => d.t * d.head_size,
-    };
-    vec![vec![0f32; len]; parts]
+/// `out[r][m] = Σ_j a[r][j] · bt[j][m]` over `j < hs` in order, for rows `r < n` rounded up to
+/// [`ROWS`]: `a (TILE, padded hs)`, `bt (hs, TILE)` (a tile transposed), `out (TILE, TILE)`.
+#[inline(always)]
+fn scores(out: &mut [f32], a: &[f32], bt: &[f32], n: usize, hs: usize) {
+    let hsp = padded(hs);
+    for r0 in (0..n).step_by(ROWS) {
+        let mut acc = [[0f32; TILE]; ROWS];
+        for (j, b) in bt[..hs * TILE].chunks_exact(TILE).enumerate() {
+            let b: &[f32; TILE] = b.try_into().expect("a tile row");
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = a[(r0 + r) * hsp + j];
+                for m in 0..TILE {
+                    acc[m] += x * b[m];
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            out[(r0 + r) * TILE..][..TILE].copy_from_slice(acc);
+        }
+    }
 }
 
-/// Forward: `out (B, T, C)` and `att (B, NH, T, T)`, the softmax probabilities (0 above the
-/// diagonal), from `qkv (B, T, 3C)` laid out `[q | k | v]`, head h in columns `h·hs..(h+1)·hs`
-/// of each part (`d.kv_heads == d.nh`).
-///
-/// One task per (b, h). Unless `X` is f32, each task widens its head's keys and values once
-/// into `2·T·hs` f32 of heap scratch.
-pub fn attention_forward<X: Float>(out: &mut [X], att: &mut [X], qkv: &[X], d: AttentionDims) {
-    let [q, k, v, o] = d.packed(qkv.len(), out.len(), att.len());
+/// `acc[m][c] += Σ_r w[r][m] · src[r][c]` over `r < n` in order, for rows `m < rows` rounded
+/// up to [`ROWS`]: `acc`, `src (TILE, hsp)`, `w (TILE, TILE)`.
+#[inline(always)]
+fn accumulate(acc: &mut [f32], w: &[f32], src: &[f32], n: usize, rows: usize, hsp: usize) {
+    for m0 in (0..rows).step_by(ROWS) {
+        let mut c0 = 0;
+        while c0 < hsp {
+            let at = (m0, c0, hsp);
+            c0 += if hsp - c0 >= WIDE {
+                columns::<WIDE>(acc, w, src, n, at)
+            } else {
+                columns::<NARROW>(acc, w, src, n, at)
+            };
+        }
+    }
+}
+
+/// [`accumulate`] on rows `m0..m0 + ROWS`, columns `c0..c0 + W`; returns W.
+#[inline(always)]
+fn columns<const W: usize>(
+    acc: &mut [f32],
+    w: &[f32],
+    src: &[f32],
+    n: usize,
+    (m0, c0, hsp): (usize, usize, usize),
+) -> usize {
+    let mut a = [[0f32; W]; ROWS];
+    for (r, a) in a.iter_mut().enumerate() {
+        a.copy_from_slice(&acc[(m0 + r) * hsp + c0..][..W]);
+    }
+    for k in 0..n {
+        let s: &[f32; W] = src[k * hsp + c0..][..W].try_into().expect("W columns");
+        let wk: &[f32; ROWS] = w[k * TILE + m0..][..ROWS].try_into().expect("ROWS weights");
+        for (a, &wk) in a.iter_mut().zip(wk) {
+            for c in 0..W {
+                a[c] += wk * s[c];
+            }
+        }
+    }
+    for (r, a) in a.iter().enumerate() {
+        acc[(m0 + r) * hsp + c0..][..W].copy_from_slice(a);
+    }
+    W
+}
+
+/// Forward: `out (B, T, C)` and `lse (B, NH, T)`, each query row's log-sum-exp of its scaled
+/// scores, from `qkv (B, T, 3C)` laid out `[q | k | v]`, head h in columns `h·hs..(h+1)·hs` of
+/// each part (`d.kv_heads == d.nh`).
+pub fn attention_forward<X: Float>(out: &mut [X], lse: &mut [f32], qkv: &[X], d: AttentionDims) {
+    let [q, k, v, o] = d.packed(qkv.len(), out.len(), lse.len());
     let read = |heads| Operand { data: qkv, heads };
     forward(
         Output {
             data: SharedMut::new(out),
             heads: o,
         },
-        att,
+        lse,
         [read(q), read(k), read(v)],
         d,
     );
 }
 
-/// Grouped-query forward: `out (B, T, NH·hs)` and `att (B, NH, T, T)` from `q (B, T, NH·hs)`,
-/// `k` and `v (B, T, KV·hs)`; query head h attends with key/value head `h / d.group()` (as
-/// Hugging Face's `repeat_kv`).
-///
-/// One task per (b, key/value head). Unless `X` is f32, each task widens its keys and values
-/// once into `2·T·hs` f32 of heap scratch.
+/// Grouped-query forward: `out (B, T, NH·hs)` and `lse (B, NH, T)` from `q (B, T, NH·hs)`, `k`
+/// and `v (B, T, KV·hs)`; query head h attends with key/value head `h / d.group()` (as Hugging
+/// Face's `repeat_kv`).
 pub fn gqa_attention_forward<X: Float>(
     out: &mut [X],
-    att: &mut [X],
+    lse: &mut [f32],
     q: &[X],
     k: &[X],
     v: &[X],
     d: AttentionDims,
 ) {
-    let [qh, kh, vh, oh] = d.separate([q.len(), k.len(), v.len(), out.len()], att.len());
+    let [qh, kh, vh, oh] = d.separate([q.len(), k.len(), v.len(), out.len()], lse.len());
     forward(
         Output {
             data: SharedMut::new(out),
             heads: oh,
         },
-        att,
+        lse,
         [
             Operand { data: q, heads: qh },
             Operand { data: k, heads: kh },
@@ -292,63 +367,73 @@ pub fn gqa_attention_forward<X: Float>(
     );
 }
 
-/// The forward of both layouts, one task per (b, key/value head) and its group of query heads.
+/// The forward of both layouts, one task per (b, query head, query tile): over the key tiles up
+/// to the diagonal, a running maximum and sum per query row, and the output rescaled by them.
 fn forward<X: Float>(
     out: Output<X>,
-    att: &mut [X],
+    lse: &mut [f32],
     [q, k, v]: [Operand<'_, X>; 3],
     d: AttentionDims,
 ) {
-    let (t_len, hs, scale) = (d.t, d.head_size, 1.0 / (d.head_size as f32).sqrt());
-    let att = SharedMut::new(att);
-    for_ranges(d.b * d.kv_heads, 1, |groups| {
-        let mut buf = scratch::<X>(2, &d);
-        for bg in groups {
-            let (b, g) = (bg / d.kv_heads, bg % d.kv_heads);
-            let [kb, vb] = &mut buf[..] else {
-                unreachable!("two buffers")
-            };
-            let (k, v) = (Rows::head(k, &d, b, g, kb), Rows::head(v, &d, b, g, vb));
+    let (hs, n_tiles) = (d.head_size, d.t.div_ceil(TILE));
+    let (hsp, scale) = (padded(hs), 1.0 / (hs as f32).sqrt());
+    let lse = SharedMut::new(lse);
+    for_ranges(d.b * d.nh * n_tiles, 1, |tasks| {
+        let [qt, kr, vr, s, o] = &mut tiles::<5>(&d);
+        for task in tasks {
+            let (bh, qi) = (task / n_tiles, task % n_tiles);
+            let (b, h) = (bh / d.nh, bh % d.nh);
+            let kv = (b, h / d.group());
+            let (t0, nq) = span(&d, qi);
+            let rows = nq.next_multiple_of(ROWS);
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    let (mut qb, mut o) = ([0f32; BLOCK], [0f32; BLOCK]);
-                    let mut s = vec![0f32; t_len];
-                    for h in g * d.group()..(g + 1) * d.group() {
-                        for t in 0..t_len {
-                            let row = (b * d.nh + h) * t_len + t;
-                            let q = view(&q.data[q.heads.at(&d, b, t, h)..][..hs], &mut qb);
-                            let mut max = f32::NEG_INFINITY;
-                            for (t2, s) in s[..=t].iter_mut().enumerate() {
-                                *s = dot(q, k.row(t2)) * scale;
-                                max = max.max(*s);
+                    q.columns(&d, (b, h), (t0, nq), qt);
+                    // Per query row (lane i): the running maximum and sum of exp(score - max).
+                    let (mut max, mut sum) = ([f32::NEG_INFINITY; TILE], [0f32; TILE]);
+                    o.fill(0.0);
+                    for kj in 0..=qi {
+                        let keys = span(&d, kj);
+                        k.rows(&d, kv, keys, kr);
+                        v.rows(&d, kv, keys, vr);
+                        // sᵀ: row j holds key j's scores against the tile's query rows.
+                        scores(s, kr, qt, keys.1, hs);
+                        let mut new = max;
+                        for (j, s) in s.chunks_exact_mut(TILE).take(keys.1).enumerate() {
+                            s.iter_mut().for_each(|s| *s *= scale);
+                            if kj == qi {
+                                // Key t0 + j comes after query rows t0 + i, i < j.
+                                s[..j].fill(f32::NEG_INFINITY);
                             }
-                            let mut sum = 0.0;
-                            for s in &mut s[..=t] {
-                                *s = exp(*s - max);
-                                sum += *s;
-                            }
-                            let inv = 1.0 / sum;
-                            o[..hs].fill(0.0);
-                            for (t2, s) in s[..=t].iter_mut().enumerate() {
-                                *s *= inv;
-                                o[..hs]
-                                    .iter_mut()
-                                    .zip(v.row(t2))
-                                    .for_each(|(o, v)| *o += *s * v);
-                            }
-                            s[t + 1..t_len].fill(0.0);
-                            // SAFETY: row (b, h, t) of att and head h of out at (b, t) belong
-                            // to this task only.
-                            let (a, y) = unsafe {
-                                (
-                                    att.slice(row * t_len..(row + 1) * t_len),
-                                    out.row(&d, b, t, h),
-                                )
-                            };
-                            X::cast_from_f32(&s[..t_len], a);
-                            X::cast_from_f32(&o[..hs], y);
+                            new.iter_mut().zip(&*s).for_each(|(m, s)| *m = m.max(*s));
                         }
+                        let mut alpha = [0f32; TILE];
+                        for i in 0..TILE {
+                            alpha[i] = exp(max[i] - new[i]);
+                            sum[i] *= alpha[i];
+                        }
+                        max = new;
+                        for s in s.chunks_exact_mut(TILE).take(keys.1) {
+                            for i in 0..TILE {
+                                s[i] = exp(s[i] - max[i]);
+                                sum[i] += s[i];
+                            }
+                        }
+                        for (o, a) in o.chunks_exact_mut(hsp).zip(alpha).take(rows) {
+                            o.iter_mut().for_each(|o| *o *= a);
+                        }
+                        accumulate(o, s, vr, keys.1, rows, hsp);
+                    }
+                    let at = (bh * d.t) + t0;
+                    // SAFETY: rows t0..t0 + nq of head h of batch b, in out and in lse, belong to
+                    // this task only.
+                    let lse = unsafe { lse.slice(at..at + nq) };
+                    for (i, o) in o.chunks_exact_mut(hsp).take(nq).enumerate() {
+                        let inv = 1.0 / sum[i];
+                        o[..hs].iter_mut().for_each(|o| *o *= inv);
+                        X::cast_from_f32(&o[..hs], unsafe { out.row(&d, b, t0 + i, h) });
+                        lse[i] = max[i] + sum[i].ln();
                     }
                 },
             )
@@ -356,186 +441,215 @@ fn forward<X: Float>(
     });
 }
 
-/// Backward: `dqkv (B, T, 3C)` (overwritten) from `dout (B, T, C)`, the forward's `qkv` and
-/// `att`; `datt (B, NH, T, T)` is f32 scratch (left holding ∂L/∂scores).
-///
-/// One task per (b, h). Unless `X` is f32, each task widens its head's queries, keys, values
-/// and output gradients once into `4·T·hs` f32 of heap scratch.
+/// Backward: `dqkv (B, T, 3C)` (overwritten) from `dout (B, T, C)` and the forward's `qkv`,
+/// `out` and `lse`; `delta (B, NH, T)` is f32 scratch, left holding `rowsum(dout ∘ out)`.
 pub fn attention_backward<X: Float>(
     dqkv: &mut [X],
-    datt: &mut [f32],
+    delta: &mut [f32],
     dout: &[X],
     qkv: &[X],
-    att: &[X],
+    out: &[X],
+    lse: &[f32],
     d: AttentionDims,
 ) {
-    let [q, k, v, o] = d.packed(qkv.len(), dout.len(), att.len());
+    let [q, k, v, o] = d.packed(qkv.len(), dout.len(), lse.len());
     assert!(
-        dqkv.len() == qkv.len() && datt.len() == att.len(),
-        "dqkv must be (B, T, 3C), datt (B, NH, T, T)"
+        dqkv.len() == qkv.len() && out.len() == dout.len() && delta.len() == lse.len(),
+        "dqkv must be (B, T, 3C), out (B, T, C), delta (B, NH, T)"
     );
     let read = |heads| Operand { data: qkv, heads };
     let data = SharedMut::new(dqkv);
     let write = |heads| Output { data, heads };
     backward(
         [write(q), write(k), write(v)],
-        datt,
-        Operand {
-            data: dout,
-            heads: o,
-        },
+        delta,
+        [dout, out].map(|data| Operand { data, heads: o }),
         [read(q), read(k), read(v)],
-        att,
+        lse,
         d,
     );
 }
 
 /// Grouped-query backward: `dq (B, T, NH·hs)`, `dk` and `dv (B, T, KV·hs)` (overwritten) from
-/// `dout (B, T, NH·hs)`, the forward's inputs and `att`; a key/value head's gradients sum over
-/// its group of query heads (in f32, in head order, stored once). `datt (B, NH, T, T)` is f32
-/// scratch (left holding ∂L/∂scores).
-///
-/// One task per (b, key/value head). Unless `X` is f32, each task widens its keys and values
-/// and its query heads' queries and output gradients once into `(2 + 2·NH/KV)·T·hs` f32 of
-/// heap scratch.
+/// `dout (B, T, NH·hs)` and the forward's inputs, `out` and `lse`; a key/value head's gradients
+/// sum over its group of query heads (in f32, in head order, stored once). `delta (B, NH, T)`
+/// is f32 scratch, left holding `rowsum(dout ∘ out)`.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention_backward<X: Float>(
     dq: &mut [X],
     dk: &mut [X],
     dv: &mut [X],
-    datt: &mut [f32],
+    delta: &mut [f32],
     dout: &[X],
     q: &[X],
     k: &[X],
     v: &[X],
-    att: &[X],
+    out: &[X],
+    lse: &[f32],
     d: AttentionDims,
 ) {
-    let [qh, kh, vh, oh] = d.separate([q.len(), k.len(), v.len(), dout.len()], att.len());
+    let [qh, kh, vh, oh] = d.separate([q.len(), k.len(), v.len(), dout.len()], lse.len());
     assert!(
         dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
         "dq, dk, dv must have the shapes of q, k, v"
     );
-    assert_eq!(datt.len(), att.len(), "datt must be (B, NH, T, T)");
+    assert!(
+        out.len() == dout.len() && delta.len() == lse.len(),
+        "out must be (B, T, NH·hs), delta (B, NH, T)"
+    );
     let write = |x: &mut [X], heads| Output {
         data: SharedMut::new(x),
         heads,
     };
     backward(
         [write(dq, qh), write(dk, kh), write(dv, vh)],
-        datt,
-        Operand {
-            data: dout,
-            heads: oh,
-        },
+        delta,
+        [dout, out].map(|data| Operand { data, heads: oh }),
         [
             Operand { data: q, heads: qh },
             Operand { data: k, heads: kh },
             Operand { data: v, heads: vh },
         ],
-        att,
+        lse,
         d,
     );
 }
 
-/// The backward of both layouts, one task per (b, key/value head) and its group of query heads.
+/// The backward of both layouts, in two passes that recompute the probabilities
+/// `P = exp(scale·q·kᵀ - lse)` tile by tile and write each gradient row once: dq (and delta)
+/// per (b, query head, query tile), then dk and dv per (b, key/value head, key tile).
 fn backward<X: Float>(
     [dq, dk, dv]: [Output<X>; 3],
-    datt: &mut [f32],
-    dout: Operand<'_, X>,
+    delta: &mut [f32],
+    [dout, out]: [Operand<'_, X>; 2],
     [q, k, v]: [Operand<'_, X>; 3],
-    att: &[X],
+    lse: &[f32],
     d: AttentionDims,
 ) {
-    let (t_len, hs, group) = (d.t, d.head_size, d.group());
-    let scale = 1.0 / (hs as f32).sqrt();
-    let ds = SharedMut::new(datt);
-    for_ranges(d.b * d.kv_heads, 1, |groups| {
-        let mut buf = scratch::<X>(2 + 2 * group, &d);
-        for bg in groups {
-            let (b, g) = (bg / d.kv_heads, bg % d.kv_heads);
-            let [kb, vb, rest @ ..] = &mut buf[..] else {
-                unreachable!("2 + 2·group buffers")
-            };
-            let (k, v) = (Rows::head(k, &d, b, g, kb), Rows::head(v, &d, b, g, vb));
-            // The group's query heads: (h, queries, output gradients).
-            let heads: Vec<_> = rest
-                .chunks_exact_mut(2)
-                .enumerate()
-                .map(|(j, pair)| {
-                    let h = g * group + j;
-                    let [qb, yb] = pair else {
-                        unreachable!("pairs")
-                    };
-                    (
-                        h,
-                        Rows::head(q, &d, b, h, qb),
-                        Rows::head(dout, &d, b, h, yb),
-                    )
-                })
-                .collect();
-            let first = (b * d.nh + g * group) * t_len; // row of (b, first head of the group, 0)
-            // SAFETY: rows (b, group heads, ·) of datt, the group's heads of dq and its
-            // key/value head of dk and dv at (b, ·) belong to this task.
-            let s_group = unsafe { ds.slice(first * t_len..(first + group * t_len) * t_len) };
+    let (hs, n_tiles, group) = (d.head_size, d.t.div_ceil(TILE), d.group());
+    let (hsp, scale) = (padded(hs), 1.0 / (hs as f32).sqrt());
+    let shared = SharedMut::new(delta);
+    // dS = P ∘ (dout·vᵀ - delta), dq = scale · dS·k, over the key tiles up to the diagonal.
+    for_ranges(d.b * d.nh * n_tiles, 1, |tasks| {
+        let [qt, yt, kr, vr, s, dp, gq] = &mut tiles::<7>(&d);
+        for task in tasks {
+            let (bh, qi) = (task / n_tiles, task % n_tiles);
+            let (b, h) = (bh / d.nh, bh % d.nh);
+            let kv = (b, h / group);
+            let (t0, nq) = span(&d, qi);
+            let at = bh * d.t + t0;
+            // SAFETY: rows t0..t0 + nq of head h of batch b, in delta and in dq, belong to this
+            // task only.
+            let delta = unsafe { shared.slice(at..at + nq) };
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    let mut gq = [0f32; BLOCK];
-                    let mut a = vec![0f32; t_len];
-                    // Per query row t: ∂L/∂scores = att ⊙ (datt - Σ att·datt), dq = scale · Σ ds·k.
-                    for (j, (h, _, dy)) in heads.iter().enumerate() {
-                        let head = first + j * t_len;
-                        let s_head = &mut s_group[j * t_len * t_len..][..t_len * t_len];
-                        for t in 0..t_len {
-                            let s = &mut s_head[t * t_len..(t + 1) * t_len];
-                            let dyt = dy.row(t);
-                            X::cast_to_f32(&att[(head + t) * t_len..][..=t], &mut a[..=t]);
-                            let mut total = 0.0;
-                            for t2 in 0..=t {
-                                s[t2] = dot(dyt, v.row(t2));
-                                total += a[t2] * s[t2];
+                    q.columns(&d, (b, h), (t0, nq), qt);
+                    dout.columns(&d, (b, h), (t0, nq), yt);
+                    let (mut lse_i, mut delta_i) = ([0f32; TILE], [0f32; TILE]);
+                    let (mut yb, mut ob) = ([0f32; MAX_HEAD_SIZE], [0f32; MAX_HEAD_SIZE]);
+                    for i in 0..nq {
+                        let (y, o) = (
+                            dout.heads.at(&d, b, t0 + i, h),
+                            out.heads.at(&d, b, t0 + i, h),
+                        );
+                        let (y, o) = (
+                            view(&dout.data[y..y + hs], &mut yb),
+                            view(&out.data[o..o + hs], &mut ob),
+                        );
+                        delta_i[i] = dot(y, o);
+                        lse_i[i] = lse[at + i];
+                    }
+                    delta.copy_from_slice(&delta_i[..nq]);
+                    gq.fill(0.0);
+                    for kj in 0..=qi {
+                        let keys = span(&d, kj);
+                        k.rows(&d, kv, keys, kr);
+                        v.rows(&d, kv, keys, vr);
+                        // Transposed, as in the forward: row j for key j, lane i for query row i.
+                        scores(s, kr, qt, keys.1, hs);
+                        scores(dp, vr, yt, keys.1, hs);
+                        for (j, (s, dp)) in s
+                            .chunks_exact_mut(TILE)
+                            .zip(dp.chunks_exact(TILE))
+                            .take(keys.1)
+                            .enumerate()
+                        {
+                            for i in 0..TILE {
+                                let p = exp(s[i] * scale - lse_i[i]);
+                                s[i] = p * (dp[i] - delta_i[i]);
                             }
-                            gq[..hs].fill(0.0);
-                            for t2 in 0..=t {
-                                s[t2] = a[t2] * (s[t2] - total);
-                                gq[..hs]
-                                    .iter_mut()
-                                    .zip(k.row(t2))
-                                    .for_each(|(g, k)| *g += s[t2] * k);
+                            if kj == qi {
+                                s[..j].fill(0.0);
                             }
-                            s[t + 1..].fill(0.0);
-                            gq[..hs].iter_mut().for_each(|g| *g *= scale);
-                            // SAFETY: see s_group.
-                            X::cast_from_f32(&gq[..hs], unsafe { dq.row(&d, b, t, *h) });
+                        }
+                        accumulate(gq, s, kr, keys.1, nq, hsp);
+                    }
+                    for (i, g) in gq.chunks_exact_mut(hsp).take(nq).enumerate() {
+                        g[..hs].iter_mut().for_each(|g| *g *= scale);
+                        // SAFETY: see delta.
+                        X::cast_from_f32(&g[..hs], unsafe { dq.row(&d, b, t0 + i, h) });
+                    }
+                },
+            )
+        }
+    });
+    let delta = &*delta;
+    // dv = Pᵀ·dout, dk = scale · dSᵀ·q, over the group's query heads in order, then the query
+    // tiles from the diagonal on.
+    for_ranges(d.b * d.kv_heads * n_tiles, 1, |tasks| {
+        let [kt, vt, qr, yr, s, ds, gk, gv] = &mut tiles::<8>(&d);
+        for task in tasks {
+            let (bg, kj) = (task / n_tiles, task % n_tiles);
+            let (b, g) = (bg / d.kv_heads, bg % d.kv_heads);
+            let (k0, nk) = span(&d, kj);
+            simd::dispatch(
+                #[inline(always)]
+                || {
+                    k.columns(&d, (b, g), (k0, nk), kt);
+                    v.columns(&d, (b, g), (k0, nk), vt);
+                    gk.fill(0.0);
+                    gv.fill(0.0);
+                    for h in g * group..(g + 1) * group {
+                        for qi in kj..n_tiles {
+                            let (t0, nq) = span(&d, qi);
+                            q.rows(&d, (b, h), (t0, nq), qr);
+                            dout.rows(&d, (b, h), (t0, nq), yr);
+                            // Row i for query row i, lane j for key j.
+                            scores(s, qr, kt, nq, hs);
+                            scores(ds, yr, vt, nq, hs);
+                            let at = (b * d.nh + h) * d.t + t0;
+                            for (i, (s, ds)) in s
+                                .chunks_exact_mut(TILE)
+                                .zip(ds.chunks_exact_mut(TILE))
+                                .take(nq)
+                                .enumerate()
+                            {
+                                let (lse, delta) = (lse[at + i], delta[at + i]);
+                                for j in 0..TILE {
+                                    s[j] = exp(s[j] * scale - lse);
+                                    ds[j] = s[j] * (ds[j] - delta);
+                                }
+                                if qi == kj {
+                                    s[i + 1..].fill(0.0);
+                                    ds[i + 1..].fill(0.0);
+                                }
+                            }
+                            accumulate(gv, s, yr, nq, nk, hsp);
+                            accumulate(gk, ds, qr, nq, nk, hsp);
                         }
                     }
-                    // Per key row t2, over the group's heads in order, then t:
-                    // dk = scale · Σ ds[t, t2] · q[t], dv = Σ att[t, t2] · dout[t].
-                    let (mut gk, mut gv) = ([0f32; BLOCK], [0f32; BLOCK]);
-                    for t2 in 0..t_len {
-                        gk[..hs].fill(0.0);
-                        gv[..hs].fill(0.0);
-                        for (j, (_, q, dy)) in heads.iter().enumerate() {
-                            let head = first + j * t_len;
-                            for t in t2..t_len {
-                                let (w, p) = (
-                                    s_group[(j * t_len + t) * t_len + t2],
-                                    att[(head + t) * t_len + t2].to_f32(),
-                                );
-                                gk[..hs]
-                                    .iter_mut()
-                                    .zip(q.row(t))
-                                    .for_each(|(g, q)| *g += w * q);
-                                gv[..hs]
-                                    .iter_mut()
-                                    .zip(dy.row(t))
-                                    .for_each(|(g, y)| *g += p * y);
-                            }
-                        }
+                    for (i, (gk, gv)) in gk
+                        .chunks_exact_mut(hsp)
+                        .zip(gv.chunks_exact(hsp))
+                        .take(nk)
+                        .enumerate()
+                    {
                         gk[..hs].iter_mut().for_each(|g| *g *= scale);
-                        // SAFETY: see s_group.
-                        let (kr, vr) = unsafe { (dk.row(&d, b, t2, g), dv.row(&d, b, t2, g)) };
+                        // SAFETY: rows k0..k0 + nk of key/value head g of batch b, in dk and dv,
+                        // belong to this task only.
+                        let (kr, vr) =
+                            unsafe { (dk.row(&d, b, k0 + i, g), dv.row(&d, b, k0 + i, g)) };
                         X::cast_from_f32(&gk[..hs], kr);
                         X::cast_from_f32(&gv[..hs], vr);
                     }

@@ -135,10 +135,22 @@ pub fn attention_forward(qkv: &[f64], d: AttentionDims) -> (Vec<f64>, Vec<f64>) 
     gqa_attention_forward(&q, &k, &v, d)
 }
 
-/// `dqkv (B, T, 3C)` from `dout (B, T, C)` and the forward's `qkv` and `att`.
-pub fn attention_backward(dout: &[f64], qkv: &[f64], att: &[f64], d: AttentionDims) -> Vec<f64> {
+/// `lse (B, NH, T)` from `qkv (B, T, 3C)` (see [`gqa_attention_lse`]).
+pub fn attention_lse(qkv: &[f64], d: AttentionDims) -> Vec<f64> {
+    let [q, k, _] = unpack(qkv, d.q_width());
+    gqa_attention_lse(&q, &k, d)
+}
+
+/// `dqkv (B, T, 3C)` from `dout (B, T, C)` and the forward's `qkv`, `att` and `out`.
+pub fn attention_backward(
+    dout: &[f64],
+    qkv: &[f64],
+    att: &[f64],
+    out: &[f64],
+    d: AttentionDims,
+) -> Vec<f64> {
     let [q, k, v] = unpack(qkv, d.q_width());
-    let (dq, dk, dv) = gqa_attention_backward(dout, &q, &k, &v, att, d);
+    let (dq, dk, dv) = gqa_attention_backward(dout, &q, &k, &v, att, out, d);
     let c = d.q_width();
     let mut dqkv = Vec::with_capacity(qkv.len());
     for ((dq, dk), dv) in dq.chunks(c).zip(dk.chunks(c)).zip(dv.chunks(c)) {
@@ -162,6 +174,27 @@ fn head_at(d: &AttentionDims, heads: usize, (b, t, h, i): (usize, usize, usize, 
     (b * d.t + t) * heads * d.head_size + h * d.head_size + i
 }
 
+/// The scaled scores of query row t of head h of batch b against keys `0..=t`.
+fn scores(q: &[f64], k: &[f64], d: &AttentionDims, (b, t, h): (usize, usize, usize)) -> Vec<f64> {
+    (0..=t)
+        .map(|t2| {
+            (0..d.head_size)
+                .map(|i| {
+                    q[head_at(d, d.nh, (b, t, h, i))]
+                        * k[head_at(d, d.kv_heads, (b, t2, h / d.group(), i))]
+                })
+                .sum::<f64>()
+                / (d.head_size as f64).sqrt()
+        })
+        .collect()
+}
+
+/// The maximum of scores `s` and the sum of `exp(s - max)`.
+fn max_and_sum(s: &[f64]) -> (f64, f64) {
+    let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    (max, s.iter().map(|s| (s - max).exp()).sum())
+}
+
 /// `(out (B, T, NH·hs), att (B, NH, T, T))` from `q (B, T, NH·hs)`, `k`, `v (B, T, KV·hs)`;
 /// query head h reads key/value head h / (NH/KV).
 pub fn gqa_attention_forward(
@@ -179,16 +212,8 @@ pub fn gqa_attention_forward(
     for b in 0..d.b {
         for h in 0..nh {
             for t in 0..tn {
-                let s: Vec<f64> = (0..=t)
-                    .map(|t2| {
-                        (0..hs)
-                            .map(|i| q[qi(b, t, h, i)] * k[ki(b, t2, h, i)])
-                            .sum::<f64>()
-                            / (hs as f64).sqrt()
-                    })
-                    .collect();
-                let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = s.iter().map(|s| (s - max).exp()).sum();
+                let s = scores(q, k, &d, (b, t, h));
+                let (max, z) = max_and_sum(&s);
                 let row = ((b * nh + h) * tn + t) * tn;
                 for t2 in 0..=t {
                     let p = (s[t2] - max).exp() / z;
@@ -203,13 +228,31 @@ pub fn gqa_attention_forward(
     (out, att)
 }
 
-/// `(dq, dk, dv)` from `dout (B, T, NH·hs)` and the forward's `q`, `k`, `v` and `att`.
+/// `lse (B, NH, T)`: each query row's log-sum-exp of its scaled scores, from `q (B, T, NH·hs)`
+/// and `k (B, T, KV·hs)`.
+pub fn gqa_attention_lse(q: &[f64], k: &[f64], d: AttentionDims) -> Vec<f64> {
+    let mut lse = Vec::with_capacity(d.b * d.nh * d.t);
+    for b in 0..d.b {
+        for h in 0..d.nh {
+            for t in 0..d.t {
+                let (max, z) = max_and_sum(&scores(q, k, &d, (b, t, h)));
+                lse.push(max + z.ln());
+            }
+        }
+    }
+    lse
+}
+
+/// `(dq, dk, dv)` from `dout (B, T, NH·hs)` and the forward's `q`, `k`, `v`, `att` and `out`.
+/// As the kernels do, each query row's `Σ att·(dout·vᵀ)` is taken as `dout·out`: equal for
+/// the exact `out`, and for a rounded one the gradient a kernel reading it should give.
 pub fn gqa_attention_backward(
     dout: &[f64],
     q: &[f64],
     k: &[f64],
     v: &[f64],
     att: &[f64],
+    out: &[f64],
     d: AttentionDims,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (tn, nh, hs, kv) = (d.t, d.nh, d.head_size, d.kv_heads);
@@ -227,7 +270,7 @@ pub fn gqa_attention_backward(
                 let datt: Vec<f64> = (0..=t)
                     .map(|t2| (0..hs).map(|i| dy(i) * v[ki(b, t2, h, i)]).sum())
                     .collect();
-                let total: f64 = (0..=t).map(|t2| att[row + t2] * datt[t2]).sum();
+                let total: f64 = (0..hs).map(|i| dy(i) * out[qi(b, t, h, i)]).sum();
                 for t2 in 0..=t {
                     let ds = att[row + t2] * (datt[t2] - total) * scale;
                     for i in 0..hs {

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kernels::attention::{
-    AttentionDims, attention_backward, attention_forward, gqa_attention_backward,
+    AttentionDims, MAX_HEAD_SIZE, attention_backward, attention_forward, gqa_attention_backward,
     gqa_attention_forward,
 };
 use kernels::matmul::{
@@ -233,25 +233,47 @@ fn layernorm_matches<X: Float>() {
     assert_close("dbias", &to_f64(&gb), &plus(&db, &db0), rtol::<X>());
 }
 
+/// Rows of `dout ∘ out` summed per (b, head, t): the `delta (B, NH, T)` the backward leaves.
+fn rowsums(dout: &[f64], out: &[f64], d: AttentionDims) -> Vec<f64> {
+    let hs = d.head_size;
+    let mut delta = vec![0.0; d.b * d.nh * d.t];
+    for (row, (y, o)) in dout.chunks(hs).zip(out.chunks(hs)).enumerate() {
+        let (bt, h) = (row / d.nh, row % d.nh);
+        let (b, t) = (bt / d.t, bt % d.t);
+        delta[(b * d.nh + h) * d.t + t] = y.iter().zip(o).map(|(y, o)| y * o).sum();
+    }
+    delta
+}
+
+/// Multi-head attention on the packed layout: T within one tile, T = 1, T across a partial
+/// tile, T past 1024 (tiny heads), and the largest head size.
 fn attention_matches<X: Float>() {
     let mut rng = Rng::new(5);
-    let (c, d) = (60, AttentionDims::mha(2, 19, 60, 3));
-    let qkv = rounded::<X>(&rng.vec(d.b * d.t * 3 * c, 1.0));
-    let (want, want_att) = reference::attention_forward(&qkv, d);
-    let (mut out, mut att) = (
-        vec![X::ZERO; d.b * d.t * c],
-        vec![X::ZERO; d.b * d.nh * d.t * d.t],
-    );
-    let xq = to_x::<X>(&qkv);
-    attention_forward(&mut out, &mut att, &xq, d);
-    assert_close("out", &to_f64(&out), &want, rtol::<X>());
-    assert_close("att", &to_f64(&att), &want_att, rtol::<X>());
+    for (b, t, nh, hs) in [
+        (2, 19, 3, 20),
+        (1, 1, 2, 64),
+        (2, 70, 2, 64),
+        (1, 1100, 2, 3),
+        (1, 130, 1, MAX_HEAD_SIZE),
+    ] {
+        let (c, d) = (nh * hs, AttentionDims::mha(b, t, nh * hs, nh));
+        let qkv = rounded::<X>(&rng.vec(d.b * d.t * 3 * c, 1.0));
+        let (want, att) = reference::attention_forward(&qkv, d);
+        let (mut out, mut lse) = (nan::<X>(d.b * d.t * c), vec![f32::NAN; d.b * d.nh * d.t]);
+        let xq = to_x::<X>(&qkv);
+        attention_forward(&mut out, &mut lse, &xq, d);
+        assert_close("out", &to_f64(&out), &want, rtol::<X>());
+        let want = reference::attention_lse(&qkv, d);
+        assert_close("lse", &to_f64(&lse), &want, rtol::<f32>());
 
-    let dout = rounded::<X>(&rng.vec(d.b * d.t * c, 1.0));
-    let want = reference::attention_backward(&dout, &qkv, &to_f64(&att), d);
-    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; att.len()]);
-    attention_backward(&mut dqkv, &mut datt, &to_x(&dout), &xq, &att, d);
-    assert_close("dqkv", &to_f64(&dqkv), &want, rtol::<X>());
+        let dout = rounded::<X>(&rng.vec(d.b * d.t * c, 1.0));
+        let want = reference::attention_backward(&dout, &qkv, &att, &to_f64(&out), d);
+        let (mut dqkv, mut delta) = (nan::<X>(qkv.len()), vec![f32::NAN; lse.len()]);
+        attention_backward(&mut dqkv, &mut delta, &to_x(&dout), &xq, &out, &lse, d);
+        assert_close("dqkv", &to_f64(&dqkv), &want, rtol::<X>());
+        let want = rowsums(&dout, &to_f64(&out), d);
+        assert_close("delta", &to_f64(&delta), &want, rtol::<f32>());
+    }
 }
 
 fn gelu_and_residual_match<X: Float>() {
@@ -304,12 +326,17 @@ fn norm_and_overflow_match<X: Float>() {
     }
 }
 
-/// Grouped-query attention with 2 and 4 query heads per key/value head and a head size that
-/// is not C/NH of any C the test has; and, with KV = NH, the same bits as the packed layout.
+/// Grouped-query attention with 2 and 4 query heads per key/value head, head sizes that are
+/// not C/NH of any C the test has, T within one tile, across three and past 1024; and, with
+/// KV = NH, the same bits as the packed layout.
 fn gqa_attention_matches<X: Float>() {
     let mut rng = Rng::new(9);
-    for kv in [2, 1] {
-        let d = AttentionDims::gqa(2, 17, 4, kv, 24);
+    for d in [
+        AttentionDims::gqa(2, 17, 4, 2, 24),
+        AttentionDims::gqa(2, 17, 4, 1, 24),
+        AttentionDims::gqa(1, 150, 8, 2, 64),
+        AttentionDims::gqa(1, 1030, 2, 1, 5),
+    ] {
         let (qn, kn) = (d.b * d.t * d.q_width(), d.b * d.t * d.kv_width());
         let (q, k, v) = (
             rounded::<X>(&rng.vec(qn, 1.0)),
@@ -317,26 +344,29 @@ fn gqa_attention_matches<X: Float>() {
             rounded::<X>(&rng.vec(kn, 1.0)),
         );
         let (xq, xk, xv) = (to_x::<X>(&q), to_x::<X>(&k), to_x::<X>(&v));
-        let (want, want_att) = reference::gqa_attention_forward(&q, &k, &v, d);
-        let (mut out, mut att) = (nan::<X>(qn), nan::<X>(d.b * d.nh * d.t * d.t));
-        gqa_attention_forward(&mut out, &mut att, &xq, &xk, &xv, d);
+        let (want, att) = reference::gqa_attention_forward(&q, &k, &v, d);
+        let (mut out, mut lse) = (nan::<X>(qn), vec![f32::NAN; d.b * d.nh * d.t]);
+        gqa_attention_forward(&mut out, &mut lse, &xq, &xk, &xv, d);
         assert_close("gqa out", &to_f64(&out), &want, rtol::<X>());
-        assert_close("gqa att", &to_f64(&att), &want_att, rtol::<X>());
+        let want = reference::gqa_attention_lse(&q, &k, d);
+        assert_close("gqa lse", &to_f64(&lse), &want, rtol::<f32>());
 
         let dout = rounded::<X>(&rng.vec(qn, 1.0));
-        let (wq, wk, wv) = reference::gqa_attention_backward(&dout, &q, &k, &v, &to_f64(&att), d);
+        let (wq, wk, wv) =
+            reference::gqa_attention_backward(&dout, &q, &k, &v, &att, &to_f64(&out), d);
         let (mut dq, mut dk, mut dv) = (nan::<X>(qn), nan::<X>(kn), nan::<X>(kn));
-        let mut datt = vec![f32::NAN; att.len()];
+        let mut delta = vec![f32::NAN; lse.len()];
         gqa_attention_backward(
             &mut dq,
             &mut dk,
             &mut dv,
-            &mut datt,
+            &mut delta,
             &to_x(&dout),
             &xq,
             &xk,
             &xv,
-            &att,
+            &out,
+            &lse,
             d,
         );
         assert_close("gqa dq", &to_f64(&dq), &wq, rtol::<X>());
@@ -344,7 +374,7 @@ fn gqa_attention_matches<X: Float>() {
         assert_close("gqa dv", &to_f64(&dv), &wv, rtol::<X>());
     }
 
-    let (c, d) = (48, AttentionDims::mha(2, 9, 48, 4));
+    let (c, d) = (48, AttentionDims::mha(2, 90, 48, 4));
     let qkv = to_x::<X>(&rng.vec(d.b * d.t * 3 * c, 1.0));
     let part = |p: usize| -> Vec<X> {
         qkv.chunks(3 * c)
@@ -352,22 +382,22 @@ fn gqa_attention_matches<X: Float>() {
             .collect()
     };
     let (q, k, v) = (part(0), part(1), part(2));
-    let n = d.b * d.nh * d.t * d.t;
-    let (mut po, mut pa, mut go, mut ga) = (
+    let n = d.b * d.nh * d.t;
+    let (mut po, mut pl, mut go, mut gl) = (
         vec![X::ZERO; d.b * d.t * c],
-        vec![X::ZERO; n],
+        vec![0f32; n],
         vec![X::ZERO; d.b * d.t * c],
-        vec![X::ZERO; n],
+        vec![0f32; n],
     );
-    attention_forward(&mut po, &mut pa, &qkv, d);
-    gqa_attention_forward(&mut go, &mut ga, &q, &k, &v, d);
-    assert!(po == go && pa == ga, "packed and separate forward differ");
+    attention_forward(&mut po, &mut pl, &qkv, d);
+    gqa_attention_forward(&mut go, &mut gl, &q, &k, &v, d);
+    assert!(po == go && pl == gl, "packed and separate forward differ");
     let dout = to_x::<X>(&rng.vec(d.b * d.t * c, 1.0));
-    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; n]);
-    attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &pa, d);
+    let (mut dqkv, mut delta) = (vec![X::ZERO; qkv.len()], vec![0f32; n]);
+    attention_backward(&mut dqkv, &mut delta, &dout, &qkv, &po, &pl, d);
     let (mut dq, mut dk, mut dv) = (q.clone(), k.clone(), v.clone());
     gqa_attention_backward(
-        &mut dq, &mut dk, &mut dv, &mut datt, &dout, &q, &k, &v, &pa, d,
+        &mut dq, &mut dk, &mut dv, &mut delta, &dout, &q, &k, &v, &po, &pl, d,
     );
     let packed: Vec<X> = (0..d.b * d.t)
         .flat_map(|r| {

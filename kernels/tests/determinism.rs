@@ -109,10 +109,10 @@ fn layer_bits<X: Float>() -> Bits {
     layernorm::layernorm_backward(&mut dx, &mut dw, &mut db, &x, &ln, &w, &mean, &rstd);
 
     let qkv = to_x::<X>(&rng.vec(b * t * 3 * c, 1.0));
-    let (mut out, mut att) = (vec![X::ZERO; b * t * c], vec![X::ZERO; b * 4 * t * t]);
-    attention_forward(&mut out, &mut att, &qkv, d);
-    let (mut dqkv, mut datt) = (vec![X::ZERO; qkv.len()], vec![0f32; att.len()]);
-    attention_backward(&mut dqkv, &mut datt, &out, &qkv, &att, d);
+    let (mut out, mut lse) = (vec![X::ZERO; b * t * c], vec![0f32; b * 4 * t]);
+    attention_forward(&mut out, &mut lse, &qkv, d);
+    let (mut dqkv, mut delta) = (vec![X::ZERO; qkv.len()], vec![0f32; lse.len()]);
+    attention_backward(&mut dqkv, &mut delta, &out, &qkv, &out, &lse, d);
 
     let mut logits: Vec<f32> = rng
         .vec(b * t * 1000, 5.0)
@@ -136,8 +136,9 @@ fn layer_bits<X: Float>() -> Bits {
         bits(&dw),
         bits(&db),
         bits(&out),
-        bits(&att),
+        bits(&lse),
         bits(&dqkv),
+        bits(&delta),
     ]
     .into_iter()
     .chain([bits(&losses), bits(&logits), ss])
@@ -197,12 +198,12 @@ fn llama_bits<X: Float>() -> Bits {
             head_dim: 40,
         },
     );
-    let (mut out, mut att) = (vec![X::ZERO; qn], vec![X::ZERO; b * 4 * t * t]);
-    gqa_attention_forward(&mut out, &mut att, &q, &k, &vv, d);
+    let (mut out, mut lse) = (vec![X::ZERO; qn], vec![0f32; b * 4 * t]);
+    gqa_attention_forward(&mut out, &mut lse, &q, &k, &vv, d);
     let (mut dq, mut dk, mut dv) = (vec![X::ZERO; qn], vec![X::ZERO; kn], vec![X::ZERO; kn]);
-    let mut datt = vec![0f32; att.len()];
+    let mut delta = vec![0f32; lse.len()];
     gqa_attention_backward(
-        &mut dq, &mut dk, &mut dv, &mut datt, &out, &q, &k, &vv, &att, d,
+        &mut dq, &mut dk, &mut dv, &mut delta, &out, &q, &k, &vv, &out, &lse, d,
     );
     rope_backward(
         &mut dq,
@@ -229,11 +230,11 @@ fn llama_bits<X: Float>() -> Bits {
         bits(&dw),
         bits(&q),
         bits(&out),
-        bits(&att),
+        bits(&lse),
         bits(&dq),
         bits(&dk),
         bits(&dv),
-        bits(&datt),
+        bits(&delta),
         bits(&h),
         bits(&dg),
         bits(&du),
@@ -246,6 +247,47 @@ fn llama_kernels_are_deterministic() {
     same_on_1_and_2_threads(llama_bits::<f32>);
     same_on_1_and_2_threads(llama_bits::<bf16>);
     same_on_1_and_2_threads(llama_bits::<f16>);
+}
+
+/// Attention over several tiles (the last one partial): packed multi-head attention and
+/// grouped-query attention with 4 query heads per key/value head, forward and backward.
+fn attention_bits<X: Float>() -> Bits {
+    let mut rng = Rng::new(45);
+    let (b, t) = (2, 150);
+    let d = AttentionDims::mha(b, t, 128, 2);
+    let qkv = to_x::<X>(&rng.vec(b * t * 3 * 128, 1.0));
+    let dout = to_x::<X>(&rng.vec(b * t * 128, 1.0));
+    let (mut out, mut lse) = (vec![X::ZERO; dout.len()], vec![0f32; b * 2 * t]);
+    attention_forward(&mut out, &mut lse, &qkv, d);
+    let (mut dqkv, mut delta) = (vec![X::ZERO; qkv.len()], vec![0f32; lse.len()]);
+    attention_backward(&mut dqkv, &mut delta, &dout, &qkv, &out, &lse, d);
+    let mut all = vec![bits(&out), bits(&lse), bits(&dqkv), bits(&delta)];
+
+    let d = AttentionDims::gqa(b, t, 8, 2, 40);
+    let (qn, kn) = (b * t * d.q_width(), b * t * d.kv_width());
+    let (q, k, v, dout) = (
+        to_x::<X>(&rng.vec(qn, 1.0)),
+        to_x::<X>(&rng.vec(kn, 1.0)),
+        to_x::<X>(&rng.vec(kn, 1.0)),
+        to_x::<X>(&rng.vec(qn, 1.0)),
+    );
+    let (mut out, mut lse) = (vec![X::ZERO; qn], vec![0f32; b * 8 * t]);
+    gqa_attention_forward(&mut out, &mut lse, &q, &k, &v, d);
+    let (mut dq, mut dk, mut dv) = (vec![X::ZERO; qn], vec![X::ZERO; kn], vec![X::ZERO; kn]);
+    let mut delta = vec![0f32; lse.len()];
+    gqa_attention_backward(
+        &mut dq, &mut dk, &mut dv, &mut delta, &dout, &q, &k, &v, &out, &lse, d,
+    );
+    all.extend([&out, &dq, &dk, &dv].map(|x| bits(x)));
+    all.extend([bits(&lse), bits(&delta)]);
+    all
+}
+
+#[test]
+fn attention_is_deterministic() {
+    same_on_1_and_2_threads(attention_bits::<f32>);
+    same_on_1_and_2_threads(attention_bits::<bf16>);
+    same_on_1_and_2_threads(attention_bits::<f16>);
 }
 
 fn optimizer_bits<G: Float>() -> Bits {

@@ -105,8 +105,8 @@ fn attention_backward_matches_finite_differences() {
     let mut rng = Rng::new(14);
     let (c, d) = (6, AttentionDims::mha(2, 4, 6, 2));
     let (qkv, dout) = (rng.vec(d.b * d.t * 3 * c, 1.0), rng.vec(d.b * d.t * c, 1.0));
-    let (_, att) = r::attention_forward(&qkv, d);
-    let dqkv = r::attention_backward(&dout, &qkv, &att, d);
+    let (out, att) = r::attention_forward(&qkv, d);
+    let dqkv = r::attention_backward(&dout, &qkv, &att, &out, d);
     check("dqkv", &qkv, &dqkv, |x| {
         dot(&dout, &r::attention_forward(x, d).0)
     });
@@ -124,8 +124,8 @@ fn gqa_attention_backward_matches_finite_differences() {
         rng.vec(kn, 1.0),
         rng.vec(qn, 1.0),
     );
-    let (_, att) = r::gqa_attention_forward(&q, &k, &v, d);
-    let (dq, dk, dv) = r::gqa_attention_backward(&dout, &q, &k, &v, &att, d);
+    let (out, att) = r::gqa_attention_forward(&q, &k, &v, d);
+    let (dq, dk, dv) = r::gqa_attention_backward(&dout, &q, &k, &v, &att, &out, d);
     check("dq", &q, &dq, |x| {
         dot(&dout, &r::gqa_attention_forward(x, &k, &v, d).0)
     });
