@@ -47,17 +47,10 @@ impl AttentionCase {
     /// The expected [`OUTPUTS`], the backward's for the `out` the forward stored (as f64).
     pub fn expected(&self, stored_out: &[f64]) -> [Vec<f64>; 6] {
         let AttentionCase { d, q, k, v, dout } = self;
-        let d = *d;
-        let (out, att) = reference::gqa_attention_forward(q, k, v, d);
-        let (mut dq, mut dk, dv) = reference::gqa_attention_backward(dout, q, k, v, &att, d);
-        let shift: Vec<f64> = reference_delta(dout, stored_out, d)
-            .iter()
-            .zip(reference_delta(dout, &out, d))
-            .map(|(stored, exact)| stored - exact)
-            .collect();
-        shift_delta([&mut dq, &mut dk], &shift, [&att, q, k], d);
-        let (lse, delta) = (reference_lse(q, k, d), reference_delta(dout, stored_out, d));
-        [out, lse, delta, dq, dk, dv]
+        let (out, att) = reference::gqa_attention_forward(q, k, v, *d);
+        let (dq, dk, dv) = reference::gqa_attention_backward(dout, q, k, v, &att, stored_out, *d);
+        let lse = reference::gqa_attention_lse(q, k, *d);
+        [out, lse, reference_delta(dout, stored_out, *d), dq, dk, dv]
     }
 }
 
@@ -80,30 +73,6 @@ pub fn unpack<T: Copy>(qkv: &[T], c: usize) -> [Vec<T>; 3] {
     })
 }
 
-/// `lse (B, NH, T)`: `ln Σ_{t2<=t} exp(q_t·k_t2 / sqrt(hs))` per query row, in f64, from
-/// `q (B, T, NH·hs)` and `k (B, T, KV·hs)`.
-fn reference_lse(q: &[f64], k: &[f64], d: AttentionDims) -> Vec<f64> {
-    let (hs, scale) = (d.head_size, 1.0 / (d.head_size as f64).sqrt());
-    let mut lse = Vec::with_capacity(d.b * d.nh * d.t);
-    for b in 0..d.b {
-        for h in 0..d.nh {
-            let g = h / d.group();
-            for t in 0..d.t {
-                let qt = &q[((b * d.t + t) * d.nh + h) * hs..][..hs];
-                let s: Vec<f64> = (0..=t)
-                    .map(|t2| {
-                        let kt = &k[((b * d.t + t2) * d.kv_heads + g) * hs..][..hs];
-                        qt.iter().zip(kt).map(|(q, k)| q * k).sum::<f64>() * scale
-                    })
-                    .collect();
-                let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                lse.push(max + s.iter().map(|s| (s - max).exp()).sum::<f64>().ln());
-            }
-        }
-    }
-    lse
-}
-
 /// `delta (B, NH, T)`: `Σ_j dout·out` per query row, in f64.
 fn reference_delta(dout: &[f64], out: &[f64], d: AttentionDims) -> Vec<f64> {
     let hs = d.head_size;
@@ -114,33 +83,4 @@ fn reference_delta(dout: &[f64], out: &[f64], d: AttentionDims) -> Vec<f64> {
         delta[(b * d.nh + h) * d.t + t] = dy.iter().zip(o).map(|(a, b)| a * b).sum();
     }
     delta
-}
-
-/// The reference's dq and dk moved to the backward's contract, which takes delta =
-/// rowsum(dout ∘ out) of the stored (rounded) `out`: delta moves by `shift` per query row, and
-/// with it dS = P ∘ (dout·vᵀ − delta) by −P·shift, dq by −scale·shift·Σ P·k and dk by
-/// −scale·Σ P·shift·q (f64; `att` is the reference's P).
-fn shift_delta(
-    [dq, dk]: [&mut [f64]; 2],
-    shift: &[f64],
-    [att, q, k]: [&[f64]; 3],
-    d: AttentionDims,
-) {
-    let (hs, tn, scale) = (d.head_size, d.t, 1.0 / (d.head_size as f64).sqrt());
-    for b in 0..d.b {
-        for h in 0..d.nh {
-            let row = (b * d.nh + h) * tn;
-            for t in 0..tn {
-                let qt = ((b * tn + t) * d.nh + h) * hs;
-                for t2 in 0..=t {
-                    let w = scale * att[(row + t) * tn + t2] * shift[row + t];
-                    let kt = ((b * tn + t2) * d.kv_heads + h / d.group()) * hs;
-                    for i in 0..hs {
-                        dq[qt + i] -= w * k[kt + i];
-                        dk[kt + i] -= w * q[qt + i];
-                    }
-                }
-            }
-        }
-    }
 }
