@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""transformers' side of the Llama-family CPU benchmark (`cargo bench -p runner --bench llama`):
-a SmolLM2-135M-shaped `LlamaForCausalLM` (random weights, eager attention), AdamW, B = 4,
-T = 128, synthetic tokens, on this machine's CPU with the threads given; fp32, or bf16 autocast
-over fp32 weights (what zerotrain's bf16 is: bf16 compute, fp32 master weights).
+"""transformers' side of the CPU benchmarks (`cargo bench -p runner --bench llama` and
+`--bench long`): a SmolLM2-135M-shaped `LlamaForCausalLM` or a gpt2-124M `GPT2LMHeadModel`
+(random weights), AdamW, synthetic tokens, on this machine's CPU with the threads given; fp32,
+or bf16 autocast over fp32 weights (what zerotrain's bf16 is: bf16 compute, fp32 master
+weights); eager attention, or PyTorch's `scaled_dot_product_attention` (`--attn sdpa`).
 
-    python bench_torch_cpu.py --dtype fp32|bf16 [--threads N] [--warmup 2] [--steps 5]
+    python bench_torch_cpu.py --dtype fp32|bf16 [--model smollm2-135M|gpt2-124M]
+        [--batch 4] [--seq 128] [--attn eager|sdpa] [--threads N] [--warmup 2] [--steps 5]
 
 Prints one JSON object: {"dtype", "threads", "steps", "median_step_s", "tokens_per_second",
 "torch", "transformers"}. Denormals are flushed, as zerotrain flushes them: without it AdamW's
@@ -20,7 +22,6 @@ import time
 import torch
 import transformers
 
-B, T = 4, 128
 # SmolLM2-135M (tests/reference/hf_configs/smollm2-135M.json).
 CONFIG = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -29,9 +30,22 @@ CONFIG = dict(
 )
 
 
+def build(name, attn):
+    """The model `name`, randomly initialised, with attention implementation `attn`."""
+    if name == "gpt2-124M":
+        config = transformers.GPT2Config(n_positions=4096, attn_implementation=attn)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(**CONFIG, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(config)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", choices=["fp32", "bf16"], required=True)
+    ap.add_argument("--model", choices=["smollm2-135M", "gpt2-124M"], default="smollm2-135M")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--attn", choices=["eager", "sdpa"], default="eager")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -39,22 +53,23 @@ def main():
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**CONFIG, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(config).train()
+    B, T = args.batch, args.seq
+    model = build(args.model, args.attn).train()
+    vocab = model.config.vocab_size
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
         lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
     )
-    x = torch.randint(0, CONFIG["vocab_size"], (B, T))
-    y = torch.randint(0, CONFIG["vocab_size"], (B, T))
+    x = torch.randint(0, vocab, (B, T))
+    y = torch.randint(0, vocab, (B, T))
     times = []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
             logits = model(x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, CONFIG["vocab_size"]), y.view(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -63,6 +78,7 @@ def main():
     assert torch.isfinite(loss), "loss is not finite"
     step = statistics.median(times)
     print(json.dumps({
+        "model": args.model, "batch": B, "seq": T, "attn": args.attn,
         "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
         "median_step_s": step, "tokens_per_second": B * T / step,
         "torch": torch.__version__, "transformers": transformers.__version__,

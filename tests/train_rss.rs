@@ -1,7 +1,7 @@
 //! `zerotrain train` as the operating system sees it: the process's peak resident set, export
 //! included, never exceeds what the memory model predicts for it (every rank it runs plus the
-//! process overhead once), and for gpt2-124M-sized runs the prediction wastes at most 5%. Four
-//! shapes, each as one rank and as four ranks that are threads of the one process; the largest
+//! process overhead once), and for gpt2-124M-sized runs the prediction wastes at most 5%. Five
+//! shapes (one at T = 4096), each as one rank and as four ranks that are threads of the one process; the largest
 //! also resumed from its checkpoint and started from its export.
 
 use std::path::Path;
@@ -34,6 +34,15 @@ const SHAPES: &[Shape] = &[
         spec: r#"{"model": {"vocab_size": 8192, "context_length": 256, "n_layer": 4, "n_head": 8, "n_embd": 256},
                   "precision": {"dtype": "fp16"}, "zero": {"stage": 3}, "activation_checkpointing": true,
                   "training": {"seq_len": 256, "micro_batch_size": 2}}"#,
+        large: false,
+    },
+    Shape {
+        name: "Llama T4096 L2 C64 bf16 stage 1",
+        spec: r#"{"model": {"config": {"model_type": "llama", "vocab_size": 2048, "hidden_size": 64,
+                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "max_position_embeddings": 4096}},
+                  "precision": {"dtype": "bf16"}, "zero": {"stage": 1},
+                  "training": {"seq_len": 4096, "micro_batch_size": 1}}"#,
         large: false,
     },
     Shape {

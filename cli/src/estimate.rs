@@ -110,6 +110,15 @@ fn table(r: &Report, device_memory: u64) -> String {
         );
         out.push_str(&line);
     }
+    if let Some(s) = &r.step_scratch {
+        let _ = writeln!(
+            out,
+            "of which attention (log-sum-exp per layer, backward scratch) {}, logits {} (loss in chunks of {} rows)",
+            human(s.attention_bytes),
+            human(s.logits_bytes),
+            s.loss_chunk_rows,
+        );
+    }
     out.push('\n');
     match &r.plan {
         PlanOutcome::Fits { plan, .. } => {

@@ -92,49 +92,59 @@ pub(crate) struct Batch<D: Device> {
 
 impl<D: Device> Batch<D> {
     /// The LM head and the cross-entropy, forward and backward at once, as every family has
-    /// them: logits = x·Wᵀ for the head weight W (V, C), each token's loss and, in place of
-    /// the logits, their gradient (`dloss` per token); then `dx` = ∂loss/∂x and ∂loss/∂W added
-    /// into `dw`. Returns the micro-batch's mean loss.
+    /// them, over chunks of rows (as many as the logits buffer holds,
+    /// `scheduler::model::loss_chunk_rows`), so logits never exist for the whole micro-batch:
+    /// per chunk, logits = x·Wᵀ for the head weight W (V, C), each token's loss and, in place
+    /// of the logits, their gradient (`dloss` per token); then the chunk's rows of
+    /// `dx` = ∂loss/∂x, and ∂loss/∂W added into `dw`. Returns the micro-batch's mean loss.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lm_head<X: Num>(
         &mut self,
         dev: &D,
         x: D::View<'_, X>,
-        (w, dw): (D::View<'_, X>, D::ViewMut<'_, X>),
-        dx: D::ViewMut<'_, X>,
+        (w, mut dw): (D::View<'_, X>, D::ViewMut<'_, X>),
+        mut dx: D::ViewMut<'_, X>,
         (n, c, v): (usize, usize, usize),
         dloss: f32,
         scratch: &mut Buffer<f32, D>,
     ) -> Result<f64, Error> {
-        let mkn = (n, c, v);
-        dev.matmul_forward(
-            self.logits.view_mut(),
-            D::share(&x),
-            D::share(&w),
-            None,
-            Layout::NK,
-            mkn,
-            scratch.view_mut(),
-        )?;
-        dev.crossentropy_forward(
-            self.losses.view_mut(),
-            self.logits.view_mut(),
-            self.targets.view(),
-            v,
-            Some(dloss),
-        )?;
-        dev.matmul_backward(
-            dx,
-            dw,
-            None,
-            self.logits.view(),
-            x,
-            w,
-            Layout::NK,
-            mkn,
-            DinpMode::Overwrite,
-            scratch.view_mut(),
-        )?;
+        let chunk = self.logits.len() / v;
+        for start in (0..n).step_by(chunk) {
+            let (rows, mkn) = (
+                start..n.min(start + chunk),
+                (n.min(start + chunk) - start, c, v),
+            );
+            let x = D::slice(D::share(&x), rows.start * c..rows.end * c);
+            let mut logits = self.logits.at_mut(0..mkn.0 * v);
+            dev.matmul_forward(
+                D::reborrow(&mut logits),
+                D::share(&x),
+                D::share(&w),
+                None,
+                Layout::NK,
+                mkn,
+                scratch.view_mut(),
+            )?;
+            dev.crossentropy_forward(
+                self.losses.at_mut(rows.clone()),
+                D::reborrow(&mut logits),
+                self.targets.at(rows.clone()),
+                v,
+                Some(dloss),
+            )?;
+            dev.matmul_backward(
+                D::slice_mut(D::reborrow(&mut dx), rows.start * c..rows.end * c),
+                D::reborrow(&mut dw),
+                None,
+                D::freeze(logits),
+                x,
+                D::share(&w),
+                Layout::NK,
+                mkn,
+                DinpMode::Overwrite,
+                scratch.view_mut(),
+            )?;
+        }
         let losses = dev.to_host(self.losses.view())?;
         Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
     }
@@ -257,5 +267,60 @@ impl<X: Num, D: Device> Passes<X, D> {
             Passes::Gpt2(m) => m.embed_backward(dev, demb),
             Passes::Llama(m) => m.embed_backward(dev, demb),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Cpu;
+
+    /// The loss over chunks of 5 rows (the last one 3) against one chunk of all 23: the same
+    /// losses and input gradients, and the head's gradient summed in another order.
+    #[test]
+    fn the_loss_in_chunks_equals_the_loss_in_one() {
+        let (n, c, v) = (23, 6, 11);
+        let fill = |len: usize, k: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * k % 97) as f32 / 48.5 - 1.0) * 0.7)
+                .collect()
+        };
+        let (x, w) = (fill(n * c, 31), fill(v * c, 17));
+        let targets: Vec<u32> = (0..n).map(|i| (i * 7 % v) as u32).collect();
+        let run = |chunk: usize| {
+            let acct = Accountant::new(None);
+            let alloc = |len| {
+                acct.alloc_on::<Cpu, f32>(&Cpu, Category::Buffers, len)
+                    .unwrap()
+            };
+            let mut batch = Batch {
+                inputs: acct.alloc_on(&Cpu, Category::Buffers, n).unwrap(),
+                targets: acct.alloc_on(&Cpu, Category::Buffers, n).unwrap(),
+                logits: alloc(chunk * v),
+                losses: alloc(n),
+            };
+            batch.targets.view_mut().copy_from_slice(&targets);
+            let (mut dw, mut dx, mut scratch) = (vec![0.5f32; v * c], vec![0f32; n * c], alloc(0));
+            let loss = batch
+                .lm_head(
+                    &Cpu,
+                    &x,
+                    (&w, &mut dw),
+                    &mut dx,
+                    (n, c, v),
+                    0.25,
+                    &mut scratch,
+                )
+                .unwrap();
+            (loss, batch.losses.view().to_vec(), dx, dw)
+        };
+        let (whole, chunked) = (run(n), run(5));
+        assert_eq!(whole.0, chunked.0);
+        assert_eq!(whole.1, chunked.1);
+        assert_eq!(whole.2, chunked.2);
+        for (a, b) in whole.3.iter().zip(&chunked.3) {
+            assert!((a - b).abs() <= 1e-6 * a.abs().max(1.0), "{a} vs {b}");
+        }
+        assert!(whole.3.iter().any(|&g| g != 0.5), "dw was added into");
     }
 }

@@ -84,6 +84,11 @@ const INVALID: &[Invalid] = &[
         "model",
         "missing n_head",
     ),
+    train(
+        r#"{"model": {"vocab_size": 3, "context_length": 64, "n_layer": 1, "n_head": 1, "n_embd": 8}}"#,
+        "data.kind",
+        "synthetic data needs model.vocab_size ≥ 4, not 3",
+    ),
     // Heads wider than the attention kernels take: trainable no, estimable yes.
     train(
         r#"{"model": {"vocab_size": 64, "context_length": 64, "n_layer": 1, "n_head": 1, "n_embd": 512}}"#,

@@ -10,6 +10,7 @@ use rand::seq::SliceRandom;
 
 use scheduler::memory::Category;
 pub use scheduler::spec::MAX_SYNTHETIC_VOCAB;
+use scheduler::spec::MIN_SYNTHETIC_VOCAB;
 
 use super::{BatchLayout, Position, Stream, rng, split_window};
 use crate::accounting::{Accountant, Buffer};
@@ -19,7 +20,7 @@ use crate::error::Error;
 pub const SUCCESSOR_PROBABILITIES: [f64; 4] = [0.5, 0.25, 0.15, 0.1];
 
 /// The same probabilities as cumulative twentieths, for exact integer sampling.
-const CUMULATIVE: [u32; 4] = [10, 15, 18, 20];
+const CUMULATIVE: [u32; MIN_SYNTHETIC_VOCAB] = [10, 15, 18, 20];
 
 /// The number of distinct tokens synthetic data uses with a model of `vocab_size`.
 pub fn synthetic_vocab(vocab_size: usize) -> usize {
@@ -57,9 +58,11 @@ impl Synthetic {
         acct: &Accountant,
     ) -> Result<Self, Error> {
         let v = synthetic_vocab(vocab_size);
-        if v < CUMULATIVE.len() {
+        if v < MIN_SYNTHETIC_VOCAB {
             return Err(Error::DataConfig {
-                reason: format!("synthetic data needs vocab_size ≥ 4, not {vocab_size}"),
+                reason: format!(
+                    "synthetic data needs vocab_size ≥ {MIN_SYNTHETIC_VOCAB}, not {vocab_size}"
+                ),
             });
         }
         let v = v as u32;

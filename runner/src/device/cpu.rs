@@ -170,21 +170,22 @@ impl Device for Cpu {
         );
         attention::attention_forward<X: Num>(
             out: &mut [X],
-            att: &mut [X],
+            lse: &mut [f32],
             qkv: &[X],
             d: AttentionDims,
         );
         attention::attention_backward<X: Num>(
             dqkv: &mut [X],
-            datt: &mut [f32],
+            delta: &mut [f32],
             dout: &[X],
             qkv: &[X],
-            att: &[X],
+            out: &[X],
+            lse: &[f32],
             d: AttentionDims,
         );
         attention::gqa_attention_forward<X: Num>(
             out: &mut [X],
-            att: &mut [X],
+            lse: &mut [f32],
             q: &[X],
             k: &[X],
             v: &[X],
@@ -194,12 +195,13 @@ impl Device for Cpu {
             dq: &mut [X],
             dk: &mut [X],
             dv: &mut [X],
-            datt: &mut [f32],
+            delta: &mut [f32],
             dout: &[X],
             q: &[X],
             k: &[X],
             v: &[X],
-            att: &[X],
+            out: &[X],
+            lse: &[f32],
             d: AttentionDims,
         );
         rmsnorm::rmsnorm_forward<X: Num>(

@@ -323,38 +323,39 @@ impl Device for Cuda {
     fn attention_forward<X: Num>(
         &self,
         mut out: CudaViewMut<'_, X>,
-        mut att: CudaViewMut<'_, X>,
+        mut lse: CudaViewMut<'_, f32>,
         qkv: CudaView<'_, X>,
         d: AttentionDims,
     ) -> Result<(), Error> {
         Ok(k::layers::attention_forward(
-            &self.dev, &mut out, &mut att, &qkv, d,
+            &self.dev, &mut out, &mut lse, &qkv, d,
         )?)
     }
     fn attention_backward<X: Num>(
         &self,
         mut dqkv: CudaViewMut<'_, X>,
-        mut datt: CudaViewMut<'_, f32>,
+        mut delta: CudaViewMut<'_, f32>,
         dout: CudaView<'_, X>,
         qkv: CudaView<'_, X>,
-        att: CudaView<'_, X>,
+        out: CudaView<'_, X>,
+        lse: CudaView<'_, f32>,
         d: AttentionDims,
     ) -> Result<(), Error> {
         Ok(k::layers::attention_backward(
-            &self.dev, &mut dqkv, &mut datt, &dout, &qkv, &att, d,
+            &self.dev, &mut dqkv, &mut delta, &dout, &qkv, &out, &lse, d,
         )?)
     }
     fn gqa_attention_forward<X: Num>(
         &self,
         mut out: CudaViewMut<'_, X>,
-        mut att: CudaViewMut<'_, X>,
+        mut lse: CudaViewMut<'_, f32>,
         q: CudaView<'_, X>,
         k: CudaView<'_, X>,
         v: CudaView<'_, X>,
         d: AttentionDims,
     ) -> Result<(), Error> {
         Ok(k::layers::gqa_attention_forward(
-            &self.dev, &mut out, &mut att, &q, &k, &v, d,
+            &self.dev, &mut out, &mut lse, &q, &k, &v, d,
         )?)
     }
     fn gqa_attention_backward<X: Num>(
@@ -362,16 +363,17 @@ impl Device for Cuda {
         mut dq: CudaViewMut<'_, X>,
         mut dk: CudaViewMut<'_, X>,
         mut dv: CudaViewMut<'_, X>,
-        mut datt: CudaViewMut<'_, f32>,
+        mut delta: CudaViewMut<'_, f32>,
         dout: CudaView<'_, X>,
         q: CudaView<'_, X>,
         k: CudaView<'_, X>,
         v: CudaView<'_, X>,
-        att: CudaView<'_, X>,
+        out: CudaView<'_, X>,
+        lse: CudaView<'_, f32>,
         d: AttentionDims,
     ) -> Result<(), Error> {
         Ok(k::layers::gqa_attention_backward(
-            &self.dev, &mut dq, &mut dk, &mut dv, &mut datt, &dout, &q, &k, &v, &att, d,
+            &self.dev, &mut dq, &mut dk, &mut dv, &mut delta, &dout, &q, &k, &v, &out, &lse, d,
         )?)
     }
     fn rmsnorm_forward<X: Num>(

@@ -179,39 +179,44 @@ pub trait Device: Sized + 'static {
     fn attention_forward<X: Num>(
         &self,
         out: Self::ViewMut<'_, X>,
-        att: Self::ViewMut<'_, X>,
+        lse: Self::ViewMut<'_, f32>,
         qkv: Self::View<'_, X>,
         d: AttentionDims,
     ) -> Result<(), Error>;
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward<X: Num>(
         &self,
         dqkv: Self::ViewMut<'_, X>,
-        datt: Self::ViewMut<'_, f32>,
+        delta: Self::ViewMut<'_, f32>,
         dout: Self::View<'_, X>,
         qkv: Self::View<'_, X>,
-        att: Self::View<'_, X>,
+        out: Self::View<'_, X>,
+        lse: Self::View<'_, f32>,
         d: AttentionDims,
     ) -> Result<(), Error>;
+    #[allow(clippy::too_many_arguments)]
     fn gqa_attention_forward<X: Num>(
         &self,
         out: Self::ViewMut<'_, X>,
-        att: Self::ViewMut<'_, X>,
+        lse: Self::ViewMut<'_, f32>,
         q: Self::View<'_, X>,
         k: Self::View<'_, X>,
         v: Self::View<'_, X>,
         d: AttentionDims,
     ) -> Result<(), Error>;
+    #[allow(clippy::too_many_arguments)]
     fn gqa_attention_backward<X: Num>(
         &self,
         dq: Self::ViewMut<'_, X>,
         dk: Self::ViewMut<'_, X>,
         dv: Self::ViewMut<'_, X>,
-        datt: Self::ViewMut<'_, f32>,
+        delta: Self::ViewMut<'_, f32>,
         dout: Self::View<'_, X>,
         q: Self::View<'_, X>,
         k: Self::View<'_, X>,
         v: Self::View<'_, X>,
-        att: Self::View<'_, X>,
+        out: Self::View<'_, X>,
+        lse: Self::View<'_, f32>,
         d: AttentionDims,
     ) -> Result<(), Error>;
     fn rmsnorm_forward<X: Num>(

@@ -14,7 +14,8 @@ pub struct BlockActs<X, D: Device> {
     pub ln1_mean: Buffer<f32, D>,
     pub ln1_rstd: Buffer<f32, D>,
     pub qkv: Buffer<X, D>,
-    pub att: Buffer<X, D>,
+    /// fp32 log-sum-exp of each query row's attention scores.
+    pub lse: Buffer<f32, D>,
     pub atty: Buffer<X, D>,
     pub res2: Buffer<X, D>,
     pub ln2: Buffer<X, D>,
@@ -35,11 +36,11 @@ pub struct Acts<X, D: Device> {
     pub lnf_mean: Buffer<f32, D>,
     pub lnf_rstd: Buffer<f32, D>,
     /// Backward scratch: gradient of the residual stream, of a C-wide and a 4C-wide tensor,
-    /// and of the attention scores.
+    /// and the attention's row sums of dout ∘ out.
     pub dres: Buffer<X, D>,
     pub dchan: Buffer<X, D>,
     pub dwide: Buffer<X, D>,
-    pub datt: Buffer<f32, D>,
+    pub delta: Buffer<f32, D>,
     pub batch: Batch<D>,
     /// Where the matmuls widen fp16/bf16 tiles (empty for fp32).
     pub matmul_scratch: Buffer<f32, D>,
@@ -63,7 +64,7 @@ impl<X: Num, D: Device> Acts<X, D> {
                     ln1_mean: a.take(A::Ln1Mean)?,
                     ln1_rstd: a.take(A::Ln1Rstd)?,
                     qkv: a.take(A::Qkv)?,
-                    att: a.take(A::Att)?,
+                    lse: a.take(A::AttLse)?,
                     atty: a.take(A::AttY)?,
                     res2: a.take(A::Res2)?,
                     ln2: a.take(A::Ln2)?,
@@ -86,7 +87,7 @@ impl<X: Num, D: Device> Acts<X, D> {
             dres: a.take(A::DResidual)?,
             dchan: a.take(A::DChannels)?,
             dwide: a.take(A::DWide)?,
-            datt: a.take(A::DAtt)?,
+            delta: a.take(A::AttDelta)?,
             batch: a.batch([A::Inputs, A::Targets, A::Logits, A::Losses])?,
             matmul_scratch: a.matmul_scratch()?,
         })

@@ -67,7 +67,7 @@ impl<X: Num, D: Device> Model<X, D> {
         )?;
         dev.attention_forward(
             a.atty.view_mut(),
-            a.att.view_mut(),
+            a.lse.view_mut(),
             a.qkv.view(),
             d.attention(),
         )?;
@@ -187,10 +187,11 @@ impl<X: Num, D: Device> Model<X, D> {
         let dqkv = 0..n * 3 * c;
         dev.attention_backward(
             dwide.at_mut(dqkv.clone()),
-            acts.datt.view_mut(),
+            acts.delta.view_mut(),
             dchan.view(),
             a.qkv.view(),
-            a.att.view(),
+            a.atty.view(),
+            a.lse.view(),
             d.attention(),
         )?;
         dev.matmul_backward(

@@ -22,7 +22,8 @@ pub struct BlockActs<X, D: Device> {
     pub q: Buffer<X, D>,
     pub k: Buffer<X, D>,
     pub v: Buffer<X, D>,
-    pub att: Buffer<X, D>,
+    /// fp32 log-sum-exp of each query row's attention scores.
+    pub lse: Buffer<f32, D>,
     pub atty: Buffer<X, D>,
     pub res2: Buffer<X, D>,
     pub norm2: Buffer<X, D>,
@@ -45,11 +46,12 @@ pub struct Acts<X, D: Device> {
     pub normf: Buffer<X, D>,
     pub normf_rstd: Buffer<f32, D>,
     /// Backward scratch: the residual stream's gradient; a C- (or H·D-) wide gradient; the
-    /// gradients of gate and up, then of q, k, v (and q before its norm); the scores'.
+    /// gradients of gate and up, then of q, k, v (and q before its norm); the attention's row
+    /// sums of dout ∘ out.
     pub dres: Buffer<X, D>,
     pub dchan: Buffer<X, D>,
     pub dwide: Buffer<X, D>,
-    pub datt: Buffer<f32, D>,
+    pub delta: Buffer<f32, D>,
     pub batch: Batch<D>,
     /// Where the matmuls widen fp16/bf16 tiles (empty for fp32).
     pub matmul_scratch: Buffer<f32, D>,
@@ -82,7 +84,7 @@ impl<X: Num, D: Device> Acts<X, D> {
                     q: a.take(A::Q)?,
                     k: a.take(A::K)?,
                     v: a.take(A::V)?,
-                    att: a.take(A::Att)?,
+                    lse: a.take(A::AttLse)?,
                     atty: a.take(A::AttY)?,
                     res2: a.take(A::Res2)?,
                     norm2: a.take(A::Norm2)?,
@@ -111,7 +113,7 @@ impl<X: Num, D: Device> Acts<X, D> {
             dres: a.take(A::DResidual)?,
             dchan: a.take(A::DChannels)?,
             dwide: a.take(A::DWide)?,
-            datt: a.take(A::DAtt)?,
+            delta: a.take(A::AttDelta)?,
             batch: a.batch([A::Inputs, A::Targets, A::Logits, A::Losses])?,
             matmul_scratch: a.matmul_scratch()?,
         })

@@ -134,7 +134,7 @@ impl<X: Num, D: Device> Model<X, D> {
         dev.rope_forward(a.k.view_mut(), cos.view(), sin.view(), d.rope(d.kv))?;
         dev.gqa_attention_forward(
             a.atty.view_mut(),
-            a.att.view_mut(),
+            a.lse.view_mut(),
             a.q.view(),
             a.k.view(),
             a.v.view(),
@@ -263,12 +263,13 @@ impl<X: Num, D: Device> Model<X, D> {
             dq,
             dk,
             dv,
-            acts.datt.view_mut(),
+            acts.delta.view_mut(),
             dchan.at(0..n * q),
             a.q.view(),
             a.k.view(),
             a.v.view(),
-            a.att.view(),
+            a.atty.view(),
+            a.lse.view(),
             d.attention(),
         )?;
         dev.rope_backward(

@@ -9,6 +9,10 @@ use crate::error::{Error, ensure};
 /// tiny GPT learns in a few hundred steps (the runner's `data` module makes the corpus).
 pub const MAX_SYNTHETIC_VOCAB: usize = 32;
 
+/// Each context of the synthetic corpus has four successors: a smaller vocabulary has none to
+/// draw.
+pub const MIN_SYNTHETIC_VOCAB: usize = 4;
+
 impl Data {
     /// Bytes of the tokens of a file of this kind (none for synthetic data).
     pub fn token_width(&self) -> usize {
@@ -62,7 +66,14 @@ impl From<DataDoc> for Data {
 impl Data {
     pub(super) fn validate(&self, arch: &Architecture) -> Result<(), Error> {
         match self {
-            Data::Synthetic => Ok(()),
+            Data::Synthetic => match arch.model().map(|m| m.vocab_size()) {
+                Some(v) => ensure(v >= MIN_SYNTHETIC_VOCAB, "data.kind", || {
+                    format!(
+                        "synthetic data needs model.vocab_size ≥ {MIN_SYNTHETIC_VOCAB}, not {v}"
+                    )
+                }),
+                None => Ok(()),
+            },
             Data::Text { path } => {
                 ensure(!path.trim().is_empty(), "data.path", || {
                     "must not be empty".into()

@@ -10,7 +10,7 @@ mod optimizer;
 mod precision;
 mod training;
 
-pub use data::{Data, MAX_SYNTHETIC_VOCAB};
+pub use data::{Data, MAX_SYNTHETIC_VOCAB, MIN_SYNTHETIC_VOCAB};
 pub use model::{
     Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec,
     PRESET_NAMES,

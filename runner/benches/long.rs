@@ -1,0 +1,110 @@
+//! Training throughput at long sequences on the CPU beside PyTorch's
+//! `scaled_dot_product_attention`: gpt2-124M and a SmolLM2-135M shape at T 256, 1024 and 4096
+//! (2,048 tokens a micro-batch, 4,096 at T 4096), fp32 AdamW, stage 0, on all cores; median
+//! step time and tokens/s.
+//!
+//! Run: `cargo bench -p runner --bench long [-- FILTER…]` (a filter selects rows by model name
+//! or `T=…`). With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers,
+//! each row also runs `scripts/bench_torch_cpu.py --attn sdpa` (the same model, batch and
+//! thread count) in the same run and prints the ratio.
+
+use std::process::Command;
+
+use runner::train::Options;
+use scheduler::plan::plan_local;
+use scheduler::spec::{JobSpec, Purpose};
+
+mod common;
+
+const WARMUP: usize = 1;
+const MEASURED: usize = 2;
+const ROWS: [(&str, usize, usize); 6] = [
+    ("gpt2-124M", 8, 256),
+    ("gpt2-124M", 2, 1024),
+    ("gpt2-124M", 1, 4096),
+    ("smollm2-135M", 8, 256),
+    ("smollm2-135M", 2, 1024),
+    ("smollm2-135M", 1, 4096),
+];
+
+fn spec(model: &str, b: usize, t: usize) -> JobSpec {
+    // gpt2-124M's shape with 4,096 positions, so T 4096 fits.
+    let model = match model {
+        "gpt2-124M" => r#"{"vocab_size": 50257, "context_length": 4096, "n_layer": 12, "n_head": 12, "n_embd": 768}"#.to_string(),
+        preset => format!(r#"{{"preset": "{preset}"}}"#),
+    };
+    let steps = WARMUP + MEASURED;
+    let json = format!(
+        r#"{{"model": {model}, "precision": {{"dtype": "fp32"}},
+            "optimizer": {{"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "training": {{"micro_batch_size": {b}, "seq_len": {t}, "steps": {steps}}},
+            "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#
+    );
+    JobSpec::parse(&json, Purpose::Train)
+        .expect("the benchmark spec is valid")
+        .spec
+}
+
+/// PyTorch's median step seconds with SDPA attention.
+fn theirs(python: &str, model: &str, b: usize, t: usize, threads: usize) -> f64 {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
+    let out = Command::new(python)
+        .args([
+            script, "--dtype", "fp32", "--attn", "sdpa", "--model", model,
+        ])
+        .args(["--batch", &b.to_string(), "--seq", &t.to_string()])
+        .args(["--threads", &threads.to_string()])
+        .args(["--warmup", &WARMUP.to_string()])
+        .args(["--steps", &MEASURED.to_string()])
+        .output()
+        .expect("ZEROTRAIN_TORCH_PYTHON runs");
+    assert!(
+        out.status.success(),
+        "bench_torch_cpu.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    row["median_step_s"].as_f64().expect("a step time")
+}
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
+    println!(
+        "fp32 AdamW, {threads} threads, median of {MEASURED} steps after {WARMUP}; PyTorch: \
+         transformers with attn_implementation=\"sdpa\""
+    );
+    println!();
+    println!("| model | B × T | zerotrain s/step | tokens/s | PyTorch SDPA tokens/s | × PyTorch |");
+    println!("|---|---|---|---|---|---|");
+    for (model, b, t) in ROWS {
+        let row = format!("{model} T={t}");
+        if !filters.is_empty() && !filters.iter().any(|f| row.contains(f.as_str())) {
+            continue;
+        }
+        let spec = spec(model, b, t);
+        let opts = Options {
+            threads: Some(threads),
+            ..Options::default()
+        };
+        let plan = plan_local(&spec, None).expect("the bench's specs fit");
+        let seconds = common::step_seconds(&spec, &plan, &opts, WARMUP, "fp32");
+        let (step, _, _) = common::median_min_max(&seconds);
+        let tokens = (b * t) as f64;
+        let (torch, ratio) = match &python {
+            Some(py) => {
+                let s = theirs(py, model, b, t, threads);
+                (format!("{:.1}", tokens / s), format!("{:.2}×", s / step))
+            }
+            None => ("—".into(), "—".into()),
+        };
+        println!(
+            "| {model} | {b} × {t} | {step:.2} | {:.1} | {torch} | {ratio} |",
+            tokens / step,
+        );
+    }
+}
