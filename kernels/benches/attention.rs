@@ -8,28 +8,15 @@ use kernels::attention::{
     gqa_attention_forward,
 };
 use kernels::{Float, cpu};
-use std::time::Instant;
+
+mod common;
+use common::fill;
 
 const B: usize = 4;
 const RUNS: usize = 5;
 
-fn median(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..RUNS)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[RUNS / 2]
-}
-
-fn fill<X: Float>(n: usize, scale: f32) -> Vec<X> {
-    (0..n)
-        .map(|i| X::from_f32(((i * 7919 % 1000) as f32 / 500.0 - 1.0) * scale))
-        .collect()
+fn median(f: impl FnMut()) -> f64 {
+    common::median_seconds(RUNS, f)
 }
 
 /// Seconds of (forward, backward) of GPT-2's packed multi-head attention.

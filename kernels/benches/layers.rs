@@ -14,7 +14,9 @@ use kernels::norm::sum_squares;
 use kernels::optim::{AdamW, adamw_step, decay};
 use kernels::residual::residual_accumulate;
 use kernels::{Float, cpu};
-use std::time::Instant;
+
+mod common;
+use common::fill;
 
 const B: usize = 4;
 const T: usize = 64;
@@ -27,23 +29,8 @@ const N: usize = B * T;
 const PARAMS: usize = 124_439_808;
 const RUNS: usize = 7;
 
-fn median(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..RUNS)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[RUNS / 2]
-}
-
-fn fill<X: Float>(n: usize, scale: f32) -> Vec<X> {
-    (0..n)
-        .map(|i| X::from_f32(((i * 7919 % 1000) as f32 / 500.0 - 1.0) * scale))
-        .collect()
+fn median(f: impl FnMut()) -> f64 {
+    common::median_seconds(RUNS, f)
 }
 
 /// A heap vector of `n` copies (model-sized: never an array on the stack).

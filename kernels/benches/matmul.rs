@@ -6,7 +6,9 @@ use kernels::matmul::{
     DinpMode, Layout, matmul_backward, matmul_forward, measure_peak_gflops, scratch_len,
 };
 use kernels::{Float, cpu};
-use std::time::Instant;
+
+mod common;
+use common::fill;
 
 const M: usize = 256;
 const RUNS: usize = 7;
@@ -20,23 +22,8 @@ const SHAPES: [(&str, usize, usize, Layout); 5] = [
     ("lm head 768→50257 (x·Wᵀ)", 768, 50257, Layout::NK),
 ];
 
-fn median(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..RUNS)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[RUNS / 2]
-}
-
-fn fill<X: Float>(n: usize, scale: f32) -> Vec<X> {
-    (0..n)
-        .map(|i| X::from_f32(((i * 7919 % 1000) as f32 / 500.0 - 1.0) * scale))
-        .collect()
+fn median(f: impl FnMut()) -> f64 {
+    common::median_seconds(RUNS, f)
 }
 
 /// (forward, backward) GFLOP/s for one shape; the output/gradient of the LM head is f32.

@@ -7,8 +7,6 @@
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
 //! the same shape, batch and thread count) in the same run and prints the ratio.
 
-use std::process::Command;
-
 use runner::train::Options;
 use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
@@ -43,24 +41,18 @@ fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
 fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
-    let out = Command::new(python)
-        .args([script, "--dtype", dtype, "--threads", &threads.to_string()])
-        .args([
-            "--warmup",
-            &WARMUP.to_string(),
-            "--steps",
-            &MEASURED.to_string(),
-        ])
-        .output()
-        .expect("ZEROTRAIN_TORCH_PYTHON runs");
-    assert!(
-        out.status.success(),
-        "bench_torch_cpu.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let row: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
-    row["median_step_s"].as_f64().expect("a step time")
+    let args = [
+        "--dtype",
+        dtype,
+        "--threads",
+        &threads.to_string(),
+        "--warmup",
+        &WARMUP.to_string(),
+        "--steps",
+        &MEASURED.to_string(),
+    ];
+    common::torch_step_seconds(python, &args.map(String::from))
+        .unwrap_or_else(|e| panic!("bench_torch_cpu.py {e}"))
 }
 
 fn main() {

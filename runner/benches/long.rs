@@ -8,8 +8,6 @@
 //! each row also runs `scripts/bench_torch_cpu.py --attn sdpa` (the same model, batch and
 //! thread count) in the same run and prints the ratio.
 
-use std::process::Command;
-
 use runner::train::Options;
 use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
@@ -45,26 +43,27 @@ fn spec(model: &str, b: usize, t: usize) -> JobSpec {
         .spec
 }
 
-/// PyTorch's median step seconds with SDPA attention.
-fn theirs(python: &str, model: &str, b: usize, t: usize, threads: usize) -> f64 {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
-    let out = Command::new(python)
-        .args([
-            script, "--dtype", "fp32", "--attn", "sdpa", "--model", model,
-        ])
-        .args(["--batch", &b.to_string(), "--seq", &t.to_string()])
-        .args(["--threads", &threads.to_string()])
-        .args(["--warmup", &WARMUP.to_string()])
-        .args(["--steps", &MEASURED.to_string()])
-        .output()
-        .expect("ZEROTRAIN_TORCH_PYTHON runs");
-    assert!(
-        out.status.success(),
-        "bench_torch_cpu.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let row: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
-    row["median_step_s"].as_f64().expect("a step time")
+/// PyTorch's median step seconds with SDPA attention, or how it failed.
+fn theirs(python: &str, model: &str, b: usize, t: usize, threads: usize) -> Result<f64, String> {
+    let args = [
+        "--dtype",
+        "fp32",
+        "--attn",
+        "sdpa",
+        "--model",
+        model,
+        "--batch",
+        &b.to_string(),
+        "--seq",
+        &t.to_string(),
+        "--threads",
+        &threads.to_string(),
+        "--warmup",
+        &WARMUP.to_string(),
+        "--steps",
+        &MEASURED.to_string(),
+    ];
+    common::torch_step_seconds(python, &args.map(String::from))
 }
 
 fn main() {
@@ -96,10 +95,10 @@ fn main() {
         let (step, _, _) = common::median_min_max(&seconds);
         let tokens = (b * t) as f64;
         let (torch, ratio) = match &python {
-            Some(py) => {
-                let s = theirs(py, model, b, t, threads);
-                (format!("{:.1}", tokens / s), format!("{:.2}×", s / step))
-            }
+            Some(py) => match theirs(py, model, b, t, threads) {
+                Ok(s) => (format!("{:.1}", tokens / s), format!("{:.2}×", s / step)),
+                Err(e) => (e, "—".into()),
+            },
             None => ("—".into(), "—".into()),
         };
         println!(

@@ -118,6 +118,19 @@ fn every_optimizer_and_precision_trains_llama_tiny_below_its_bar() {
     trains_below_the_bars("llama-tiny", LLAMA_OPTIMIZERS);
 }
 
+/// Trains `json` and checks its rank's measured peak bytes against the prediction, per category.
+fn measured_equals_predicted(json: &str) {
+    let r = &train(json).ranks[0];
+    for &c in Category::ALL {
+        assert_eq!(
+            r.measured_peak_bytes.get(c),
+            r.predicted_bytes.get(c),
+            "{} of {json}",
+            c.name()
+        );
+    }
+}
+
 #[test]
 fn measured_peak_memory_equals_the_model_over_144_configurations() {
     let shapes = [
@@ -147,15 +160,7 @@ fn measured_peak_memory_equals_the_model_over_144_configurations() {
                             "training": {{"steps": 2, "seq_len": {seq_len}, "micro_batch_size": 2, "grad_accum_steps": 2}},
                             "precision": {{"dtype": "{dtype}"}}}}"#
                     );
-                    let r = &train(&json).ranks[0];
-                    for &c in Category::ALL {
-                        assert_eq!(
-                            r.measured_peak_bytes.get(c),
-                            r.predicted_bytes.get(c),
-                            "{} of {json}",
-                            c.name()
-                        );
-                    }
+                    measured_equals_predicted(&json);
                     checked += 1;
                 }
             }
@@ -188,15 +193,7 @@ fn measured_peak_memory_equals_the_model_at_long_sequences() {
                         "training": {{"steps": 2, "seq_len": {seq_len}, "micro_batch_size": 1, "grad_accum_steps": 1}},
                         "precision": {{"dtype": "{dtype}"}}}}"#
                 );
-                let r = &train(&json).ranks[0];
-                for &c in Category::ALL {
-                    assert_eq!(
-                        r.measured_peak_bytes.get(c),
-                        r.predicted_bytes.get(c),
-                        "{} of {json}",
-                        c.name()
-                    );
-                }
+                measured_equals_predicted(&json);
             }
         }
     }

@@ -48,3 +48,30 @@ pub fn median_min_max(xs: &[f64]) -> (f64, f64, f64) {
     };
     (median, v[0], v[n - 1])
 }
+
+/// The median step seconds `scripts/bench_torch_cpu.py` prints when run by `python` with `args`
+/// (PyTorch's side of a CPU bench, on the same cores), or how it failed: a bench row reports a
+/// reference that runs out of memory rather than stopping.
+pub fn torch_step_seconds(python: &str, args: &[String]) -> Result<f64, String> {
+    use std::os::unix::process::ExitStatusExt;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("ZEROTRAIN_TORCH_PYTHON runs");
+    if out.status.signal() == Some(9) {
+        return Err("killed (out of memory)".into());
+    }
+    if !out.status.success() {
+        return Err(format!(
+            "failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        ));
+    }
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    Ok(row["median_step_s"].as_f64().expect("a step time"))
+}
