@@ -323,4 +323,18 @@ mod tests {
         }
         assert!(whole.3.iter().any(|&g| g != 0.5), "dw was added into");
     }
+
+    /// Admission's limits are the kernels' own: what it admits, they run.
+    #[test]
+    fn admission_limits_are_the_kernels_limits() {
+        assert_eq!(
+            scheduler::model::MAX_HEAD_SIZE,
+            kernels::attention::MAX_HEAD_SIZE
+        );
+        #[cfg(feature = "cuda")]
+        assert_eq!(
+            scheduler::plan::CUDA_MAX_ATTENTION_HEADS,
+            kernels::cuda::MAX_GRID.1 as usize
+        );
+    }
 }
