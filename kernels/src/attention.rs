@@ -213,6 +213,13 @@ fn widen<X: Float>(src: &[X], dst: &mut [f32]) {
 }
 
 impl<X: Float> Operand<'_, X> {
+    /// Row t of head h of batch b, widened into `dst` (head-size long).
+    #[inline(always)]
+    fn widen_row(&self, d: &AttentionDims, (b, h): (usize, usize), t: usize, dst: &mut [f32]) {
+        let at = self.heads.at(d, b, t, h);
+        widen(&self.data[at..at + d.head_size], dst);
+    }
+
     /// Rows `t0..t0 + n` of head h of batch b, widened into rows of `dst (TILE, padded hs)`
     /// with zero padding; rows from n on keep what they held (no result read depends on them).
     #[inline(always)]
@@ -225,8 +232,7 @@ impl<X: Float> Operand<'_, X> {
     ) {
         let hs = d.head_size;
         for (i, row) in dst.chunks_exact_mut(padded(hs)).take(n).enumerate() {
-            let at = self.heads.at(d, b, t0 + i, h);
-            widen(&self.data[at..at + hs], &mut row[..hs]);
+            self.widen_row(d, (b, h), t0 + i, &mut row[..hs]);
             row[hs..].fill(0.0);
         }
     }
@@ -244,8 +250,7 @@ impl<X: Float> Operand<'_, X> {
         let hs = d.head_size;
         let mut buf = [0f32; MAX_HEAD_SIZE];
         for i in 0..n {
-            let at = self.heads.at(d, b, t0 + i, h);
-            widen(&self.data[at..at + hs], &mut buf[..hs]);
+            self.widen_row(d, (b, h), t0 + i, &mut buf[..hs]);
             for (j, &x) in buf[..hs].iter().enumerate() {
                 dst[j * TILE + i] = x;
             }
@@ -287,9 +292,9 @@ fn accumulate(acc: &mut [f32], w: &[f32], src: &[f32], n: usize, rows: usize, hs
         while c0 < hsp {
             let at = (m0, c0, hsp);
             c0 += if hsp - c0 >= WIDE {
-                columns::<WIDE>(acc, w, src, n, at)
+                accumulate_block::<WIDE>(acc, w, src, n, at)
             } else {
-                columns::<NARROW>(acc, w, src, n, at)
+                accumulate_block::<NARROW>(acc, w, src, n, at)
             };
         }
     }
@@ -297,7 +302,7 @@ fn accumulate(acc: &mut [f32], w: &[f32], src: &[f32], n: usize, rows: usize, hs
 
 /// [`accumulate`] on rows `m0..m0 + ROWS`, columns `c0..c0 + W`; returns W.
 #[inline(always)]
-fn columns<const W: usize>(
+fn accumulate_block<const W: usize>(
     acc: &mut [f32],
     w: &[f32],
     src: &[f32],

@@ -110,10 +110,8 @@ impl<D: Device> Batch<D> {
     ) -> Result<f64, Error> {
         let chunk = self.logits.len() / v;
         for start in (0..n).step_by(chunk) {
-            let (rows, mkn) = (
-                start..n.min(start + chunk),
-                (n.min(start + chunk) - start, c, v),
-            );
+            let rows = start..n.min(start + chunk);
+            let mkn = (rows.len(), c, v);
             let x = D::slice(D::share(&x), rows.start * c..rows.end * c);
             let mut logits = self.logits.at_mut(0..mkn.0 * v);
             dev.matmul_forward(
