@@ -7,8 +7,6 @@
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
 //! the same shape, batch and thread count) in the same run and prints the ratio.
 
-use runner::train::Options;
-use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -21,22 +19,9 @@ const MEASURED: usize = 5;
 
 /// zerotrain's median step seconds (and the spread) for `dtype`.
 fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
-    let steps = WARMUP + MEASURED;
-    let json = format!(
-        r#"{{"model": {{"preset": "{MODEL}"}}, "precision": {{"dtype": "{dtype}"}},
-            "optimizer": {{"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}},
-            "training": {{"micro_batch_size": {B}, "seq_len": {T}, "steps": {steps}}},
-            "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#
-    );
-    let spec = JobSpec::parse(&json, Purpose::Train)
-        .expect("the benchmark spec is valid")
-        .spec;
-    let opts = Options {
-        threads: Some(threads),
-        ..Options::default()
-    };
-    let plan = plan_local(&spec, None).expect("the bench's specs fit");
-    common::median_min_max(&common::step_seconds(&spec, &plan, &opts, WARMUP, dtype))
+    let model = format!(r#"{{"preset": "{MODEL}"}}"#);
+    let spec = common::adamw_job(&model, dtype, (B, T), WARMUP + MEASURED);
+    common::median_min_max(&common::cpu_step_seconds(&spec, threads, WARMUP, dtype))
 }
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
@@ -56,10 +41,7 @@ fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
 }
 
 fn main() {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
+    let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
     let peak = kernels::cpu::thread_pool(threads)
@@ -84,7 +66,7 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|---|");
     for dtype in ["fp32", "bf16"] {
-        if !filters.is_empty() && !filters.iter().any(|f| dtype.contains(f.as_str())) {
+        if !filters.keeps(dtype) {
             continue;
         }
         let (step, lo, hi) = ours(dtype, threads);

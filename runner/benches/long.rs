@@ -8,9 +8,7 @@
 //! each row also runs `scripts/bench_torch_cpu.py --attn sdpa` (the same model, batch and
 //! thread count) in the same run and prints the ratio.
 
-use runner::train::Options;
-use scheduler::plan::plan_local;
-use scheduler::spec::{JobSpec, Purpose};
+use scheduler::spec::JobSpec;
 
 mod common;
 
@@ -31,16 +29,7 @@ fn spec(model: &str, b: usize, t: usize) -> JobSpec {
         "gpt2-124M" => r#"{"vocab_size": 50257, "context_length": 4096, "n_layer": 12, "n_head": 12, "n_embd": 768}"#.to_string(),
         preset => format!(r#"{{"preset": "{preset}"}}"#),
     };
-    let steps = WARMUP + MEASURED;
-    let json = format!(
-        r#"{{"model": {model}, "precision": {{"dtype": "fp32"}},
-            "optimizer": {{"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}},
-            "training": {{"micro_batch_size": {b}, "seq_len": {t}, "steps": {steps}}},
-            "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#
-    );
-    JobSpec::parse(&json, Purpose::Train)
-        .expect("the benchmark spec is valid")
-        .spec
+    common::adamw_job(&model, "fp32", (b, t), WARMUP + MEASURED)
 }
 
 /// PyTorch's median step seconds with SDPA attention, or how it failed.
@@ -67,10 +56,7 @@ fn theirs(python: &str, model: &str, b: usize, t: usize, threads: usize) -> Resu
 }
 
 fn main() {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
+    let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
     println!(
@@ -81,17 +67,10 @@ fn main() {
     println!("| model | B × T | zerotrain s/step | tokens/s | PyTorch SDPA tokens/s | × PyTorch |");
     println!("|---|---|---|---|---|---|");
     for (model, b, t) in ROWS {
-        let row = format!("{model} T={t}");
-        if !filters.is_empty() && !filters.iter().any(|f| row.contains(f.as_str())) {
+        if !filters.keeps(&format!("{model} T={t}")) {
             continue;
         }
-        let spec = spec(model, b, t);
-        let opts = Options {
-            threads: Some(threads),
-            ..Options::default()
-        };
-        let plan = plan_local(&spec, None).expect("the bench's specs fit");
-        let seconds = common::step_seconds(&spec, &plan, &opts, WARMUP, "fp32");
+        let seconds = common::cpu_step_seconds(&spec(model, b, t), threads, WARMUP, model);
         let (step, _, _) = common::median_min_max(&seconds);
         let tokens = (b * t) as f64;
         let (torch, ratio) = match &python {

@@ -9,8 +9,6 @@
 //! llm.c's `train_gpt2.c` measured on the same machine (gpt2-124M fp32, B=4, T=64), the
 //! gpt2-124M rows also print the speed-up over it.
 
-use runner::train::Options;
-use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -73,24 +71,16 @@ fn time_case(case: &Case, threads: usize) -> Timing {
         .spec;
     let model = spec.architecture().model().expect("a preset has a shape");
     let tokens_per_step = (B * T) as f64;
-    let opts = Options {
-        threads: Some(threads),
-        ..Options::default()
-    };
-    let plan = plan_local(&spec, None).expect("the bench's specs fit");
     let what = format!("{}/{}", case.model, case.dtype);
     Timing {
-        seconds: common::step_seconds(&spec, &plan, &opts, case.warmup, &what),
+        seconds: common::cpu_step_seconds(&spec, threads, case.warmup, &what),
         flops_per_step: common::flops_per_token(&model, T) * tokens_per_step,
         tokens_per_step,
     }
 }
 
 fn main() {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
+    let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let llmc: Option<f64> = std::env::var("LLMC_STEP_SECONDS")
         .ok()
@@ -112,7 +102,7 @@ fn main() {
     println!("|---|---|---|---|---|---|---|---|---|");
     for case in &CASES {
         let name = format!("{}/{}", case.model, case.dtype);
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+        if !filters.keeps(&name) {
             continue;
         }
         let t = time_case(case, threads);

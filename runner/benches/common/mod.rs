@@ -1,11 +1,11 @@
-//! What the runner's benchmarks share: llm.c's FLOP count, a timed training run, and order
-//! statistics of step times.
+//! What the runner's benchmarks share: llm.c's FLOP count, the AdamW job they time, a timed
+//! training run, order statistics of step times, PyTorch's side, and row filters.
 #![allow(dead_code)] // each bench uses its own part
 
 use runner::train::{Options, Progress, run};
 use scheduler::model::ModelShape;
-use scheduler::plan::Plan;
-use scheduler::spec::JobSpec;
+use scheduler::plan::{Plan, plan_local};
+use scheduler::spec::{JobSpec, Purpose};
 
 /// Training FLOPs per token as llm.c counts them: 6 per parameter (forward and backward) and
 /// 6·L·H·D·T for the attention scores and their weighted sum at sequence length `t`.
@@ -34,6 +34,50 @@ pub fn step_seconds(
     );
     seconds.drain(..warmup);
     seconds
+}
+
+/// The job the CPU benches compare with PyTorch's: `model` (a spec's model block) in `dtype`,
+/// AdamW (betas 0.9/0.95, weight decay 0.1, as `scripts/bench_torch_cpu.py`), `b` sequences of
+/// `t` tokens, `steps` steps, stage 0, no checkpointing.
+pub fn adamw_job(model: &str, dtype: &str, (b, t): (usize, usize), steps: usize) -> JobSpec {
+    let json = format!(
+        r#"{{"model": {model}, "precision": {{"dtype": "{dtype}"}},
+            "optimizer": {{"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "training": {{"micro_batch_size": {b}, "seq_len": {t}, "steps": {steps}}},
+            "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#
+    );
+    JobSpec::parse(&json, Purpose::Train)
+        .expect("the benchmark spec is valid")
+        .spec
+}
+
+/// [`step_seconds`] of `spec` planned on this machine's CPU and run on `threads` threads.
+pub fn cpu_step_seconds(spec: &JobSpec, threads: usize, warmup: usize, what: &str) -> Vec<f64> {
+    let opts = Options {
+        threads: Some(threads),
+        ..Options::default()
+    };
+    let plan = plan_local(spec, None).expect("the bench's specs fit");
+    step_seconds(spec, &plan, &opts, warmup, what)
+}
+
+/// The row filters given on the command line (`cargo bench … -- FILTER…`): a row runs when
+/// there are none or its name contains one.
+pub struct Filters(Vec<String>);
+
+impl Filters {
+    pub fn from_args() -> Filters {
+        Filters(
+            std::env::args()
+                .skip(1)
+                .filter(|a| !a.starts_with("--"))
+                .collect(),
+        )
+    }
+
+    pub fn keeps(&self, row: &str) -> bool {
+        self.0.is_empty() || self.0.iter().any(|f| row.contains(f.as_str()))
+    }
 }
 
 /// Median, and the smallest and largest value, of `xs` (not empty).
