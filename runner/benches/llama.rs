@@ -26,17 +26,7 @@ fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
 fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
-    let args = [
-        "--dtype",
-        dtype,
-        "--threads",
-        &threads.to_string(),
-        "--warmup",
-        &WARMUP.to_string(),
-        "--steps",
-        &MEASURED.to_string(),
-    ];
-    common::torch_step_seconds(python, &args.map(String::from))
+    common::torch_step_seconds(python, &["--dtype", dtype], threads, (WARMUP, MEASURED))
         .unwrap_or_else(|e| panic!("bench_torch_cpu.py {e}"))
 }
 

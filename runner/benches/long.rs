@@ -34,25 +34,11 @@ fn spec(model: &str, b: usize, t: usize) -> JobSpec {
 
 /// PyTorch's median step seconds with SDPA attention, or how it failed.
 fn theirs(python: &str, model: &str, b: usize, t: usize, threads: usize) -> Result<f64, String> {
+    let (b, t) = (b.to_string(), t.to_string());
     let args = [
-        "--dtype",
-        "fp32",
-        "--attn",
-        "sdpa",
-        "--model",
-        model,
-        "--batch",
-        &b.to_string(),
-        "--seq",
-        &t.to_string(),
-        "--threads",
-        &threads.to_string(),
-        "--warmup",
-        &WARMUP.to_string(),
-        "--steps",
-        &MEASURED.to_string(),
+        "--dtype", "fp32", "--attn", "sdpa", "--model", model, "--batch", &b, "--seq", &t,
     ];
-    common::torch_step_seconds(python, &args.map(String::from))
+    common::torch_step_seconds(python, &args, threads, (WARMUP, MEASURED))
 }
 
 fn main() {

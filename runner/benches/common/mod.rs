@@ -93,15 +93,24 @@ pub fn median_min_max(xs: &[f64]) -> (f64, f64, f64) {
     (median, v[0], v[n - 1])
 }
 
-/// The median step seconds `scripts/bench_torch_cpu.py` prints when run by `python` with `args`
-/// (PyTorch's side of a CPU bench, on the same cores), or how it failed: a bench row reports a
+/// The median of `measured` step seconds after `warmup` that `scripts/bench_torch_cpu.py`
+/// prints when run by `python` on `threads` threads with `args` (the model, batch, dtype…):
+/// PyTorch's side of a CPU bench, on the same cores; or how it failed: a bench row reports a
 /// reference that runs out of memory rather than stopping.
-pub fn torch_step_seconds(python: &str, args: &[String]) -> Result<f64, String> {
+pub fn torch_step_seconds(
+    python: &str,
+    args: &[&str],
+    threads: usize,
+    (warmup, measured): (usize, usize),
+) -> Result<f64, String> {
     use std::os::unix::process::ExitStatusExt;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_torch_cpu.py");
     let out = std::process::Command::new(python)
         .arg(script)
         .args(args)
+        .args(["--threads", &threads.to_string()])
+        .args(["--warmup", &warmup.to_string()])
+        .args(["--steps", &measured.to_string()])
         .output()
         .expect("ZEROTRAIN_TORCH_PYTHON runs");
     if out.status.signal() == Some(9) {
