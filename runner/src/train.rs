@@ -98,6 +98,8 @@ pub struct Progress {
     pub tokens_per_second: f64,
     pub step_seconds: f64,
     pub skipped: bool,
+    /// The mean validation loss, when validation ran after this step.
+    pub validation_loss: Option<f64>,
     /// A checkpoint of this step was written.
     pub checkpointed: bool,
 }
@@ -354,6 +356,7 @@ fn train_rank<X: Num + Summable, D: DeviceCollectives>(
                 tokens_per_second: rank.tokens_per_step / elapsed,
                 step_seconds: elapsed,
                 skipped: done.skipped,
+                validation_loss: None,
                 checkpointed,
             });
         }

@@ -33,6 +33,7 @@ fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
         tokens_per_second: 1000.0,
         skipped: step == 1,
         step_seconds: 0.25,
+        validation_loss: None,
     }
 }
 

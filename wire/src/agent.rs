@@ -121,6 +121,9 @@ pub enum Report {
         tokens_per_second: f64,
         skipped: bool,
         step_seconds: f64,
+        /// The mean loss over the validation batches, when this step was one to evaluate at.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        validation_loss: Option<f64>,
     },
     /// A rank's measured peak bytes (the server sets the plan's beside them), and what it sent.
     Memory {

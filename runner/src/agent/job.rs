@@ -201,6 +201,7 @@ fn train(
             tokens_per_second: p.tokens_per_second,
             skipped: p.skipped,
             step_seconds: p.step_seconds,
+            validation_loss: p.validation_loss,
         });
         if p.checkpointed {
             // Sent after every rank uploaded its file and rank 0 the manifest.
