@@ -58,6 +58,9 @@ pub struct Manifest {
     pub data: Position,
     /// Losses of the steps so far, so a resumed run reports the whole history.
     pub losses: Vec<f64>,
+    /// Validation losses so far, likewise.
+    #[serde(default)]
+    pub validation: Vec<crate::train::ValidationLoss>,
 }
 
 /// One named buffer of a rank's state, as bytes on device `D` (files are written and read

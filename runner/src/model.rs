@@ -97,6 +97,7 @@ impl<D: Device> Batch<D> {
     /// per chunk, logits = x·Wᵀ for the head weight W (V, C), each token's loss and, in place
     /// of the logits, their gradient (`dloss` per token); then the chunk's rows of
     /// `dx` = ∂loss/∂x, and ∂loss/∂W added into `dw`. Returns the micro-batch's mean loss.
+    /// Without `dloss` (validation) only the losses are computed.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lm_head<X: Num>(
         &mut self,
@@ -105,7 +106,7 @@ impl<D: Device> Batch<D> {
         (w, mut dw): (D::View<'_, X>, D::ViewMut<'_, X>),
         mut dx: D::ViewMut<'_, X>,
         (n, c, v): (usize, usize, usize),
-        dloss: f32,
+        dloss: Option<f32>,
         scratch: &mut Buffer<f32, D>,
     ) -> Result<f64, Error> {
         let chunk = self.logits.len() / v;
@@ -128,8 +129,11 @@ impl<D: Device> Batch<D> {
                 D::reborrow(&mut logits),
                 self.targets.at(rows.clone()),
                 v,
-                Some(dloss),
+                dloss,
             )?;
+            if dloss.is_none() {
+                continue;
+            }
             dev.matmul_backward(
                 D::slice_mut(D::reborrow(&mut dx), rows.start * c..rows.end * c),
                 D::reborrow(&mut dw),
@@ -231,14 +235,15 @@ impl<X: Num, D: Device> Passes<X, D> {
     /// The final norm forward, the LM head and the cross-entropy, and back through the head:
     /// returns the micro-batch's mean loss and adds the head's weight gradient into `dhead`.
     /// `head` is the unit holding the (V, C) head weight first (the embeddings when tied).
-    /// `dloss` is the gradient each token's loss contributes.
+    /// `dloss` is the gradient each token's loss contributes; without it nothing is
+    /// differentiated (validation).
     pub(crate) fn loss(
         &mut self,
         dev: &D,
         norm: D::View<'_, X>,
         head: D::View<'_, X>,
         dhead: D::ViewMut<'_, X>,
-        dloss: f32,
+        dloss: Option<f32>,
     ) -> Result<f64, Error> {
         match self {
             Passes::Gpt2(m) => m.loss(dev, norm, head, dhead, dloss),
@@ -306,7 +311,7 @@ mod tests {
                     (&w, &mut dw),
                     &mut dx,
                     (n, c, v),
-                    0.25,
+                    Some(0.25),
                     &mut scratch,
                 )
                 .unwrap();

@@ -19,7 +19,7 @@ use crate::Error;
 use crate::accounting::Accountant;
 use crate::checkpoint::{self, Manifest};
 use crate::comm::{Communicator, DeviceCollectives, Op, Summable, TcpConfig, local_ring, tcp_ring};
-use crate::data::{BatchLayout, DataLoader, DataRoots, Position};
+use crate::data::{BatchLayout, DataLoader, DataRoots, Inputs, Position, Tokenizing};
 use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
 use crate::zero::{Engine, StepReport};
@@ -59,9 +59,32 @@ pub struct Options {
     /// Where checkpoint files and the export go as soon as they are written (an agent's
     /// uploads to the server), besides `out_dir`.
     pub upload: Option<Arc<dyn checkpoint::Upload>>,
+    /// Where tokenized text is kept for later runs (default: `out_dir/cache`, or the system's
+    /// temporary folder).
+    pub data_cache: Option<std::path::PathBuf>,
+    /// Where progress lines that are not steps go (tokenizing); default: nowhere.
+    pub log: Option<LogSink>,
+}
+
+/// A place for progress lines (a terminal, a job's log on the server).
+#[derive(Clone)]
+pub struct LogSink(pub Arc<dyn Fn(&str) + Send + Sync>);
+
+impl std::fmt::Debug for LogSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LogSink")
+    }
 }
 
 impl Options {
+    fn data_cache(&self) -> std::path::PathBuf {
+        match (&self.data_cache, &self.out_dir) {
+            (Some(cache), _) => cache.clone(),
+            (None, Some(out)) => out.join("cache"),
+            (None, None) => std::env::temp_dir().join("zerotrain-cache"),
+        }
+    }
+
     /// The device rank `rank` trains on.
     pub fn target(&self, rank: usize) -> Target {
         self.rank_devices.get(&rank).copied().unwrap_or(self.device)
@@ -104,6 +127,13 @@ pub struct Progress {
     pub checkpointed: bool,
 }
 
+/// The mean loss over the validation batches after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct ValidationLoss {
+    pub step: u32,
+    pub loss: f64,
+}
+
 /// Bytes one rank held at its peak, by category, next to the memory model's prediction, and
 /// the bytes it sent, by collective.
 #[derive(Debug, Clone, Serialize)]
@@ -140,6 +170,8 @@ pub struct Summary {
     pub final_loss: f64,
     /// Per step, the mean token loss over every rank's batch.
     pub losses: Vec<f64>,
+    /// The validation losses, in step order (none without `data.validation`).
+    pub validation: Vec<ValidationLoss>,
     pub tokens_per_second: f64,
     pub step_seconds_median: f64,
     pub skipped_steps: u64,
@@ -206,6 +238,25 @@ pub fn run_ranks(
     // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
     kernels::cpu::init_global_pool(threads);
     let gemm_threads = kernels::cpu::pool_threads() + comms.len();
+    // Text is tokenized once here, for every rank of this process, before any trains.
+    let quiet = |_: &str| {};
+    let log: &(dyn Fn(&str) + Sync) = match &opts.log {
+        Some(LogSink(log)) => log.as_ref(),
+        None => &quiet,
+    };
+    let inputs = Inputs::prepare(
+        &spec.data,
+        spec.model.init_from.as_ref(),
+        &opts.data_roots,
+        &Tokenizing {
+            cache: &opts.data_cache(),
+            seed: spec.training.seed,
+            vocab_size: model.vocab_size(),
+            eos_token_id: eos_token_id(hf_config),
+            log,
+        },
+    )?;
+    let inputs = &inputs;
     let mut progress = Some(progress);
     let results: Vec<Result<RankRun, Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -222,6 +273,7 @@ pub fn run_ranks(
                         model,
                         hf_config,
                         opts,
+                        inputs,
                         progress: report,
                     };
                     match spec.precision.dtype {
@@ -240,9 +292,18 @@ pub fn run_ranks(
     summarise(results, gemm_threads)
 }
 
+/// The model config's `eos_token_id` (a list's first), which tokenizes text when the
+/// tokenizer's own files name no end-of-sequence token.
+fn eos_token_id(config: &serde_json::Map<String, serde_json::Value>) -> Option<u32> {
+    let id = config.get("eos_token_id")?;
+    let id = id.as_array().and_then(|ids| ids.first()).unwrap_or(id);
+    id.as_u64().and_then(|id| u32::try_from(id).ok())
+}
+
 /// What one rank did.
 struct RankRun {
     losses: Vec<f64>,
+    validation: Vec<ValidationLoss>,
     seconds: Vec<f64>,
     tokens_per_step: f64,
     skipped_steps: u64,
@@ -292,6 +353,7 @@ fn summarise(results: Vec<Result<RankRun, Error>>, threads: usize) -> Result<Sum
         skipped_steps: first.skipped_steps,
         loss_scale: first.loss_scale,
         resumed_from: first.resumed_from,
+        validation: first.validation.clone(),
         losses,
         ranks: runs.into_iter().map(|r| r.memory).collect(),
         process,
@@ -307,6 +369,8 @@ struct RankJob<'a, 'p> {
     /// The `config.json` the export carries.
     hf_config: &'a serde_json::Map<String, serde_json::Value>,
     opts: &'a Options,
+    /// The files the rank's loaders read.
+    inputs: &'a Inputs,
     progress: Option<&'a mut (dyn FnMut(Progress) + Send + 'p)>,
 }
 
@@ -346,6 +410,7 @@ fn train_rank<X: Num + Summable, D: DeviceCollectives>(
             return Err(Error::Cancelled { step });
         }
         let (done, elapsed) = rank.step(&job, step)?;
+        let validation_loss = rank.validate_if_due(&job, step + 1)?;
         let checkpointed = rank.checkpoint_if_due(&job, step + 1)?;
         if let Some(report) = job.progress.as_mut() {
             report(Progress {
@@ -356,7 +421,7 @@ fn train_rank<X: Num + Summable, D: DeviceCollectives>(
                 tokens_per_second: rank.tokens_per_step / elapsed,
                 step_seconds: elapsed,
                 skipped: done.skipped,
-                validation_loss: None,
+                validation_loss,
                 checkpointed,
             });
         }
@@ -372,6 +437,9 @@ fn train_rank<X: Num + Summable, D: DeviceCollectives>(
 struct Rank<X: Num, D: Device> {
     engine: Engine<X, D>,
     data: DataLoader,
+    /// The validation data's loader, read from its start at every evaluation.
+    validation: Option<DataLoader>,
+    validation_losses: Vec<ValidationLoss>,
     scaler: LossScaler,
     /// Sequences in one batch across all ranks: checkpoints count data positions in these.
     sequences_per_batch: usize,
@@ -394,22 +462,18 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             rank,
             world_size: setup.world_size,
         };
-        let roots = &job.opts.data_roots;
         let vocab = job.model.vocab_size();
-        let data = DataLoader::new(
-            &spec.data,
-            roots,
-            layout,
-            t.seed,
-            vocab,
-            engine.accountant(),
-        )?;
+        let loader = |input| DataLoader::new(input, layout, t.seed, vocab, engine.accountant());
+        let data = loader(&job.inputs.train)?;
+        let validation = job.inputs.validation.as_ref().map(loader).transpose()?;
         let scaler = LossScaler::new(spec.precision.effective_loss_scale());
         let tokens_per_step =
             (engine.micro_batch_tokens() * setup.grad_accum * setup.world_size) as f64;
         Ok(Rank {
             engine,
             data,
+            validation,
+            validation_losses: Vec::new(),
             loss_scale: scaler.scale(),
             scaler,
             sequences_per_batch: setup.micro_batch * setup.world_size,
@@ -474,6 +538,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             ..m.data
         })?;
         self.losses = m.losses;
+        self.validation_losses = m.validation;
         Ok(m.step)
     }
 
@@ -516,6 +581,24 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         Ok((r, elapsed))
     }
 
+    /// The validation loss after `done` steps if validation is due then: every
+    /// `data.validation.every_steps` steps and after the last.
+    fn validate_if_due(
+        &mut self,
+        job: &RankJob<'_, '_>,
+        done: u32,
+    ) -> Result<Option<f64>, Error> {
+        let (Some(data), Some(v)) = (&mut self.validation, job.spec.data.validation()) else {
+            return Ok(None);
+        };
+        if !done.is_multiple_of(v.every_steps) && done != job.spec.training.steps.get() {
+            return Ok(None);
+        }
+        let loss = self.engine.evaluate(data, v.batches)?;
+        self.validation_losses.push(ValidationLoss { step: done, loss });
+        Ok(Some(loss))
+    }
+
     /// Writes a checkpoint after `done` steps if one is due then (not after the last: the
     /// export follows) and there is an output folder; says whether it did.
     fn checkpoint_if_due(&mut self, job: &RankJob<'_, '_>, done: u32) -> Result<bool, Error> {
@@ -536,6 +619,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             loss_scaler: self.scaler.state(),
             data: self.data.position(),
             losses: self.losses.clone(),
+            validation: self.validation_losses.clone(),
         };
         self.engine
             .save_checkpoint(out, &manifest, opts.upload.as_deref())?;
@@ -574,6 +658,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         let rank = self.engine.rank();
         RankRun {
             losses: self.losses,
+            validation: self.validation_losses,
             seconds: self.seconds,
             tokens_per_step: self.tokens_per_step,
             skipped_steps: self.scaler.skipped_steps(),

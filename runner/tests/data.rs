@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use runner::Error;
 use runner::accounting::Accountant;
-use runner::data::{BatchLayout, DataLoader, DataRoots, Position, entropy_floor, synthetic_vocab};
+use runner::data::{
+    BatchLayout, DataLoader, DataRoots, Inputs, Position, Tokenizing, entropy_floor, synthetic_vocab,
+};
 use scheduler::spec::Data;
 
 const VOCAB: usize = 50257;
@@ -64,14 +66,28 @@ fn open_loader(
     seed: u64,
     vocab: usize,
 ) -> Result<DataLoader, Error> {
-    DataLoader::new(
-        data,
-        &DataRoots::anywhere(),
-        layout,
+    open_in(data, &DataRoots::anywhere(), layout, seed, vocab, &Accountant::new(None))
+}
+
+/// The training data's loader of `data` inside `roots`, tokenized (when text) into the
+/// system's temporary folder.
+fn open_in(
+    data: &Data,
+    roots: &DataRoots,
+    layout: BatchLayout,
+    seed: u64,
+    vocab: usize,
+    acct: &Accountant,
+) -> Result<DataLoader, Error> {
+    let t = Tokenizing {
+        cache: &std::env::temp_dir().join("zerotrain-data-tests"),
         seed,
-        vocab,
-        &Accountant::new(None),
-    )
+        vocab_size: vocab,
+        eos_token_id: None,
+        log: &|_| {},
+    };
+    let inputs = Inputs::prepare(data, None, roots, &t)?;
+    DataLoader::new(&inputs.train, layout, seed, vocab, acct)
 }
 
 fn layout(batch: usize, seq_len: usize, rank: usize, world_size: usize) -> BatchLayout {
@@ -87,6 +103,7 @@ fn tokens(pattern: &str, shuffle: bool) -> Data {
     Data::Tokens {
         path: pattern.into(),
         shuffle,
+        validation: None,
     }
 }
 
@@ -188,6 +205,8 @@ fn resumed_loaders_continue_bit_identically() {
         tokens(&dir.pattern("train_*.bin"), true),
         Data::Text {
             path: dir.pattern("text.txt"),
+            validation: None,
+            tokenizer: None,
         },
         Data::Synthetic,
     ];
@@ -246,6 +265,8 @@ fn text_is_read_byte_by_byte_in_windows() {
     std::fs::write(dir.path("t.txt"), text).unwrap();
     let spec = Data::Text {
         path: dir.pattern("t.txt"),
+        validation: None,
+        tokenizer: None,
     };
     let mut loader = open_loader(&spec, layout(2, 3, 0, 1), 1, 256).unwrap();
     let got = batches(&mut loader, 6, 4);
@@ -263,6 +284,8 @@ fn text_needs_a_vocabulary_of_256() {
     std::fs::write(dir.path("t.txt"), "abcdefghij").unwrap();
     let spec = Data::Text {
         path: dir.pattern("t.txt"),
+        validation: None,
+        tokenizer: None,
     };
     let err = open_loader(&spec, layout(1, 4, 0, 1), 1, 255)
         .err()
@@ -342,6 +365,8 @@ fn missing_files_and_empty_globs_are_data_errors() {
     assert_data_error(open_error(&spec, shape), &missing, "cannot open");
     let text = Data::Text {
         path: missing.to_str().unwrap().into(),
+        validation: None,
+        tokenizer: None,
     };
     assert_data_error(open_error(&text, shape), &missing, "cannot open");
     let pattern = dir.pattern("train_*.bin");
@@ -534,7 +559,7 @@ fn a_loader_holds_what_the_memory_model_counts_for_it() {
     let measured = |data: &Data| {
         let acct = Accountant::new(None);
         let roots = DataRoots::anywhere();
-        let loader = DataLoader::new(data, &roots, layout(b, t, 0, 1), 1, 512, &acct).unwrap();
+        let loader = open_in(data, &roots, layout(b, t, 0, 1), 1, 512, &acct).unwrap();
         drop(loader);
         acct.peak().get(Category::Buffers)
     };
@@ -550,14 +575,16 @@ fn a_loader_holds_what_the_memory_model_counts_for_it() {
         measured(&Data::Synthetic),
         32 * 32 * 16 + (t + 1) as u64 * 4
     );
-    // Files: one window of B·T + 1 tokens as u32 and as read (2 bytes a token for shards,
-    // 1 for text), against what the model adds over synthetic data.
+    // Files: one window of B·T + 1 tokens as u32 and as read (4 bytes a token for shards, room
+    // for either version; 1 for text), against what the model adds over synthetic data.
     let files = [
-        (shards, tokens(&dir.pattern("train_*.bin"), true), 6),
+        (shards, tokens(&dir.pattern("train_*.bin"), true), 8),
         (
             text,
             Data::Text {
                 path: dir.pattern("t.txt"),
+                validation: None,
+                tokenizer: None,
             },
             5,
         ),

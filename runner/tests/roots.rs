@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use runner::Error;
 use runner::accounting::Accountant;
 use runner::checkpoint::{load_hf, max_hf_file_bytes};
-use runner::data::{BatchLayout, DataLoader, DataRoots};
+use runner::data::{BatchLayout, DataLoader, DataRoots, Inputs, Tokenizing};
 use scheduler::model::{ModelShape, Preset};
 use scheduler::spec::Data;
 use wire::data_roots::RootsError;
@@ -56,17 +56,26 @@ fn open_with(roots: &DataRoots, data: &Data) -> Result<DataLoader, Error> {
         rank: 0,
         world_size: 1,
     };
-    DataLoader::new(data, roots, layout, 1, 512, &Accountant::new(None))
+    let t = Tokenizing {
+        cache: &std::env::temp_dir().join("zerotrain-roots-tests"),
+        seed: 1,
+        vocab_size: 512,
+        eos_token_id: None,
+        log: &|_| {},
+    };
+    let inputs = Inputs::prepare(data, None, roots, &t)?;
+    DataLoader::new(&inputs.train, layout, 1, 512, &Accountant::new(None))
 }
 
 fn text(path: &str) -> Data {
-    Data::Text { path: path.into() }
+    Data::Text { path: path.into(), validation: None, tokenizer: None }
 }
 
 fn tokens(path: &str) -> Data {
     Data::Tokens {
         path: path.into(),
         shuffle: false,
+        validation: None,
     }
 }
 

@@ -369,6 +369,7 @@ fn setup(shape: LlamaShape, dtype: Dtype, stage: ZeroStage, n: usize) -> Setup {
         checkpointing: false,
         reduces_norm: false,
         token_width: 0,
+        validates: false,
     }
 }
 

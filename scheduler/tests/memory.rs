@@ -19,6 +19,7 @@ fn setup(arch: Architecture, dtype: Dtype, opt: Optimizer, stage: ZeroStage, n: 
         checkpointing: false,
         reduces_norm: false,
         token_width: 0,
+        validates: false,
     }
 }
 

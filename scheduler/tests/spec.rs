@@ -1027,7 +1027,9 @@ fn model_shape_params_and_data_kinds_parse() {
     assert_eq!(
         shape.data,
         Data::Text {
-            path: "corpus.txt".into()
+            path: "corpus.txt".into(),
+            validation: None,
+            tokenizer: None,
         }
     );
 
@@ -1045,7 +1047,8 @@ fn model_shape_params_and_data_kinds_parse() {
         tokens.data,
         Data::Tokens {
             path: "shards/*.bin".into(),
-            shuffle: false
+            shuffle: false,
+            validation: None,
         }
     );
 }
@@ -1621,7 +1624,8 @@ fn deepspeed_job_carries_name_data_checkpoint_and_activation_checkpointing() {
         spec.data,
         Data::Tokens {
             path: "a.bin".into(),
-            shuffle: true
+            shuffle: true,
+            validation: None,
         }
     );
     assert_eq!(spec.checkpoint.every_steps, 5);

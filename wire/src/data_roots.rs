@@ -20,7 +20,7 @@ use std::io::ErrorKind;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
-use scheduler::spec::{Data, InitFrom, JobSpec};
+use scheduler::spec::{InitFrom, JobSpec, TokenizerSource};
 
 /// Why a data root, or a job input under the roots, was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,11 +59,14 @@ struct Root {
 /// The fields of a job spec that name input files, with their values.
 fn spec_inputs(spec: &JobSpec) -> Vec<(&'static str, &str)> {
     let mut inputs = Vec::new();
-    match &spec.data {
-        Data::Synthetic => {}
-        Data::Text { path } | Data::Tokens { path, .. } => {
-            inputs.push(("data.path", path.as_str()))
-        }
+    if let Some(path) = spec.data.path() {
+        inputs.push(("data.path", path));
+    }
+    if let Some(TokenizerSource::Named(path)) = spec.data.tokenizer(None) {
+        inputs.push(("data.tokenizer", path));
+    }
+    if let Some(path) = spec.data.validation().and_then(|v| v.path.as_deref()) {
+        inputs.push(("data.validation.path", path));
     }
     if let Some(path) = spec.model.init_from.as_ref().and_then(InitFrom::path) {
         inputs.push(("model.init_from", path));

@@ -20,7 +20,7 @@ use crate::Error;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
 use crate::device::Target;
-use crate::train::{Options, Progress, Resume, Summary, run_ranks};
+use crate::train::{LogSink, Options, Progress, Resume, Summary, run_ranks};
 use wire::agent::{Assignment, RankTransport, Report, ResumeFrom};
 use wire::artifact::Artifact;
 
@@ -51,18 +51,22 @@ pub(super) fn start(
         let ranks: Vec<usize> = a.ranks.iter().map(|r| r.rank).collect();
         // Each line names the ranks it speaks for (this node's), so readers can filter by rank.
         let tag = rank_tag(&ranks);
-        let log = |line: String| {
-            send(Report::Log {
-                job_id: job_id.clone(),
-                attempt,
-                line: format!("{tag} {line}"),
-            })
+        let sink = {
+            let (outbox, job_id) = (outbox.clone(), job_id.clone());
+            LogSink(Arc::new(move |line: &str| {
+                outbox.report(Report::Log {
+                    job_id: job_id.clone(),
+                    attempt,
+                    line: format!("{tag} {line}"),
+                })
+            }))
         };
+        let log = |line: String| (sink.0)(&line);
         log(format!(
             "{}: starting ranks {ranks:?} of attempt {attempt}",
             cfg.name
         ));
-        let result = train(&a, &cfg, &dir, files, cancel, &send, &log);
+        let result = train(&a, &cfg, &dir, files, cancel, &send, &sink);
         if let Err(e) = std::fs::remove_dir_all(&dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -125,8 +129,9 @@ fn train(
     files: Files,
     cancel: Arc<AtomicBool>,
     send: &(dyn Fn(Report) + Sync),
-    log: &(dyn Fn(String) + Sync),
+    sink: &LogSink,
 ) -> Result<Summary, Error> {
+    let log = |line: String| (sink.0)(&line);
     let mut comms = communicators(a, &a.spec, cfg, send)?;
     if a.plan.device == DeviceKind::Cuda {
         // Ranks on GPUs reduce on them: NCCL, joined through the ring just built.
@@ -173,6 +178,9 @@ fn train(
         // Each file is removed once uploaded; the folders go with the attempt.
         keep_all_checkpoints: true,
         upload: Some(Arc::new(files)),
+        // Tokenized text outlives the attempt: later attempts and jobs read it again.
+        data_cache: Some(cfg.work_dir.join("cache")),
+        log: Some(sink.clone()),
     };
     let (job_id, attempt) = (a.job_id.clone(), a.attempt);
     let mut started = false;

@@ -1,5 +1,7 @@
-//! One file of tokens: an llm.c token shard (a header of 256 little-endian i32 — magic
-//! 20240520, version 1, token count — then uint16 tokens) or a text file (one token per byte).
+//! One file of tokens: an llm.c token shard (a header of 256 little-endian i32 — magic,
+//! version, token count — then the tokens: uint16 for magic 20240520 version 1, uint32 for
+//! 20240801 version 7, as llm.c's `dev/data/data_common.py` writes them for GPT-2 and for
+//! Llama 3's vocabulary) or a text file (one token per byte).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -8,9 +10,20 @@ use std::path::PathBuf;
 use crate::error::Error;
 use wire::data_roots::open_regular;
 
-const SHARD_MAGIC: i32 = 20240520;
-const SHARD_VERSION: i32 = 1;
-const HEADER_BYTES: u64 = 256 * 4;
+/// The two shard formats: (magic, version, bytes per token).
+const SHARD_FORMATS: [(i32, i32, usize); 2] = [(20240520, 1, 2), (20240801, 7, 4)];
+pub(super) const HEADER_BYTES: u64 = 256 * 4;
+
+/// The uint32 format's header, as tokenized text is written.
+pub(super) fn shard_header_u32(tokens: u64) -> [u8; HEADER_BYTES as usize] {
+    let (magic, version, _) = SHARD_FORMATS[1];
+    let mut header = [0u8; HEADER_BYTES as usize];
+    let count = i32::try_from(tokens).expect("a shard holds at most i32::MAX tokens");
+    for (i, v) in [magic, version, count].into_iter().enumerate() {
+        header[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    header
+}
 
 pub(super) struct TokenFile {
     /// Resolved inside the data roots.
@@ -20,7 +33,7 @@ pub(super) struct TokenFile {
     pub(super) what: String,
     /// Where the tokens start.
     header_bytes: u64,
-    /// Bytes per token: 2 for shards, 1 for text.
+    /// Bytes per token: 2 or 4 for shards, 1 for text.
     pub(super) width: usize,
     /// Tokens in the file.
     pub(super) len: u64,
@@ -50,23 +63,25 @@ impl TokenFile {
             .map_err(|e| data_error(&what, format!("cannot read the header: {}", e.kind())))?;
         let field = |i: usize| i32::from_le_bytes(header[4 * i..4 * i + 4].try_into().unwrap());
         let (magic, version, count) = (field(0), field(1), field(2));
-        if magic != SHARD_MAGIC {
+        let Some(&(_, expected_version, width)) =
+            SHARD_FORMATS.iter().find(|(m, _, _)| *m == magic)
+        else {
             return Err(data_error(
                 &what,
-                format!("bad magic, expected {SHARD_MAGIC}: not an llm.c token shard"),
+                "bad magic, expected 20240520 or 20240801: not an llm.c token shard",
             ));
-        }
-        if version != SHARD_VERSION {
+        };
+        if version != expected_version {
             return Err(data_error(
                 &what,
-                format!("unsupported version, expected {SHARD_VERSION}"),
+                format!("unsupported version, expected {expected_version} for magic {magic}"),
             ));
         }
         let len = u64::try_from(count)
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| data_error(&what, "the header's token count is not positive"))?;
-        let expected = HEADER_BYTES + 2 * len;
+        let expected = HEADER_BYTES + width as u64 * len;
         if size != expected {
             let what_is_wrong = if size < expected {
                 "truncated"
@@ -84,7 +99,7 @@ impl TokenFile {
             path,
             what,
             header_bytes: HEADER_BYTES,
-            width: 2,
+            width,
             len,
         })
     }
@@ -125,10 +140,14 @@ impl TokenFile {
                 .iter_mut()
                 .zip(bytes.iter())
                 .for_each(|(o, &b)| *o = b.into()),
-            _ => out
+            2 => out
                 .iter_mut()
                 .zip(bytes.chunks_exact(2))
                 .for_each(|(o, b)| *o = u16::from_le_bytes([b[0], b[1]]).into()),
+            _ => out
+                .iter_mut()
+                .zip(bytes.chunks_exact(4))
+                .for_each(|(o, b)| *o = u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
 //! `data`: the batches of training tokens one rank reads, from the built-in synthetic corpus, a
-//! byte-level text file, or llm.c token shards. Every kind is deterministic given the seed and
-//! the `Position`, so a run resumed from a checkpoint reads exactly what it would have read.
+//! byte-level text file, or llm.c token shards, which text and JSON Lines are tokenized into
+//! first (`tokenize`). Every kind is deterministic given the seed and the `Position`, so a run
+//! resumed from a checkpoint reads exactly what it would have read.
 //!
 //! Files are cut into windows the way llm.c's `dataloader_next_batch` cuts them: each batch of
 //! the world reads `B·T·world_size + 1` tokens from one file, rank r takes the `B·T + 1` tokens
@@ -8,13 +9,15 @@
 //! batch starts `B·T·world_size` tokens later; a file whose next window would not fit is left
 //! for the next one, and after the last file the data starts over (a new epoch).
 
+mod documents;
 mod file;
+mod inputs;
 mod synthetic;
+mod tokenize;
 mod windows;
 
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
-use scheduler::spec::Data;
 use serde::{Deserialize, Serialize};
 
 use crate::accounting::Accountant;
@@ -22,7 +25,9 @@ use crate::error::Error;
 use synthetic::Synthetic;
 use windows::Windows;
 
+pub use inputs::{Input, Inputs};
 pub use synthetic::{MAX_SYNTHETIC_VOCAB, SUCCESSOR_PROBABILITIES, entropy_floor, synthetic_vocab};
+pub use tokenize::Tokenizing;
 pub use wire::data_roots::DataRoots;
 pub(crate) use wire::data_roots::describe;
 
@@ -84,35 +89,30 @@ enum Source {
 }
 
 impl DataLoader {
-    /// Opens and checks the data (every shard's header, as llm.c does at start-up), so that a
-    /// bad file fails the job before training; files are read only inside `roots`.
-    /// `vocab_size` is the model's: text needs ≥ 256, and a shard token at or above it is an
-    /// error when read. Its buffers come from `acct` (category buffers).
+    /// Opens and checks `input` (every shard's header, as llm.c does at start-up), so that a
+    /// bad file fails the job before training. `vocab_size` is the model's: text needs ≥ 256,
+    /// and a shard token at or above it is an error when read. Its buffers come from `acct`
+    /// (category buffers).
     pub fn new(
-        data: &Data,
-        roots: &DataRoots,
+        input: &Input,
         layout: BatchLayout,
         seed: u64,
         vocab_size: usize,
         acct: &Accountant,
     ) -> Result<Self, Error> {
         layout.validate()?;
-        let source = match data {
-            Data::Synthetic => Source::Synthetic(Synthetic::new(layout, seed, vocab_size, acct)?),
-            Data::Text { path } => {
-                Source::Files(Windows::text(path, roots, layout, vocab_size, acct)?)
+        let source = match input {
+            Input::Synthetic => Source::Synthetic(Synthetic::new(layout, seed, vocab_size, acct)?),
+            Input::Bytes { path, what } => {
+                Source::Files(Windows::text(path, what, layout, vocab_size, acct)?)
             }
-            Data::Tokens { path, shuffle } => {
-                let shuffle_seed = shuffle.then_some(seed);
-                Source::Files(Windows::shards(
-                    path,
-                    roots,
-                    layout,
-                    vocab_size,
-                    shuffle_seed,
-                    acct,
-                )?)
-            }
+            Input::Shards { files, shuffle } => Source::Files(Windows::shards(
+                files,
+                layout,
+                vocab_size,
+                shuffle.then_some(seed),
+                acct,
+            )?),
         };
         Ok(DataLoader { source })
     }
@@ -155,6 +155,7 @@ enum Stream {
     SyntheticRow = 2,
     ShardOrder = 3,
     WindowOrder = 4,
+    ValidationSplit = 5,
 }
 
 /// An independent, reproducible random stream for (`seed`, `stream`, `a`, `b`).

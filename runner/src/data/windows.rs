@@ -9,6 +9,7 @@
 //! element at a time (`permuted`), so the loader's memory does not grow with the data.
 
 use std::fs::File;
+use std::path::{Path, PathBuf};
 
 use rand::Rng;
 use scheduler::memory::Category;
@@ -17,7 +18,6 @@ use super::file::{TokenFile, data_error};
 use super::{BatchLayout, Position, Stream, rng, split_window};
 use crate::accounting::{Accountant, Buffer};
 use crate::error::Error;
-use wire::data_roots::{DataRoots, describe};
 
 pub(super) struct Windows {
     files: Vec<TokenFile>,
@@ -35,59 +35,49 @@ pub(super) struct Windows {
 }
 
 impl Windows {
+    /// A file read a byte a token.
     pub(super) fn text(
-        path: &str,
-        roots: &DataRoots,
+        path: &Path,
+        what: &str,
         layout: BatchLayout,
         vocab_size: usize,
         acct: &Accountant,
     ) -> Result<Self, Error> {
-        let what = describe("data.path", path);
         if vocab_size < 256 {
             return Err(data_error(
-                &what,
+                what,
                 format!("byte-level text needs vocab_size ≥ 256, not {vocab_size}"),
             ));
         }
-        let file = TokenFile::text(roots.resolve("data.path", path)?, what)?;
-        Self::new(vec![file], layout, None, None, acct)
+        let file = TokenFile::text(path.to_path_buf(), what.to_string())?;
+        Self::new(vec![file], 1, layout, None, None, acct)
     }
 
-    /// The shards `pattern` matches; errors name a match by its place in the sorted list,
-    /// never by its name.
+    /// llm.c shards, each named in errors by its `what`.
     pub(super) fn shards(
-        pattern: &str,
-        roots: &DataRoots,
+        files: &[(PathBuf, String)],
         layout: BatchLayout,
         vocab_size: usize,
         shuffle: Option<u64>,
         acct: &Accountant,
     ) -> Result<Self, Error> {
-        let paths = roots.glob("data.path", pattern)?;
-        let n = paths.len();
-        let files = paths
-            .into_iter()
-            .enumerate()
-            .map(|(i, path)| {
-                let what = match n {
-                    1 => describe("data.path", pattern),
-                    _ => format!("{}, file {} of {n}", describe("data.path", pattern), i + 1),
-                };
-                TokenFile::shard(path, what)
-            })
+        let files = files
+            .iter()
+            .map(|(path, what)| TokenFile::shard(path.clone(), what.clone()))
             .collect::<Result<_, _>>()?;
-        Self::new(files, layout, Some(vocab_size), shuffle, acct)
+        // Room for either shard version, as the memory model counts it.
+        Self::new(files, 4, layout, Some(vocab_size), shuffle, acct)
     }
 
     fn new(
         files: Vec<TokenFile>,
+        width: usize,
         layout: BatchLayout,
         vocab_size: Option<usize>,
         shuffle: Option<u64>,
         acct: &Accountant,
     ) -> Result<Self, Error> {
         let tokens = layout.tokens() + 1;
-        let width = files.iter().map(|f| f.width).max().unwrap_or(1);
         let windows = Windows {
             files,
             layout,

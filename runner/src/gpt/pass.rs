@@ -228,7 +228,7 @@ impl<X: Num, D: Device> Model<X, D> {
         norm: D::View<'_, X>,
         head: D::View<'_, X>,
         dhead: D::ViewMut<'_, X>,
-        dloss: f32,
+        dloss: Option<f32>,
     ) -> Result<f64, Error> {
         let (d, acts) = (&self.dims, &mut self.acts);
         let (n, c, v) = (d.tokens(), d.c, d.v);

@@ -366,11 +366,10 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
     }
 
-    /// Forward and backward of the micro-batch in the passes' inputs and targets; returns its
-    /// loss.
-    fn micro_step(&mut self, dloss: f32) -> Result<f64, Error> {
-        let (norm, head) = (self.norm_unit(), self.head_unit());
-        let l_n = norm - 1;
+    /// Forward through the embeddings and every block, leaving the final norm's and the
+    /// head's units gathered (stage 3) for [`Self::head_loss`].
+    fn forward(&mut self) -> Result<(), Error> {
+        let l_n = self.norm_unit() - 1;
         let ckpt = self.checkpointing;
         let slot = move |l: usize| if ckpt { 0 } else { l };
         // Stage 3 gathers each unit one unit ahead, into the other of the two streamed slots,
@@ -389,22 +388,38 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             self.fetch(l + 2)?;
         }
         // A tied head's embeddings again, or the untied head.
-        self.fetch(head)?;
+        self.fetch(self.head_unit())
+    }
+
+    /// The final norm, the head and the loss after [`Self::forward`], and back through the
+    /// head when `dloss` is given.
+    fn head_loss(&mut self, dloss: Option<f32>) -> Result<f64, Error> {
+        let (norm, head) = (self.norm_unit(), self.head_unit());
         let (norm_len, head_len) = (self.unit_len(norm), self.unit_len(head));
-        let loss = {
-            let Buffers {
-                params,
-                grads,
-                unit_grads,
-                gathered,
-            } = &mut self.bufs;
-            let (p_norm, p_head) = (
-                param(gathered, params, norm, norm_len),
-                param(gathered, params, head, head_len),
-            );
-            let g_head = grad(unit_grads, grads, head, head_len);
-            self.passes.loss(&self.dev, p_norm, p_head, g_head, dloss)?
-        };
+        let Buffers {
+            params,
+            grads,
+            unit_grads,
+            gathered,
+        } = &mut self.bufs;
+        let (p_norm, p_head) = (
+            param(gathered, params, norm, norm_len),
+            param(gathered, params, head, head_len),
+        );
+        let g_head = grad(unit_grads, grads, head, head_len);
+        self.passes.loss(&self.dev, p_norm, p_head, g_head, dloss)
+    }
+
+    /// Forward and backward of the micro-batch in the passes' inputs and targets; returns its
+    /// loss.
+    fn micro_step(&mut self, dloss: f32) -> Result<f64, Error> {
+        let (norm, head) = (self.norm_unit(), self.head_unit());
+        let l_n = norm - 1;
+        let ckpt = self.checkpointing;
+        let slot = move |l: usize| if ckpt { 0 } else { l };
+        self.forward()?;
+        let loss = self.head_loss(Some(dloss))?;
+        let norm_len = self.unit_len(norm);
         if head != EMB {
             self.after_unit_backward(head)?;
         }
@@ -515,6 +530,30 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         self.after_update()?;
         self.applied = step;
         Ok(report(false))
+    }
+
+    /// The mean loss over `batches` batches of `data` from its start, forward only, averaged
+    /// over the ranks (each reads its slice, as in training). It uses the training buffers, so
+    /// it costs no memory, and it leaves the gradients as they are.
+    pub fn evaluate(&mut self, data: &mut DataLoader, batches: u32) -> Result<f64, Error> {
+        data.seek(crate::data::Position::default())?;
+        let mut loss = 0.0;
+        for _ in 0..batches {
+            let (dev, batch) = (&self.dev, self.passes.batch());
+            dev.on_host(batch.inputs.view_mut(), |inputs| {
+                dev.on_host(batch.targets.view_mut(), |targets| {
+                    data.next_batch(inputs, targets)
+                })
+            })???;
+            self.forward()?;
+            loss += self.head_loss(None)?;
+        }
+        let mut mean = [(loss / f64::from(batches)) as f32];
+        let n = self.comm.world_size();
+        if n > 1 {
+            self.comm.all_reduce(&mut mean)?;
+        }
+        Ok(f64::from(mean[0]) / n as f64)
     }
 
     /// Makes the ranks agree on the step's mean loss and, when fp16 or clipping needs it, on

@@ -3,12 +3,12 @@
 use std::ops::Range;
 
 use super::*;
-use crate::data::{BatchLayout, DataRoots};
+use crate::data::{BatchLayout, Input};
 use crate::gpt::{self, BatchDims};
 use crate::llama;
 use half::f16;
 use scheduler::model::{GptShape, LlamaShape};
-use scheduler::spec::{JobSpec, Purpose, ZeroStage};
+use scheduler::spec::{Data, JobSpec, Purpose, ZeroStage};
 
 /// A single-rank stage-0 engine for `json` (seeded by `seed`) with micro-batch `b` of the
 /// spec's sequence length, and its data.
@@ -25,8 +25,8 @@ fn engine<X: Num + Summable>(json: &str, b: usize, seed: u64) -> (Engine<X>, Dat
         rank: 0,
         world_size: 1,
     };
-    let roots = DataRoots::anywhere();
-    let data = DataLoader::new(&spec.data, &roots, layout, 1, model.vocab_size(), &acct).unwrap();
+    assert_eq!(spec.data, Data::Synthetic);
+    let data = DataLoader::new(&Input::Synthetic, layout, 1, model.vocab_size(), &acct).unwrap();
     (e, data)
 }
 

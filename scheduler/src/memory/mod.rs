@@ -188,6 +188,8 @@ pub struct Setup {
     pub reduces_norm: bool,
     /// Bytes per token of the data files, or 0 for synthetic data (`Data::token_width`).
     pub token_width: usize,
+    /// Whether a second loader reads validation data (`data.validation`).
+    pub validates: bool,
 }
 
 impl Setup {
@@ -211,6 +213,7 @@ impl Setup {
             checkpointing,
             reduces_norm: spec.precision.dtype == Dtype::Fp16 || spec.training.grad_clip > 0.0,
             token_width: spec.data.token_width(),
+            validates: spec.data.validation().is_some(),
         }
     }
 }
@@ -328,9 +331,9 @@ fn exact(setup: &Setup, model: &ModelShape, rank: usize) -> Breakdown {
     }
 }
 
-/// The data loader's buffers: for files, one window of `B·T + 1` tokens (u32) and its raw
-/// bytes; for the synthetic corpus, its successor table (four u32 per context of two tokens)
-/// and one row of `T + 1` tokens.
+/// The data loaders' buffers: for files, one window of `B·T + 1` tokens (u32) and its raw
+/// bytes, for training and again for validation; for the synthetic corpus, its successor table
+/// (four u32 per context of two tokens) and one row of `T + 1` tokens.
 fn loader_bytes(setup: &Setup, vocab_size: usize) -> u64 {
     let window = (setup.micro_batch * setup.seq_len + 1) as u64;
     match setup.token_width {
@@ -338,7 +341,7 @@ fn loader_bytes(setup: &Setup, vocab_size: usize) -> u64 {
             let v = vocab_size.min(MAX_SYNTHETIC_VOCAB) as u64;
             16 * v * v + 4 * (setup.seq_len as u64 + 1)
         }
-        width => window * (4 + width as u64),
+        width => (1 + u64::from(setup.validates)) * window * (4 + width as u64),
     }
 }
 

@@ -1,8 +1,9 @@
-//! `data`: where training tokens come from.
+//! `data`: where training tokens come from, how text becomes tokens, and what the model is
+//! validated on.
 
 use serde::{Deserialize, Serialize};
 
-use super::Architecture;
+use super::{Architecture, InitFrom};
 use crate::error::{Error, ensure};
 
 /// Synthetic tokens are below `min(vocab_size, MAX_SYNTHETIC_VOCAB)`: 32² contexts is a table a
@@ -13,28 +14,71 @@ pub const MAX_SYNTHETIC_VOCAB: usize = 32;
 /// draw.
 pub const MIN_SYNTHETIC_VOCAB: usize = 4;
 
-impl Data {
-    /// Bytes of the tokens of a file of this kind (none for synthetic data).
-    pub fn token_width(&self) -> usize {
-        match self {
-            Data::Synthetic => 0,
-            Data::Text { .. } => 1,
-            Data::Tokens { .. } => 2,
-        }
-    }
-}
+/// The file a model directory's tokenizer is in, as transformers saves it.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", from = "DataDoc")]
 pub enum Data {
     /// A built-in corpus generated from `training.seed` (the default).
     #[default]
     Synthetic,
-    /// A UTF-8 (or any) file read as bytes: token = byte, so the vocabulary needs ≥ 256 ids.
-    Text { path: String },
-    /// llm.c token shards (header magic 20240520, uint16 tokens); `path` may be a glob.
-    /// `shuffle: false` (default) reads batches sequentially exactly as llm.c's loader does.
-    Tokens { path: String, shuffle: bool },
+    /// UTF-8 files (`path` may be a glob), one document each, tokenized with `tokenizer`; with
+    /// no tokenizer, one file read as bytes (token = byte, so the vocabulary needs ≥ 256 ids).
+    Text {
+        path: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tokenizer: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        validation: Option<Validation>,
+    },
+    /// JSON Lines (`path` may be a glob): one object a line, its string member `field` a
+    /// document, tokenized with `tokenizer` or, when that is omitted, the `tokenizer.json` of
+    /// the directory `model.init_from` names.
+    Jsonl {
+        path: String,
+        field: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tokenizer: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        validation: Option<Validation>,
+    },
+    /// llm.c token shards, uint16 (magic 20240520, version 1) or uint32 (20240801, version 7);
+    /// `path` may be a glob. `shuffle: false` (default) reads batches sequentially exactly as
+    /// llm.c's loader does.
+    Tokens {
+        path: String,
+        shuffle: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        validation: Option<Validation>,
+    },
+}
+
+/// How the model is validated: the mean token loss over `batches` batches (each rank reading
+/// its slice, as in training) after every `every_steps` steps and after the last.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Validation {
+    /// A separate dataset of the training data's kind (and tokenizer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Or this fraction of the training documents, chosen by `training.seed` and never
+    /// trained on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<f64>,
+    #[serde(default = "default_every_steps")]
+    pub every_steps: u32,
+    #[serde(default = "default_batches")]
+    pub batches: u32,
+}
+
+fn default_every_steps() -> u32 {
+    100
+}
+
+/// llm.c's default number of validation batches.
+fn default_batches() -> u32 {
+    20
 }
 
 /// The wire form. serde ignores extra keys next to the tag of a unit variant, so `synthetic` is
@@ -45,49 +89,206 @@ enum DataDoc {
     Synthetic {},
     Text {
         path: String,
+        tokenizer: Option<String>,
+        validation: Option<Validation>,
+    },
+    Jsonl {
+        path: String,
+        #[serde(default = "default_field")]
+        field: String,
+        tokenizer: Option<String>,
+        validation: Option<Validation>,
     },
     Tokens {
         path: String,
         #[serde(default)]
         shuffle: bool,
+        validation: Option<Validation>,
     },
+}
+
+fn default_field() -> String {
+    "text".into()
 }
 
 impl From<DataDoc> for Data {
     fn from(d: DataDoc) -> Data {
         match d {
             DataDoc::Synthetic {} => Data::Synthetic,
-            DataDoc::Text { path } => Data::Text { path },
-            DataDoc::Tokens { path, shuffle } => Data::Tokens { path, shuffle },
+            DataDoc::Text {
+                path,
+                tokenizer,
+                validation,
+            } => Data::Text {
+                path,
+                tokenizer,
+                validation,
+            },
+            DataDoc::Jsonl {
+                path,
+                field,
+                tokenizer,
+                validation,
+            } => Data::Jsonl {
+                path,
+                field,
+                tokenizer,
+                validation,
+            },
+            DataDoc::Tokens {
+                path,
+                shuffle,
+                validation,
+            } => Data::Tokens {
+                path,
+                shuffle,
+                validation,
+            },
         }
     }
 }
 
+/// Where a job's tokenizer comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerSource<'a> {
+    /// `data.tokenizer`: a `tokenizer.json`.
+    Named(&'a str),
+    /// The `tokenizer.json` beside `model.init_from` (its directory, or the directory of its
+    /// file).
+    InitFrom(&'a str),
+}
+
 impl Data {
-    pub(super) fn validate(&self, arch: &Architecture) -> Result<(), Error> {
+    /// The path of the training files (none for synthetic data).
+    pub fn path(&self) -> Option<&str> {
         match self {
-            Data::Synthetic => match arch.model().map(|m| m.vocab_size()) {
-                Some(v) => ensure(v >= MIN_SYNTHETIC_VOCAB, "data.kind", || {
-                    format!(
-                        "synthetic data needs model.vocab_size ≥ {MIN_SYNTHETIC_VOCAB}, not {v}"
-                    )
-                }),
-                None => Ok(()),
+            Data::Synthetic => None,
+            Data::Text { path, .. } | Data::Jsonl { path, .. } | Data::Tokens { path, .. } => {
+                Some(path)
+            }
+        }
+    }
+
+    pub fn validation(&self) -> Option<&Validation> {
+        match self {
+            Data::Synthetic => None,
+            Data::Text { validation, .. }
+            | Data::Jsonl { validation, .. }
+            | Data::Tokens { validation, .. } => validation.as_ref(),
+        }
+    }
+
+    /// The tokenizer text is tokenized with, given the spec's `model.init_from`; `None` for
+    /// tokens, synthetic data and byte-level text, and for JSON Lines with neither (which
+    /// admission refuses).
+    pub fn tokenizer<'a>(&'a self, init_from: Option<&'a InitFrom>) -> Option<TokenizerSource<'a>> {
+        match self {
+            Data::Text { tokenizer, .. } => tokenizer.as_deref().map(TokenizerSource::Named),
+            Data::Jsonl { tokenizer, .. } => match (tokenizer, init_from.and_then(InitFrom::path)) {
+                (Some(t), _) => Some(TokenizerSource::Named(t)),
+                (None, Some(dir)) => Some(TokenizerSource::InitFrom(dir)),
+                (None, None) => None,
             },
-            Data::Text { path } => {
-                ensure(!path.trim().is_empty(), "data.path", || {
-                    "must not be empty".into()
-                })?;
-                match arch.model().map(|m| m.vocab_size()) {
-                    Some(v) => ensure(v >= 256, "data.kind", || {
-                        format!("byte-level text needs model.vocab_size ≥ 256, not {v}")
+            Data::Synthetic | Data::Tokens { .. } => None,
+        }
+    }
+
+    /// Bytes per token of the files the loader reads, or 0 for synthetic data: bytes for
+    /// byte-level text, 4 for llm.c shards (room for either version) and for tokenized text,
+    /// which is read from uint32 shards.
+    pub fn token_width(&self) -> usize {
+        match self {
+            Data::Synthetic => 0,
+            Data::Text {
+                tokenizer: None, ..
+            } => 1,
+            Data::Text { .. } | Data::Jsonl { .. } | Data::Tokens { .. } => 4,
+        }
+    }
+
+    pub(super) fn validate(
+        &self,
+        arch: &Architecture,
+        init_from: Option<&InitFrom>,
+    ) -> Result<(), Error> {
+        let vocab = arch.model().map(|m| m.vocab_size());
+        if let Some(path) = self.path() {
+            ensure(!path.trim().is_empty(), "data.path", || {
+                "must not be empty".into()
+            })?;
+        }
+        match self {
+            Data::Synthetic => {
+                return match vocab {
+                    Some(v) => ensure(v >= MIN_SYNTHETIC_VOCAB, "data.kind", || {
+                        format!(
+                            "synthetic data needs model.vocab_size ≥ {MIN_SYNTHETIC_VOCAB}, not {v}"
+                        )
                     }),
                     None => Ok(()),
+                };
+            }
+            Data::Text {
+                tokenizer: None, ..
+            } => {
+                if let Some(v) = vocab {
+                    ensure(v >= 256, "data.kind", || {
+                        format!("byte-level text needs model.vocab_size ≥ 256, not {v}")
+                    })?;
                 }
             }
-            Data::Tokens { path, .. } => ensure(!path.trim().is_empty(), "data.path", || {
+            Data::Jsonl { field, .. } => {
+                ensure(!field.is_empty(), "data.field", || "must not be empty".into())?;
+                ensure(self.tokenizer(init_from).is_some(), "data.tokenizer", || {
+                    "JSON Lines need a tokenizer: name a tokenizer.json, or a model.init_from directory that has one".into()
+                })?;
+            }
+            Data::Text { .. } | Data::Tokens { .. } => {}
+        }
+        if let Data::Text {
+            tokenizer: Some(t), ..
+        }
+        | Data::Jsonl {
+            tokenizer: Some(t), ..
+        } = self
+        {
+            ensure(!t.trim().is_empty(), "data.tokenizer", || {
+                "must not be empty".into()
+            })?;
+        }
+        match self.validation() {
+            Some(v) => v.validate(self, init_from),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Validation {
+    fn validate(&self, data: &Data, init_from: Option<&InitFrom>) -> Result<(), Error> {
+        ensure(self.every_steps > 0, "data.validation.every_steps", || {
+            "must be at least 1".into()
+        })?;
+        ensure(self.batches > 0, "data.validation.batches", || {
+            "must be at least 1".into()
+        })?;
+        match (&self.path, self.split) {
+            (Some(path), None) => ensure(!path.trim().is_empty(), "data.validation.path", || {
                 "must not be empty".into()
             }),
+            (None, Some(split)) => {
+                ensure(split > 0.0 && split < 1.0, "data.validation.split", || {
+                    format!("{split} must be a fraction of the documents, above 0 and below 1")
+                })?;
+                ensure(
+                    data.tokenizer(init_from).is_some(),
+                    "data.validation.split",
+                    || "only tokenized text has documents to split; give a separate path".into(),
+                )
+            }
+            _ => Err(Error::spec(
+                "data.validation",
+                "give either `path` (a separate dataset) or `split` (a fraction of the documents)",
+            )),
         }
     }
 }

@@ -10,7 +10,9 @@ mod optimizer;
 mod precision;
 mod training;
 
-pub use data::{Data, MAX_SYNTHETIC_VOCAB, MIN_SYNTHETIC_VOCAB};
+pub use data::{
+    Data, MAX_SYNTHETIC_VOCAB, MIN_SYNTHETIC_VOCAB, TOKENIZER_FILE, TokenizerSource, Validation,
+};
 pub use model::{
     Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec,
     PRESET_NAMES,
@@ -277,7 +279,7 @@ impl JobSpec {
             self.optimizer.validate(p);
         }
         if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
-            p.note(self.data.validate(arch));
+            p.note(self.data.validate(arch, self.model.init_from.as_ref()));
         }
         if let Some(from) = self.resume_from.as_ref().filter(|_| read("resume_from")) {
             p.ensure(!from.job.trim().is_empty(), "resume_from.job", || {

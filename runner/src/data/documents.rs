@@ -1,0 +1,158 @@
+//! The documents of a text dataset, in order: JSON Lines (one object a line, a string member of
+//! it the document) or UTF-8 files (a file a document). Errors name the file, the line and the
+//! field; a file is named by the spec's path (and its place among a glob's matches).
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+
+use super::file::data_error;
+use crate::error::Error;
+use wire::data_roots::open_regular;
+
+/// How documents are laid out in a file.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Format<'a> {
+    /// One JSON object a line; `field` names the document's string member.
+    Jsonl { field: &'a str },
+    /// The whole file is one document.
+    Text,
+}
+
+/// One file of documents, resolved inside the data roots, and how errors name it.
+#[derive(Debug, Clone)]
+pub(super) struct DocFile {
+    pub(super) path: PathBuf,
+    pub(super) what: String,
+}
+
+/// Documents read a block at a time, so that a block can be tokenized in parallel while memory
+/// stays bounded by the block.
+pub(super) struct Documents<'a> {
+    files: &'a [DocFile],
+    format: Format<'a>,
+    /// The file being read and its reader, with the number of the last line read.
+    current: Option<(usize, BufReader<std::fs::File>, u64)>,
+    next_file: usize,
+    /// Bytes of the files read so far.
+    pub(super) bytes_read: u64,
+}
+
+impl<'a> Documents<'a> {
+    pub(super) fn new(files: &'a [DocFile], format: Format<'a>) -> Self {
+        Documents {
+            files,
+            format,
+            current: None,
+            next_file: 0,
+            bytes_read: 0,
+        }
+    }
+
+    /// Up to about `max_bytes` of documents (at least one, unless the files are done).
+    pub(super) fn next_block(&mut self, max_bytes: usize) -> Result<Vec<String>, Error> {
+        let mut block = Vec::new();
+        let mut bytes = 0;
+        while bytes < max_bytes {
+            let Some(doc) = self.next_document()? else {
+                break;
+            };
+            bytes += doc.len().max(1);
+            block.push(doc);
+        }
+        Ok(block)
+    }
+
+    fn next_document(&mut self) -> Result<Option<String>, Error> {
+        loop {
+            let (index, mut reader, mut line) = match self.current.take() {
+                Some(open) => open,
+                None => {
+                    let Some(f) = self.files.get(self.next_file) else {
+                        return Ok(None);
+                    };
+                    self.next_file += 1;
+                    let file = open_regular(&f.path, &f.what)?;
+                    (self.next_file - 1, BufReader::new(file), 0)
+                }
+            };
+            let what = &self.files[index].what;
+            match self.format {
+                Format::Text => {
+                    let mut bytes = Vec::new();
+                    reader
+                        .read_to_end(&mut bytes)
+                        .map_err(|e| data_error(what, format!("cannot read: {}", e.kind())))?;
+                    self.bytes_read += bytes.len() as u64;
+                    return utf8(bytes, what, 0).map(Some);
+                }
+                Format::Jsonl { field } => {
+                    let Some(bytes) = next_line(&mut reader, what, &mut line, &mut self.bytes_read)?
+                    else {
+                        continue;
+                    };
+                    let doc = json_document(bytes, field, &format!("{what}, line {line}"))?;
+                    self.current = Some((index, reader, line));
+                    if doc.is_some() {
+                        return Ok(doc);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The next line (without its newline), counting lines and bytes; `None` at the end.
+fn next_line(
+    reader: &mut BufReader<std::fs::File>,
+    what: &str,
+    line: &mut u64,
+    bytes_read: &mut u64,
+) -> Result<Option<Vec<u8>>, Error> {
+    let mut bytes = Vec::new();
+    let n = reader
+        .read_until(b'\n', &mut bytes)
+        .map_err(|e| data_error(what, format!("cannot read line {}: {}", *line + 1, e.kind())))?;
+    if n == 0 {
+        return Ok(None);
+    }
+    *line += 1;
+    *bytes_read += n as u64;
+    if bytes.last() == Some(&b'\n') {
+        bytes.pop();
+    }
+    Ok(Some(bytes))
+}
+
+/// A line's document: `None` for a blank line, an error naming the line and field otherwise.
+fn json_document(line: Vec<u8>, field: &str, what: &str) -> Result<Option<String>, Error> {
+    let line = utf8(line, what, 1)?;
+    if line.trim().is_empty() {
+        return Ok(None);
+    }
+    let value: serde_json::Value = serde_json::from_str(&line)
+        .map_err(|e| data_error(what, format!("not JSON: {e}")))?;
+    let serde_json::Value::Object(mut object) = value else {
+        return Err(data_error(what, "not a JSON object"));
+    };
+    match object.remove(field) {
+        Some(serde_json::Value::String(doc)) => Ok(Some(doc)),
+        Some(_) => Err(data_error(what, format!("field {field:?} is not a string"))),
+        None => Err(data_error(what, format!("no field {field:?}"))),
+    }
+}
+
+/// `bytes` as text; an error says where the first invalid byte is (its line, counted from
+/// `first_line`, when the text is a whole file).
+fn utf8(bytes: Vec<u8>, what: &str, first_line: u64) -> Result<String, Error> {
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let bytes = e.as_bytes();
+        let reason = if first_line == 0 {
+            let line = 1 + bytes[..at].iter().filter(|&&b| b == b'\n').count();
+            format!("not valid UTF-8 at line {line}")
+        } else {
+            format!("not valid UTF-8 (byte {} of the line)", at + 1)
+        };
+        data_error(what, reason)
+    })
+}
