@@ -4,11 +4,12 @@
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use runner::data::DataRoots;
-use runner::train::{Distributed, Options, run};
+use runner::train::{Distributed, LogSink, Options, run};
 use scheduler::bytes::{human, parse_size};
 use scheduler::memory::Category;
 use scheduler::plan::plan_local_on;
@@ -76,6 +77,11 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             .map(|(rank, master)| Distributed { rank, master }),
         // The user's own process reads what the user can.
         data_roots: DataRoots::anywhere(),
+        // Tokenizing's progress, above the step bar.
+        log: Some(LogSink(Arc::new({
+            let bar = bar.clone();
+            move |line: &str| bar.println(line)
+        }))),
         ..Options::default()
     };
     // No service: the plan is made here, for `world_size` devices of the budget and kind.
@@ -89,6 +95,9 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             p.tokens_per_second,
             if p.skipped { "  (skipped)" } else { "" }
         ));
+        if let Some(loss) = p.validation_loss {
+            bar.println(format!("step {}: validation loss {loss:.4}", p.step));
+        }
     })?;
     bar.finish_and_clear();
     if args.json {
@@ -104,6 +113,9 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
         summary.skipped_steps,
         summary.loss_scale
     );
+    if let Some(last) = summary.validation.last() {
+        println!("validation loss {:.4} after step {}", last.loss, last.step);
+    }
     for r in &summary.ranks {
         println!("rank {} peak memory (measured / predicted):", r.rank);
         for &c in Category::ALL {

@@ -1,0 +1,257 @@
+//! A user's own text: a tokenizer trained here, a JSON Lines corpus, tokenization cached once,
+//! a validation loss that falls, and bad input named by file, line and field.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use runner::train::{LogSink, Options, Summary, run};
+use scheduler::plan::plan_local;
+use scheduler::spec::{JobSpec, Purpose};
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    TokenizerBuilder, TokenizerImpl,
+};
+
+const EOS: &str = "<|endoftext|>";
+
+/// A corpus of a small made-up language: sentences whose words follow each other by rules a
+/// tiny model learns, so held-out documents are predictable from the training ones.
+fn documents(n: usize) -> Vec<String> {
+    let subjects = ["the cat", "a dog", "my friend", "the old man", "a bird"];
+    let verbs = ["sees", "likes", "follows", "finds", "hears"];
+    let objects = ["the ball", "a red fish", "the green tree", "some water", "the moon"];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |k: usize| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as usize % k
+    };
+    (0..n)
+        .map(|_| {
+            (0..3 + next(4))
+                .map(|_| {
+                    let s = next(5);
+                    // The verb follows from the subject, the object mostly from the verb.
+                    let o = if next(4) == 0 { next(5) } else { (s + 2) % 5 };
+                    format!("{} {} {}.", subjects[s], verbs[s], objects[o])
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+/// A folder with `corpus.jsonl` and a byte-level BPE `tokenizer.json` (and
+/// `tokenizer_config.json` naming its end-of-sequence token) trained on it.
+struct Corpus {
+    dir: tempfile::TempDir,
+}
+
+impl Corpus {
+    fn new(docs: usize) -> Corpus {
+        let dir = tempfile::tempdir().unwrap();
+        let docs = documents(docs);
+        let jsonl: String = docs
+            .iter()
+            .map(|d| serde_json::json!({"id": 1, "text": d}).to_string() + "\n")
+            .collect();
+        std::fs::write(dir.path().join("corpus.jsonl"), jsonl).unwrap();
+        std::fs::write(dir.path().join("corpus.txt"), docs.join("\n")).unwrap();
+        let mut trainer = BpeTrainerBuilder::new()
+            .vocab_size(320)
+            .min_frequency(2)
+            .special_tokens(vec![AddedToken::from(EOS, true)])
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .build();
+        let mut tokenizer: TokenizerImpl<
+            BPE,
+            NormalizerWrapper,
+            PreTokenizerWrapper,
+            PostProcessorWrapper,
+            DecoderWrapper,
+        > = TokenizerBuilder::new()
+            .with_model(BPE::default())
+            .with_pre_tokenizer(Some(ByteLevel::default().into()))
+            .with_decoder(Some(ByteLevel::default().into()))
+            .build()
+            .unwrap();
+        let text = dir.path().join("corpus.txt");
+        tokenizer
+            .train_from_files(&mut trainer, vec![text.to_str().unwrap().into()])
+            .unwrap();
+        tokenizer
+            .save(dir.path().join("tokenizer.json"), false)
+            .unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            serde_json::json!({"eos_token": EOS}).to_string(),
+        )
+        .unwrap();
+        Corpus { dir }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).to_str().unwrap().to_owned()
+    }
+
+    /// llama-tiny on `data` (a `data` block), AdamW, B 8 × T 64.
+    fn spec(&self, data: serde_json::Value, steps: u32) -> JobSpec {
+        let json = serde_json::json!({
+            "model": {"preset": "llama-tiny"},
+            "training": {"steps": steps, "micro_batch_size": 8, "seq_len": 64, "lr": 3e-3,
+                         "warmup_steps": 0, "seed": 3},
+            "optimizer": {"type": "adamw"},
+            "data": data,
+        });
+        JobSpec::parse(&json.to_string(), Purpose::Train)
+            .unwrap_or_else(|e| panic!("{e}: {json}"))
+            .spec
+    }
+}
+
+/// Trains `spec` with tokenized data cached in `cache`; returns the summary and the log lines.
+fn train(spec: &JobSpec, cache: &Path) -> (Result<Summary, runner::Error>, Vec<String>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let sink = {
+        let lines = lines.clone();
+        LogSink(Arc::new(move |l: &str| lines.lock().unwrap().push(l.to_owned())))
+    };
+    let opts = Options {
+        data_cache: Some(cache.to_path_buf()),
+        log: Some(sink),
+        ..Options::default()
+    };
+    let plan = plan_local(spec, None).unwrap();
+    let summary = run(spec, &plan, &opts, &mut |_| {});
+    let lines = lines.lock().unwrap().clone();
+    (summary, lines)
+}
+
+fn error(spec: &JobSpec, cache: &Path) -> String {
+    match train(spec, cache).0 {
+        Ok(_) => panic!("trained on bad data"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn llama_tiny_learns_a_jsonl_corpus_and_its_validation_loss_falls() {
+    let corpus = Corpus::new(600);
+    let cache = tempfile::tempdir().unwrap();
+    let data = serde_json::json!({
+        "kind": "jsonl", "path": corpus.path("corpus.jsonl"),
+        "tokenizer": corpus.path("tokenizer.json"),
+        "validation": {"split": 0.1, "every_steps": 10, "batches": 2},
+    });
+    let spec = corpus.spec(data, 40);
+    let (first, log) = train(&spec, cache.path());
+    let first = first.unwrap();
+    let steps: Vec<u32> = first.validation.iter().map(|v| v.step).collect();
+    assert_eq!(steps, [10, 20, 30, 40]);
+    let (start, end) = (first.validation[0].loss, first.validation[3].loss);
+    assert!(end < 0.7 * start, "validation loss {start} → {end}");
+    assert!(log.iter().any(|l| l.contains("tokenized") && l.contains("documents")), "{log:?}");
+    // What the loaders hold, the validation one included, is what admission counted.
+    let rank = &first.ranks[0];
+    assert_eq!(rank.measured_peak_bytes, rank.predicted_bytes);
+
+    // Again: read from the cache, not tokenized again, the same run exactly.
+    let (second, log) = train(&spec, cache.path());
+    let second = second.unwrap();
+    assert!(log.iter().any(|l| l.contains("not tokenizing again")), "{log:?}");
+    assert!(!log.iter().any(|l| l.contains(": tokenizing")), "{log:?}");
+    assert_eq!(first.losses, second.losses);
+    assert_eq!(first.validation, second.validation);
+}
+
+#[test]
+fn validation_does_not_change_what_is_trained() {
+    let corpus = Corpus::new(300);
+    let cache = tempfile::tempdir().unwrap();
+    let data = |validation: Option<serde_json::Value>| {
+        let mut d = serde_json::json!({
+            "kind": "text", "path": corpus.path("corpus.txt"),
+            "tokenizer": corpus.path("tokenizer.json"),
+        });
+        if let Some(v) = validation {
+            d["validation"] = v;
+        }
+        d
+    };
+    let plain = train(&corpus.spec(data(None), 6), cache.path()).0.unwrap();
+    let validated = serde_json::json!({"path": corpus.path("corpus.txt"), "every_steps": 2, "batches": 1});
+    let with = train(&corpus.spec(data(Some(validated)), 6), cache.path()).0.unwrap();
+    assert_eq!(plain.losses, with.losses);
+    assert!(plain.validation.is_empty());
+    assert_eq!(with.validation.len(), 3);
+}
+
+#[test]
+fn bad_text_is_named_by_file_line_and_field() {
+    let corpus = Corpus::new(200);
+    let cache = tempfile::tempdir().unwrap();
+    let jsonl = |lines: &[u8]| {
+        let path = corpus.dir.path().join("bad.jsonl");
+        let mut good = std::fs::read(corpus.path("corpus.jsonl")).unwrap();
+        good.truncate(good.iter().position(|&b| b == b'\n').unwrap() + 1);
+        std::fs::write(&path, [good.as_slice(), lines].concat()).unwrap();
+        let data = serde_json::json!({"kind": "jsonl", "path": path,
+                                      "tokenizer": corpus.path("tokenizer.json")});
+        error(&corpus.spec(data, 2), cache.path())
+    };
+    let at = format!("data.path {:?}, line 2", corpus.path("bad.jsonl"));
+    for (line, reason) in [
+        (&b"{\"text\": \"unterminated\n"[..], "not JSON"),
+        (b"[\"text\"]\n", "not a JSON object"),
+        (b"{\"body\": \"x\"}\n", "no field \"text\""),
+        (b"{\"text\": 7}\n", "field \"text\" is not a string"),
+        (b"{\"text\": \"\xff\xfe\"}\n", "not valid UTF-8"),
+    ] {
+        let e = jsonl(line);
+        assert!(e.starts_with(&at) && e.contains(reason), "{e}");
+    }
+
+    let empty = corpus.dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n\n").unwrap();
+    let data = serde_json::json!({"kind": "jsonl", "path": empty,
+                                  "tokenizer": corpus.path("tokenizer.json")});
+    let e = error(&corpus.spec(data, 2), cache.path());
+    assert!(e.contains("no documents"), "{e}");
+
+    let data = serde_json::json!({"kind": "jsonl", "path": corpus.path("nothing-*.jsonl"),
+                                  "tokenizer": corpus.path("tokenizer.json")});
+    let e = error(&corpus.spec(data, 2), cache.path());
+    assert!(e.contains("matches no files"), "{e}");
+
+    let broken = corpus.dir.path().join("broken.json");
+    std::fs::write(&broken, "{\"model\": 1}").unwrap();
+    let data = serde_json::json!({"kind": "jsonl", "path": corpus.path("corpus.jsonl"),
+                                  "tokenizer": broken});
+    let e = error(&corpus.spec(data, 2), cache.path());
+    assert!(e.starts_with("data.tokenizer") && e.contains("not a tokenizer.json"), "{e}");
+}
+
+#[test]
+fn a_tokenizer_larger_than_the_vocabulary_is_refused_with_both_numbers() {
+    let corpus = Corpus::new(200);
+    let cache = tempfile::tempdir().unwrap();
+    let data = serde_json::json!({"kind": "jsonl", "path": corpus.path("corpus.jsonl"),
+                                  "tokenizer": corpus.path("tokenizer.json")});
+    let mut spec = corpus.spec(data, 2);
+    let json = serde_json::json!({"vocab_size": 256, "context_length": 64, "n_layer": 1,
+                                  "n_head": 2, "n_embd": 32});
+    spec.model = serde_json::from_value(json).unwrap();
+    spec.validate(Purpose::Train).unwrap();
+    let e = error(&spec, cache.path());
+    assert!(e.contains("model.vocab_size 256"), "{e}");
+    let ids: usize = e
+        .split("ids up to ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{e}"));
+    assert!(ids >= 256, "{e}");
+}
