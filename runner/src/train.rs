@@ -583,11 +583,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
 
     /// The validation loss after `done` steps if validation is due then: every
     /// `data.validation.every_steps` steps and after the last.
-    fn validate_if_due(
-        &mut self,
-        job: &RankJob<'_, '_>,
-        done: u32,
-    ) -> Result<Option<f64>, Error> {
+    fn validate_if_due(&mut self, job: &RankJob<'_, '_>, done: u32) -> Result<Option<f64>, Error> {
         let (Some(data), Some(v)) = (&mut self.validation, job.spec.data.validation()) else {
             return Ok(None);
         };
@@ -595,7 +591,8 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             return Ok(None);
         }
         let loss = self.engine.evaluate(data, v.batches)?;
-        self.validation_losses.push(ValidationLoss { step: done, loss });
+        self.validation_losses
+            .push(ValidationLoss { step: done, loss });
         Ok(Some(loss))
     }
 

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use runner::Error;
 use runner::accounting::Accountant;
 use runner::data::{
-    BatchLayout, DataLoader, DataRoots, Inputs, Position, Tokenizing, entropy_floor, synthetic_vocab,
+    BatchLayout, DataLoader, DataRoots, Inputs, Position, Tokenizing, entropy_floor,
+    synthetic_vocab,
 };
 use scheduler::spec::Data;
 
@@ -66,7 +67,14 @@ fn open_loader(
     seed: u64,
     vocab: usize,
 ) -> Result<DataLoader, Error> {
-    open_in(data, &DataRoots::anywhere(), layout, seed, vocab, &Accountant::new(None))
+    open_in(
+        data,
+        &DataRoots::anywhere(),
+        layout,
+        seed,
+        vocab,
+        &Accountant::new(None),
+    )
 }
 
 /// The training data's loader of `data` inside `roots`, tokenized (when text) into the
@@ -599,4 +607,63 @@ fn a_loader_holds_what_the_memory_model_counts_for_it() {
             "{json}"
         );
     }
+}
+
+/// llm.c's uint32 shard, as `dev/data/data_common.py` writes it for Llama 3's vocabulary.
+fn shard32(path: &Path, tokens: &[u32]) {
+    let mut bytes = Vec::new();
+    let mut h = [0i32; 256];
+    h[..3].copy_from_slice(&[20240801, 7, tokens.len() as i32]);
+    h.iter().for_each(|v| bytes.extend(v.to_le_bytes()));
+    tokens.iter().for_each(|t| bytes.extend(t.to_le_bytes()));
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn uint32_shards_hold_ids_past_65535_and_mix_with_uint16_ones() {
+    let dir = TempDir::new("u32");
+    let wide: Vec<u32> = (0..9).map(|i| 128_000 + i * 17).collect();
+    shard32(&dir.path("a.bin"), &wide);
+    shard(&dir.path("b.bin"), &(0..9).collect::<Vec<u16>>());
+    let mut loader = open_loader(
+        &tokens(&dir.pattern("*.bin"), false),
+        layout(2, 4, 0, 1),
+        1,
+        128_256,
+    )
+    .unwrap();
+    let read = batches(&mut loader, 8, 2);
+    assert_eq!(read[0].0, wide[..8]);
+    assert_eq!(read[0].1, wide[1..9]);
+    assert_eq!(read[1].0, (0..8).collect::<Vec<u32>>());
+    // A version the magic does not go with is refused.
+    write_shard(&dir.path("a.bin"), [20240801, 1, 9], &[0; 18]);
+    let err = open_loader(
+        &tokens(&dir.pattern("a.bin"), false),
+        layout(2, 4, 0, 1),
+        1,
+        128_256,
+    );
+    assert!(
+        err.is_err_and(|e| e.to_string().contains("expected 7 for magic 20240801")),
+        "a uint32 magic with version 1"
+    );
+    // Ids at or past the model's vocabulary are refused when read.
+    shard32(&dir.path("a.bin"), &wide);
+    let mut small = open_loader(
+        &tokens(&dir.pattern("a.bin"), false),
+        layout(2, 4, 0, 1),
+        1,
+        128_100,
+    )
+    .unwrap();
+    let (mut x, mut y) = (vec![0; 8], vec![0; 8]);
+    assert!(matches!(
+        small.next_batch(&mut x, &mut y),
+        Err(Error::TokenOutOfRange {
+            index: 6,
+            vocab_size: 128_100,
+            ..
+        })
+    ));
 }

@@ -12,7 +12,7 @@ use runner::accounting::Accountant;
 use runner::checkpoint::{load_hf, max_hf_file_bytes};
 use runner::data::{BatchLayout, DataLoader, DataRoots, Inputs, Tokenizing};
 use scheduler::model::{ModelShape, Preset};
-use scheduler::spec::Data;
+use scheduler::spec::{Data, JobSpec, Purpose, Validation};
 use wire::data_roots::RootsError;
 
 /// `base/data` is a data dir holding an admin token; its one root is `base/data/datasets`,
@@ -68,7 +68,11 @@ fn open_with(roots: &DataRoots, data: &Data) -> Result<DataLoader, Error> {
 }
 
 fn text(path: &str) -> Data {
-    Data::Text { path: path.into(), validation: None, tokenizer: None }
+    Data::Text {
+        path: path.into(),
+        validation: None,
+        tokenizer: None,
+    }
 }
 
 fn tokens(path: &str) -> Data {
@@ -320,4 +324,62 @@ fn a_root_holding_the_data_dir_or_the_database_is_refused() {
     assert_eq!(roots.dirs(), [beside.canonicalize().unwrap().as_path()]);
     DataRoots::for_data_dir(&[], &data_dir, &[]).unwrap();
     assert!(data_dir.join("datasets").is_dir(), "the default is created");
+}
+
+#[test]
+fn a_tokenizer_or_validation_file_outside_the_roots_is_refused() {
+    let node = Node::new();
+    std::fs::write(node.root().join("d.jsonl"), "{\"text\": \"inside\"}\n").unwrap();
+    std::fs::write(node.root().join("tokenizer.json"), "{}").unwrap();
+    let outside = node.base.path().join("outside.txt");
+    let outside = outside.to_str().unwrap();
+    let validation = |path: &str| {
+        Some(Validation {
+            path: Some(path.into()),
+            split: None,
+            every_steps: 1,
+            batches: 1,
+        })
+    };
+    let jsonl = |tokenizer: &str, validate: Option<&str>| Data::Jsonl {
+        path: node.in_root("d.jsonl"),
+        field: "text".into(),
+        tokenizer: Some(tokenizer.into()),
+        validation: validate.and_then(validation),
+    };
+    let inside = node.in_root("tokenizer.json");
+    for (data, field, case) in [
+        (
+            jsonl(outside, None),
+            "data.tokenizer",
+            "a tokenizer outside",
+        ),
+        (
+            jsonl("../admin-token", None),
+            "data.tokenizer",
+            "the data dir's secret",
+        ),
+        (
+            jsonl(&inside, Some(outside)),
+            "data.validation.path",
+            "validation text outside",
+        ),
+        (
+            Data::Text {
+                path: node.in_root("corpus.txt"),
+                tokenizer: None,
+                validation: validation("../admin-token"),
+            },
+            "data.validation.path",
+            "byte-level validation outside",
+        ),
+    ] {
+        assert_outside(node.open(&data), field, case);
+        // The server refuses the same spec before any node sees it.
+        let spec = serde_json::json!({"model": {"preset": "llama-tiny"}, "data": data});
+        let spec = JobSpec::parse(&spec.to_string(), Purpose::Train)
+            .unwrap()
+            .spec;
+        assert_eq!(node.roots.refused_input(&spec), Some(field), "{case}");
+    }
 }

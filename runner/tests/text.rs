@@ -21,7 +21,13 @@ const EOS: &str = "<|endoftext|>";
 fn documents(n: usize) -> Vec<String> {
     let subjects = ["the cat", "a dog", "my friend", "the old man", "a bird"];
     let verbs = ["sees", "likes", "follows", "finds", "hears"];
-    let objects = ["the ball", "a red fish", "the green tree", "some water", "the moon"];
+    let objects = [
+        "the ball",
+        "a red fish",
+        "the green tree",
+        "some water",
+        "the moon",
+    ];
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = |k: usize| {
         state = state
@@ -117,7 +123,9 @@ fn train(spec: &JobSpec, cache: &Path) -> (Result<Summary, runner::Error>, Vec<S
     let lines = Arc::new(Mutex::new(Vec::new()));
     let sink = {
         let lines = lines.clone();
-        LogSink(Arc::new(move |l: &str| lines.lock().unwrap().push(l.to_owned())))
+        LogSink(Arc::new(move |l: &str| {
+            lines.lock().unwrap().push(l.to_owned())
+        }))
     };
     let opts = Options {
         data_cache: Some(cache.to_path_buf()),
@@ -153,7 +161,11 @@ fn llama_tiny_learns_a_jsonl_corpus_and_its_validation_loss_falls() {
     assert_eq!(steps, [10, 20, 30, 40]);
     let (start, end) = (first.validation[0].loss, first.validation[3].loss);
     assert!(end < 0.7 * start, "validation loss {start} → {end}");
-    assert!(log.iter().any(|l| l.contains("tokenized") && l.contains("documents")), "{log:?}");
+    assert!(
+        log.iter()
+            .any(|l| l.contains("tokenized") && l.contains("documents")),
+        "{log:?}"
+    );
     // What the loaders hold, the validation one included, is what admission counted.
     let rank = &first.ranks[0];
     assert_eq!(rank.measured_peak_bytes, rank.predicted_bytes);
@@ -161,7 +173,10 @@ fn llama_tiny_learns_a_jsonl_corpus_and_its_validation_loss_falls() {
     // Again: read from the cache, not tokenized again, the same run exactly.
     let (second, log) = train(&spec, cache.path());
     let second = second.unwrap();
-    assert!(log.iter().any(|l| l.contains("not tokenizing again")), "{log:?}");
+    assert!(
+        log.iter().any(|l| l.contains("not tokenizing again")),
+        "{log:?}"
+    );
     assert!(!log.iter().any(|l| l.contains(": tokenizing")), "{log:?}");
     assert_eq!(first.losses, second.losses);
     assert_eq!(first.validation, second.validation);
@@ -182,8 +197,11 @@ fn validation_does_not_change_what_is_trained() {
         d
     };
     let plain = train(&corpus.spec(data(None), 6), cache.path()).0.unwrap();
-    let validated = serde_json::json!({"path": corpus.path("corpus.txt"), "every_steps": 2, "batches": 1});
-    let with = train(&corpus.spec(data(Some(validated)), 6), cache.path()).0.unwrap();
+    let validated =
+        serde_json::json!({"path": corpus.path("corpus.txt"), "every_steps": 2, "batches": 1});
+    let with = train(&corpus.spec(data(Some(validated)), 6), cache.path())
+        .0
+        .unwrap();
     assert_eq!(plain.losses, with.losses);
     assert!(plain.validation.is_empty());
     assert_eq!(with.validation.len(), 3);
@@ -231,7 +249,10 @@ fn bad_text_is_named_by_file_line_and_field() {
     let data = serde_json::json!({"kind": "jsonl", "path": corpus.path("corpus.jsonl"),
                                   "tokenizer": broken});
     let e = error(&corpus.spec(data, 2), cache.path());
-    assert!(e.starts_with("data.tokenizer") && e.contains("not a tokenizer.json"), "{e}");
+    assert!(
+        e.starts_with("data.tokenizer") && e.contains("not a tokenizer.json"),
+        "{e}"
+    );
 }
 
 #[test]

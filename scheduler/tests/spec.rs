@@ -10,7 +10,7 @@ use scheduler::model::{GptShape, Preset};
 use scheduler::spec::{
     AdaFactor, Adam8bit, AdamW, Auto, Data, Dtype, DynamicLossScale, InitFrom, JobArtifact,
     JobSpec, Lion, LossScale, LrSchedule, ModelSource, Momentum, Optimizer, Parsed, Purpose,
-    ScalerSemantics, Sgd, WarmupType, ZeroStage,
+    ScalerSemantics, Sgd, TokenizerSource, Validation, WarmupType, ZeroStage,
 };
 use scheduler::{Error, FieldError};
 use serde_json::{Value, json};
@@ -1638,4 +1638,90 @@ fn deepspeed_job_carries_name_data_checkpoint_and_activation_checkpointing() {
         ),
         (nz(7), nz(32), 9)
     );
+}
+
+#[test]
+fn text_data_parses_with_its_tokenizer_and_validation() {
+    let spec = parse(
+        r#"{"model": {"preset": "llama-tiny"},
+            "data": {"kind": "jsonl", "path": "chat/*.jsonl", "tokenizer": "tok/tokenizer.json",
+                     "validation": {"split": 0.01, "every_steps": 50}}}"#,
+    )
+    .spec;
+    let validation = Validation {
+        path: None,
+        split: Some(0.01),
+        every_steps: 50,
+        batches: 20,
+    };
+    assert_eq!(
+        spec.data,
+        Data::Jsonl {
+            path: "chat/*.jsonl".into(),
+            field: "text".into(),
+            tokenizer: Some("tok/tokenizer.json".into()),
+            validation: Some(validation),
+        }
+    );
+    assert_eq!(
+        spec.data.tokenizer(None),
+        Some(TokenizerSource::Named("tok/tokenizer.json"))
+    );
+    // Without a tokenizer of its own, JSON Lines use init_from's directory's.
+    let fine_tune = parse(
+        r#"{"model": {"preset": "llama-tiny", "init_from": "models/tiny"},
+            "data": {"kind": "jsonl", "path": "d.jsonl", "field": "body"}}"#,
+    )
+    .spec;
+    assert_eq!(
+        fine_tune.data.tokenizer(fine_tune.model.init_from.as_ref()),
+        Some(TokenizerSource::InitFrom("models/tiny"))
+    );
+}
+
+#[test]
+fn text_data_that_cannot_be_read_as_given_is_refused_by_field() {
+    let refused = |data: &str| {
+        refused_fields(
+            &format!(r#"{{"model": {{"preset": "llama-tiny"}}, "data": {data}}}"#),
+            Purpose::Train,
+        )
+    };
+    for (data, field) in [
+        (r#"{"kind": "jsonl", "path": "d.jsonl"}"#, "data.tokenizer"),
+        (
+            r#"{"kind": "jsonl", "path": "d.jsonl", "field": "", "tokenizer": "t.json"}"#,
+            "data.field",
+        ),
+        (
+            r#"{"kind": "tokens", "path": "s.bin", "validation": {"split": 0.1}}"#,
+            "data.validation.split",
+        ),
+        (
+            r#"{"kind": "text", "path": "c.txt", "validation": {"split": 0.1}}"#,
+            "data.validation.split",
+        ),
+        (
+            r#"{"kind": "text", "path": "c.txt", "tokenizer": "t.json", "validation": {"split": 1.0}}"#,
+            "data.validation.split",
+        ),
+        (
+            r#"{"kind": "tokens", "path": "s.bin", "validation": {"path": "v.bin", "split": 0.1}}"#,
+            "data.validation",
+        ),
+        (
+            r#"{"kind": "tokens", "path": "s.bin", "validation": {}}"#,
+            "data.validation",
+        ),
+        (
+            r#"{"kind": "tokens", "path": "s.bin", "validation": {"path": "v.bin", "every_steps": 0}}"#,
+            "data.validation.every_steps",
+        ),
+        (
+            r#"{"kind": "tokens", "path": "s.bin", "validation": {"path": "v.bin", "batches": 0}}"#,
+            "data.validation.batches",
+        ),
+    ] {
+        assert_eq!(refused(data), [field], "{data}");
+    }
 }

@@ -86,7 +86,8 @@ impl<'a> Documents<'a> {
                     return utf8(bytes, what, 0).map(Some);
                 }
                 Format::Jsonl { field } => {
-                    let Some(bytes) = next_line(&mut reader, what, &mut line, &mut self.bytes_read)?
+                    let Some(bytes) =
+                        next_line(&mut reader, what, &mut line, &mut self.bytes_read)?
                     else {
                         continue;
                     };
@@ -109,9 +110,12 @@ fn next_line(
     bytes_read: &mut u64,
 ) -> Result<Option<Vec<u8>>, Error> {
     let mut bytes = Vec::new();
-    let n = reader
-        .read_until(b'\n', &mut bytes)
-        .map_err(|e| data_error(what, format!("cannot read line {}: {}", *line + 1, e.kind())))?;
+    let n = reader.read_until(b'\n', &mut bytes).map_err(|e| {
+        data_error(
+            what,
+            format!("cannot read line {}: {}", *line + 1, e.kind()),
+        )
+    })?;
     if n == 0 {
         return Ok(None);
     }
@@ -129,8 +133,8 @@ fn json_document(line: Vec<u8>, field: &str, what: &str) -> Result<Option<String
     if line.trim().is_empty() {
         return Ok(None);
     }
-    let value: serde_json::Value = serde_json::from_str(&line)
-        .map_err(|e| data_error(what, format!("not JSON: {e}")))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| data_error(what, format!("not JSON: {e}")))?;
     let serde_json::Value::Object(mut object) = value else {
         return Err(data_error(what, "not a JSON object"));
     };

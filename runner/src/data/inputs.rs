@@ -134,7 +134,10 @@ impl Inputs {
                         .enumerate()
                         .map(|(i, name)| {
                             let n = names.len();
-                            (dir.join(name), format!("{what}, tokenized {part}, shard {} of {n}", i + 1))
+                            (
+                                dir.join(name),
+                                format!("{what}, tokenized {part}, shard {} of {n}", i + 1),
+                            )
                         })
                         .collect(),
                     shuffle: false,

@@ -115,9 +115,12 @@ pub(super) fn tokenize(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<(PathBuf, Ma
     std::fs::create_dir(&partial).map_err(|e| cache_error(&partial, &e))?;
     let manifest = write_shards(job, t, &tokenizer, eos, &partial)?;
     let file = partial.join(MANIFEST);
-    std::fs::write(&file, serde_json::to_vec(&manifest).expect("a manifest serialises"))
-        .and_then(|()| File::open(&file)?.sync_all())
-        .map_err(|e| cache_error(&file, &e))?;
+    std::fs::write(
+        &file,
+        serde_json::to_vec(&manifest).expect("a manifest serialises"),
+    )
+    .and_then(|()| File::open(&file)?.sync_all())
+    .map_err(|e| cache_error(&file, &e))?;
     std::fs::rename(&partial, &dir).map_err(|e| cache_error(&dir, &e))?;
     Ok((dir, manifest))
 }
@@ -193,7 +196,10 @@ fn eos_id(tokenizer: &Tokenizer, file: &TokenizerFile, config: Option<u32>) -> R
         };
         if let Some(token) = token {
             return tokenizer.token_to_id(token).ok_or_else(|| {
-                data_error(&what, format!("its eos_token {token:?} is not in the tokenizer"))
+                data_error(
+                    &what,
+                    format!("its eos_token {token:?} is not in the tokenizer"),
+                )
             });
         }
     }
@@ -303,7 +309,11 @@ fn write_shards(
         }
         for ids in encode(&block)? {
             let held_out = split.is_some_and(|s| held_out(t.seed, index, s));
-            let w = if held_out { &mut validation } else { &mut train };
+            let w = if held_out {
+                &mut validation
+            } else {
+                &mut train
+            };
             w.push(&ids, eos)?;
             index += 1;
         }
@@ -391,7 +401,11 @@ impl ShardWriter {
     }
 
     fn write(&mut self, id: u32) -> Result<(), Error> {
-        if self.open.as_ref().is_some_and(|(_, _, n)| *n == SHARD_TOKENS) {
+        if self
+            .open
+            .as_ref()
+            .is_some_and(|(_, _, n)| *n == SHARD_TOKENS)
+        {
             self.close()?;
         }
         let (path, w, n) = match &mut self.open {

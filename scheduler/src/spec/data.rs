@@ -184,11 +184,13 @@ impl Data {
     pub fn tokenizer<'a>(&'a self, init_from: Option<&'a InitFrom>) -> Option<TokenizerSource<'a>> {
         match self {
             Data::Text { tokenizer, .. } => tokenizer.as_deref().map(TokenizerSource::Named),
-            Data::Jsonl { tokenizer, .. } => match (tokenizer, init_from.and_then(InitFrom::path)) {
-                (Some(t), _) => Some(TokenizerSource::Named(t)),
-                (None, Some(dir)) => Some(TokenizerSource::InitFrom(dir)),
-                (None, None) => None,
-            },
+            Data::Jsonl { tokenizer, .. } => {
+                match (tokenizer, init_from.and_then(InitFrom::path)) {
+                    (Some(t), _) => Some(TokenizerSource::Named(t)),
+                    (None, Some(dir)) => Some(TokenizerSource::InitFrom(dir)),
+                    (None, None) => None,
+                }
+            }
             Data::Synthetic | Data::Tokens { .. } => None,
         }
     }
@@ -238,10 +240,16 @@ impl Data {
                 }
             }
             Data::Jsonl { field, .. } => {
-                ensure(!field.is_empty(), "data.field", || "must not be empty".into())?;
-                ensure(self.tokenizer(init_from).is_some(), "data.tokenizer", || {
-                    "JSON Lines need a tokenizer: name a tokenizer.json, or a model.init_from directory that has one".into()
+                ensure(!field.is_empty(), "data.field", || {
+                    "must not be empty".into()
                 })?;
+                ensure(
+                    self.tokenizer(init_from).is_some(),
+                    "data.tokenizer",
+                    || {
+                        "JSON Lines need a tokenizer: name a tokenizer.json, or a model.init_from directory that has one".into()
+                    },
+                )?;
             }
             Data::Text { .. } | Data::Tokens { .. } => {}
         }
