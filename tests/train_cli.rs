@@ -269,3 +269,98 @@ fn training_on_cuda_without_a_driver_fails_with_a_clear_error() {
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(stderr.contains("expected cpu, cuda or cuda:N"), "{stderr}");
 }
+
+/// The cache folders of complete tokenizations under `out` (named by their key alone), and
+/// whether a partial one is there.
+fn tokenizations(out: &Path) -> (Vec<std::path::PathBuf>, bool) {
+    let Ok(entries) = fs::read_dir(out.join("cache/tokens")) else {
+        return (Vec::new(), false);
+    };
+    let (mut done, mut partial) = (Vec::new(), false);
+    for e in entries {
+        let path = e.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".partial") {
+            partial = true;
+        } else if path.is_dir() {
+            done.push(path);
+        }
+    }
+    (done, partial)
+}
+
+/// Bytes written so far into a partial tokenization's first training shard.
+fn partial_shard_bytes(out: &Path) -> u64 {
+    fs::read_dir(out.join("cache/tokens"))
+        .into_iter()
+        .flatten()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".partial"))
+        .filter_map(|p| p.join("train_000000.bin").metadata().ok())
+        .map(|m| m.len())
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_killed_tokenization_never_leaves_shards_a_later_run_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/words-tokenizer");
+    // About 24 MB of JSON Lines: long enough to tokenize that kills land mid-write.
+    let words = [
+        "the", "cat", "sees", "a", "red", "ball", "my", "old", "friend", "likes",
+    ];
+    let mut jsonl = String::new();
+    for i in 0..120_000usize {
+        let doc: Vec<&str> = (0..30)
+            .map(|j| words[(i * 7 + j * j) % words.len()])
+            .collect();
+        jsonl += &format!("{{\"text\": \"{} .\"}}\n", doc.join(" "));
+    }
+    fs::write(dir.path().join("corpus.jsonl"), jsonl).unwrap();
+    let spec = dir.path().join("spec.json");
+    let data = serde_json::json!({"kind": "jsonl", "path": dir.path().join("corpus.jsonl"),
+                                  "tokenizer": fixture.join("tokenizer.json")});
+    let json = serde_json::json!({"model": {"preset": "llama-tiny"}, "data": data,
+                                  "training": {"steps": 1, "seq_len": 64, "micro_batch_size": 1}});
+    fs::write(&spec, json.to_string()).unwrap();
+    let out = dir.path().join("out");
+    // 120,000 documents of 32 tokens, 4 bytes a token: kill at sizes spread over the shard.
+    let expected = 120_000 * 32 * 4;
+    for k in 0..4u64 {
+        let mut child = zerotrain(&spec, &out)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let at = expected * (2 * k + 1) / 9;
+        wait_until(&mut child, "wrote part of the shard", || {
+            partial_shard_bytes(&out) > at
+        });
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let (done, partial) = tokenizations(&out);
+        assert!(done.is_empty() && partial, "kill {k}: {done:?}");
+    }
+    let run = |out: &Path| {
+        let done = zerotrain(&spec, out).output().unwrap();
+        let stderr = String::from_utf8_lossy(&done.stderr).into_owned();
+        assert!(done.status.success(), "{stderr}");
+        let (tokenized, partial) = tokenizations(out);
+        assert_eq!((tokenized.len(), partial), (1, false), "{stderr}");
+        (
+            fs::read(tokenized[0].join("train_000000.bin")).unwrap(),
+            stderr,
+        )
+    };
+    let (after_kills, stderr) = run(&out);
+    assert!(stderr.contains("tokenized"), "{stderr}");
+    let (clean, _) = run(&dir.path().join("clean"));
+    assert!(
+        after_kills == clean,
+        "the shard after the kills differs from a clean run's"
+    );
+    assert_eq!(after_kills.len(), 1024 + expected as usize);
+    // A third run reads what the first finished.
+    let (_, again) = run(&out);
+    assert!(again.contains("not tokenizing again"), "{again}");
+}

@@ -50,6 +50,15 @@ pub struct Args {
     comm_timeout: u64,
 }
 
+/// A line above the progress bar, or on stderr where there is no bar (not a terminal).
+fn above(bar: &ProgressBar, line: &str) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
 pub fn run_cli(args: Args) -> anyhow::Result<()> {
     let text = args.spec.text()?;
     let parsed = JobSpec::parse(&text, Purpose::Train)?;
@@ -80,7 +89,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
         // Tokenizing's progress, above the step bar.
         log: Some(LogSink(Arc::new({
             let bar = bar.clone();
-            move |line: &str| bar.println(line)
+            move |line: &str| above(&bar, line)
         }))),
         ..Options::default()
     };
@@ -96,7 +105,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
             if p.skipped { "  (skipped)" } else { "" }
         ));
         if let Some(loss) = p.validation_loss {
-            bar.println(format!("step {}: validation loss {loss:.4}", p.step));
+            above(&bar, &format!("step {}: validation loss {loss:.4}", p.step));
         }
     })?;
     bar.finish_and_clear();
