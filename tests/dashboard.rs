@@ -23,6 +23,7 @@ fn exported() -> String {
         skipped: false,
         step_seconds: 0.1,
         at: 0,
+        validation_loss: None,
     };
     let model = scheduler::spec::Architecture::Gpt(scheduler::model::Preset::Tiny.shape());
     m.observe_step("j", &model, &step);

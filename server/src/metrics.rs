@@ -270,6 +270,7 @@ mod tests {
             skipped,
             step_seconds: 0.5,
             at: 0,
+            validation_loss: None,
         }
     }
 
