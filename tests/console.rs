@@ -1,9 +1,9 @@
 //! The console in a real headless Chromium (Debian's `chromium` and `chromium-driver`, driven
 //! over WebDriver by fantoccini) against a live server and agent: log in, plan and submit a
-//! job, watch it succeed with its charts drawn, cancel another, compare them, and see a
-//! cross-origin POST carrying the cookie refused; no page logs a console error. Screenshots go
-//! to `target/console-screenshots/`. Without Chromium and chromedriver this test fails: CI
-//! installs them (`.ci/run`).
+//! job, watch it succeed with its charts drawn, cancel another, compare them, see a
+//! cross-origin POST carrying the cookie refused and a job's validation losses charted; no page
+//! logs a console error. Screenshots go to `target/console-screenshots/`. Without Chromium and
+//! chromedriver this test fails: CI installs them (`.ci/run`).
 
 mod live;
 
@@ -17,6 +17,7 @@ use fantoccini::wd::WebDriverCompatibleCommand;
 use fantoccini::{Client, ClientBuilder, Locator};
 use scheduler::memory::Category;
 use serde_json::{Value, json};
+use server::domain::{Job, JobState, StepRecord};
 
 const ADMIN: &str = "zt_console_admin";
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -177,6 +178,26 @@ const COLOURED_PIXELS: &str = r#"
     return n;
 "#;
 
+/// Counts pixels inside chart `arguments[0]`'s plotting area within 40 of the colour
+/// `arguments[1]` (`[r, g, b]`) in each channel: one series drawn.
+const PIXELS_OF_COLOUR: &str = r#"
+    const u = window.zerotrain && window.zerotrain.charts[arguments[0]];
+    if (!u) return 0;
+    const [r, g, bl] = arguments[1];
+    const b = u.bbox;
+    const d = u.ctx.getImageData(b.left, b.top, b.width, b.height).data;
+    let n = 0;
+    for (let i = 0; i < d.length; i += 4) {
+        const near = Math.abs(d[i] - r) <= 40 && Math.abs(d[i + 1] - g) <= 40
+            && Math.abs(d[i + 2] - bl) <= 40;
+        if (d[i + 3] > 0 && near) n++;
+    }
+    return n;
+"#;
+
+/// The validation loss's colour on the loss chart (`COLORS[1]` of console.js, #ff7f0e).
+const VALIDATION_RGB: [u8; 3] = [0xff, 0x7f, 0x0e];
+
 async fn coloured_pixels(c: &Client, chart: &str) -> u64 {
     c.execute(COLOURED_PIXELS, vec![json!(chart)])
         .await
@@ -325,6 +346,16 @@ async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
         .await
         .unwrap();
     let labels: Vec<String> = serde_json::from_value(labels).unwrap();
+    // The agent's trainer does not validate this job: its validation line has no point.
+    let validation = c
+        .execute("return window.zerotrain.charts.loss.data[2]", vec![])
+        .await
+        .unwrap();
+    let validation = validation.as_array().unwrap();
+    assert!(
+        validation.len() == 12 && validation.iter().all(Value::is_null),
+        "job A's validation losses: {validation:?}"
+    );
     for &category in Category::ALL {
         let n = labels.iter().filter(|l| *l == category.name()).count();
         assert_eq!(n, 1, "memory chart series {labels:?}: one per category");
@@ -457,8 +488,82 @@ async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
     assert_eq!(names, json!(["console-a", "console-b"]));
     assert_no_console_errors(&c, "jobs").await;
 
-    c.close().await.unwrap();
+    // A job whose steps carry validation losses gets them on its loss chart as a second line,
+    // marked at each step that has one, named in the legend. The agent's trainer reports none
+    // for these specs, so they are seeded in the store, on a copy of job A that nothing runs:
+    // the agent stops first, and the copy is inserted once its node is lost.
     stop.store(true, Ordering::Relaxed);
+    let store = &s.server.state().store;
+    live::poll(WAIT, Duration::from_millis(100), || async {
+        let nodes = store.nodes().await.map_err(|e| e.to_string())?;
+        nodes
+            .iter()
+            .all(|n| n.lost)
+            .then_some(())
+            .ok_or(format!("nodes not lost yet: {nodes:?}"))
+    })
+    .await;
+    let template = store.get_job(&job_a).await.unwrap().unwrap();
+    let seeded = Job {
+        id: String::new(),
+        name: Some("console-validated".into()),
+        reason: String::new(),
+        created_at: 0,
+        ..template
+    };
+    let job_c = store.insert_job(&seeded, None).await.unwrap().id;
+    let steps: Vec<StepRecord> = (1..=12)
+        .map(|step| StepRecord {
+            attempt: 1,
+            step,
+            loss: 5.0 - 0.25 * f64::from(step),
+            loss_scale: 1.0,
+            tokens_per_second: 1000.0,
+            skipped: false,
+            step_seconds: 0.1,
+            at: 1_700_000_000_000 + i64::from(step),
+            validation_loss: (step % 4 == 0).then(|| 5.5 - 0.25 * f64::from(step)),
+        })
+        .collect();
+    store.add_steps(&job_c, &steps).await.unwrap();
+    store
+        .transition(&job_c, &[JobState::Queued], JobState::Cancelled, "seeded")
+        .await
+        .unwrap()
+        .expect("a queued job with no node to run it");
+    c.goto(&format!("{base}/jobs/{job_c}")).await.unwrap();
+    let validation = until(
+        &c,
+        "the seeded job's loss chart",
+        "const u = window.zerotrain.charts.loss; return u && u.data[0].length === 12 && u.data[2]",
+    )
+    .await;
+    assert_eq!(
+        validation,
+        json!([
+            null, null, null, 4.5, null, null, null, 3.5, null, null, null, 2.5
+        ])
+    );
+    let legend = c
+        .execute(
+            "return Array.from(document.querySelectorAll('#chart-loss .u-legend .u-label')).map(l => l.textContent)",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(legend, json!(["loss", "validation loss"]));
+    let n = c
+        .execute(PIXELS_OF_COLOUR, vec![json!("loss"), json!(VALIDATION_RGB)])
+        .await
+        .unwrap();
+    assert!(
+        n.as_u64().unwrap() > 50,
+        "the validation line has {n} pixels of its colour"
+    );
+    screenshot(&c, "job-validation").await;
+    assert_no_console_errors(&c, "job with validation losses").await;
+
+    c.close().await.unwrap();
     s.server.shutdown().await.unwrap();
     agent.join().unwrap();
     eprintln!(

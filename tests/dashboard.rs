@@ -23,6 +23,7 @@ fn exported() -> String {
         skipped: false,
         step_seconds: 0.1,
         at: 0,
+        validation_loss: Some(3.5),
     };
     let model = scheduler::spec::Architecture::Gpt(scheduler::model::Preset::Tiny.shape());
     m.observe_step("j", &model, &step);

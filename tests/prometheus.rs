@@ -1,7 +1,8 @@
 //! A real Prometheus (Debian's `prometheus`) scraping `zerotrain up` and its local agent with
 //! `deploy/prometheus.yml` while a job trains: every PromQL expression of the Grafana
-//! dashboard returns data, and the alert rules of `deploy/prometheus/rules.yml` load, pass
-//! their `promtool` unit tests and evaluate without error.
+//! dashboard returns data (or, for a series no job reports yet, evaluates), and the alert
+//! rules of `deploy/prometheus/rules.yml` load, pass their `promtool` unit tests and evaluate
+//! without error.
 
 mod live;
 
@@ -18,6 +19,11 @@ const PROMTOOL: &str = "/usr/bin/promtool";
 /// how often it is asked.
 const WAIT: Duration = Duration::from_secs(30);
 const EVERY: Duration = Duration::from_millis(200);
+/// Dashboard series this test's jobs do not export yet: the trainer does not validate yet (its
+/// validation, being written on the runner side, fills the steps' `validation_loss`). Their
+/// queries must still evaluate; once a job spec can ask for validation, this test's jobs ask
+/// for it and the list goes.
+const NOT_YET_REPORTED: &[&str] = &["zerotrain_training_validation_loss"];
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -233,6 +239,10 @@ async fn prometheus_evaluates_every_dashboard_query_against_a_training_job() {
         for target in panel["targets"].as_array().unwrap() {
             // `$job` is the dashboard's multi-value job variable: "All" is a regex of them all.
             let expr = target["expr"].as_str().unwrap().replace("$job", ".+");
+            if NOT_YET_REPORTED.iter().any(|series| expr.contains(series)) {
+                prometheus.api("query", &[("query", &expr)]).await.unwrap();
+                continue;
+            }
             poll(Duration::from_secs(60), EVERY, || prometheus.samples(&expr)).await;
             evaluated += 1;
         }

@@ -142,6 +142,11 @@ pub struct StepRecord {
     pub skipped: bool,
     pub step_seconds: f64,
     pub at: i64,
+    /// The mean loss over the validation batches when validation ran after this step, else
+    /// null (also for a loss that was not a number).
+    // Null rather than left out: every step has the same fields, for tables and DataFrames.
+    #[schema(required = true)]
+    pub validation_loss: Option<f64>,
 }
 
 /// A rank's measured peak bytes by category next to the memory model's prediction.

@@ -50,6 +50,8 @@ wire::metrics! {
         pub training_job_info: IntGaugeVec, labels = ["job", "model", "family"];
         /// Training loss of the job's last step.
         pub training_loss: GaugeVec, labels = ["job"];
+        /// Mean validation loss of the job's last step after which validation ran.
+        pub training_validation_loss: GaugeVec, labels = ["job"];
         /// Loss scale after the job's last step (1 without fp16 loss scaling).
         pub training_loss_scale: GaugeVec, labels = ["job"];
         /// Tokens the job has trained on.
@@ -142,6 +144,10 @@ impl Metrics {
             series.info = Some((label, family));
         }
         t.training_loss.with_label_values(&[job]).set(step.loss);
+        // Only some steps validate: the gauge holds the last one that did.
+        if let Some(v) = step.validation_loss {
+            t.training_validation_loss.with_label_values(&[job]).set(v);
+        }
         t.training_loss_scale
             .with_label_values(&[job])
             .set(f64::from(step.loss_scale));
@@ -228,6 +234,7 @@ impl Metrics {
         let t = &self.training;
         // Removing a series that was never created is not an error worth reporting.
         let _ = t.training_loss.remove_label_values(&[job]);
+        let _ = t.training_validation_loss.remove_label_values(&[job]);
         let _ = t.training_loss_scale.remove_label_values(&[job]);
         let _ = t.training_tokens_total.remove_label_values(&[job]);
         let _ = t.training_skipped_steps_total.remove_label_values(&[job]);
@@ -270,6 +277,7 @@ mod tests {
             skipped,
             step_seconds: 0.5,
             at: 0,
+            validation_loss: None,
         }
     }
 
@@ -313,6 +321,25 @@ mod tests {
         let text = m.render();
         assert!(!text.contains("job=\"j1\""), "{text}");
         assert!(text.contains("job=\"j2\""));
+    }
+
+    #[test]
+    fn the_validation_loss_gauge_keeps_the_last_validated_step_and_goes_with_the_job() {
+        let m = Metrics::default();
+        let series = "zerotrain_training_validation_loss{job=\"j1\"}";
+        m.observe_step("j1", &llama_tiny(), &step(false));
+        assert!(!m.render().contains(series), "no step validated yet");
+        let validated = StepRecord {
+            validation_loss: Some(3.25),
+            ..step(false)
+        };
+        m.observe_step("j1", &llama_tiny(), &validated);
+        m.observe_step("j1", &llama_tiny(), &step(false));
+        let text = m.render();
+        assert!(text.contains(&format!("{series} 3.25")), "{text}");
+        m.job_ended("j1");
+        m.expire(Duration::ZERO);
+        assert!(!m.render().contains(series));
     }
 
     #[test]

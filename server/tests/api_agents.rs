@@ -37,6 +37,17 @@ fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
     }
 }
 
+/// `report`, a [`step`], after which validation ran with mean loss `loss`.
+fn validated(mut report: Report, loss: f64) -> Report {
+    if let Report::Step {
+        validation_loss, ..
+    } = &mut report
+    {
+        *validation_loss = Some(loss);
+    }
+    report
+}
+
 fn memory(job: &str, rank: usize) -> Report {
     let b = Breakdown {
         params: 1000,
@@ -188,6 +199,44 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
     let prom = app.get("/metrics").await.text;
     assert!(!prom.contains(&format!("job=\"{id}\"")), "{prom}");
     assert!(prom.contains("zerotrain_jobs{state=\"succeeded\"} 1"));
+}
+
+#[tokio::test]
+async fn a_steps_validation_loss_reaches_the_job_metrics_and_its_gauge() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 4, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(4)).await;
+    assert_eq!(app.schedule().await, 1);
+    assert_eq!(app.beat(&node, vec![], vec![]).await.assignments.len(), 1);
+    let started = Report::Started {
+        job_id: id.clone(),
+        attempt: 1,
+        resumed_from: None,
+    };
+    let reports = vec![
+        started,
+        step(&id, 1, 1, 10.5),
+        validated(step(&id, 1, 2, 9.25), 9.75),
+        step(&id, 1, 3, 9.0),
+    ];
+    app.beat(&node, reports, vec![(id.clone(), 1)]).await;
+
+    let m = app.get(&format!("/v1/jobs/{id}/metrics")).await.json();
+    let steps = m["steps"].as_array().unwrap();
+    // Every step has the field: null where validation did not run.
+    let validation: Vec<&serde_json::Value> = steps
+        .iter()
+        .map(|s| {
+            s.get("validation_loss")
+                .expect("every step has validation_loss")
+        })
+        .collect();
+    assert_eq!(validation, [&json!(null), &json!(9.75), &json!(null)]);
+
+    // The gauge keeps the last step that validated, not the later one that did not.
+    let prom = app.get("/metrics").await.text;
+    let series = format!("zerotrain_training_validation_loss{{job=\"{id}\"}} 9.75");
+    assert!(prom.contains(&series), "missing {series} in\n{prom}");
 }
 
 #[tokio::test]

@@ -189,6 +189,7 @@ suite! {
     #[tokio::test] assignments_are_listed_per_node_and_per_job,
     #[tokio::test] set_master_ignores_other_attempts,
     #[tokio::test] steps_round_trip_and_a_repeated_batch_changes_nothing,
+    #[tokio::test] a_steps_validation_loss_round_trips_and_is_absent_on_steps_without_one,
     #[tokio::test] rank_memory_is_replaced_per_rank,
     #[tokio::test] log_lines_are_numbered_per_job_and_paged_after_a_sequence_number,
     #[tokio::test] checkpoints_are_listed_by_step,
@@ -1387,6 +1388,7 @@ fn step(attempt: u32, step: u32, loss: f64) -> StepRecord {
         skipped: false,
         step_seconds: 0.25,
         at: 1_700_000_000_000 + i64::from(step),
+        validation_loss: None,
     }
 }
 
@@ -1412,6 +1414,27 @@ async fn steps_round_trip_and_a_repeated_batch_changes_nothing(db: TestDb) {
     assert_eq!(got[3].loss_scale, 65536.0);
     assert_eq!(got[4], step(2, 2, 8.0));
     assert!(s.steps("nope").await.unwrap().is_empty());
+}
+
+async fn a_steps_validation_loss_round_trips_and_is_absent_on_steps_without_one(db: TestDb) {
+    let s = &db.store;
+    let j = submit(s, "a", 0, 1).await;
+    let validated = StepRecord {
+        validation_loss: Some(7.125),
+        ..step(1, 2, 8.5)
+    };
+    // SQLite stores NaN as NULL, so a NaN validation loss reads back as none on both stores.
+    let not_a_number = StepRecord {
+        validation_loss: Some(f64::NAN),
+        ..step(1, 3, 8.25)
+    };
+    s.add_steps(&j.id, &[step(1, 1, 9.0), validated.clone(), not_a_number])
+        .await
+        .unwrap();
+    let got = s.steps(&j.id).await.unwrap();
+    let validation: Vec<Option<f64>> = got.iter().map(|s| s.validation_loss).collect();
+    assert_eq!(validation, [None, Some(7.125), None]);
+    assert_eq!(got[1], validated);
 }
 
 fn breakdown(base: u64) -> Breakdown {

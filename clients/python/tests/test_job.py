@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from specs import ENDLESS, TINY
 
-from zerotrain import Client, Job
+from zerotrain import Client, Job, StepRecord, Steps
 
 
 def test_wait_draws_a_tqdm_bar_of_steps_with_loss_and_tokens_per_second(
@@ -60,12 +60,35 @@ def test_metrics_are_step_dicts_and_a_dataframe(finished: Job) -> None:
     steps = finished.metrics()
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert all(s["loss"] > 0 and s["tokens_per_second"] > 0 for s in steps)
+    # The spec asks for no validation: every step says so.
+    assert all(s["validation_loss"] is None for s in steps)
 
     frame = steps.to_pandas()
     assert len(frame) == 5
     assert list(frame["loss"]) == [s["loss"] for s in steps]
+    assert frame["validation_loss"].dtype == "float64" and frame["validation_loss"].isna().all()
     assert str(frame["at"].dtype).startswith("datetime64") and str(frame["at"].dt.tz) == "UTC"
     assert frame["at"].iloc[0].timestamp() * 1000 == pytest.approx(steps[0]["at"])
+
+
+def test_the_dataframes_validation_loss_is_nan_on_steps_without_validation() -> None:
+    def record(step: int, validation_loss: float | None) -> StepRecord:
+        return {
+            "attempt": 1,
+            "step": step,
+            "loss": 4.0,
+            "loss_scale": 1.0,
+            "tokens_per_second": 1000.0,
+            "skipped": False,
+            "step_seconds": 0.1,
+            "at": 1_700_000_000_000,
+            "validation_loss": validation_loss,
+        }
+
+    frame = Steps([record(1, None), record(2, 3.5), record(3, None)]).to_pandas()
+    assert frame["validation_loss"].dtype == "float64"
+    assert frame["validation_loss"].isna().tolist() == [True, False, True]
+    assert frame["validation_loss"][1] == 3.5
 
 
 def test_to_pandas_without_pandas_says_how_to_get_it(finished: Job, monkeypatch: pytest.MonkeyPatch) -> None:

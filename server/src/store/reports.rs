@@ -24,14 +24,15 @@ pub(super) async fn add_steps(
                 Arg::Bool(s.skipped),
                 Arg::Real(real(s.step_seconds)),
                 Arg::Int(s.at),
+                Arg::Real(s.validation_loss.and_then(real)),
             ]
         })
         .collect();
     insert_rows(
         c,
         "steps (job_id, attempt, step, loss, loss_scale, tokens_per_second, skipped, \
-         step_seconds, at)",
-        9,
+         step_seconds, at, validation_loss)",
+        10,
         rows,
         "ON CONFLICT (job_id, attempt, step) DO NOTHING",
     )
@@ -49,11 +50,12 @@ pub(super) async fn steps(c: &mut Conn<'_>, job_id: &str) -> Result<Vec<StepReco
         bool,
         Option<f64>,
         i64,
+        Option<f64>,
     );
     let rows = on!(c, c => {
         sqlx::query_as::<_, Row>(
-            "SELECT attempt, step, loss, loss_scale, tokens_per_second, skipped, step_seconds, at \
-             FROM steps WHERE job_id = $1 ORDER BY attempt, step",
+            "SELECT attempt, step, loss, loss_scale, tokens_per_second, skipped, step_seconds, at, \
+             validation_loss FROM steps WHERE job_id = $1 ORDER BY attempt, step",
         )
         .bind(job_id)
         .fetch_all(&mut **c)
@@ -61,18 +63,21 @@ pub(super) async fn steps(c: &mut Conn<'_>, job_id: &str) -> Result<Vec<StepReco
     });
     let nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
     rows.into_iter()
-        .map(|(attempt, step, loss, scale, tps, skipped, secs, at)| {
-            Ok(StepRecord {
-                attempt: to_u32(attempt, "step attempt")?,
-                step: to_u32(step, "step")?,
-                loss: nan(loss),
-                loss_scale: nan(scale) as f32,
-                tokens_per_second: nan(tps),
-                skipped,
-                step_seconds: nan(secs),
-                at,
-            })
-        })
+        .map(
+            |(attempt, step, loss, scale, tps, skipped, secs, at, validation)| {
+                Ok(StepRecord {
+                    attempt: to_u32(attempt, "step attempt")?,
+                    step: to_u32(step, "step")?,
+                    loss: nan(loss),
+                    loss_scale: nan(scale) as f32,
+                    tokens_per_second: nan(tps),
+                    skipped,
+                    step_seconds: nan(secs),
+                    at,
+                    validation_loss: validation,
+                })
+            },
+        )
         .collect()
 }
 

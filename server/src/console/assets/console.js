@@ -131,6 +131,11 @@ function line(label, color) {
   return { label, stroke: color, width: 2, spanGaps: true };
 }
 
+/** A line through the steps that have a value (null elsewhere), each of them marked. */
+function sparseLine(label, color) {
+  return { ...line(label, color), points: { show: true, size: 7 } };
+}
+
 /** The job's steps, one per step number (a later attempt's replacing an earlier one's). */
 function lastAttemptSteps(steps) {
   const byStep = new Map();
@@ -203,7 +208,8 @@ function jobPage() {
     const steps = lastAttemptSteps(m.steps);
     const x = steps.map((s) => s.step);
     return {
-      loss: [x, steps.map((s) => s.loss)],
+      // Only the steps after which validation ran have a validation loss.
+      loss: [x, steps.map((s) => s.loss), steps.map((s) => s.validation_loss ?? null)],
       scale: [x, steps.map((s) => s.loss_scale), steps.map((s) => (s.skipped ? s.loss_scale : null))],
       tokens: [x, steps.map((s) => s.tokens_per_second)],
       step: [x, steps.map((s) => s.step_seconds)],
@@ -215,7 +221,11 @@ function jobPage() {
     const d = seriesOf(m);
     if (!charts) {
       charts = {
-        loss: chart('loss', $('#chart-loss'), { ...stepAxis, data: d.loss, series: [{ label: 'step' }, line('loss', COLORS[0])] }),
+        loss: chart('loss', $('#chart-loss'), {
+          ...stepAxis,
+          data: d.loss,
+          series: [{ label: 'step' }, line('loss', COLORS[0]), sparseLine('validation loss', COLORS[1])],
+        }),
         scale: chart('scale', $('#chart-scale'), {
           data: d.scale,
           // Padded: a scale that never changes (fp32, or fp16 without overflow) sits inside.

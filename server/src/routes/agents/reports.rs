@@ -122,6 +122,7 @@ pub(super) async fn apply(
                 tokens_per_second,
                 skipped,
                 step_seconds,
+                validation_loss,
                 ..
             } => {
                 let record = StepRecord {
@@ -133,6 +134,7 @@ pub(super) async fn apply(
                     skipped,
                     step_seconds,
                     at: now,
+                    validation_loss,
                 };
                 if !job.state.is_terminal() {
                     app.metrics
