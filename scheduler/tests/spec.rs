@@ -664,6 +664,31 @@ fn a_spec_with_three_independent_mistakes_names_all_three() {
 }
 
 #[test]
+fn a_type_error_does_not_hide_its_block_s_range_checks() {
+    // `micro_batch_size: 0` and `steps: "x"` fail to read; the block read without them still
+    // checks `lr` and `grad_clip`.
+    let fields = refused_fields(
+        r#"{"model": {"preset": "gpt2-tiny"},
+            "training": {"micro_batch_size": 0, "steps": "x", "lr": -1, "grad_clip": -2},
+            "world_size": 0}"#,
+        Purpose::Train,
+    );
+    let mut sorted = fields.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            "training.grad_clip",
+            "training.lr",
+            "training.micro_batch_size",
+            "training.steps",
+            "world_size"
+        ],
+        "{fields:?}"
+    );
+}
+
+#[test]
 fn every_mistake_within_one_block_is_named() {
     // Two that fail to read, then (in a block that reads) three that fail their checks.
     assert_eq!(

@@ -1,7 +1,9 @@
 //! Reading a native spec block by block, so that one answer names every mistake: serde stops
 //! at the first error of a document, so each top-level member is read on its own (beside a
 //! stand-in model, the one required member), and within it, after each mistake, the offending
-//! member is dropped and the rest read again.
+//! member is dropped and the rest read again. A block read that way (its offending members at
+//! their defaults) is still range-checked, so a type error does not hide the block's other
+//! mistakes.
 
 use std::collections::BTreeSet;
 
@@ -10,14 +12,26 @@ use serde_json::{Map, Value, json};
 use super::{HfConfig, JobSpec, from_value};
 use crate::error::{Error, FieldError, Problems};
 
+/// What [`read`] found: the top-level members in error, and those of them read again without
+/// their offending members (so their other fields can still be checked).
+pub(super) struct Blocks {
+    pub(super) failed: BTreeSet<String>,
+    pub(super) repaired: BTreeSet<String>,
+}
+
+impl Blocks {
+    /// Whether `block`'s fields were read as the user gave them (the offending ones aside).
+    pub(super) fn read(&self, block: &str) -> bool {
+        !self.failed.contains(block) || self.repaired.contains(block)
+    }
+}
+
 /// The top-level members of `spec` that are in error, after recording every mistake found in
-/// them, and the spec read from the rest (failed members left to their defaults, a failed
-/// `model` replaced by a stand-in): `None` when not even that reads.
-pub(super) fn read(
-    spec: &Map<String, Value>,
-    p: &mut Problems,
-) -> (BTreeSet<String>, Option<JobSpec>) {
+/// them, and the spec read from the rest (offending members, or failed members whole, left to
+/// their defaults, a failed `model` replaced by a stand-in): `None` when not even that reads.
+pub(super) fn read(spec: &Map<String, Value>, p: &mut Problems) -> (Blocks, Option<JobSpec>) {
     let mut failed = BTreeSet::new();
+    let mut repaired = Map::new();
     if !spec.contains_key("model") {
         p.note::<()>(Err(Error::spec("model", "missing field `model`")));
         failed.insert("model".to_string());
@@ -35,10 +49,13 @@ pub(super) fn read(
             alone.insert("model".into(), stand_in_model());
         }
         alone.insert(key.clone(), value.clone());
-        let errors = mistakes(Value::Object(alone));
+        let (errors, read) = mistakes(Value::Object(alone));
         if !errors.is_empty() {
             failed.insert(key.clone());
             p.note::<()>(Err(Error::InvalidSpec(errors)));
+            if let Some(block) = read.get(key).filter(|_| key != "model") {
+                repaired.insert(key.clone(), block.clone());
+            }
         }
     }
     let mut rest = spec.clone();
@@ -46,7 +63,14 @@ pub(super) fn read(
     if failed.contains("model") {
         rest.insert("model".into(), stand_in_model());
     }
-    (failed, p.note(from_value(Value::Object(rest))))
+    // The repaired blocks if the whole reads with them, else their defaults.
+    let mut with_repaired = rest.clone();
+    with_repaired.extend(repaired.clone());
+    let (spec, repaired) = match from_value(Value::Object(with_repaired)) {
+        Ok(spec) => (Some(spec), repaired.keys().cloned().collect()),
+        Err(_) => (p.note(from_value(Value::Object(rest))), BTreeSet::new()),
+    };
+    (Blocks { failed, repaired }, spec)
 }
 
 /// A model every block can be read beside; never validated in place of a user's.
@@ -54,26 +78,27 @@ fn stand_in_model() -> Value {
     json!({"preset": "gpt2-tiny"})
 }
 
-/// Every mistake in `doc`, reading it again without each offending member until it reads. A
-/// mistake at the member just dropped or at a block holding it ends the search: it may be the
-/// drop's consequence (a required member missing, a shape left incomplete), not the user's.
-fn mistakes(mut doc: Value) -> Vec<FieldError> {
+/// Every mistake in `doc`, reading it again without each offending member until it reads, and
+/// `doc` without them. A mistake at the member just dropped or at a block holding it ends the
+/// search: it may be the drop's consequence (a required member missing, a shape left
+/// incomplete), not the user's.
+fn mistakes(mut doc: Value) -> (Vec<FieldError>, Value) {
     let mut found: Vec<FieldError> = Vec::new();
     loop {
         let Err(Error::InvalidSpec(mut errors)) = from_value::<JobSpec>(doc.clone()) else {
-            return found;
+            return (found, doc);
         };
         let e = errors.remove(0);
         if let Some(last) = found.last() {
             let dropped = member_path(&last.field);
             if dropped == e.field || dropped.starts_with(&format!("{}.", e.field)) {
-                return found;
+                return (found, Value::Null);
             }
         }
         let removed = remove(&mut doc, &member_path(&e.field));
         found.push(e);
         if !removed {
-            return found;
+            return (found, Value::Null);
         }
     }
 }

@@ -232,9 +232,9 @@ impl JobSpec {
             opt.entry("type").or_insert_with(|| "adamw".into());
         }
         let mut problems = Problems::default();
-        let (failed, spec) = blocks::read(map, &mut problems);
+        let (blocks, spec) = blocks::read(map, &mut problems);
         if let Some(spec) = &spec {
-            spec.check(purpose, &|block| !failed.contains(block), &mut problems);
+            spec.check(purpose, &|block| blocks.read(block), &mut problems);
         }
         problems.finish()?;
         Ok(Parsed {
