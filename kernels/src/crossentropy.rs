@@ -4,7 +4,12 @@ use crate::math::{exp, sum};
 use crate::simd;
 use rayon::prelude::*;
 
-/// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`.
+/// A target whose position is not trained on (a fine-tuning prompt's): its loss and its row's
+/// gradient are zero.
+pub const IGNORE: u32 = u32::MAX;
+
+/// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`; 0 where
+/// the target is [`IGNORE`].
 ///
 /// With `dloss = Some(s)` the logits are overwritten by their gradient
 /// `(softmax - onehot(target)) · s` (`s` is ∂L/∂loss_i, e.g. `loss_scale / N`).
@@ -25,6 +30,13 @@ pub fn crossentropy_forward(
         .zip(losses.par_iter_mut())
         .zip(targets)
         .for_each(|((row, loss), &target)| {
+            if target == IGNORE {
+                *loss = 0.0;
+                if dloss.is_some() {
+                    row.fill(0.0);
+                }
+                return;
+            }
             let target = target as usize;
             assert!(target < v, "target {target} outside the vocabulary of {v}");
             simd::dispatch(

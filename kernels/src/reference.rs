@@ -397,6 +397,9 @@ pub fn crossentropy_forward(logits: &[f64], targets: &[u32], v: usize) -> Vec<f6
         .chunks(v)
         .zip(targets)
         .map(|(row, &t)| {
+            if t == crate::crossentropy::IGNORE {
+                return 0.0;
+            }
             let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln() - row[t as usize]
         })
@@ -407,6 +410,10 @@ pub fn crossentropy_forward(logits: &[f64], targets: &[u32], v: usize) -> Vec<f6
 pub fn crossentropy_backward(logits: &[f64], targets: &[u32], v: usize, dloss: f64) -> Vec<f64> {
     let mut d = Vec::with_capacity(logits.len());
     for (row, &t) in logits.chunks(v).zip(targets) {
+        if t == crate::crossentropy::IGNORE {
+            d.extend(std::iter::repeat_n(0.0, v));
+            continue;
+        }
         let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = row.iter().map(|x| (x - max).exp()).sum();
         d.extend(

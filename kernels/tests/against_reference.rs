@@ -509,8 +509,11 @@ fn crossentropy_agrees_with_reference() {
     let mut rng = Rng::new(8);
     let (n, v) = (6, 1003);
     let logits = rounded::<f32>(&rng.vec(n * v, 8.0));
-    let targets = rng.tokens(n, v);
+    let mut targets = rng.tokens(n, v);
+    // A prompt's position: no loss, no gradient.
+    targets[2] = crossentropy::IGNORE;
     let want = reference::crossentropy_forward(&logits, &targets, v);
+    assert_eq!(want[2], 0.0);
     let mut l = to_x::<f32>(&logits);
     let mut losses = vec![0f32; n];
     crossentropy::crossentropy_forward(&mut losses, &mut l, &targets, v, None);
@@ -520,6 +523,10 @@ fn crossentropy_agrees_with_reference() {
     assert_close("losses", &to_f64(&losses), &want, 1e-5);
     let dl = reference::crossentropy_backward(&logits, &targets, v, 0.25);
     assert_close("dlogits", &to_f64(&l), &dl, 1e-5);
+    assert!(
+        l[2 * v..3 * v].iter().all(|&g| g == 0.0),
+        "an ignored row's gradient"
+    );
 }
 
 #[test]

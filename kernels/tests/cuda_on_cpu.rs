@@ -597,9 +597,11 @@ fn crossentropy_matches_cpu() {
     let (n, v) = (3, 5003);
     let mut rng = Rng::new(6);
     let logits: Vec<f32> = rng.vec(n * v, 8.0).iter().map(|&x| x as f32).collect();
-    let targets = rng.tokens(n, v);
-    // Row 1's target outside the vocabulary: a NaN loss and the row left as it was (the CPU
-    // kernel refuses such a target, so it sees a valid one there and row 1 is checked alone).
+    let mut targets = rng.tokens(n, v);
+    // Row 2's target ignored (both kernels: zero loss, zero row). Row 1's outside the
+    // vocabulary: a NaN loss and the row left as it was (the CPU kernel refuses such a target,
+    // so it sees a valid one there and row 1 is checked alone).
+    targets[2] = crossentropy::IGNORE;
     let mut bad = targets.clone();
     bad[1] = v as u32 + 2;
     for dloss in [None, Some(0.25f32)] {

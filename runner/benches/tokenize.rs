@@ -39,6 +39,8 @@ fn ours(dir: &Path) -> f64 {
     let data = Data::Jsonl {
         path: dir.join("corpus.jsonl").to_str().unwrap().into(),
         field: "text".into(),
+        prompt: None,
+        completion: None,
         tokenizer: Some(dir.join("tokenizer.json").to_str().unwrap().into()),
         validation: None,
     };

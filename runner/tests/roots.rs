@@ -344,6 +344,8 @@ fn a_tokenizer_or_validation_file_outside_the_roots_is_refused() {
     let jsonl = |tokenizer: &str, validate: Option<&str>| Data::Jsonl {
         path: node.in_root("d.jsonl"),
         field: "text".into(),
+        prompt: None,
+        completion: None,
         tokenizer: Some(tokenizer.into()),
         validation: validate.and_then(validation),
     };

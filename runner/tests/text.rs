@@ -276,3 +276,57 @@ fn a_tokenizer_larger_than_the_vocabulary_is_refused_with_both_numbers() {
         .unwrap_or_else(|| panic!("{e}"));
     assert!(ids >= 256, "{e}");
 }
+
+/// The first step's loss of llama-tiny on one micro-batch of 8 tokens (a window of 9) of the
+/// prompt/completion examples `lines`, tokenized a word a token.
+fn first_loss(lines: &[(&str, &str)]) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let words = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/words-tokenizer");
+    let jsonl: String = lines
+        .iter()
+        .map(|(q, a)| serde_json::json!({"q": q, "a": a}).to_string() + "\n")
+        .collect();
+    std::fs::write(dir.path().join("sft.jsonl"), jsonl).unwrap();
+    let json = serde_json::json!({
+        "model": {"preset": "llama-tiny"},
+        "training": {"steps": 1, "micro_batch_size": 1, "seq_len": 8},
+        "data": {"kind": "jsonl", "path": dir.path().join("sft.jsonl"),
+                 "prompt": "q", "completion": "a", "tokenizer": words.join("tokenizer.json")},
+    });
+    let spec = JobSpec::parse(&json.to_string(), Purpose::Train)
+        .unwrap()
+        .spec;
+    let (summary, _) = train(&spec, dir.path());
+    summary.unwrap().losses[0]
+}
+
+#[test]
+fn fine_tuning_counts_the_loss_of_completion_tokens_only() {
+    // The window's ninth token is only a target (of the eighth position), never an input: the
+    // first example is 3 + 3 + EOS tokens, so it is the second example's second token.
+    let completion_second =
+        |second: &str| first_loss(&[("the cat sees", "the moon ."), ("a", second)]);
+    let with_prompt = |word: &str| {
+        first_loss(&[
+            ("the cat sees", "the moon ."),
+            (&format!("a {word}"), "likes the tree ."),
+        ])
+    };
+    // There it is a prompt token: its target is not counted, whatever it is.
+    assert_eq!(with_prompt("dog"), with_prompt("bird"));
+    // A completion token: it is.
+    let (dog, bird) = (
+        completion_second("dog likes the tree ."),
+        completion_second("bird likes the tree ."),
+    );
+    assert_ne!(dog, bird);
+    // And the mean is over the counted targets: the same text with nothing masked weighs
+    // every position, so it differs.
+    assert_ne!(
+        with_prompt("dog"),
+        first_loss(&[
+            ("", "the cat sees the moon ."),
+            ("", "a dog likes the tree .")
+        ])
+    );
+}

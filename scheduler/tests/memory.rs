@@ -197,15 +197,17 @@ fn communication_is_2_psi_for_stages_0_to_2_and_3_psi_for_stage_3() {
         ] {
             let s = setup(Architecture::Gpt(shape), Dtype::Bf16, adamw(), stage, n);
             let comm = memory::estimate(&s, DeviceKind::Cpu).comm;
-            // Plus the loss and norm agreement: two f32s in N slots, 2·(N−1) slots sent.
-            let agreement = 2 * (n as u64 - 1) * 4;
+            // Plus the agreement on the loss, the norm and the ignored targets: three f32s in
+            // a multiple of N slots, 2·(N−1)/N of them sent.
+            let slots = 3u64.next_multiple_of(n as u64);
+            let agreement = 2 * slots * 4 * (n as u64 - 1) / n as u64;
             assert_eq!(comm.total(), expected + agreement, "stage {stage:?} N={n}");
         }
     }
 }
 
 #[test]
-fn every_step_all_reduces_the_loss_and_the_norm_in_two_f32s() {
+fn every_step_all_reduces_the_loss_the_norm_and_the_ignored_targets_in_three_f32s() {
     let shape = Preset::Tiny.shape();
     let pass = 2 * Units::new(&shape, 4).padded_len() as u64 * 3 / 4; // fp16 Ψ(N−1)/N
     for stage in ZeroStage::ALL {
@@ -215,7 +217,7 @@ fn every_step_all_reduces_the_loss_and_the_norm_in_two_f32s() {
         };
         assert_eq!(comm(1).total(), 0, "one rank agrees with itself for free");
         let gradients = if stage == ZeroStage::Ddp { 2 * pass } else { 0 };
-        // A ring all-reduce of 4 f32 slots (2 used): 2·(N−1) slots sent.
+        // A ring all-reduce of 4 f32 slots (3 used): 2·(N−1) slots sent.
         assert_eq!(comm(4).all_reduce - gradients, 2 * 3 * 4, "stage {stage:?}");
     }
 }

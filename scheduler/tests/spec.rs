@@ -1684,6 +1684,8 @@ fn text_data_parses_with_its_tokenizer_and_validation() {
         Data::Jsonl {
             path: "chat/*.jsonl".into(),
             field: "text".into(),
+            prompt: None,
+            completion: None,
             tokenizer: Some("tok/tokenizer.json".into()),
             validation: Some(validation),
         }

@@ -1,9 +1,12 @@
 //! The documents of a text dataset, in order: JSON Lines (one object a line, a string member of
-//! it the document) or UTF-8 files (a file a document). Errors name the file, the line and the
-//! field; a file is named by the spec's path (and its place among a glob's matches).
+//! it the document, or two: a prompt and its completion) or UTF-8 files (a file a document).
+//! Errors name the file, the line and the field; a file is named by the spec's path (and its
+//! place among a glob's matches).
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
+
+use scheduler::spec::Fields;
 
 use super::file::data_error;
 use crate::error::Error;
@@ -12,10 +15,24 @@ use wire::data_roots::open_regular;
 /// How documents are laid out in a file.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Format<'a> {
-    /// One JSON object a line; `field` names the document's string member.
-    Jsonl { field: &'a str },
+    /// One JSON object a line; `Fields` names the document's string members.
+    Jsonl(Fields<'a>),
     /// The whole file is one document.
     Text,
+}
+
+/// A document: its text, after a prompt that is not trained on (fine-tuning examples).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Document {
+    pub(super) prompt: Option<String>,
+    pub(super) text: String,
+}
+
+impl Document {
+    /// Bytes of text, for sizing blocks.
+    fn len(&self) -> usize {
+        self.text.len() + self.prompt.as_ref().map_or(0, String::len)
+    }
 }
 
 /// One file of documents, resolved inside the data roots, and how errors name it.
@@ -49,7 +66,7 @@ impl<'a> Documents<'a> {
     }
 
     /// Up to about `max_bytes` of documents (at least one, unless the files are done).
-    pub(super) fn next_block(&mut self, max_bytes: usize) -> Result<Vec<String>, Error> {
+    pub(super) fn next_block(&mut self, max_bytes: usize) -> Result<Vec<Document>, Error> {
         let mut block = Vec::new();
         let mut bytes = 0;
         while bytes < max_bytes {
@@ -62,7 +79,7 @@ impl<'a> Documents<'a> {
         Ok(block)
     }
 
-    fn next_document(&mut self) -> Result<Option<String>, Error> {
+    fn next_document(&mut self) -> Result<Option<Document>, Error> {
         loop {
             let (index, mut reader, mut line) = match self.current.take() {
                 Some(open) => open,
@@ -83,15 +100,16 @@ impl<'a> Documents<'a> {
                         .read_to_end(&mut bytes)
                         .map_err(|e| data_error(what, format!("cannot read: {}", e.kind())))?;
                     self.bytes_read += bytes.len() as u64;
-                    return utf8(bytes, what, 0).map(Some);
+                    let text = utf8(bytes, what, 0)?;
+                    return Ok(Some(Document { prompt: None, text }));
                 }
-                Format::Jsonl { field } => {
+                Format::Jsonl(fields) => {
                     let Some(bytes) =
                         next_line(&mut reader, what, &mut line, &mut self.bytes_read)?
                     else {
                         continue;
                     };
-                    let doc = json_document(bytes, field, &format!("{what}, line {line}"))?;
+                    let doc = json_document(bytes, fields, &format!("{what}, line {line}"))?;
                     self.current = Some((index, reader, line));
                     if doc.is_some() {
                         return Ok(doc);
@@ -128,7 +146,7 @@ fn next_line(
 }
 
 /// A line's document: `None` for a blank line, an error naming the line and field otherwise.
-fn json_document(line: Vec<u8>, field: &str, what: &str) -> Result<Option<String>, Error> {
+fn json_document(line: Vec<u8>, fields: Fields<'_>, what: &str) -> Result<Option<Document>, Error> {
     let line = utf8(line, what, 1)?;
     if line.trim().is_empty() {
         return Ok(None);
@@ -138,11 +156,21 @@ fn json_document(line: Vec<u8>, field: &str, what: &str) -> Result<Option<String
     let serde_json::Value::Object(mut object) = value else {
         return Err(data_error(what, "not a JSON object"));
     };
-    match object.remove(field) {
-        Some(serde_json::Value::String(doc)) => Ok(Some(doc)),
+    let mut string = |field: &str| match object.remove(field) {
+        Some(serde_json::Value::String(s)) => Ok(s),
         Some(_) => Err(data_error(what, format!("field {field:?} is not a string"))),
         None => Err(data_error(what, format!("no field {field:?}"))),
-    }
+    };
+    Ok(Some(match fields {
+        Fields::Text(field) => Document {
+            prompt: None,
+            text: string(field)?,
+        },
+        Fields::PromptCompletion { prompt, completion } => Document {
+            prompt: Some(string(prompt)?),
+            text: string(completion)?,
+        },
+    }))
 }
 
 /// `bytes` as text; an error says where the first invalid byte is (its line, counted from

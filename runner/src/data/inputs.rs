@@ -22,6 +22,8 @@ pub enum Input {
     Shards {
         files: Vec<(PathBuf, String)>,
         shuffle: bool,
+        /// Tokens carry [`super::NOT_A_TARGET`] where they are not trained on.
+        masked: bool,
     },
 }
 
@@ -79,6 +81,7 @@ impl Inputs {
                     Ok(Input::Shards {
                         files: matches(roots, field, path)?,
                         shuffle,
+                        masked: false,
                     })
                 };
                 Ok(Inputs {
@@ -95,10 +98,7 @@ impl Inputs {
             | Data::Jsonl {
                 path, validation, ..
             } => {
-                let format = match data {
-                    Data::Jsonl { field, .. } => Format::Jsonl { field },
-                    _ => Format::Text,
-                };
+                let format = data.fields().map_or(Format::Text, Format::Jsonl);
                 let source = data.tokenizer(init_from).ok_or_else(|| Error::DataConfig {
                     reason: "data.tokenizer: JSON Lines need a tokenizer".into(),
                 })?;
@@ -141,6 +141,7 @@ impl Inputs {
                         })
                         .collect(),
                     shuffle: false,
+                    masked: manifest.masked,
                 };
                 Ok(Inputs {
                     train: shards(&manifest.train, "training data"),

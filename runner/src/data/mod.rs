@@ -31,6 +31,11 @@ pub use tokenize::Tokenizing;
 pub use wire::data_roots::DataRoots;
 pub(crate) use wire::data_roots::describe;
 
+/// The bit of a stored token (tokenized fine-tuning data) that says it is not trained on: a
+/// position whose next token carries it gets the target [`kernels::crossentropy::IGNORE`].
+/// Ids stay below 2^31, far above any vocabulary.
+pub const NOT_A_TARGET: u32 = 1 << 31;
+
 /// How one rank's batches are shaped and which slice of the world's batch it reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchLayout {
@@ -106,11 +111,15 @@ impl DataLoader {
             Input::Bytes { path, what } => {
                 Source::Files(Windows::text(path, what, layout, vocab_size, acct)?)
             }
-            Input::Shards { files, shuffle } => Source::Files(Windows::shards(
+            Input::Shards {
+                files,
+                shuffle,
+                masked,
+            } => Source::Files(Windows::shards(
                 files,
                 layout,
                 vocab_size,
-                shuffle.then_some(seed),
+                (shuffle.then_some(seed), *masked),
                 acct,
             )?),
         };
@@ -167,14 +176,28 @@ fn rng(seed: u64, stream: Stream, a: u64, b: u64) -> ChaCha8Rng {
     ChaCha8Rng::from_seed(key)
 }
 
-/// Copies `B·T + 1` consecutive tokens into inputs and targets offset by one.
-fn split_window(window: &[u32], inputs: &mut [u32], targets: &mut [u32]) {
+/// Copies `B·T + 1` consecutive tokens into inputs and targets offset by one; `masked`
+/// windows' [`NOT_A_TARGET`] tokens are ignored as targets and read without the bit as inputs.
+fn split_window(window: &[u32], inputs: &mut [u32], targets: &mut [u32], masked: bool) {
     let n = window.len() - 1;
     assert_eq!(
         (inputs.len(), targets.len()),
         (n, n),
         "inputs and targets must be B·T long"
     );
-    inputs.copy_from_slice(&window[..n]);
-    targets.copy_from_slice(&window[1..]);
+    if !masked {
+        inputs.copy_from_slice(&window[..n]);
+        targets.copy_from_slice(&window[1..]);
+        return;
+    }
+    for (i, t) in inputs.iter_mut().zip(&window[..n]) {
+        *i = t & !NOT_A_TARGET;
+    }
+    for (o, &t) in targets.iter_mut().zip(&window[1..]) {
+        *o = if t & NOT_A_TARGET == 0 {
+            t
+        } else {
+            kernels::crossentropy::IGNORE
+        };
+    }
 }

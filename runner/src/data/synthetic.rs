@@ -108,7 +108,12 @@ impl Synthetic {
         for b in 0..batch {
             self.fill_row(first_row + b as u64);
             let span = b * t..(b + 1) * t;
-            split_window(&self.row, &mut inputs[span.clone()], &mut targets[span]);
+            split_window(
+                &self.row,
+                &mut inputs[span.clone()],
+                &mut targets[span],
+                false,
+            );
         }
         self.batches += 1;
     }

@@ -1,5 +1,7 @@
 //! Text into tokens, once: documents are tokenized with a Hugging Face `tokenizer.json`, each
-//! followed by the end-of-sequence token, and written as llm.c uint32 shards into a cache folder
+//! followed by the end-of-sequence token (a fine-tuning example's prompt first, with the special
+//! tokens the tokenizer adds and its tokens marked [`NOT_A_TARGET`], then the completion), and
+//! written as llm.c uint32 shards into a cache folder
 //! named by a hash of everything that decides them (the files' contents, the tokenizer, the
 //! format and, for a split, the seed). Every rank, retry and later job with the same data reads
 //! those shards; none tokenizes again.
@@ -18,10 +20,11 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
-use super::documents::{DocFile, Documents, Format};
+use super::documents::{DocFile, Document, Documents, Format};
 use super::file::{HEADER_BYTES, data_error, shard_header_u32};
-use super::{Stream, rng};
+use super::{NOT_A_TARGET, Stream, rng};
 use crate::error::Error;
+use scheduler::spec::Fields;
 use wire::data_roots::open_regular;
 
 /// Bumped when the shards' layout changes, so old cache entries are not read.
@@ -78,6 +81,9 @@ pub(super) struct Manifest {
     pub(super) validation_documents: u64,
     pub(super) validation_tokens: u64,
     pub(super) validation: Vec<String>,
+    /// Whether tokens carry [`NOT_A_TARGET`] (prompts).
+    #[serde(default)]
+    pub(super) masked: bool,
 }
 
 /// The cache folder of `job`'s tokens and its manifest, tokenizing first if no complete one
@@ -223,7 +229,7 @@ fn key(job: &Job<'_>, t: &Tokenizing<'_>, eos: u32) -> Result<String, Error> {
     field(read_text(&job.tokenizer.path, &job.tokenizer.what)?.as_bytes());
     field(&eos.to_le_bytes());
     match job.format {
-        Format::Jsonl { field: name } => field(format!("jsonl {name}").as_bytes()),
+        Format::Jsonl(fields) => field(format!("jsonl {fields:?}").as_bytes()),
         Format::Text => field(b"text"),
     }
     let files = |files: &[DocFile], h: &mut Sha256| -> Result<(), Error> {
@@ -291,14 +297,27 @@ fn write_shards(
     };
     let mut index = 0u64;
     let mut docs = Documents::new(job.train, job.format);
-    let encode = |block: &[String]| -> Result<Vec<Vec<u32>>, Error> {
+    let encode = |block: &[Document]| -> Result<Vec<Vec<u32>>, Error> {
         block
             .par_iter()
             .map(|doc| {
-                tokenizer
-                    .encode_fast(doc.as_str(), true)
-                    .map(|e| e.get_ids().to_vec())
-                    .map_err(|e| data_error(job.what, format!("the tokenizer failed: {e}")))
+                let ids = |text: &str, special| {
+                    tokenizer
+                        .encode_fast(text, special)
+                        .map(|e| e.get_ids().to_vec())
+                        .map_err(|e| data_error(job.what, format!("the tokenizer failed: {e}")))
+                };
+                Ok(match &doc.prompt {
+                    Some(prompt) => {
+                        let mut all: Vec<u32> = ids(prompt, true)?
+                            .iter()
+                            .map(|&t| t | NOT_A_TARGET)
+                            .collect();
+                        all.extend(ids(&doc.text, false)?);
+                        all
+                    }
+                    None => ids(&doc.text, true)?,
+                })
             })
             .collect()
     };
@@ -358,6 +377,7 @@ fn write_shards(
         validation_documents: validation.documents,
         validation_tokens: validation.tokens,
         validation: validation.finish()?,
+        masked: matches!(job.format, Format::Jsonl(Fields::PromptCompletion { .. })),
     })
 }
 

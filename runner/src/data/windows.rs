@@ -15,7 +15,7 @@ use rand::Rng;
 use scheduler::memory::Category;
 
 use super::file::{TokenFile, data_error};
-use super::{BatchLayout, Position, Stream, rng, split_window};
+use super::{BatchLayout, NOT_A_TARGET, Position, Stream, rng, split_window};
 use crate::accounting::{Accountant, Buffer};
 use crate::error::Error;
 
@@ -26,6 +26,8 @@ pub(super) struct Windows {
     vocab_size: Option<usize>,
     /// The seed for shuffling, or `None` to read in order.
     shuffle: Option<u64>,
+    /// Whether tokens carry `NOT_A_TARGET` (tokenized fine-tuning examples).
+    masked: bool,
     position: Position,
     /// The file being read, by index into `files`; llm.c also keeps just one open.
     open: Option<(usize, File)>,
@@ -50,15 +52,16 @@ impl Windows {
             ));
         }
         let file = TokenFile::text(path.to_path_buf(), what.to_string())?;
-        Self::new(vec![file], 1, layout, None, None, acct)
+        Self::new(vec![file], 1, layout, None, (None, false), acct)
     }
 
-    /// llm.c shards, each named in errors by its `what`.
+    /// llm.c shards, each named in errors by its `what`, shuffled by a seed or not, with
+    /// `NOT_A_TARGET` marks or not.
     pub(super) fn shards(
         files: &[(PathBuf, String)],
         layout: BatchLayout,
         vocab_size: usize,
-        shuffle: Option<u64>,
+        order: (Option<u64>, bool),
         acct: &Accountant,
     ) -> Result<Self, Error> {
         let files = files
@@ -66,7 +69,7 @@ impl Windows {
             .map(|(path, what)| TokenFile::shard(path.clone(), what.clone()))
             .collect::<Result<_, _>>()?;
         // Room for either shard version, as the memory model counts it.
-        Self::new(files, 4, layout, Some(vocab_size), shuffle, acct)
+        Self::new(files, 4, layout, Some(vocab_size), order, acct)
     }
 
     fn new(
@@ -74,7 +77,7 @@ impl Windows {
         width: usize,
         layout: BatchLayout,
         vocab_size: Option<usize>,
-        shuffle: Option<u64>,
+        (shuffle, masked): (Option<u64>, bool),
         acct: &Accountant,
     ) -> Result<Self, Error> {
         let tokens = layout.tokens() + 1;
@@ -83,6 +86,7 @@ impl Windows {
             layout,
             vocab_size,
             shuffle,
+            masked,
             position: Position::default(),
             open: None,
             bytes: acct.alloc(Category::Buffers, tokens * width)?,
@@ -150,7 +154,7 @@ impl Windows {
         let window = self.window_index(p.epoch, file, p.batch);
         let start = window * self.stride() + (self.layout.rank * self.layout.tokens()) as u64;
         self.read(file, start)?;
-        split_window(&self.window, inputs, targets);
+        split_window(&self.window, inputs, targets, self.masked);
         p.batch += 1;
         self.position = p;
         Ok(())
@@ -164,8 +168,12 @@ impl Windows {
         };
         let f = &self.files[file];
         f.read(handle, start, &mut self.bytes, &mut self.window)?;
+        let id_bits = if self.masked { !NOT_A_TARGET } else { u32::MAX };
         if let Some(vocab_size) = self.vocab_size
-            && let Some(i) = self.window.iter().position(|&t| t as usize >= vocab_size)
+            && let Some(i) = self
+                .window
+                .iter()
+                .position(|&t| (t & id_bits) as usize >= vocab_size)
         {
             return Err(Error::TokenOutOfRange {
                 what: f.what.clone(),

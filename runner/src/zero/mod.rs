@@ -21,6 +21,7 @@ use crate::device::{Cpu, Device, Elem, Num};
 use crate::loss_scale::LossScaler;
 use crate::model::Passes;
 use crate::optimizer::{OptimizerState, Slices, Step};
+use kernels::crossentropy::IGNORE;
 
 mod layout;
 mod state;
@@ -488,21 +489,18 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let scale = scaler.scale();
         let tokens = self.passes.tokens() * self.grad_accum * self.comm.world_size();
         // Each token's loss is divided by the tokens of the whole step on every rank, so the
-        // summed gradients are the mean's; the loss scale rides along.
+        // summed gradients are the mean's; the loss scale rides along. Where targets are
+        // ignored (fine-tuning prompts), `agree` turns that into the mean over counted ones.
         let dloss = scale / tokens as f32;
-        let mut loss = 0.0;
+        let (mut loss, mut ignored) = (0.0, 0);
         for _ in 0..self.grad_accum {
-            let (dev, batch) = (&self.dev, self.passes.batch());
-            dev.on_host(batch.inputs.view_mut(), |inputs| {
-                dev.on_host(batch.targets.view_mut(), |targets| {
-                    data.next_batch(inputs, targets)
-                })
-            })???;
+            ignored += self.load(data)?;
             loss += self.micro_step(dloss)?;
         }
         loss /= self.grad_accum as f64;
         self.after_accumulation()?;
-        let (loss, grad_norm) = self.agree(loss, scale)?;
+        let agreed = self.agree(loss, scale, ignored, tokens)?;
+        let (loss, grad_norm) = (agreed.loss, agreed.grad_norm);
         let found_inf = grad_norm.is_some_and(|n| !n.is_finite());
         let step = self.applied + 1;
         let report = |skipped| StepReport {
@@ -524,7 +522,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let s = Step {
             lr,
             t: step,
-            grad_scale: (clip_coef / f64::from(scale)) as f32,
+            grad_scale: (clip_coef * agreed.counted_share / f64::from(scale)) as f32,
         };
         self.update(s)?;
         self.after_update()?;
@@ -537,29 +535,46 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// it costs no memory, and it leaves the gradients as they are.
     pub fn evaluate(&mut self, data: &mut DataLoader, batches: u32) -> Result<f64, Error> {
         data.seek(crate::data::Position::default())?;
-        let mut loss = 0.0;
+        let (mut loss, mut ignored) = (0.0, 0);
         for _ in 0..batches {
-            let (dev, batch) = (&self.dev, self.passes.batch());
-            dev.on_host(batch.inputs.view_mut(), |inputs| {
-                dev.on_host(batch.targets.view_mut(), |targets| {
-                    data.next_batch(inputs, targets)
-                })
-            })???;
+            ignored += self.load(data)?;
             self.forward()?;
             loss += self.head_loss(None)?;
         }
-        let mut mean = [(loss / f64::from(batches)) as f32];
         let n = self.comm.world_size();
+        let mut agreed = [(loss / f64::from(batches)) as f32, ignored as f32];
         if n > 1 {
-            self.comm.all_reduce(&mut mean)?;
+            self.comm.all_reduce(&mut agreed)?;
         }
-        Ok(f64::from(mean[0]) / n as f64)
+        let tokens = self.passes.tokens() * batches as usize * n;
+        let share = counted_share(tokens, f64::from(agreed[1]));
+        Ok(f64::from(agreed[0]) / n as f64 * share)
+    }
+
+    /// Reads the next micro-batch of `data` into the passes' inputs and targets; returns the
+    /// targets it ignores.
+    fn load(&mut self, data: &mut DataLoader) -> Result<usize, Error> {
+        let (dev, batch) = (&self.dev, self.passes.batch());
+        dev.on_host(batch.inputs.view_mut(), |inputs| {
+            dev.on_host(batch.targets.view_mut(), |targets| {
+                data.next_batch(inputs, targets)?;
+                Ok::<_, Error>(targets.iter().filter(|&&t| t == IGNORE).count())
+            })
+        })??
     }
 
     /// Makes the ranks agree on the step's mean loss and, when fp16 or clipping needs it, on
-    /// ‖g‖ of the unscaled gradients (summed over shards when sharded): one all-reduce of two
-    /// f32s.
-    fn agree(&mut self, loss: f64, scale: f32) -> Result<(f64, Option<f64>), Error> {
+    /// ‖g‖ of the unscaled gradients (summed over shards when sharded): one all-reduce of three
+    /// f32s, the third the targets ignored. `loss` is this rank's mean over its `B·T·accum`
+    /// positions (ignored ones 0) and the gradients are the sums over all `tokens` positions'
+    /// losses divided by `tokens`; both become means over the counted targets.
+    fn agree(
+        &mut self,
+        loss: f64,
+        scale: f32,
+        ignored: usize,
+        tokens: usize,
+    ) -> Result<Agreed, Error> {
         let sharded = self.layout.sharded(Part::State);
         let mut sq = 0f64;
         if self.reduces_norm {
@@ -569,19 +584,28 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             }
         }
         let n = self.comm.world_size();
-        let mut loss = loss;
+        let (mut loss, mut ignored) = (loss, ignored as f64);
         if n > 1 {
-            let mut agreed = [if sharded { sq as f32 } else { 0.0 }, loss as f32];
+            let mut agreed = [
+                if sharded { sq as f32 } else { 0.0 },
+                loss as f32,
+                ignored as f32,
+            ];
             self.comm.all_reduce(&mut agreed)?;
             if sharded {
                 sq = f64::from(agreed[0]);
             }
             loss = f64::from(agreed[1]) / n as f64;
+            ignored = f64::from(agreed[2]);
         }
-        Ok((
-            loss,
-            self.reduces_norm.then(|| sq.sqrt() / f64::from(scale)),
-        ))
+        let counted_share = counted_share(tokens, ignored);
+        Ok(Agreed {
+            loss: loss * counted_share,
+            grad_norm: self
+                .reduces_norm
+                .then(|| sq.sqrt() / f64::from(scale) * counted_share),
+            counted_share,
+        })
     }
 
     /// Applies the optimizer to every unit's state range.
@@ -618,6 +642,26 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
         let shards = layout.sharded(Part::State).then_some(&mut self.comm);
         self.optimizer.step(&self.dev, &mut slices, s, shards)
+    }
+}
+
+/// What the ranks agreed on after a step's micro-batches.
+struct Agreed {
+    /// The mean loss over the step's counted targets.
+    loss: f64,
+    grad_norm: Option<f64>,
+    /// All positions over counted ones: what the gradients, divided by all, are multiplied by.
+    counted_share: f64,
+}
+
+/// `tokens / (tokens - ignored)`: exactly 1 where nothing is ignored; 0 where everything is (a
+/// step of prompts only trains on nothing).
+fn counted_share(tokens: usize, ignored: f64) -> f64 {
+    let counted = tokens as f64 - ignored;
+    if counted > 0.0 {
+        tokens as f64 / counted
+    } else {
+        0.0
     }
 }
 

@@ -8,8 +8,8 @@
 //! again before its backward (the final LayerNorm once: its backward follows its forward in
 //! the loss head), and reduce-scatters its gradient, per micro-batch. With one micro-batch that
 //! is the ZeRO paper's 2Ψ(N−1)/N elements for stages 0-2 and 3Ψ(N−1)/N for stage 3 (less the
-//! 2C-element final norm). Every step also all-reduces two f32s (the loss, and the squared
-//! gradient norm of sharded gradients, non-finite on overflow), and sharded Adafactor its exact
+//! 2C-element final norm). Every step also all-reduces three f32s (the loss, the squared
+//! gradient norm of sharded gradients, non-finite on overflow, and the targets ignored), and sharded Adafactor its exact
 //! (f64-limb) sums of its factored statistics and per-tensor RMS.
 
 use serde::Serialize;
@@ -91,8 +91,9 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         },
     };
     let all_reduce = |elem_bytes: u64, elems: u64| 2 * ring(elem_bytes * padded(elems, n), n);
-    // Every step the ranks agree on two f32s: the step's loss and the squared gradient norm.
-    c.all_reduce += all_reduce(4, 2);
+    // Every step the ranks agree on three f32s: the step's loss, the squared gradient norm and
+    // the targets ignored.
+    c.all_reduce += all_reduce(4, 3);
     if setup.stage.shards_optimizer()
         && let Optimizer::Adafactor(_) = setup.optimizer
     {

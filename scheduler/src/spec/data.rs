@@ -33,11 +33,16 @@ pub enum Data {
         validation: Option<Validation>,
     },
     /// JSON Lines (`path` may be a glob): one object a line, its string member `field` a
-    /// document, tokenized with `tokenizer` or, when that is omitted, the `tokenizer.json` of
-    /// the directory `model.init_from` names.
+    /// document, or with `prompt` and `completion` (the names of two members) a fine-tuning
+    /// example whose loss counts the completion's tokens only; tokenized with `tokenizer` or,
+    /// when that is omitted, the `tokenizer.json` of the directory `model.init_from` names.
     Jsonl {
         path: String,
         field: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        prompt: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        completion: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         tokenizer: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -96,6 +101,8 @@ enum DataDoc {
         path: String,
         #[serde(default = "default_field")]
         field: String,
+        prompt: Option<String>,
+        completion: Option<String>,
         tokenizer: Option<String>,
         validation: Option<Validation>,
     },
@@ -127,11 +134,15 @@ impl From<DataDoc> for Data {
             DataDoc::Jsonl {
                 path,
                 field,
+                prompt,
+                completion,
                 tokenizer,
                 validation,
             } => Data::Jsonl {
                 path,
                 field,
+                prompt,
+                completion,
                 tokenizer,
                 validation,
             },
@@ -146,6 +157,18 @@ impl From<DataDoc> for Data {
             },
         }
     }
+}
+
+/// Which members of a JSON Lines object make its document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fields<'a> {
+    /// One string, all of it trained on.
+    Text(&'a str),
+    /// A prompt, not trained on, and its completion.
+    PromptCompletion {
+        prompt: &'a str,
+        completion: &'a str,
+    },
 }
 
 /// Where a job's tokenizer comes from.
@@ -166,6 +189,19 @@ impl Data {
             Data::Text { path, .. } | Data::Jsonl { path, .. } | Data::Tokens { path, .. } => {
                 Some(path)
             }
+        }
+    }
+
+    /// The members a JSON Lines line's document is read from (`None` for other kinds).
+    pub fn fields(&self) -> Option<Fields<'_>> {
+        match self {
+            Data::Jsonl {
+                prompt: Some(prompt),
+                completion: Some(completion),
+                ..
+            } => Some(Fields::PromptCompletion { prompt, completion }),
+            Data::Jsonl { field, .. } => Some(Fields::Text(field)),
+            _ => None,
         }
     }
 
@@ -239,10 +275,31 @@ impl Data {
                     })?;
                 }
             }
-            Data::Jsonl { field, .. } => {
+            Data::Jsonl {
+                field,
+                prompt,
+                completion,
+                ..
+            } => {
                 ensure(!field.is_empty(), "data.field", || {
                     "must not be empty".into()
                 })?;
+                for (name, value, other) in [
+                    ("data.prompt", prompt, completion),
+                    ("data.completion", completion, prompt),
+                ] {
+                    ensure(value.is_none() || other.is_some(), name, || {
+                        "give `prompt` and `completion` together".into()
+                    })?;
+                    ensure(value.as_ref().is_none_or(|v| !v.is_empty()), name, || {
+                        "must not be empty".into()
+                    })?;
+                }
+                ensure(
+                    prompt.is_none() || *field == default_field(),
+                    "data.field",
+                    || "not read when `prompt` and `completion` are given".into(),
+                )?;
                 ensure(
                     self.tokenizer(init_from).is_some(),
                     "data.tokenizer",

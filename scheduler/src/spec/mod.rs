@@ -11,7 +11,8 @@ mod precision;
 mod training;
 
 pub use data::{
-    Data, MAX_SYNTHETIC_VOCAB, MIN_SYNTHETIC_VOCAB, TOKENIZER_FILE, TokenizerSource, Validation,
+    Data, Fields, MAX_SYNTHETIC_VOCAB, MIN_SYNTHETIC_VOCAB, TOKENIZER_FILE, TokenizerSource,
+    Validation,
 };
 pub use model::{
     Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec,
