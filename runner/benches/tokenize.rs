@@ -41,6 +41,7 @@ fn ours(dir: &Path) -> f64 {
         field: "text".into(),
         prompt: None,
         completion: None,
+        messages: None,
         tokenizer: Some(dir.join("tokenizer.json").to_str().unwrap().into()),
         validation: None,
     };

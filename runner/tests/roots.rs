@@ -346,6 +346,7 @@ fn a_tokenizer_or_validation_file_outside_the_roots_is_refused() {
         field: "text".into(),
         prompt: None,
         completion: None,
+        messages: None,
         tokenizer: Some(tokenizer.into()),
         validation: validate.and_then(validation),
     };

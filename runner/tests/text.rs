@@ -4,9 +4,11 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use runner::accounting::Accountant;
+use runner::data::{BatchLayout, DataLoader, DataRoots, Inputs, Tokenizing};
 use runner::train::{LogSink, Options, Summary, run};
 use scheduler::plan::plan_local;
-use scheduler::spec::{JobSpec, Purpose};
+use scheduler::spec::{Data, JobSpec, Purpose};
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{
@@ -329,4 +331,93 @@ fn fine_tuning_counts_the_loss_of_completion_tokens_only() {
             ("", "a dog likes the tree .")
         ])
     );
+}
+
+/// A folder with the word-level fixture tokenizer and a `tokenizer_config.json` holding
+/// `template` as its chat template, and `chat.jsonl` of `conversations`.
+fn chat_data(template: &str, conversations: &[serde_json::Value]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let words = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/words-tokenizer");
+    std::fs::copy(
+        words.join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let config = serde_json::json!({"eos_token": "<eos>", "chat_template": template});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let jsonl: String = conversations
+        .iter()
+        .map(|m| serde_json::json!({"messages": m}).to_string() + "\n")
+        .collect();
+    std::fs::write(dir.path().join("chat.jsonl"), jsonl).unwrap();
+    dir
+}
+
+/// The first window of `t` tokens of `dir`'s conversations: inputs and targets.
+fn first_window(dir: &Path, t: usize) -> Result<(Vec<u32>, Vec<u32>), runner::Error> {
+    let data = Data::Jsonl {
+        path: dir.join("chat.jsonl").to_str().unwrap().into(),
+        field: "text".into(),
+        prompt: None,
+        completion: None,
+        messages: Some("messages".into()),
+        tokenizer: Some(dir.join("tokenizer.json").to_str().unwrap().into()),
+        validation: None,
+    };
+    let tokenizing = Tokenizing {
+        cache: dir,
+        seed: 1,
+        vocab_size: 512,
+        eos_token_id: None,
+        log: &|_| {},
+    };
+    let inputs = Inputs::prepare(&data, None, &DataRoots::anywhere(), &tokenizing)?;
+    let layout = BatchLayout {
+        batch: 1,
+        seq_len: t,
+        rank: 0,
+        world_size: 1,
+    };
+    let acct = Accountant::new(None);
+    let mut loader = DataLoader::new(&inputs.train, layout, 1, 512, &acct)?;
+    let (mut x, mut y) = (vec![0; t], vec![0; t]);
+    loader.next_batch(&mut x, &mut y)?;
+    Ok((x, y))
+}
+
+const TEMPLATE: &str = "{% for m in messages %}\
+    {% if loop.first and m['role'] != 'user' %}{{ raise_exception('conversations start with the user') }}{% endif %}\
+    {{ m['role'] }} : {{ m['content'].strip() }} .{% endfor %}\
+    {% if add_generation_prompt %}assistant :{% endif %}";
+
+#[test]
+fn conversations_train_on_the_assistant_s_turns_only() {
+    let conversation = serde_json::json!([
+        {"role": "user", "content": " the cat sees "},
+        {"role": "assistant", "content": "the moon"},
+    ]);
+    let dir = chat_data(TEMPLATE, &[conversation.clone(), conversation]);
+    // "user : the cat sees . assistant :" is context (user, assistant and ':' are [UNK], 1);
+    // "the moon ." and the EOS after it are trained on.
+    let (inputs, targets) = first_window(dir.path(), 11).unwrap();
+    assert_eq!(inputs, [1, 1, 2, 4, 6, 21, 1, 1, 2, 9, 21]);
+    let ignored = kernels::crossentropy::IGNORE;
+    assert_eq!(targets, [[ignored; 7].as_slice(), &[2, 9, 21, 0]].concat());
+
+    // The template's own errors name the line.
+    let dir = chat_data(
+        TEMPLATE,
+        &[serde_json::json!([{"role": "assistant", "content": "the moon"}])],
+    );
+    let e = first_window(dir.path(), 4).unwrap_err().to_string();
+    assert!(
+        e.contains("chat.jsonl\", line 1") && e.contains("conversations start with the user"),
+        "{e}"
+    );
+    // A tokenizer without a template cannot read conversations.
+    let dir = chat_data("", &[]);
+    let config = serde_json::json!({"eos_token": "<eos>"});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let e = first_window(dir.path(), 4).unwrap_err().to_string();
+    assert!(e.contains("no chat_template"), "{e}");
 }

@@ -1686,6 +1686,7 @@ fn text_data_parses_with_its_tokenizer_and_validation() {
             field: "text".into(),
             prompt: None,
             completion: None,
+            messages: None,
             tokenizer: Some("tok/tokenizer.json".into()),
             validation: Some(validation),
         }

@@ -1,5 +1,6 @@
 //! The documents of a text dataset, in order: JSON Lines (one object a line, a string member of
-//! it the document, or two: a prompt and its completion) or UTF-8 files (a file a document).
+//! it the document, or two: a prompt and its completion, or a conversation: a list of messages)
+//! or UTF-8 files (a file a document).
 //! Errors name the file, the line and the field; a file is named by the spec's path (and its
 //! place among a glob's matches).
 
@@ -21,17 +22,35 @@ pub(super) enum Format<'a> {
     Text,
 }
 
-/// A document: its text, after a prompt that is not trained on (fine-tuning examples).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A document, and where it is (the file and line, for errors).
+#[derive(Debug, Clone, PartialEq)]
 pub(super) struct Document {
-    pub(super) prompt: Option<String>,
-    pub(super) text: String,
+    pub(super) what: String,
+    pub(super) body: Body,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Body {
+    /// Text, all of it trained on.
+    Text(String),
+    /// A prompt that is context only, and its completion.
+    PromptCompletion { prompt: String, completion: String },
+    /// A conversation (objects with string `role` and `content`), rendered by a chat template.
+    Messages(serde_json::Value),
 }
 
 impl Document {
-    /// Bytes of text, for sizing blocks.
+    /// Bytes of text, about, for sizing blocks.
     fn len(&self) -> usize {
-        self.text.len() + self.prompt.as_ref().map_or(0, String::len)
+        match &self.body {
+            Body::Text(text) => text.len(),
+            Body::PromptCompletion { prompt, completion } => prompt.len() + completion.len(),
+            Body::Messages(messages) => messages.as_array().map_or(0, |m| {
+                m.iter()
+                    .map(|m| m["content"].as_str().map_or(0, str::len))
+                    .sum()
+            }),
+        }
     }
 }
 
@@ -101,7 +120,10 @@ impl<'a> Documents<'a> {
                         .map_err(|e| data_error(what, format!("cannot read: {}", e.kind())))?;
                     self.bytes_read += bytes.len() as u64;
                     let text = utf8(bytes, what, 0)?;
-                    return Ok(Some(Document { prompt: None, text }));
+                    return Ok(Some(Document {
+                        what: what.clone(),
+                        body: Body::Text(text),
+                    }));
                 }
                 Format::Jsonl(fields) => {
                     let Some(bytes) =
@@ -109,7 +131,7 @@ impl<'a> Documents<'a> {
                     else {
                         continue;
                     };
-                    let doc = json_document(bytes, fields, &format!("{what}, line {line}"))?;
+                    let doc = json_document(bytes, fields, format!("{what}, line {line}"))?;
                     self.current = Some((index, reader, line));
                     if doc.is_some() {
                         return Ok(doc);
@@ -146,31 +168,52 @@ fn next_line(
 }
 
 /// A line's document: `None` for a blank line, an error naming the line and field otherwise.
-fn json_document(line: Vec<u8>, fields: Fields<'_>, what: &str) -> Result<Option<Document>, Error> {
-    let line = utf8(line, what, 1)?;
+fn json_document(
+    line: Vec<u8>,
+    fields: Fields<'_>,
+    what: String,
+) -> Result<Option<Document>, Error> {
+    let line = utf8(line, &what, 1)?;
     if line.trim().is_empty() {
         return Ok(None);
     }
+    let fail = |reason: String| data_error(&what, reason);
     let value: serde_json::Value =
-        serde_json::from_str(&line).map_err(|e| data_error(what, format!("not JSON: {e}")))?;
+        serde_json::from_str(&line).map_err(|e| fail(format!("not JSON: {e}")))?;
     let serde_json::Value::Object(mut object) = value else {
-        return Err(data_error(what, "not a JSON object"));
+        return Err(fail("not a JSON object".into()));
     };
-    let mut string = |field: &str| match object.remove(field) {
-        Some(serde_json::Value::String(s)) => Ok(s),
-        Some(_) => Err(data_error(what, format!("field {field:?} is not a string"))),
-        None => Err(data_error(what, format!("no field {field:?}"))),
+    let mut member = |field: &str| {
+        object
+            .remove(field)
+            .ok_or_else(|| fail(format!("no field {field:?}")))
     };
-    Ok(Some(match fields {
-        Fields::Text(field) => Document {
-            prompt: None,
-            text: string(field)?,
+    let string = |field: &str, v: serde_json::Value| match v {
+        serde_json::Value::String(s) => Ok(s),
+        _ => Err(fail(format!("field {field:?} is not a string"))),
+    };
+    let body = match fields {
+        Fields::Text(field) => Body::Text(string(field, member(field)?)?),
+        Fields::PromptCompletion { prompt, completion } => Body::PromptCompletion {
+            prompt: string(prompt, member(prompt)?)?,
+            completion: string(completion, member(completion)?)?,
         },
-        Fields::PromptCompletion { prompt, completion } => Document {
-            prompt: Some(string(prompt)?),
-            text: string(completion)?,
-        },
-    }))
+        Fields::Messages(field) => {
+            let messages = member(field)?;
+            let list = messages
+                .as_array()
+                .ok_or_else(|| fail(format!("field {field:?} is not a list of messages")))?;
+            for (i, m) in list.iter().enumerate() {
+                for key in ["role", "content"] {
+                    if !m[key].is_string() {
+                        return Err(fail(format!("field {field:?}[{i}].{key} is not a string")));
+                    }
+                }
+            }
+            Body::Messages(messages)
+        }
+    };
+    Ok(Some(Document { what, body }))
 }
 
 /// `bytes` as text; an error says where the first invalid byte is (its line, counted from

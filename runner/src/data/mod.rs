@@ -9,6 +9,7 @@
 //! batch starts `B·T·world_size` tokens later; a file whose next window would not fit is left
 //! for the next one, and after the last file the data starts over (a new epoch).
 
+mod chat;
 mod documents;
 mod file;
 mod inputs;

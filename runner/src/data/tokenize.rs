@@ -20,7 +20,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
-use super::documents::{DocFile, Document, Documents, Format};
+use super::chat::ChatTemplate;
+use super::documents::{Body, DocFile, Document, Documents, Format};
 use super::file::{HEADER_BYTES, data_error, shard_header_u32};
 use super::{NOT_A_TARGET, Stream, rng};
 use crate::error::Error;
@@ -89,9 +90,8 @@ pub(super) struct Manifest {
 /// The cache folder of `job`'s tokens and its manifest, tokenizing first if no complete one
 /// exists.
 pub(super) fn tokenize(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<(PathBuf, Manifest), Error> {
-    let tokenizer = load(job.tokenizer, t)?;
-    let eos = eos_id(&tokenizer, job.tokenizer, t.eos_token_id)?;
-    let key = key(job, t, eos)?;
+    let encoder = Encoder::new(job, t)?;
+    let key = key(job, t, &encoder)?;
     let root = t.cache.join("tokens");
     std::fs::create_dir_all(&root).map_err(|e| cache_error(&root, &e))?;
     let dir = root.join(&key);
@@ -119,7 +119,7 @@ pub(super) fn tokenize(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<(PathBuf, Ma
         std::fs::remove_dir_all(&partial).map_err(|e| cache_error(&partial, &e))?;
     }
     std::fs::create_dir(&partial).map_err(|e| cache_error(&partial, &e))?;
-    let manifest = write_shards(job, t, &tokenizer, eos, &partial)?;
+    let manifest = write_shards(job, t, &encoder, &partial)?;
     let file = partial.join(MANIFEST);
     std::fs::write(
         &file,
@@ -184,18 +184,120 @@ fn read_text(path: &Path, what: &str) -> Result<String, Error> {
     Ok(text)
 }
 
+/// The JSON files transformers saves beside a tokenizer, each with how errors name it.
+struct Beside {
+    /// `tokenizer_config.json` and `special_tokens_map.json`, where present, as text.
+    files: Vec<(String, String)>,
+}
+
+impl Beside {
+    const NAMES: [&str; 2] = ["tokenizer_config.json", "special_tokens_map.json"];
+
+    fn read(file: &TokenizerFile) -> Result<Beside, Error> {
+        let dir = file.path.parent().unwrap_or(Path::new("."));
+        let mut files = Vec::new();
+        for name in Self::NAMES {
+            let path = dir.join(name);
+            if path.is_file() {
+                let what = format!("{} ({name} beside it)", file.what);
+                files.push((read_text(&path, &what)?, what));
+            }
+        }
+        Ok(Beside { files })
+    }
+
+    /// Each file's JSON, in `NAMES` order.
+    fn json(&self) -> Result<Vec<(serde_json::Value, &str)>, Error> {
+        self.files
+            .iter()
+            .map(|(text, what)| {
+                serde_json::from_str(text)
+                    .map(|json| (json, what.as_str()))
+                    .map_err(|e| data_error(what, format!("not JSON: {e}")))
+            })
+            .collect()
+    }
+}
+
+/// A tokenizer with what it adds to documents: the end-of-sequence id and, for conversations,
+/// the chat template.
+struct Encoder {
+    tokenizer: Tokenizer,
+    eos: u32,
+    chat: Option<ChatTemplate>,
+    beside: Beside,
+}
+
+impl Encoder {
+    fn new(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<Encoder, Error> {
+        let tokenizer = load(job.tokenizer, t)?;
+        let beside = Beside::read(job.tokenizer)?;
+        let configs = beside.json()?;
+        let eos = eos_id(&tokenizer, &configs, job.tokenizer, t.eos_token_id)?;
+        let chat = match job.format {
+            Format::Jsonl(Fields::Messages(_)) => {
+                let (config, what) = configs
+                    .iter()
+                    .find(|(json, _)| !json["chat_template"].is_null())
+                    .ok_or_else(|| {
+                        data_error(
+                            &job.tokenizer.what,
+                            "conversations need a chat template: tokenizer_config.json beside it has no chat_template",
+                        )
+                    })?;
+                ChatTemplate::from_config(config).map_err(|reason| data_error(what, reason))?
+            }
+            _ => None,
+        };
+        Ok(Encoder {
+            tokenizer,
+            eos,
+            chat,
+            beside,
+        })
+    }
+
+    /// A document's tokens, those not trained on marked [`NOT_A_TARGET`], then the EOS.
+    fn encode(&self, doc: &Document) -> Result<Vec<u32>, Error> {
+        let fail = |reason: String| data_error(&doc.what, reason);
+        let ids = |text: &str, special: bool, target: bool| {
+            let mark = if target { 0 } else { NOT_A_TARGET };
+            self.tokenizer
+                .encode_fast(text, special)
+                .map(|e| e.get_ids().iter().map(|&id| id | mark).collect::<Vec<_>>())
+                .map_err(|e| fail(format!("the tokenizer failed: {e}")))
+        };
+        let mut all = match &doc.body {
+            Body::Text(text) => ids(text, true, true)?,
+            Body::PromptCompletion { prompt, completion } => {
+                let mut all = ids(prompt, true, false)?;
+                all.extend(ids(completion, false, true)?);
+                all
+            }
+            Body::Messages(messages) => {
+                let chat = self.chat.as_ref().expect("conversations have a template");
+                let mut all = Vec::new();
+                // The template writes the special tokens itself.
+                for (text, trained) in chat.spans(messages).map_err(fail)? {
+                    all.extend(ids(&text, false, trained)?);
+                }
+                all
+            }
+        };
+        all.push(self.eos);
+        Ok(all)
+    }
+}
+
 /// The end-of-sequence id: `eos_token` of `tokenizer_config.json` or `special_tokens_map.json`
 /// beside the tokenizer (as transformers saves them), else the model config's.
-fn eos_id(tokenizer: &Tokenizer, file: &TokenizerFile, config: Option<u32>) -> Result<u32, Error> {
-    let dir = file.path.parent().unwrap_or(Path::new("."));
-    for name in ["tokenizer_config.json", "special_tokens_map.json"] {
-        let path = dir.join(name);
-        if !path.is_file() {
-            continue;
-        }
-        let what = format!("{} ({name} beside it)", file.what);
-        let json: serde_json::Value = serde_json::from_str(&read_text(&path, &what)?)
-            .map_err(|e| data_error(&what, format!("not JSON: {e}")))?;
+fn eos_id(
+    tokenizer: &Tokenizer,
+    configs: &[(serde_json::Value, &str)],
+    file: &TokenizerFile,
+    config: Option<u32>,
+) -> Result<u32, Error> {
+    for (json, what) in configs {
         let token = match &json["eos_token"] {
             serde_json::Value::String(s) => Some(s.as_str()),
             other => other["content"].as_str(),
@@ -203,7 +305,7 @@ fn eos_id(tokenizer: &Tokenizer, file: &TokenizerFile, config: Option<u32>) -> R
         if let Some(token) = token {
             return tokenizer.token_to_id(token).ok_or_else(|| {
                 data_error(
-                    &what,
+                    what,
                     format!("its eos_token {token:?} is not in the tokenizer"),
                 )
             });
@@ -219,7 +321,7 @@ fn eos_id(tokenizer: &Tokenizer, file: &TokenizerFile, config: Option<u32>) -> R
 }
 
 /// The cache key: a SHA-256 of everything the shards depend on.
-fn key(job: &Job<'_>, t: &Tokenizing<'_>, eos: u32) -> Result<String, Error> {
+fn key(job: &Job<'_>, t: &Tokenizing<'_>, encoder: &Encoder) -> Result<String, Error> {
     let mut h = Sha256::new();
     let mut field = |bytes: &[u8]| {
         h.update((bytes.len() as u64).to_le_bytes());
@@ -227,7 +329,10 @@ fn key(job: &Job<'_>, t: &Tokenizing<'_>, eos: u32) -> Result<String, Error> {
     };
     field(CACHE_VERSION.as_bytes());
     field(read_text(&job.tokenizer.path, &job.tokenizer.what)?.as_bytes());
-    field(&eos.to_le_bytes());
+    for (text, _) in &encoder.beside.files {
+        field(text.as_bytes());
+    }
+    field(&encoder.eos.to_le_bytes());
     match job.format {
         Format::Jsonl(fields) => field(format!("jsonl {fields:?}").as_bytes()),
         Format::Text => field(b"text"),
@@ -274,8 +379,7 @@ fn content_hash(f: &DocFile) -> Result<[u8; 32], Error> {
 fn write_shards(
     job: &Job<'_>,
     t: &Tokenizing<'_>,
-    tokenizer: &Tokenizer,
-    eos: u32,
+    encoder: &Encoder,
     dir: &Path,
 ) -> Result<Manifest, Error> {
     let total: u64 = job
@@ -298,28 +402,7 @@ fn write_shards(
     let mut index = 0u64;
     let mut docs = Documents::new(job.train, job.format);
     let encode = |block: &[Document]| -> Result<Vec<Vec<u32>>, Error> {
-        block
-            .par_iter()
-            .map(|doc| {
-                let ids = |text: &str, special| {
-                    tokenizer
-                        .encode_fast(text, special)
-                        .map(|e| e.get_ids().to_vec())
-                        .map_err(|e| data_error(job.what, format!("the tokenizer failed: {e}")))
-                };
-                Ok(match &doc.prompt {
-                    Some(prompt) => {
-                        let mut all: Vec<u32> = ids(prompt, true)?
-                            .iter()
-                            .map(|&t| t | NOT_A_TARGET)
-                            .collect();
-                        all.extend(ids(&doc.text, false)?);
-                        all
-                    }
-                    None => ids(&doc.text, true)?,
-                })
-            })
-            .collect()
+        block.par_iter().map(|doc| encoder.encode(doc)).collect()
     };
     loop {
         let block = docs.next_block(BLOCK_BYTES)?;
@@ -333,7 +416,7 @@ fn write_shards(
             } else {
                 &mut train
             };
-            w.push(&ids, eos)?;
+            w.push(&ids)?;
             index += 1;
         }
         progress.update(docs.bytes_read, index, train.tokens + validation.tokens);
@@ -347,7 +430,7 @@ fn write_shards(
                 break;
             }
             for ids in encode(&block)? {
-                validation.push(&ids, eos)?;
+                validation.push(&ids)?;
                 index += 1;
             }
             let tokens = train.tokens + validation.tokens;
@@ -377,7 +460,10 @@ fn write_shards(
         validation_documents: validation.documents,
         validation_tokens: validation.tokens,
         validation: validation.finish()?,
-        masked: matches!(job.format, Format::Jsonl(Fields::PromptCompletion { .. })),
+        masked: matches!(
+            job.format,
+            Format::Jsonl(Fields::PromptCompletion { .. } | Fields::Messages(_))
+        ),
     })
 }
 
@@ -411,9 +497,9 @@ impl ShardWriter {
         }
     }
 
-    /// A document's tokens, then `eos`.
-    fn push(&mut self, ids: &[u32], eos: u32) -> Result<(), Error> {
-        for &id in ids.iter().chain([&eos]) {
+    /// A document's tokens.
+    fn push(&mut self, ids: &[u32]) -> Result<(), Error> {
+        for &id in ids {
             self.write(id)?;
         }
         self.documents += 1;

@@ -34,7 +34,9 @@ pub enum Data {
     },
     /// JSON Lines (`path` may be a glob): one object a line, its string member `field` a
     /// document, or with `prompt` and `completion` (the names of two members) a fine-tuning
-    /// example whose loss counts the completion's tokens only; tokenized with `tokenizer` or,
+    /// example whose loss counts the completion's tokens only, or with `messages` (a member's
+    /// name) a conversation rendered by the tokenizer's chat template whose loss counts the
+    /// assistant's turns only; tokenized with `tokenizer` or,
     /// when that is omitted, the `tokenizer.json` of the directory `model.init_from` names.
     Jsonl {
         path: String,
@@ -43,6 +45,8 @@ pub enum Data {
         prompt: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         completion: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        messages: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         tokenizer: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -103,6 +107,7 @@ enum DataDoc {
         field: String,
         prompt: Option<String>,
         completion: Option<String>,
+        messages: Option<String>,
         tokenizer: Option<String>,
         validation: Option<Validation>,
     },
@@ -136,6 +141,7 @@ impl From<DataDoc> for Data {
                 field,
                 prompt,
                 completion,
+                messages,
                 tokenizer,
                 validation,
             } => Data::Jsonl {
@@ -143,6 +149,7 @@ impl From<DataDoc> for Data {
                 field,
                 prompt,
                 completion,
+                messages,
                 tokenizer,
                 validation,
             },
@@ -169,6 +176,9 @@ pub enum Fields<'a> {
         prompt: &'a str,
         completion: &'a str,
     },
+    /// A list of messages (`role`, `content`) rendered by the tokenizer's chat template; only
+    /// the assistant's turns are trained on.
+    Messages(&'a str),
 }
 
 /// Where a job's tokenizer comes from.
@@ -200,6 +210,10 @@ impl Data {
                 completion: Some(completion),
                 ..
             } => Some(Fields::PromptCompletion { prompt, completion }),
+            Data::Jsonl {
+                messages: Some(messages),
+                ..
+            } => Some(Fields::Messages(messages)),
             Data::Jsonl { field, .. } => Some(Fields::Text(field)),
             _ => None,
         }
@@ -279,6 +293,7 @@ impl Data {
                 field,
                 prompt,
                 completion,
+                messages,
                 ..
             } => {
                 ensure(!field.is_empty(), "data.field", || {
@@ -299,6 +314,19 @@ impl Data {
                     prompt.is_none() || *field == default_field(),
                     "data.field",
                     || "not read when `prompt` and `completion` are given".into(),
+                )?;
+                ensure(
+                    messages.as_ref().is_none_or(|m| !m.is_empty()),
+                    "data.messages",
+                    || "must not be empty".into(),
+                )?;
+                ensure(
+                    messages.is_none() || (prompt.is_none() && *field == default_field()),
+                    "data.messages",
+                    || {
+                        "a conversation is read alone: not with `field`, `prompt` or `completion`"
+                            .into()
+                    },
                 )?;
                 ensure(
                     self.tokenizer(init_from).is_some(),
