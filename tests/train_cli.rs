@@ -317,10 +317,14 @@ fn a_killed_tokenization_never_leaves_shards_a_later_run_reads() {
             .collect();
         jsonl += &format!("{{\"text\": \"{} .\"}}\n", doc.join(" "));
     }
+    let held_out: String = jsonl.lines().take(200).map(|l| format!("{l}\n")).collect();
     fs::write(dir.path().join("corpus.jsonl"), jsonl).unwrap();
+    fs::write(dir.path().join("held-out.jsonl"), held_out).unwrap();
     let spec = dir.path().join("spec.json");
     let data = serde_json::json!({"kind": "jsonl", "path": dir.path().join("corpus.jsonl"),
-                                  "tokenizer": fixture.join("tokenizer.json")});
+                                  "tokenizer": fixture.join("tokenizer.json"),
+                                  "validation": {"path": dir.path().join("held-out.jsonl"),
+                                                 "every_steps": 1, "batches": 2}});
     let json = serde_json::json!({"model": {"preset": "llama-tiny"}, "data": data,
                                   "training": {"steps": 1, "seq_len": 64, "micro_batch_size": 1}});
     fs::write(&spec, json.to_string()).unwrap();
@@ -347,13 +351,21 @@ fn a_killed_tokenization_never_leaves_shards_a_later_run_reads() {
         assert!(done.status.success(), "{stderr}");
         let (tokenized, partial) = tokenizations(out);
         assert_eq!((tokenized.len(), partial), (1, false), "{stderr}");
+        // The held-out text's loss after the one step, in the JSON summary.
+        let summary: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
+        let validation = &summary["validation"];
+        assert_eq!(validation[0]["step"], 1, "{summary}");
+        assert!(validation[0]["loss"].as_f64().unwrap() > 0.0, "{summary}");
         (
             fs::read(tokenized[0].join("train_000000.bin")).unwrap(),
             stderr,
         )
     };
     let (after_kills, stderr) = run(&out);
-    assert!(stderr.contains("tokenized"), "{stderr}");
+    assert!(
+        stderr.contains("tokenized") && stderr.contains("validation loss"),
+        "{stderr}"
+    );
     let (clean, _) = run(&dir.path().join("clean"));
     assert!(
         after_kills == clean,
