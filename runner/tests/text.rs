@@ -8,7 +8,9 @@ use runner::accounting::Accountant;
 use runner::data::{BatchLayout, DataLoader, DataRoots, Inputs, Tokenizing};
 use runner::train::{LogSink, Options, Summary, run};
 use scheduler::plan::plan_local;
-use scheduler::spec::{Data, JobSpec, Purpose};
+use std::num::NonZeroU32;
+
+use scheduler::spec::{Auto, Data, JobSpec, Purpose, ZeroStage};
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{
@@ -198,15 +200,26 @@ fn validation_does_not_change_what_is_trained() {
         }
         d
     };
-    let plain = train(&corpus.spec(data(None), 6), cache.path()).0.unwrap();
     let validated =
         serde_json::json!({"path": corpus.path("corpus.txt"), "every_steps": 2, "batches": 1});
-    let with = train(&corpus.spec(data(Some(validated)), 6), cache.path())
-        .0
-        .unwrap();
-    assert_eq!(plain.losses, with.losses);
-    assert!(plain.validation.is_empty());
-    assert_eq!(with.validation.len(), 3);
+    // One rank, and two at stage 3, where validation's forward gathers the parameters too.
+    for (world, stage) in [(1, ZeroStage::Ddp), (2, ZeroStage::Parameters)] {
+        let spec = |data| {
+            let mut spec = corpus.spec(data, 6);
+            spec.world_size = NonZeroU32::new(world).unwrap();
+            spec.zero.stage = Auto::Fixed(stage);
+            spec
+        };
+        let plain = train(&spec(data(None)), cache.path()).0.unwrap();
+        let with = train(&spec(data(Some(validated.clone()))), cache.path())
+            .0
+            .unwrap();
+        assert_eq!(plain.losses, with.losses, "{world} ranks, {stage:?}");
+        assert!(plain.validation.is_empty());
+        assert_eq!(with.validation.len(), 3);
+        let rank = &with.ranks[world as usize - 1];
+        assert_eq!(rank.measured_peak_bytes, rank.predicted_bytes);
+    }
 }
 
 #[test]
