@@ -1,6 +1,8 @@
 //! A user's own text: a tokenizer trained here, a JSON Lines corpus, tokenization cached once,
-//! a validation loss that falls, and bad input named by file, line and field.
+//! a validation loss that falls, fine-tuning masks (prompts, chat templates), and bad input
+//! named by file, line and field.
 
+use std::num::NonZeroU32;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -8,8 +10,6 @@ use runner::accounting::Accountant;
 use runner::data::{BatchLayout, DataLoader, DataRoots, Inputs, Tokenizing};
 use runner::train::{LogSink, Options, Summary, run};
 use scheduler::plan::plan_local;
-use std::num::NonZeroU32;
-
 use scheduler::spec::{Auto, Data, JobSpec, Purpose, ZeroStage};
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
