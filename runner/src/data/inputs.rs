@@ -97,61 +97,69 @@ impl Inputs {
             }
             | Data::Jsonl {
                 path, validation, ..
-            } => {
-                let format = data.fields().map_or(Format::Text, Format::Jsonl);
-                let source = data.tokenizer(init_from).ok_or_else(|| Error::DataConfig {
-                    reason: "data.tokenizer: JSON Lines need a tokenizer".into(),
-                })?;
-                let tokenizer = tokenizer_file(roots, source)?;
-                let docs = |field, path: &str| -> Result<Vec<DocFile>, Error> {
-                    Ok(matches(roots, field, path)?
-                        .into_iter()
-                        .map(|(path, what)| DocFile { path, what })
-                        .collect())
-                };
-                let train = docs("data.path", path)?;
-                let held_out_files = match validation.as_ref().and_then(|v| v.path.as_deref()) {
-                    Some(p) => Some(docs("data.validation.path", p)?),
-                    None => None,
-                };
-                let holdout = match (validation, &held_out_files) {
-                    (_, Some(files)) => Some(Holdout::Files(files)),
-                    (Some(v), None) => v.split.map(Holdout::Split),
-                    (None, None) => None,
-                };
-                let what = describe("data.path", path);
-                let job = Job {
-                    format,
-                    train: &train,
-                    validation: holdout,
-                    tokenizer: &tokenizer,
-                    what: &what,
-                };
-                let (dir, manifest) = tokenize::tokenize(&job, t)?;
-                let shards = |names: &[String], part: &str| Input::Shards {
-                    files: names
-                        .iter()
-                        .enumerate()
-                        .map(|(i, name)| {
-                            let n = names.len();
-                            (
-                                dir.join(name),
-                                format!("{what}, tokenized {part}, shard {} of {n}", i + 1),
-                            )
-                        })
-                        .collect(),
-                    shuffle: false,
-                    masked: manifest.masked,
-                };
-                Ok(Inputs {
-                    train: shards(&manifest.train, "training data"),
-                    validation: validation
-                        .is_some()
-                        .then(|| shards(&manifest.validation, "validation data")),
-                })
-            }
+            } => tokenized(data, path, validation.as_ref(), init_from, roots, t),
         }
     }
+}
+
+/// Text `data` (at `path`, validated on `validation`) tokenized into the cache, as shards.
+fn tokenized(
+    data: &Data,
+    path: &str,
+    validation: Option<&Validation>,
+    init_from: Option<&InitFrom>,
+    roots: &DataRoots,
+    t: &Tokenizing<'_>,
+) -> Result<Inputs, Error> {
+    let format = data.fields().map_or(Format::Text, Format::Jsonl);
+    let source = data.tokenizer(init_from).ok_or_else(|| Error::DataConfig {
+        reason: "data.tokenizer: JSON Lines need a tokenizer".into(),
+    })?;
+    let tokenizer = tokenizer_file(roots, source)?;
+    let docs = |field, path: &str| -> Result<Vec<DocFile>, Error> {
+        Ok(matches(roots, field, path)?
+            .into_iter()
+            .map(|(path, what)| DocFile { path, what })
+            .collect())
+    };
+    let train = docs("data.path", path)?;
+    let held_out_files = match validation.and_then(|v| v.path.as_deref()) {
+        Some(p) => Some(docs("data.validation.path", p)?),
+        None => None,
+    };
+    let holdout = match (validation, &held_out_files) {
+        (_, Some(files)) => Some(Holdout::Files(files)),
+        (Some(v), None) => v.split.map(Holdout::Split),
+        (None, None) => None,
+    };
+    let what = describe("data.path", path);
+    let job = Job {
+        format,
+        train: &train,
+        validation: holdout,
+        tokenizer: &tokenizer,
+        what: &what,
+    };
+    let (dir, manifest) = tokenize::tokenize(&job, t)?;
+    let shards = |names: &[String], part: &str| Input::Shards {
+        files: names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let n = names.len();
+                let what = format!("{what}, tokenized {part}, shard {} of {n}", i + 1);
+                (dir.join(name), what)
+            })
+            .collect(),
+        shuffle: false,
+        masked: manifest.masked,
+    };
+    Ok(Inputs {
+        train: shards(&manifest.train, "training data"),
+        validation: validation
+            .is_some()
+            .then(|| shards(&manifest.validation, "validation data")),
+    })
 }
 
 /// The files `pattern` matches, each named by the field, the pattern and, for several, its place
