@@ -74,7 +74,7 @@ pub(super) enum Holdout<'a> {
 }
 
 /// The shards of a tokenization.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct Manifest {
     pub(super) documents: u64,
     pub(super) tokens: u64,
@@ -150,7 +150,8 @@ fn cache_error(path: &Path, e: &dyn std::fmt::Display) -> Error {
     }
 }
 
-fn load(file: &TokenizerFile, t: &Tokenizing<'_>) -> Result<Tokenizer, Error> {
+/// The tokenizer, and its file's text (part of the cache key).
+fn load(file: &TokenizerFile, t: &Tokenizing<'_>) -> Result<(Tokenizer, String), Error> {
     let text = read_text(&file.path, &file.what)?;
     let tokenizer = <Tokenizer as std::str::FromStr>::from_str(&text).map_err(|e| {
         data_error(
@@ -173,7 +174,7 @@ fn load(file: &TokenizerFile, t: &Tokenizing<'_>) -> Result<Tokenizer, Error> {
             ),
         ));
     }
-    Ok(tokenizer)
+    Ok((tokenizer, text))
 }
 
 fn read_text(path: &Path, what: &str) -> Result<String, Error> {
@@ -223,6 +224,8 @@ impl Beside {
 /// the chat template.
 struct Encoder {
     tokenizer: Tokenizer,
+    /// `tokenizer.json` as read.
+    source: String,
     eos: u32,
     chat: Option<ChatTemplate>,
     beside: Beside,
@@ -230,7 +233,7 @@ struct Encoder {
 
 impl Encoder {
     fn new(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<Encoder, Error> {
-        let tokenizer = load(job.tokenizer, t)?;
+        let (tokenizer, source) = load(job.tokenizer, t)?;
         let beside = Beside::read(job.tokenizer)?;
         let configs = beside.json()?;
         let eos = eos_id(&tokenizer, &configs, job.tokenizer, t.eos_token_id)?;
@@ -251,6 +254,7 @@ impl Encoder {
         };
         Ok(Encoder {
             tokenizer,
+            source,
             eos,
             chat,
             beside,
@@ -328,7 +332,7 @@ fn key(job: &Job<'_>, t: &Tokenizing<'_>, encoder: &Encoder) -> Result<String, E
         h.update(bytes);
     };
     field(CACHE_VERSION.as_bytes());
-    field(read_text(&job.tokenizer.path, &job.tokenizer.what)?.as_bytes());
+    field(encoder.source.as_bytes());
     for (text, _) in &encoder.beside.files {
         field(text.as_bytes());
     }
@@ -382,13 +386,14 @@ fn write_shards(
     encoder: &Encoder,
     dir: &Path,
 ) -> Result<Manifest, Error> {
+    let separate: &[DocFile] = match job.validation {
+        Some(Holdout::Files(v)) => v,
+        _ => &[],
+    };
     let total: u64 = job
         .train
         .iter()
-        .chain(match job.validation {
-            Some(Holdout::Files(v)) => v,
-            _ => &[],
-        })
+        .chain(separate)
         .filter_map(|f| f.path.metadata().ok())
         .map(|m| m.len())
         .sum();
@@ -399,30 +404,13 @@ fn write_shards(
         Some(Holdout::Split(s)) => Some(s),
         _ => None,
     };
-    let mut index = 0u64;
-    let mut docs = Documents::new(job.train, job.format);
     let encode = |block: &[Document]| -> Result<Vec<Vec<u32>>, Error> {
         block.par_iter().map(|doc| encoder.encode(doc)).collect()
     };
-    loop {
-        let block = docs.next_block(BLOCK_BYTES)?;
-        if block.is_empty() {
-            break;
-        }
-        for ids in encode(&block)? {
-            let held_out = split.is_some_and(|s| held_out(t.seed, index, s));
-            let w = if held_out {
-                &mut validation
-            } else {
-                &mut train
-            };
-            w.push(&ids)?;
-            index += 1;
-        }
-        progress.update(docs.bytes_read, index, train.tokens + validation.tokens);
-    }
-    if let Some(Holdout::Files(files)) = job.validation {
-        let read_before = docs.bytes_read;
+    // The training files (a split's held-out documents to validation), then any validation
+    // files (all to validation).
+    let (mut index, mut read_before) = (0u64, 0);
+    for (files, all_held_out) in [(job.train, false), (separate, true)] {
         let mut docs = Documents::new(files, job.format);
         loop {
             let block = docs.next_block(BLOCK_BYTES)?;
@@ -430,12 +418,19 @@ fn write_shards(
                 break;
             }
             for ids in encode(&block)? {
-                validation.push(&ids)?;
+                let held_out = all_held_out || split.is_some_and(|s| held_out(t.seed, index, s));
+                let w = if held_out {
+                    &mut validation
+                } else {
+                    &mut train
+                };
+                w.push(&ids)?;
                 index += 1;
             }
             let tokens = train.tokens + validation.tokens;
             progress.update(read_before + docs.bytes_read, index, tokens);
         }
+        read_before += docs.bytes_read;
     }
     if train.documents == 0 {
         return Err(data_error(job.what, "no documents to train on"));
