@@ -434,3 +434,41 @@ fn conversations_train_on_the_assistant_s_turns_only() {
     let e = first_window(dir.path(), 4).unwrap_err().to_string();
     assert!(e.contains("no chat_template"), "{e}");
 }
+
+#[test]
+fn the_validation_loss_is_the_training_loss_of_the_same_batch_and_weights() {
+    // A file of exactly one world batch: every step trains on it, and validation (the same
+    // file, one batch) reads it too, so the validation loss after step k is the loss step k + 1
+    // reports (both forward passes over the same weights and tokens), to f32 rounding.
+    for world in [1usize, 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let (b, t) = (2, 16);
+        let text: String = documents(40).join(" ");
+        let path = dir.path().join("one-batch.txt");
+        std::fs::write(&path, &text.as_bytes()[..world * b * t + 1]).unwrap();
+        let json = serde_json::json!({
+            "model": {"preset": "gpt2-tiny"}, "world_size": world, "zero": {"stage": 0},
+            "training": {"steps": 4, "micro_batch_size": b, "seq_len": t, "lr": 1e-2},
+            "data": {"kind": "text", "path": path,
+                     "validation": {"path": path, "every_steps": 1, "batches": 1}},
+        });
+        let spec = JobSpec::parse(&json.to_string(), Purpose::Train)
+            .unwrap()
+            .spec;
+        let summary = train(&spec, dir.path()).0.unwrap();
+        for (v, next) in summary.validation.iter().zip(&summary.losses[1..]) {
+            let gap = (v.loss - next).abs() / next;
+            assert!(
+                gap < 1e-6,
+                "{world} ranks, after step {}: {} vs {next}",
+                v.step,
+                v.loss
+            );
+        }
+        assert!(
+            summary.losses[3] < summary.losses[0],
+            "it trains: {:?}",
+            summary.losses
+        );
+    }
+}
