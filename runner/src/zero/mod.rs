@@ -98,6 +98,25 @@ struct Buffers<X, D: Device> {
     gathered: Option<Slots<X, D>>,
 }
 
+impl<X, D: Device> Buffers<X, D> {
+    /// The whole parameters of the units `read` and where backward adds the whole gradient of
+    /// unit `write`, each `(unit, elements)`, borrowed at once.
+    fn views<const N: usize>(
+        &mut self,
+        read: [(usize, usize); N],
+        (u, len): (usize, usize),
+    ) -> ([D::View<'_, X>; N], D::ViewMut<'_, X>) {
+        let Buffers {
+            params,
+            grads,
+            unit_grads,
+            gathered,
+        } = self;
+        let read = read.map(|(r, l)| param(gathered, params, r, l));
+        (read, grad(unit_grads, grads, u, len))
+    }
+}
+
 /// Unit `u`'s whole parameters (`len` elements; gathered first at stage 3).
 fn param<'a, X, D: Device>(
     gathered: &'a Option<Slots<X, D>>,
@@ -395,19 +414,8 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// The final norm, the head and the loss after [`Self::forward`], and back through the
     /// head when `dloss` is given.
     fn head_loss(&mut self, dloss: Option<f32>) -> Result<f64, Error> {
-        let (norm, head) = (self.norm_unit(), self.head_unit());
-        let (norm_len, head_len) = (self.unit_len(norm), self.unit_len(head));
-        let Buffers {
-            params,
-            grads,
-            unit_grads,
-            gathered,
-        } = &mut self.bufs;
-        let (p_norm, p_head) = (
-            param(gathered, params, norm, norm_len),
-            param(gathered, params, head, head_len),
-        );
-        let g_head = grad(unit_grads, grads, head, head_len);
+        let [norm, head] = [self.norm_unit(), self.head_unit()].map(|u| (u, self.unit_len(u)));
+        let ([p_norm, p_head], g_head) = self.bufs.views([norm, head], head);
         self.passes.loss(&self.dev, p_norm, p_head, g_head, dloss)
     }
 
@@ -424,17 +432,8 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         if head != EMB {
             self.after_unit_backward(head)?;
         }
-        {
-            let Buffers {
-                params,
-                grads,
-                unit_grads,
-                gathered,
-            } = &mut self.bufs;
-            let p_norm = param(gathered, params, norm, norm_len);
-            let g_norm = grad(unit_grads, grads, norm, norm_len);
-            self.passes.norm_backward(&self.dev, p_norm, g_norm)?;
-        }
+        let ([p_norm], g_norm) = self.bufs.views([(norm, norm_len)], (norm, norm_len));
+        self.passes.norm_backward(&self.dev, p_norm, g_norm)?;
         self.after_unit_backward(norm)?;
         if l_n > 0 {
             self.fetch(l_n)?;
@@ -445,14 +444,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                 let p = param(&self.bufs.gathered, &self.bufs.params, l + 1, len);
                 self.passes.block_forward(&self.dev, p, l, 0)?;
             }
-            let Buffers {
-                params,
-                grads,
-                unit_grads,
-                gathered,
-            } = &mut self.bufs;
-            let p = param(gathered, params, l + 1, len);
-            let g = grad(unit_grads, grads, l + 1, len);
+            let ([p], g) = self.bufs.views([(l + 1, len)], (l + 1, len));
             self.passes.block_backward(&self.dev, p, g, l, slot(l))?;
             // Gathered ahead (into the slot of the unit whose backward is done) before this
             // unit's gradient is reduced: on NCCL's stream the gather need not wait for this
