@@ -476,6 +476,8 @@ struct ShardWriter {
     prefix: &'static str,
     names: Vec<String>,
     open: Option<(PathBuf, BufWriter<File>, u64)>,
+    /// A document's tokens as bytes, reused.
+    bytes: Vec<u8>,
     documents: u64,
     tokens: u64,
 }
@@ -487,46 +489,47 @@ impl ShardWriter {
             prefix,
             names: Vec::new(),
             open: None,
+            bytes: Vec::new(),
             documents: 0,
             tokens: 0,
         }
     }
 
-    /// A document's tokens.
-    fn push(&mut self, ids: &[u32]) -> Result<(), Error> {
-        for &id in ids {
-            self.write(id)?;
+    /// A document's tokens, across shards where one fills.
+    fn push(&mut self, mut ids: &[u32]) -> Result<(), Error> {
+        while !ids.is_empty() {
+            if self
+                .open
+                .as_ref()
+                .is_some_and(|(_, _, n)| *n == SHARD_TOKENS)
+            {
+                self.close()?;
+            }
+            let (path, w, n) = match &mut self.open {
+                Some(open) => open,
+                slot => {
+                    let name = format!("{}_{:06}.bin", self.prefix, self.names.len());
+                    let path = self.dir.join(&name);
+                    let mut w = File::create(&path)
+                        .map(BufWriter::new)
+                        .map_err(|e| cache_error(&path, &e))?;
+                    w.write_all(&[0; HEADER_BYTES as usize])
+                        .map_err(|e| cache_error(&path, &e))?;
+                    self.names.push(name);
+                    slot.insert((path, w, 0))
+                }
+            };
+            let take = ids.len().min((SHARD_TOKENS - *n) as usize);
+            self.bytes.clear();
+            self.bytes
+                .extend(ids[..take].iter().flat_map(|id| id.to_le_bytes()));
+            w.write_all(&self.bytes)
+                .map_err(|e| cache_error(path, &e))?;
+            *n += take as u64;
+            self.tokens += take as u64;
+            ids = &ids[take..];
         }
         self.documents += 1;
-        Ok(())
-    }
-
-    fn write(&mut self, id: u32) -> Result<(), Error> {
-        if self
-            .open
-            .as_ref()
-            .is_some_and(|(_, _, n)| *n == SHARD_TOKENS)
-        {
-            self.close()?;
-        }
-        let (path, w, n) = match &mut self.open {
-            Some(open) => open,
-            slot => {
-                let name = format!("{}_{:06}.bin", self.prefix, self.names.len());
-                let path = self.dir.join(&name);
-                let mut w = File::create(&path)
-                    .map(BufWriter::new)
-                    .map_err(|e| cache_error(&path, &e))?;
-                w.write_all(&[0; HEADER_BYTES as usize])
-                    .map_err(|e| cache_error(&path, &e))?;
-                self.names.push(name);
-                slot.insert((path, w, 0))
-            }
-        };
-        w.write_all(&id.to_le_bytes())
-            .map_err(|e| cache_error(path, &e))?;
-        *n += 1;
-        self.tokens += 1;
         Ok(())
     }
 
