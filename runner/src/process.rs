@@ -16,18 +16,25 @@ pub fn return_freed_memory() {
 
 /// The most bytes this process has had resident at once (`VmHWM`), if the system says.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok();
-    status
-        .as_deref()
-        .and_then(vm_hwm_bytes)
-        .or_else(max_rss_bytes)
+    status_bytes("VmHWM:").or_else(max_rss_bytes)
 }
 
-/// `VmHWM:   2193408 kB` → bytes.
-fn vm_hwm_bytes(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+/// The bytes this process has resident now (`VmRSS`), if the system says.
+pub fn rss_bytes() -> Option<u64> {
+    status_bytes("VmRSS:")
+}
+
+/// A `/proc/self/status` line's value in bytes.
+fn status_bytes(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_line(&status, key)
+}
+
+/// `VmHWM:   2193408 kB` → bytes, for `key` `VmHWM:`.
+fn kib_line(status: &str, key: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kib: u64 = line
-        .trim_start_matches("VmHWM:")
+        .trim_start_matches(key)
         .trim()
         .trim_end_matches("kB")
         .trim()
@@ -64,8 +71,9 @@ mod tests {
     fn reads_the_high_water_mark_in_bytes() {
         let status =
             "Name:\tzerotrain\nVmPeak:\t 3000000 kB\nVmHWM:\t 2193408 kB\nVmRSS:\t 1000 kB\n";
-        assert_eq!(vm_hwm_bytes(status), Some(2_193_408 * 1024));
-        assert_eq!(vm_hwm_bytes("Name:\tx\n"), None);
+        assert_eq!(kib_line(status, "VmHWM:"), Some(2_193_408 * 1024));
+        assert_eq!(kib_line(status, "VmRSS:"), Some(1000 * 1024));
+        assert_eq!(kib_line("Name:\tx\n", "VmHWM:"), None);
     }
 
     #[test]

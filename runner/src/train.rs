@@ -157,8 +157,11 @@ pub struct ProcessMemory {
     pub peak_rss_bytes: Option<u64>,
     /// Every rank's predicted total plus `overhead_bytes`.
     pub predicted_bytes: u64,
-    /// The process overhead (`scheduler::memory::process`) for `threads`.
+    /// The process overhead (`scheduler::memory::process`): what it had resident at start, its
+    /// threads' stacks and GEMM workspace, and an allowance for growth.
     pub overhead_bytes: u64,
+    /// `VmRSS` before training started (0 where the system does not say).
+    pub resident_at_start_bytes: u64,
     /// Threads that run GEMMs: the kernel pool's and one per rank.
     pub threads: usize,
 }
@@ -235,9 +238,18 @@ pub fn run_ranks(
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     process::return_freed_memory();
+    // Before the pool's threads and any buffer: what the process is before it trains.
+    let resident_at_start = process::rss_bytes().unwrap_or(0);
     // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
     kernels::cpu::init_global_pool(threads);
-    let gemm_threads = kernels::cpu::pool_threads() + comms.len();
+    let gemm = kernels::matmul::gemm_workspace();
+    let cpu_process = memory::process::CpuProcess {
+        resident_at_start,
+        threads: kernels::cpu::pool_threads() + comms.len(),
+        ranks: comms.len(),
+        gemm_per_thread: gemm.per_thread,
+        gemm_per_call: gemm.per_call,
+    };
     // Text is tokenized once here, for every rank of this process, before any trains.
     let quiet = |_: &str| {};
     let log: &(dyn Fn(&str) + Sync) = match &opts.log {
@@ -289,7 +301,7 @@ pub fn run_ranks(
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    summarise(results, gemm_threads)
+    summarise(results, cpu_process)
 }
 
 /// The model config's `eos_token_id` (a list's first), which tokenizes text when the
@@ -314,7 +326,10 @@ struct RankRun {
 
 /// One summary from every rank's run; if any failed, the error that started it (a rank whose
 /// neighbour failed reports only that).
-fn summarise(results: Vec<Result<RankRun, Error>>, threads: usize) -> Result<Summary, Error> {
+fn summarise(
+    results: Vec<Result<RankRun, Error>>,
+    cpu_process: memory::process::CpuProcess,
+) -> Result<Summary, Error> {
     let mut runs = Vec::with_capacity(results.len());
     let mut errors = Vec::new();
     for r in results {
@@ -331,7 +346,7 @@ fn summarise(results: Vec<Result<RankRun, Error>>, threads: usize) -> Result<Sum
         return Err(errors.swap_remove(root));
     }
     let first = &runs[0];
-    let overhead = memory::process::overhead_bytes(threads);
+    let overhead = cpu_process.overhead_bytes();
     let process = ProcessMemory {
         peak_rss_bytes: process::peak_rss_bytes(),
         predicted_bytes: runs
@@ -340,7 +355,8 @@ fn summarise(results: Vec<Result<RankRun, Error>>, threads: usize) -> Result<Sum
             .sum::<u64>()
             + overhead,
         overhead_bytes: overhead,
-        threads,
+        resident_at_start_bytes: cpu_process.resident_at_start,
+        threads: cpu_process.threads,
     };
     // The ranks agree on each step's loss, so rank 0's history is everyone's.
     let losses = first.losses.clone();

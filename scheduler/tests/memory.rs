@@ -134,8 +134,12 @@ fn gpt2_124m_bf16_adamw_breakdown_matches_hand_count() {
         b.buffers,
         256 * 50_257 * 4 + 3 * 256 * 4 + 4 * MATMUL_SCRATCH_F32 as u64 + SYNTHETIC_LOADER
     );
-    // A CPU process of the threads planning assumes: 16 MiB + 16 × 2 MiB.
-    assert_eq!(b.overhead, 48 << 20);
+    // The CPU process planning assumes: 16 MiB at start, 12 MiB of growth, 16 threads of
+    // 256 KiB stack and a 2 MiB L2 slab, one rank's GEMM workspace (4 B × 512 × 576 + 2 L2).
+    assert_eq!(
+        b.overhead,
+        (16 << 20) + (12 << 20) + 16 * ((256 << 10) + (2 << 20)) + 4 * 512 * 576 + (4 << 20)
+    );
 }
 
 #[test]
@@ -237,7 +241,7 @@ fn cuda_devices_add_their_runtime_overhead() {
     assert_eq!(gpu.overhead, memory::CUDA_OVERHEAD_BYTES);
     assert_eq!(
         cpu.overhead,
-        memory::process::overhead_bytes(memory::process::PLANNING_THREADS)
+        memory::process::CpuProcess::PLANNING.overhead_bytes()
     );
 }
 
@@ -270,12 +274,27 @@ fn a_gpu_holds_no_matmul_scratch_and_pays_for_its_gemm_buffers_in_overhead() {
 }
 
 #[test]
-fn a_cpu_process_pays_a_baseline_and_a_packing_buffer_per_gemm_thread() {
-    use memory::process::{BASELINE_BYTES, PACKING_BYTES_PER_THREAD, overhead_bytes};
-    assert_eq!(overhead_bytes(0), BASELINE_BYTES);
+fn a_cpu_process_pays_its_start_once_a_slab_and_stack_per_thread_and_a_workspace_per_rank() {
+    use memory::process::{CpuProcess, GROWTH_BYTES, STACK_BYTES};
+    let p = CpuProcess {
+        resident_at_start: 10 << 20,
+        threads: 3,
+        ranks: 1,
+        gemm_per_thread: 1 << 20,
+        gemm_per_call: 4 << 20,
+    };
     assert_eq!(
-        overhead_bytes(6) - overhead_bytes(2),
-        4 * PACKING_BYTES_PER_THREAD
+        p.overhead_bytes(),
+        (10 << 20) + GROWTH_BYTES + 3 * (STACK_BYTES + (1 << 20)) + (4 << 20)
+    );
+    let four = CpuProcess {
+        threads: 6,
+        ranks: 4,
+        ..p
+    };
+    assert_eq!(
+        four.overhead_bytes() - p.overhead_bytes(),
+        3 * (STACK_BYTES + (1 << 20)) + 3 * (4 << 20)
     );
 }
 

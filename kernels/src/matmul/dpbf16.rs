@@ -14,10 +14,12 @@
 //! Layout: A is packed once per call, per 8-row block as `[pair][row]` u32 (two bf16 in one
 //! dword); each task packs one 48-column panel of B as `[pair][column]` u32 (a transposed B
 //! through 16 × 16 register transposes) and runs 8 × 48 micro-tiles (24 zmm accumulators)
-//! over every row block of its row range. The packs (`m·k` plus `48·k` per thread bf16) use
-//! the caller's matmul scratch when it is long enough, else the heap.
+//! over every row block of its row range. The packs live in the caller's matmul scratch (which
+//! the memory model counts): `48·k` bf16 per B slot, and as many rows of A as then fit, a pass
+//! of rows at a time.
 
 use half::bf16;
+use rayon::prelude::*;
 use std::arch::x86_64::*;
 
 use super::{Init, Operand};
@@ -41,8 +43,10 @@ pub(super) fn available() -> bool {
 }
 
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major; see the module notes.
-/// The packs live in `scratch` when it holds them (`m·k/2 + threads·24·k` dwords, rounded up),
-/// else on the heap.
+/// The packs live in `scratch`: as many B panel slots as the pool has threads and fit beside
+/// one row block of A, then as many row blocks of A as fit in the rest, a pass of rows at a
+/// time. Only a scratch too short for one slot and one row block (`kp · 56` dwords; the
+/// trainer's holds 2^21, enough for k up to 74,000) sends the packs to the heap.
 /// Callers check [`available`].
 pub(super) fn product<C: Float, I: Float>(
     c: &mut [C],
@@ -54,55 +58,63 @@ pub(super) fn product<C: Float, I: Float>(
 ) {
     let kp = k.div_ceil(2);
     let blocks = m.div_ceil(MR);
-    let slots = rayon::current_num_threads();
-    let (a_len, b_len) = (blocks * kp * MR, kp * NC);
+    let (a_block, b_len) = (kp * MR, kp * NC);
     let mut heap = Vec::new();
-    let packs: &mut [u32] = if scratch.len() >= a_len + slots * b_len {
+    let packs: &mut [u32] = if scratch.len() >= a_block + b_len {
         // SAFETY: f32 and u32 have the same size and alignment; any bits are valid u32.
         unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr().cast(), scratch.len()) }
     } else {
-        heap.resize(a_len + slots * b_len, 0u32);
+        heap.resize(a_block + b_len, 0u32);
         &mut heap
     };
-    let (pa, pbs) = packs.split_at_mut(a_len);
-    {
-        let dst = SharedMut::new(pa);
-        for_ranges(blocks, 1, |r| {
-            for rb in r {
-                // SAFETY: each row block owns its part of the pack.
-                let out = unsafe { dst.slice(rb * kp * MR..(rb + 1) * kp * MR) };
+    let slots = rayon::current_num_threads()
+        .min((packs.len() - a_block) / b_len)
+        .max(1);
+    let pass = ((packs.len() - slots * b_len) / a_block).min(blocks);
+    let (pbs, pa) = packs.split_at_mut(slots * b_len);
+    let panels = n.div_ceil(NC);
+    let out = SharedMut::new(c);
+    for first in (0..blocks).step_by(pass) {
+        let rows = pass.min(blocks - first);
+        {
+            let dst = SharedMut::new(pa);
+            for_ranges(rows, 1, |r| {
+                for rb in r {
+                    // SAFETY: each row block owns its part of the pack.
+                    let out = unsafe { dst.slice(rb * a_block..(rb + 1) * a_block) };
+                    // SAFETY: `available` was checked by the caller.
+                    unsafe { pack_a(&a, (first + rb) * MR, m, k, out) };
+                }
+            });
+        }
+        let per_chunk = rows.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, rows));
+        let chunks = rows.div_ceil(per_chunk);
+        let tasks = panels * chunks;
+        let (pa, pbs) = (&*pa, SharedMut::new(pbs));
+        // Slot s takes every slots-th task, so a slot is one thread's at a time.
+        (0..slots).into_par_iter().for_each(|slot| {
+            // SAFETY: slots are disjoint.
+            let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
+            let mut tile = [0f32; MR * NC];
+            for task in (slot..tasks).step_by(slots) {
+                let (panel, chunk) = (task / chunks, task % chunks);
+                let (j0, w) = (panel * NC, NC.min(n - panel * NC));
                 // SAFETY: `available` was checked by the caller.
-                unsafe { pack_a(&a, rb * MR, m, k, out) };
+                unsafe { pack_b(&b, j0, w, k, pb) };
+                for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
+                    // SAFETY: the packs hold kp pairs of MR rows and NC columns; features
+                    // checked.
+                    unsafe { micro(kp, pa[rb * a_block..].as_ptr(), pb.as_ptr(), &mut tile) };
+                    let i0 = (first + rb) * MR;
+                    for (r, t) in tile.chunks_exact(NC).take(MR.min(m - i0)).enumerate() {
+                        let at = (i0 + r) * n + j0;
+                        // SAFETY: tasks own disjoint (row range, panel) blocks of c.
+                        store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
+                    }
+                }
             }
         });
     }
-    let panels = n.div_ceil(NC);
-    let per_chunk = blocks.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, blocks));
-    let chunks = blocks.div_ceil(per_chunk);
-    let (out, pa, pbs) = (SharedMut::new(c), &*pa, SharedMut::new(pbs));
-    for_ranges(panels * chunks, 1, |tasks| {
-        // A task runs start to end on one pool thread, so the thread's slot is its own.
-        let slot = rayon::current_thread_index().unwrap_or(0) % slots;
-        // SAFETY: slots are disjoint and one thread uses one slot at a time.
-        let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
-        let mut tile = [0f32; MR * NC];
-        for task in tasks {
-            let (panel, chunk) = (task / chunks, task % chunks);
-            let (j0, w) = (panel * NC, NC.min(n - panel * NC));
-            // SAFETY: `available` was checked by the caller.
-            unsafe { pack_b(&b, j0, w, k, pb) };
-            for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(blocks) {
-                // SAFETY: the packs hold kp pairs of MR rows and NC columns; features checked.
-                unsafe { micro(kp, pa[rb * kp * MR..].as_ptr(), pb.as_ptr(), &mut tile) };
-                let i0 = rb * MR;
-                for (r, t) in tile.chunks_exact(NC).take(MR.min(m - i0)).enumerate() {
-                    let at = (i0 + r) * n + j0;
-                    // SAFETY: tasks own disjoint (row range, panel) blocks of c.
-                    store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
-                }
-            }
-        }
-    });
 }
 
 /// `row = round(init + t)` for the columns `j0..` of one output row.
@@ -308,6 +320,44 @@ unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A scratch that holds one B slot and one row block of A at a time gives the bits of one
+    /// that holds everything: passes of rows and fewer slots only reorder the same work.
+    #[test]
+    fn row_passes_and_fewer_slots_give_the_same_bits() {
+        if !available() {
+            return;
+        }
+        let (m, k, n) = (37, 70, 100);
+        let value = |i: usize| bf16::from_f32((i * 7 % 13) as f32 * 0.1 - 0.6);
+        let a: Vec<bf16> = (0..m * k).map(value).collect();
+        let b: Vec<bf16> = (0..k * n).map(|i| value(i + 5)).collect();
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+        let run = |len: usize, b_trans: bool| {
+            let mut c = vec![0f32; m * n];
+            let b = if b_trans {
+                Operand::new(&b[..], k, true)
+            } else {
+                Operand::new(&b[..], n, false)
+            };
+            let a = Operand::new(&a[..], k, false);
+            product(
+                &mut c,
+                a,
+                b,
+                (m, k, n),
+                Init::Bias(&bias),
+                &mut vec![0f32; len],
+            );
+            c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        let (a_block, b_len) = (k.div_ceil(2) * MR, k.div_ceil(2) * NC);
+        for b_trans in [false, true] {
+            let whole = run(1 << 16, b_trans);
+            assert_eq!(run(a_block + b_len, b_trans), whole, "one block a pass");
+            assert_eq!(run(3 * a_block + b_len + 7, b_trans), whole, "three a pass");
+        }
+    }
 
     #[test]
     fn transpose16_transposes() {

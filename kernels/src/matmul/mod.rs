@@ -37,8 +37,20 @@ pub enum DinpMode {
     Accumulate,
 }
 
-/// Preferred tile sizes (rows, depth, columns) when the scratch allows them.
+/// Preferred tile sizes (rows, depth, columns) when the scratch allows them. Rows are tiled
+/// even when nothing is widened: `gemm` computes a row-major product as its transpose and
+/// packs our rows into a buffer it allocates per call, as many as the L3 cache holds (26 MB
+/// for GPT-2's LM head weight gradient on a 32 MiB L3), outside every buffer the memory model
+/// counts; tiled, it is bounded ([`GemmWorkspace`]).
 const TILE: (usize, usize, usize) = (512, 1024, 1024);
+
+/// Rows beyond a tile that gemm's panel rounding may pack, on either operand (its widest
+/// register panel is 48 rows).
+const PANEL_SLACK: usize = 64;
+
+/// The most depth `gemm` packs at once on x86-64 (its `kc`: 512 unless the product is
+/// shallower, then split evenly), which with [`TILE`]'s rows bounds its pack.
+const GEMM_DEPTH_BLOCK: usize = 512;
 /// Smallest tile edge; scratch shorter than `3 · 16²` cannot hold one tile of each operand.
 const MIN_EDGE: usize = 16;
 
@@ -406,8 +418,9 @@ fn add_store<C: Float>(t: &[f32], dst: &mut [C]) {
 
 /// Tile sizes (rows, depth, cols) that fit `len` scratch elements given which of A, B and C
 /// need an f32 copy. Edges that size a widened block start at [`TILE`] and the largest of
-/// them is halved until the blocks fit; the others stay whole, so an all-f32 product is one
-/// gemm call.
+/// them is halved until the blocks fit; the others stay whole but for the rows, so an all-f32
+/// product is one gemm call per [`TILE`] rows. Row tiles leave every output element's k order,
+/// and so its bits, as one call gives them.
 fn tiles(
     (m, k, n): (usize, usize, usize),
     widen: (bool, bool, bool),
@@ -415,7 +428,14 @@ fn tiles(
 ) -> (usize, usize, usize) {
     let (wa, wb, wc) = widen;
     let used = [wa || wc, wa || wb, wb || wc];
-    let mut t = [m, k.max(1), n];
+    // Unwidened rows are cut into equal tiles of at most TILE.0: long enough (over 256 when cut
+    // at all) that gemm never takes its small-product path, whose depth blocks differ.
+    let rows = if used[0] {
+        m
+    } else {
+        m.div_ceil(m.div_ceil(TILE.0).max(1))
+    };
+    let mut t = [rows, k.max(1), n];
     for ((t, cap), used) in t.iter_mut().zip([TILE.0, TILE.1, TILE.2]).zip(used) {
         if used {
             *t = (*t).min(cap);
@@ -439,6 +459,29 @@ fn tiles(
 /// Scratch elements for tiles `t` when A, B, C (per flag) are widened.
 fn need(t: [usize; 3], (wa, wb, wc): (bool, bool, bool)) -> usize {
     wa as usize * t[0] * t[1] + wb as usize * t[1] * t[2] + wc as usize * t[0] * t[2]
+}
+
+/// What the `gemm` crate allocates for itself, outside the caller's buffers (so outside the
+/// accountant): the process overhead counts it (`scheduler::memory::process`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmWorkspace {
+    /// Per thread that runs gemm's kernels: its thread-local slab, one L2 cache (`gemm`'s own
+    /// reading of this CPU's caches).
+    pub per_thread: u64,
+    /// Per product in flight (one per rank thread): the packed operand, at most a depth block
+    /// of [`TILE`]'s rows rounded up to gemm's panels, and the other operand's prepacked
+    /// panels, at most two L2-sized macro panels and a panel's rounding.
+    pub per_call: u64,
+}
+
+/// [`GemmWorkspace`] on this CPU.
+pub fn gemm_workspace() -> GemmWorkspace {
+    let l2 = gemm_common::cache::CACHE_INFO[1].cache_bytes as u64;
+    let f32_bytes = std::mem::size_of::<f32>() as u64;
+    GemmWorkspace {
+        per_thread: l2,
+        per_call: f32_bytes * (GEMM_DEPTH_BLOCK * (TILE.0 + PANEL_SLACK)) as u64 + 2 * l2,
+    }
 }
 
 /// Median GFLOP/s of a 2048³ f32 product on the current rayon pool: the peak that model FLOP

@@ -102,10 +102,10 @@ impl DeviceKind {
     }
 
     /// What a rank pays beside its buffers, planned for before the node is known: a CUDA
-    /// context, or a CPU process of `process::PLANNING_THREADS` threads.
+    /// context, or a CPU process as [`process::CpuProcess::PLANNING`] describes it.
     pub fn overhead_bytes(self) -> u64 {
         match self {
-            DeviceKind::Cpu => process::overhead_bytes(process::PLANNING_THREADS),
+            DeviceKind::Cpu => process::CpuProcess::PLANNING.overhead_bytes(),
             DeviceKind::Cuda => CUDA_OVERHEAD_BYTES,
         }
     }

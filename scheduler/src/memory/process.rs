@@ -1,25 +1,60 @@
-//! The trainer process's own memory on CPU devices, beside the buffers its accountant counts:
-//! the binary and its libraries, the allocator's arenas, thread stacks, and the GEMM library's
-//! per-thread packing buffers. A process pays it once, on its first rank: ranks that are
-//! threads of one process share it, ranks that are processes each pay it.
+//! The trainer process's own memory on CPU devices, beside the buffers its accountant counts.
+//! A process pays it once, on its first rank: ranks that are threads of one process share it,
+//! ranks that are processes each pay it.
 //!
-//! `overhead(T) = BASELINE_BYTES + T × PACKING_BYTES_PER_THREAD`, where T counts the threads
-//! that run GEMMs: the kernel pool's and one per rank of the process.
+//! `overhead = resident at start + GROWTH_BYTES + threads × (STACK_BYTES + GEMM slab)
+//!             + ranks × GEMM call workspace`
+//!
+//! Measured where the process runs (`zerotrain train` reads them at start): its resident set
+//! before training (the binary's and libraries' touched pages, the runtime) and the GEMM
+//! library's workspace, which follows the CPU's L2 cache (`kernels::matmul::gemm_workspace`).
+//! Constants: the growth after start and each thread's stack. Planning, before a node is
+//! known, uses [`CpuProcess::PLANNING`].
 
-/// A trainer process's resident bytes outside its buffers: 10.0-11.2 MB measured (peak RSS
-/// less accounted bytes of `zerotrain train` gpt2-tiny, 1-8 kernel threads), with headroom for
-/// other builds and C libraries.
-pub const BASELINE_BYTES: u64 = 16 << 20;
+/// Resident bytes a process gains after it starts that no buffer accounts for: code pages
+/// first touched by training, the allocator's per-thread arenas, the ranks' and the agent's
+/// small allocations. Measured: 4-8 MB (peak RSS less accounted bytes, start resident set and
+/// GEMM workspace, `zerotrain train` gpt2-tiny to gpt2-124M, 1 and 4 ranks), with headroom.
+pub const GROWTH_BYTES: u64 = 12 << 20;
 
-/// Per GEMM thread: `gemm`'s thread-local packing slab, one L2 cache (1 MiB on the machine
-/// measured, 2 MiB on the largest current cores), and the thread's touched stack. Measured:
-/// 0.8 MB per added kernel thread (gpt2-124M fp32, 1 → 8 threads).
-pub const PACKING_BYTES_PER_THREAD: u64 = 2 << 20;
+/// Each thread's touched stack: the kernels keep row blocks and micro-tiles there (tens of
+/// KiB), the runtime a little more.
+pub const STACK_BYTES: u64 = 256 << 10;
 
-/// The threads planning assumes for a CPU process, whose node's cores it does not know.
-pub const PLANNING_THREADS: usize = 16;
+/// What a CPU trainer process is made of, as far as its own memory goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuProcess {
+    /// Its resident set before training starts.
+    pub resident_at_start: u64,
+    /// Threads that run GEMMs: the kernel pool's and one per rank.
+    pub threads: usize,
+    /// Ranks it runs as threads, each with one GEMM in flight.
+    pub ranks: usize,
+    /// The GEMM library's slab per thread.
+    pub gemm_per_thread: u64,
+    /// The GEMM library's workspace per product in flight.
+    pub gemm_per_call: u64,
+}
 
-/// The overhead of a process whose GEMMs run on `threads` threads.
-pub fn overhead_bytes(threads: usize) -> u64 {
-    BASELINE_BYTES + threads as u64 * PACKING_BYTES_PER_THREAD
+impl CpuProcess {
+    /// What planning assumes for a CPU rank, whose node's cores it does not know: a 16-thread
+    /// process of one rank on cores with 2 MiB of L2 (the largest current x86 cores), starting
+    /// with 16 MiB resident (10 MB measured for `zerotrain`).
+    pub const PLANNING: CpuProcess = CpuProcess {
+        resident_at_start: 16 << 20,
+        threads: 16,
+        ranks: 1,
+        gemm_per_thread: 2 << 20,
+        // `kernels::matmul::gemm_workspace` on such cores: a depth block of 512 of 512 rows
+        // and a panel's rounding (64) in f32, and two L2-sized panels of the other operand.
+        gemm_per_call: 4 * 512 * (512 + 64) + 2 * (2 << 20),
+    };
+
+    /// Resident bytes outside the accounted buffers.
+    pub fn overhead_bytes(&self) -> u64 {
+        self.resident_at_start
+            + GROWTH_BYTES
+            + self.threads as u64 * (STACK_BYTES + self.gemm_per_thread)
+            + self.ranks as u64 * self.gemm_per_call
+    }
 }
