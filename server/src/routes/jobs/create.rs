@@ -16,7 +16,7 @@ use wire::artifact::Artifact;
 use crate::app::AppState;
 use crate::artifacts;
 use crate::auth::Submitter;
-use crate::domain::{Job, JobState};
+use crate::domain::{Job, JobId, JobState};
 use crate::error::{ApiError, Problem};
 use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
@@ -127,7 +127,7 @@ pub async fn create(
     };
     let now = state.now_ms();
     let job = Job {
-        id: uuid::Uuid::now_v7().to_string(),
+        id: JobId::mint(),
         name: parsed.spec.name.clone(),
         state: JobState::Queued,
         priority: params.priority,
@@ -242,7 +242,7 @@ async fn source_job(
     field: &str,
     id: &str,
 ) -> Result<(Job, Vec<crate::store::ArtifactRecord>), ApiError> {
-    let Some(job) = state.store.get_job(id).await? else {
+    let Some(job) = state.store.get_job(&JobId::from(id)).await? else {
         return Err(ApiError::spec(field, format!("no job {id:?}")));
     };
     let listed = artifacts::of_job(state, &job).await?;
