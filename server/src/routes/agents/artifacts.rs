@@ -142,9 +142,7 @@ pub async fn download(
     // The files of the checkpoint another job's spec resumes from are that job's (this job's
     // own checkpoints come after it, at later steps).
     let owner = match &job.spec.resume_from {
-        Some(from) if Artifact::step_of(&name) == from.checkpoint_step() => {
-            JobId::from(from.job.as_str())
-        }
+        Some(from) if Artifact::step_of(&name) == Some(from.step) => JobId::from(from.job.as_str()),
         _ => job_id,
     };
     file(&state, &owner, &name).await

@@ -207,8 +207,7 @@ async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, 
                 Some(other) => crate::artifacts::of_job(state, &other).await?,
                 None => Vec::new(),
             };
-            let step = from.checkpoint_step().expect("admission checked the name");
-            (step, listed)
+            (from.step, listed)
         } else {
             return Ok(None);
         };
