@@ -17,7 +17,7 @@ use fantoccini::wd::WebDriverCompatibleCommand;
 use fantoccini::{Client, ClientBuilder, Locator};
 use scheduler::memory::Category;
 use serde_json::{Value, json};
-use server::domain::{Job, JobState, StepRecord};
+use server::domain::{Job, JobId, JobState, StepRecord};
 
 const ADMIN: &str = "zt_console_admin";
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -503,9 +503,13 @@ async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
             .ok_or(format!("nodes not lost yet: {nodes:?}"))
     })
     .await;
-    let template = store.get_job(&job_a).await.unwrap().unwrap();
+    let template = store
+        .get_job(&job_a.as_str().into())
+        .await
+        .unwrap()
+        .unwrap();
     let seeded = Job {
-        id: String::new(),
+        id: JobId::from(String::new()),
         name: Some("console-validated".into()),
         reason: String::new(),
         created_at: 0,

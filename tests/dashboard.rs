@@ -26,10 +26,10 @@ fn exported() -> String {
         validation_loss: Some(3.5),
     };
     let model = scheduler::spec::Architecture::Gpt(scheduler::model::Preset::Tiny.shape());
-    m.observe_step("j", &model, &step);
+    m.observe_step(&"j".into(), &model, &step);
     let sent = BTreeMap::from([(Op::AllReduce, 8u64)]);
     let b = Breakdown::default();
-    m.observe_memory("j", 0, &b, &b, Some(1 << 30), &sent);
+    m.observe_memory(&"j".into(), 0, &b, &b, Some(1 << 30), &sent);
     m.server.queue_wait_seconds.observe(1.0);
     m.server.scheduling_pass_duration_seconds.observe(0.01);
     m.server

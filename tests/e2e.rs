@@ -753,7 +753,7 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
     let id = job_id(&created);
     // Once the server has committed a checkpoint, the node's network goes quiet.
     poll(120 * second, Duration::from_millis(10), || async {
-        let n = store.checkpoints(&id).await.unwrap().len();
+        let n = store.checkpoints(&id.as_str().into()).await.unwrap().len();
         (n > 0)
             .then_some(())
             .ok_or("no checkpoint committed".to_string())
@@ -763,7 +763,7 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
     // Past the heartbeat timeout its node is lost and the job requeued, while the agent, cut
     // off, trains on and writes a checkpoint the server never receives.
     s.wait_state(&id, "queued", 30 * second).await;
-    let committed = store.checkpoints(&id).await.unwrap();
+    let committed = store.checkpoints(&id.as_str().into()).await.unwrap();
     assert!(committed.iter().all(|c| c.attempt == 1), "{committed:?}");
     let committed = committed.iter().map(|c| c.step).max().unwrap();
     let zombie_dir = s
@@ -810,7 +810,7 @@ async fn a_node_cut_off_past_the_timeout_is_fenced_off_and_comes_back() {
     .await;
     let prometheus = s.call(reqwest::Method::GET, "/metrics").await;
     assert!(refused(&prometheus.text().await.unwrap()) > 0);
-    let recorded = store.checkpoints(&id).await.unwrap();
+    let recorded = store.checkpoints(&id.as_str().into()).await.unwrap();
     assert!(
         recorded
             .iter()

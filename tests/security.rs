@@ -18,6 +18,7 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::http::{Method, Request, StatusCode, header};
 use serde_json::{Value, json};
+use server::domain::JobId;
 
 fn with_input(data: Option<Value>, init_from: Option<&str>) -> Value {
     let mut spec = json!({"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2}});
@@ -289,9 +290,9 @@ async fn a_job_past_its_wall_time_fails_with_that_reason_and_its_agent_is_told_t
     let running = vec![(id.clone(), 1)];
     // Within the hour nothing happens; past it the job fails.
     let within = server::scheduling::end_overdue(&app.state, app.state.now_ms() + 3_500_000).await;
-    assert_eq!(within.unwrap(), Vec::<String>::new());
+    assert_eq!(within.unwrap(), Vec::<JobId>::new());
     let past = server::scheduling::end_overdue(&app.state, app.state.now_ms() + 3_700_000).await;
-    assert_eq!(past.unwrap(), std::slice::from_ref(&id));
+    assert_eq!(past.unwrap(), [JobId::from(id.as_str())]);
     let job = app.job(&id).await;
     assert_eq!(job["state"], "failed");
     assert_eq!(job["reason"], "exceeded max_wall_time of 1h");
@@ -320,12 +321,12 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
         "checkpoints/step-00000010/manifest.json",
         "model.safetensors",
     ];
-    for id in [&done, &live] {
+    for id in [&done, &live].map(|id| JobId::from(id.as_str())) {
         for name in names {
             let body = futures::stream::iter([Ok::<_, std::io::Error>(
                 axum::body::Bytes::from_static(b"bytes"),
             )]);
-            let w = app.state.artifacts.put(id, 1, name, body).await.unwrap();
+            let w = app.state.artifacts.put(&id, 1, name, body).await.unwrap();
             let record = server::store::ArtifactRecord {
                 attempt: 1,
                 name: name.into(),
@@ -334,7 +335,7 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
                 sha256: w.sha256,
                 at: app.state.now_ms(),
             };
-            assert!(app.state.store.add_artifact(id, &record).await.unwrap());
+            assert!(app.state.store.add_artifact(&id, &record).await.unwrap());
         }
     }
     let kept = |id: &str| {
@@ -343,7 +344,7 @@ async fn finished_jobs_lose_their_checkpoints_after_the_retention_and_keep_the_m
             .join(id)
             .join("attempts/1");
         let store = &app.state.store;
-        let id = id.to_string();
+        let id = JobId::from(id);
         async move {
             let rows: Vec<String> = store
                 .artifacts(&id)

@@ -8,9 +8,9 @@ use proptest::prelude::*;
 use scheduler::memory::DeviceKind;
 use scheduler::model::{GptShape, Preset};
 use scheduler::spec::{
-    AdaFactor, Adam8bit, AdamW, Auto, Data, Dtype, DynamicLossScale, InitFrom, JobArtifact,
-    JobSpec, Lion, LossScale, LrSchedule, ModelSource, Momentum, Optimizer, Parsed, Purpose,
-    ScalerSemantics, Sgd, TokenizerSource, Validation, WarmupType, ZeroStage,
+    AdaFactor, Adam8bit, AdamW, Auto, CheckpointRef, Data, Dtype, DynamicLossScale, InitFrom,
+    JobArtifact, JobSpec, Lion, LossScale, LrSchedule, ModelSource, Momentum, Optimizer, Parsed,
+    Purpose, ScalerSemantics, Sgd, TokenizerSource, Validation, WarmupType, ZeroStage,
 };
 use scheduler::{Error, FieldError};
 use serde_json::{Value, json};
@@ -686,6 +686,65 @@ fn a_type_error_does_not_hide_its_block_s_range_checks() {
         ],
         "{fields:?}"
     );
+}
+
+#[test]
+fn a_resume_from_naming_no_checkpoint_is_refused_with_the_other_mistakes() {
+    // Its job, its name, its clash with `init_from` and another block's mistake, all at once.
+    let fields = refused_fields(
+        r#"{"model": {"preset": "gpt2-tiny", "init_from": "w.safetensors"}, "world_size": 0,
+            "resume_from": {"job": " ", "artifact": "model"}}"#,
+        Purpose::Train,
+    );
+    assert_eq!(
+        fields,
+        [
+            "world_size",
+            "resume_from.job",
+            "resume_from.artifact",
+            "model.init_from"
+        ]
+    );
+    // A member that fails to read leaves the rest checked, the steps against the checkpoint's.
+    let fields = refused_fields(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 2},
+            "resume_from": {"job": "j", "artifact": "checkpoints/step-00000002", "at": 1}}"#,
+        Purpose::Train,
+    );
+    assert_eq!(fields, ["resume_from.at", "training.steps"]);
+    // The same for a DeepSpeed config.
+    let fields = refused_fields(
+        r#"{"deepspeed": {"train_batch_size": 4}, "model": {"preset": "gpt2-tiny"},
+            "resume_from": {"job": "", "artifact": "checkpoints/step-2"}}"#,
+        Purpose::Train,
+    );
+    assert_eq!(fields, ["resume_from.job", "resume_from.artifact"]);
+}
+
+#[test]
+fn resume_from_holds_the_step_its_checkpoint_s_name_gives() {
+    let parsed = parse(
+        r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 200},
+            "resume_from": {"job": "j1", "artifact": "checkpoints/step-00000100"}}"#,
+    );
+    let want = CheckpointRef {
+        job: "j1".into(),
+        step: 100,
+    };
+    assert_eq!(parsed.spec.resume_from, Some(want));
+    let back = serde_json::to_value(&parsed.spec).unwrap();
+    assert_eq!(
+        back["resume_from"],
+        json!({"job": "j1", "artifact": "checkpoints/step-00000100"})
+    );
+    assert_eq!(
+        serde_json::from_value::<JobSpec>(back.clone()).unwrap(),
+        parsed.spec
+    );
+    // A stored spec's name is read as strictly.
+    let mut bad = back;
+    bad["resume_from"]["artifact"] = json!("model");
+    assert!(serde_json::from_value::<JobSpec>(bad).is_err());
 }
 
 #[test]

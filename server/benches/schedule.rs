@@ -26,7 +26,7 @@ use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
 use scheduler::queue::{OwnerQuota, RANKS_PER_PASS, decide};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
-use server::domain::{Job, JobState};
+use server::domain::{Job, JobId, JobState};
 use server::store::{Board, SchedulingPass, Store, token_hash};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -223,7 +223,7 @@ fn bench_job(i: usize, rng: &mut u64) -> Job {
     let per_rank = need_gb * GB;
     let name = format!("bench-{i}");
     Job {
-        id: String::new(),
+        id: JobId::from(String::new()),
         name: Some(name.clone()),
         state: JobState::Queued,
         priority,

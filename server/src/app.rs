@@ -29,7 +29,7 @@ use wire::data_roots::{DataRoots, RootsError};
 
 use crate::artifacts::{ArtifactError, Artifacts};
 use crate::console;
-use crate::domain::{Job, JobState, LogLine, StepRecord};
+use crate::domain::{Job, JobId, JobState, LogLine, NodeId, StepRecord};
 use crate::error::{ApiError, InternalDetail, problem_for_bare_errors};
 use crate::metrics::Metrics;
 use crate::routes;
@@ -62,7 +62,7 @@ pub struct App {
     /// `None` when any node may have one or must stop an attempt (a job was requeued,
     /// cancelled or failed, or a rendezvous address became known). Waiting heartbeats also
     /// look again every scheduling interval, for what another replica did.
-    pub agent_wake: broadcast::Sender<Option<String>>,
+    pub agent_wake: broadcast::Sender<Option<NodeId>>,
     /// Whether the last scheduling pass left devices free. While none are, a new job cannot
     /// start, and waking the scheduler for it would only make passes (which hold the store's
     /// scheduling lock) run back to back while jobs pour in.
@@ -92,26 +92,29 @@ impl Deref for AppState {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum JobEvent {
     State {
-        job_id: String,
+        #[schema(value_type = String)]
+        job_id: JobId,
         state: JobState,
         attempt: u32,
         reason: String,
         at: i64,
     },
     Step {
-        job_id: String,
+        #[schema(value_type = String)]
+        job_id: JobId,
         #[serde(flatten)]
         step: StepRecord,
     },
     Log {
-        job_id: String,
+        #[schema(value_type = String)]
+        job_id: JobId,
         #[serde(flatten)]
         line: LogLine,
     },
 }
 
 impl JobEvent {
-    pub fn job_id(&self) -> &str {
+    pub fn job_id(&self) -> &JobId {
         match self {
             JobEvent::State { job_id, .. }
             | JobEvent::Step { job_id, .. }
@@ -167,7 +170,7 @@ impl App {
     /// go after the grace period).
     pub async fn transition(
         &self,
-        id: &str,
+        id: &JobId,
         from: &[JobState],
         to: JobState,
         reason: &str,
@@ -182,7 +185,7 @@ impl App {
     /// `transition`, only if the job is still at `attempt` (for agents' reports).
     pub async fn transition_attempt(
         &self,
-        id: &str,
+        id: &JobId,
         attempt: u32,
         from: &[JobState],
         to: JobState,
@@ -221,9 +224,9 @@ impl App {
     }
 
     /// Wakes the waiting heartbeat of `node` (`None`: of every node).
-    pub fn wake_agents(&self, node: Option<&str>) {
+    pub fn wake_agents(&self, node: Option<&NodeId>) {
         // Nobody waiting is not an error.
-        let _ = self.agent_wake.send(node.map(str::to_string));
+        let _ = self.agent_wake.send(node.cloned());
     }
 
     pub fn publish(&self, event: JobEvent) {

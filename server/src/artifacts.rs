@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use wire::artifact::Artifact;
 
 use crate::app::App;
-use crate::domain::{Job, JobState};
+use crate::domain::{Job, JobId, JobState};
 use crate::settings::S3Options;
 use crate::store::{ArtifactRecord, CheckpointRecord, StoreError};
 
@@ -90,7 +90,7 @@ impl Artifacts {
     /// way; the object appears only once complete (a failed upload leaves none).
     pub async fn put<E: std::fmt::Display>(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         attempt: u32,
         name: &str,
         body: impl Stream<Item = Result<axum::body::Bytes, E>> + Unpin,
@@ -125,7 +125,7 @@ impl Artifacts {
     /// The bytes of `a` (those in `range`, when given), as a stream.
     pub async fn get(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         a: &ArtifactRecord,
         range: Option<Range<u64>>,
     ) -> Result<impl Stream<Item = Result<axum::body::Bytes, ArtifactError>> + use<>, ArtifactError>
@@ -144,7 +144,7 @@ impl Artifacts {
     /// Removes every object of `job_id` that `keep` does not hold; how many went.
     pub async fn remove(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         keep: impl Fn(&str) -> bool,
     ) -> Result<usize, ArtifactError> {
         let prefix = Key::from(format!("jobs/{job_id}"));
@@ -166,7 +166,7 @@ impl Artifacts {
 }
 
 /// The object of `name` by `attempt` of `job_id`.
-pub fn key(job_id: &str, attempt: u32, name: &str) -> Key {
+pub fn key(job_id: &JobId, attempt: u32, name: &str) -> Key {
     Key::from(format!("jobs/{job_id}/attempts/{attempt}/{name}"))
 }
 

@@ -123,7 +123,7 @@ impl FromRequestParts<AppState> for AgentNode {
         let UrlPath(params) =
             UrlPath::<std::collections::HashMap<String, String>>::from_request_parts(parts, state)
                 .await?;
-        if params.get("node") != Some(&node.id) {
+        if params.get("node").map(String::as_str) != Some(node.id.as_str()) {
             return Err(ApiError::Forbidden {
                 needed: "this node's agent",
             });

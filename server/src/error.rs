@@ -11,7 +11,7 @@ use scheduler::plan::{Candidate, NoFit};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::domain::JobState;
+use crate::domain::{JobId, JobState, NodeId};
 use crate::store::StoreError;
 
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -49,9 +49,9 @@ pub enum ApiError {
     )]
     NoDevicesOfKind(DeviceKind),
     #[error("the Idempotency-Key was used for job {job_id} with a different spec")]
-    IdempotencyConflict { job_id: String },
+    IdempotencyConflict { job_id: JobId },
     #[error("job {id} is already {}", state.as_str())]
-    JobFinished { id: String, state: JobState },
+    JobFinished { id: JobId, state: JobState },
     #[error("a token named {name:?} exists; revoke it first or choose another name")]
     TokenNameTaken { name: String },
     #[error("{name:?} is the last admin token; create another admin token first")]
@@ -62,7 +62,7 @@ pub enum ApiError {
     )]
     LastJoin { name: String },
     #[error("node {id} was declared lost; register again")]
-    NodeLost { id: String },
+    NodeLost { id: NodeId },
     /// An agent's upload this node may not make (see `wire::agent::RefusalReason`).
     #[error("{what}: refused ({})", reason.as_str())]
     Refused {

@@ -16,7 +16,7 @@ use scheduler::spec::Architecture;
 use wire::Op;
 use wire::agent::RefusalReason;
 
-use crate::domain::{JobState, StepRecord};
+use crate::domain::{JobId, JobState, StepRecord};
 
 wire::metrics! {
     /// The server's own series.
@@ -131,7 +131,8 @@ impl Metrics {
     }
 
     /// A step of `job`, whose model is `model`.
-    pub fn observe_step(&self, job: &str, model: &Architecture, step: &StepRecord) {
+    pub fn observe_step(&self, job: &JobId, model: &Architecture, step: &StepRecord) {
+        let job = job.as_str();
         let t = &self.training;
         let mut series = self.job_series.lock().expect("metrics lock");
         let series = series.entry(job.to_string()).or_default();
@@ -171,13 +172,14 @@ impl Metrics {
     /// rank started, so the counters advance by what is new.
     pub fn observe_memory(
         &self,
-        job: &str,
+        job: &JobId,
         rank: u32,
         measured: &Breakdown,
         predicted: &Breakdown,
         device_used: Option<u64>,
         comm_bytes_sent: &std::collections::BTreeMap<Op, u64>,
     ) {
+        let job = job.as_str();
         let rank = rank.to_string();
         let mut series = self.job_series.lock().expect("metrics lock");
         let series = series.entry(job.to_string()).or_default();
@@ -210,7 +212,7 @@ impl Metrics {
     }
 
     /// Marks `job` ended: its series go after `ttl` (see `expire`).
-    pub fn job_ended(&self, job: &str) {
+    pub fn job_ended(&self, job: &JobId) {
         self.ended
             .lock()
             .expect("metrics lock")
@@ -288,7 +290,7 @@ mod tests {
     #[test]
     fn series_are_named_with_the_prefix_and_help_from_the_doc_comment() {
         let m = Metrics::default();
-        m.observe_step("j1", &llama_tiny(), &step(true));
+        m.observe_step(&"j1".into(), &llama_tiny(), &step(true));
         let text = m.render();
         assert!(
             text.contains("# HELP zerotrain_training_loss Training loss of the job's last step."),
@@ -307,14 +309,21 @@ mod tests {
     #[test]
     fn a_jobs_series_go_once_it_has_ended_and_the_grace_period_passed() {
         let m = Metrics::default();
-        m.observe_step("j1", &llama_tiny(), &step(false));
-        m.observe_step("j2", &llama_tiny(), &step(false));
+        m.observe_step(&"j1".into(), &llama_tiny(), &step(false));
+        m.observe_step(&"j2".into(), &llama_tiny(), &step(false));
         let bytes = Breakdown {
             params: 10,
             ..Breakdown::default()
         };
-        m.observe_memory("j1", 0, &bytes, &bytes, Some(1 << 30), &Default::default());
-        m.job_ended("j1");
+        m.observe_memory(
+            &"j1".into(),
+            0,
+            &bytes,
+            &bytes,
+            Some(1 << 30),
+            &Default::default(),
+        );
+        m.job_ended(&"j1".into());
         m.expire(Duration::from_secs(3600));
         assert!(m.render().contains("job=\"j1\""));
         m.expire(Duration::ZERO);
@@ -327,17 +336,17 @@ mod tests {
     fn the_validation_loss_gauge_keeps_the_last_validated_step_and_goes_with_the_job() {
         let m = Metrics::default();
         let series = "zerotrain_training_validation_loss{job=\"j1\"}";
-        m.observe_step("j1", &llama_tiny(), &step(false));
+        m.observe_step(&"j1".into(), &llama_tiny(), &step(false));
         assert!(!m.render().contains(series), "no step validated yet");
         let validated = StepRecord {
             validation_loss: Some(3.25),
             ..step(false)
         };
-        m.observe_step("j1", &llama_tiny(), &validated);
-        m.observe_step("j1", &llama_tiny(), &step(false));
+        m.observe_step(&"j1".into(), &llama_tiny(), &validated);
+        m.observe_step(&"j1".into(), &llama_tiny(), &step(false));
         let text = m.render();
         assert!(text.contains(&format!("{series} 3.25")), "{text}");
-        m.job_ended("j1");
+        m.job_ended(&"j1".into());
         m.expire(Duration::ZERO);
         assert!(!m.render().contains(series));
     }
@@ -349,9 +358,9 @@ mod tests {
         let mut sent = std::collections::BTreeMap::new();
         let op = Op::AllGather;
         sent.insert(op, 100);
-        m.observe_memory("j", 1, &b, &b, None, &sent);
+        m.observe_memory(&"j".into(), 1, &b, &b, None, &sent);
         sent.insert(op, 250);
-        m.observe_memory("j", 1, &b, &b, None, &sent);
+        m.observe_memory(&"j".into(), 1, &b, &b, None, &sent);
         let c = m
             .training
             .training_comm_bytes_total

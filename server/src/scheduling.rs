@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use scheduler::queue::{OwnerQuota, RANKS_PER_PASS, decide};
 
 use crate::app::{AppState, JobEvent};
-use crate::domain::JobState;
+use crate::domain::{JobId, JobState, NodeId};
 use crate::retention;
 use crate::store::{Placement, StoreError};
 
@@ -93,7 +93,7 @@ pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
         let waited = (p.at - p.queued_at).max(0) as f64 / 1000.0;
         state.metrics.server.queue_wait_seconds.observe(waited);
         state.publish(JobEvent::State {
-            job_id: p.job_id.clone(),
+            job_id: JobId::from(p.job_id.as_str()),
             state: JobState::Scheduled,
             attempt: p.attempt,
             reason: p.reason.clone(),
@@ -107,7 +107,7 @@ pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
     nodes.sort_unstable();
     nodes.dedup();
     for node in nodes {
-        state.wake_agents(Some(node));
+        state.wake_agents(Some(&NodeId::from(node)));
     }
     housekeeping(state).await?;
     state
@@ -149,7 +149,7 @@ async fn housekeeping(state: &AppState) -> Result<(), StoreError> {
 
 /// Fails every job whose current attempt has held its devices longer than `max_wall_time` at
 /// `now`; its agents are told to stop at their next heartbeat. Returns the jobs failed.
-pub async fn end_overdue(state: &AppState, now: i64) -> Result<Vec<String>, StoreError> {
+pub async fn end_overdue(state: &AppState, now: i64) -> Result<Vec<JobId>, StoreError> {
     let limit = state.settings.limits.max_wall_time;
     let cutoff = now.saturating_sub(i64::try_from(limit.as_millis()).unwrap_or(i64::MAX));
     let reason = format!("exceeded max_wall_time of {}", short_duration(limit));

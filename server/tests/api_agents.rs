@@ -18,7 +18,7 @@ use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::{Auto, ZeroStage};
 use serde_json::json;
-use server::domain::JobState;
+use server::domain::{JobId, JobState};
 use tower::ServiceExt;
 use wire::Op;
 use wire::agent::{Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report};
@@ -388,7 +388,13 @@ async fn a_server_that_just_started_gives_silent_nodes_one_timeout_to_come_back(
     app.schedule().await;
     // Silent for twice the timeout, as across a long server restart.
     let long_ago = app.state.now_ms() - 1_200_000;
-    assert!(app.state.store.heartbeat(&node.0, long_ago).await.unwrap());
+    assert!(
+        app.state
+            .store
+            .heartbeat(&node.0.as_str().into(), long_ago)
+            .await
+            .unwrap()
+    );
     app.schedule().await;
     assert_eq!(app.job(&id).await["state"], "scheduled");
     assert!(app.beat(&node, vec![], vec![]).await.assignments.len() == 1);
@@ -605,7 +611,14 @@ async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_coun
     assert_eq!(m["ranks"], json!([]), "{m}");
     let logs = app.get(&format!("/v1/jobs/{id}/logs")).await.json();
     assert_eq!(logs["lines"], json!([]), "{logs}");
-    assert!(app.state.store.checkpoints(&id).await.unwrap().is_empty());
+    assert!(
+        app.state
+            .store
+            .checkpoints(&id.as_str().into())
+            .await
+            .unwrap()
+            .is_empty()
+    );
 
     // The owner's own reports still go through.
     let reply = app
@@ -687,7 +700,12 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
     // neither its reports nor its uploads count.
     let requeued = app
         .state
-        .transition(&id, &[JobState::Running], JobState::Queued, "requeued")
+        .transition(
+            &id.as_str().into(),
+            &[JobState::Running],
+            JobState::Queued,
+            "requeued",
+        )
         .await
         .unwrap();
     assert!(requeued.is_some());
@@ -829,7 +847,12 @@ async fn a_node_uploads_only_its_own_ranks_files_and_only_artifact_names() {
         .await;
     assert_eq!(person.status, StatusCode::FORBIDDEN, "{}", person.text);
     // Nothing refused was written: the store holds the two accepted files alone.
-    let stored = app.state.store.artifacts(&id).await.unwrap();
+    let stored = app
+        .state
+        .store
+        .artifacts(&id.as_str().into())
+        .await
+        .unwrap();
     let names: Vec<&str> = stored.iter().map(|a| a.name.as_str()).collect();
     assert_eq!(names, [rank_file(0), rank_file(1)]);
     let mut on_disk: Vec<String> = walk(app.state.settings.artifacts().as_ref());
@@ -943,7 +966,7 @@ async fn artifacts_go_to_s3_under_the_configured_prefix() {
         s.s3 = options;
     })
     .await;
-    let id = downloads_serve_byte_ranges(&app).await;
+    let id = JobId::from(downloads_serve_byte_ranges(&app).await);
 
     // The objects are in the bucket under the prefix, where the store's records say.
     let object = format!("{bucket}/team/a/jobs/{id}/attempts/1/model.safetensors");

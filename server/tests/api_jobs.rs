@@ -426,8 +426,16 @@ fn with_device(world_size: u32, device: &str) -> Value {
 
 /// The node and device index each rank of job `id` was placed on, by rank.
 async fn placed_on(app: &TestApp, id: &str) -> Vec<(String, u32)> {
-    let ranks = app.state.store.assignments_for_job(id).await.unwrap();
-    ranks.into_iter().map(|a| (a.node_id, a.device)).collect()
+    let ranks = app
+        .state
+        .store
+        .assignments_for_job(&id.into())
+        .await
+        .unwrap();
+    ranks
+        .into_iter()
+        .map(|a| (a.node_id.into(), a.device))
+        .collect()
 }
 
 #[tokio::test]

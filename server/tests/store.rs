@@ -17,7 +17,7 @@ use scheduler::memory::{Breakdown, DeviceKind};
 use scheduler::plan::{Choices, Plan};
 use scheduler::queue::{Decision, HeldRanks, QueuedJob};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
-use server::domain::{Job, JobState, LogLine, RankMemoryRecord, Role, StepRecord};
+use server::domain::{Job, JobId, JobState, LogLine, NodeId, RankMemoryRecord, Role, StepRecord};
 use server::store::{
     ArtifactRecord, Backend, Board, JobFilter, JobSort, Placement, Revoked, Store, StoreError,
     token_hash,
@@ -216,7 +216,7 @@ suite! {
 
 fn job(name: &str, owner: &str, priority: i32, world_size: u32) -> Job {
     Job {
-        id: String::new(),
+        id: JobId::from(String::new()),
         name: Some(name.to_string()),
         state: JobState::Queued,
         priority,
@@ -329,7 +329,7 @@ fn first_fit<'a>(
             taken[i] = true;
         }
         decisions.push(Decision {
-            job_id: job.id.clone(),
+            job_id: job.id.to_string(),
             slots: picks
                 .iter()
                 .map(|&i| (free[i].node_id.clone(), free[i].device))
@@ -386,7 +386,7 @@ fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-fn ids(jobs: &[Job]) -> Vec<String> {
+fn ids(jobs: &[Job]) -> Vec<JobId> {
     jobs.iter().map(|j| j.id.clone()).collect()
 }
 
@@ -411,9 +411,9 @@ async fn insert_and_get_round_trip_every_field(db: TestDb) {
     let mut submitted = job("tiny", "alice", 7, 4);
     submitted.unsupported_keys = vec!["a".into(), "b".into()];
     let inserted = db.store.insert_job(&submitted, None).await.unwrap();
-    assert_eq!(inserted.id.len(), 36, "a UUID: {}", inserted.id);
+    assert_eq!(inserted.id.as_str().len(), 36, "a UUID: {}", inserted.id);
     assert_eq!(
-        uuid::Uuid::parse_str(&inserted.id)
+        uuid::Uuid::parse_str(inserted.id.as_str())
             .unwrap()
             .get_version_num(),
         7
@@ -436,7 +436,7 @@ async fn insert_and_get_round_trip_every_field(db: TestDb) {
 
     // An id and a name chosen by the caller are kept; a job may have no name.
     let mut named = job("x", "bob", 0, 1);
-    named.id = uuid::Uuid::now_v7().to_string();
+    named.id = uuid::Uuid::now_v7().to_string().into();
     named.name = None;
     let inserted = db.store.insert_job(&named, None).await.unwrap();
     assert_eq!(inserted.id, named.id);
@@ -447,7 +447,7 @@ async fn insert_and_get_round_trip_every_field(db: TestDb) {
 }
 
 async fn get_of_an_unknown_id_is_none(db: TestDb) {
-    assert_eq!(db.store.get_job("no-such-job").await.unwrap(), None);
+    assert_eq!(db.store.get_job(&"no-such-job".into()).await.unwrap(), None);
 }
 
 async fn list_is_newest_first_and_filters_by_state_and_name(db: TestDb) {
@@ -499,7 +499,7 @@ async fn list_pages_with_the_before_cursor(db: TestDb) {
     for i in 0..7 {
         submitted.push(submit(&db.store, &format!("job-{i}"), 0, 1).await.id);
     }
-    let newest_first: Vec<String> = submitted.iter().rev().cloned().collect();
+    let newest_first: Vec<JobId> = submitted.iter().rev().cloned().collect();
     let mut pages = Vec::new();
     let mut before = None;
     loop {
@@ -727,7 +727,12 @@ async fn a_transition_from_a_stale_state_changes_nothing(db: TestDb) {
     // An unknown job is None too.
     assert_eq!(
         db.store
-            .transition("nope", &[JobState::Queued], JobState::Cancelled, "x")
+            .transition(
+                &"nope".into(),
+                &[JobState::Queued],
+                JobState::Cancelled,
+                "x"
+            )
             .await
             .unwrap(),
         None
@@ -789,7 +794,7 @@ async fn transitions_are_recorded_in_order_with_reasons(db: TestDb) {
     let done = s.get_job(&j.id).await.unwrap().unwrap();
     assert_eq!(done.reason, "finished");
     assert_eq!(done.attempt, 2);
-    assert!(s.transitions("nope").await.unwrap().is_empty());
+    assert!(s.transitions(&"nope".into()).await.unwrap().is_empty());
 }
 
 async fn a_transition_at_a_stale_attempt_changes_nothing(db: TestDb) {
@@ -945,7 +950,12 @@ async fn a_registered_node_is_found_by_its_token_hash(db: TestDb) {
         .register_node("gpu-1", "10.0.0.7", &devs, &token_hash("secret"))
         .await
         .unwrap();
-    assert_eq!(uuid::Uuid::parse_str(&n.id).unwrap().get_version_num(), 7);
+    assert_eq!(
+        uuid::Uuid::parse_str(n.id.as_str())
+            .unwrap()
+            .get_version_num(),
+        7
+    );
     assert_eq!(n.devices, devs);
     assert!(!n.lost);
     let found = db
@@ -972,7 +982,7 @@ async fn heartbeats_of_unknown_or_lost_nodes_are_refused(db: TestDb) {
     let at = n.last_heartbeat + 5_000;
     assert!(db.store.heartbeat(&n.id, at).await.unwrap());
     assert_eq!(db.store.nodes().await.unwrap()[0].last_heartbeat, at);
-    assert!(!db.store.heartbeat("unknown", at).await.unwrap());
+    assert!(!db.store.heartbeat(&"unknown".into(), at).await.unwrap());
     db.store.reap_lost_nodes(at + 1).await.unwrap();
     assert!(db.store.nodes().await.unwrap()[0].lost);
     assert!(!db.store.heartbeat(&n.id, at + 2).await.unwrap());
@@ -997,16 +1007,16 @@ async fn reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices(db: T
         };
         vec![
             Decision {
-                job_id: on_quiet.id.clone(),
-                slots: vec![slot(&quiet.id, 0)],
+                job_id: on_quiet.id.to_string(),
+                slots: vec![slot(quiet.id.as_str(), 0)],
             },
             Decision {
-                job_id: across.id.clone(),
-                slots: vec![slot(&quiet.id, 1), slot(&alive.id, 0)],
+                job_id: across.id.to_string(),
+                slots: vec![slot(quiet.id.as_str(), 1), slot(alive.id.as_str(), 0)],
             },
             Decision {
-                job_id: on_alive.id.clone(),
-                slots: vec![slot(&alive.id, 1)],
+                job_id: on_alive.id.to_string(),
+                slots: vec![slot(alive.id.as_str(), 1)],
             },
         ]
     })
@@ -1056,7 +1066,7 @@ async fn reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices(db: T
     let (free, _) = schedule_first_fit(s).await;
     let free_slots: Vec<(String, u32)> =
         free.iter().map(|f| (f.node_id.clone(), f.device)).collect();
-    assert_eq!(free_slots, vec![(alive.id.clone(), 0)]);
+    assert_eq!(free_slots, vec![(alive.id.to_string(), 0)]);
     // Reaping again finds nothing new.
     assert!(s.reap_lost_nodes(t - 1).await.unwrap().is_empty());
 }
@@ -1123,7 +1133,10 @@ async fn schedule_shows_the_queue_by_priority_then_age_and_the_free_devices(db: 
     .await;
     assert!(applied.is_empty());
     let (queue, free) = seen;
-    assert_eq!(queue, vec![high.id, mid.id, low_old.id.clone(), low_new.id]);
+    assert_eq!(
+        queue,
+        [high.id, mid.id, low_old.id.clone(), low_new.id].map(String::from)
+    );
     let slots: Vec<(String, u32, u64)> = free
         .iter()
         .map(|f| (f.node_id.clone(), f.device, f.spec.memory_bytes))
@@ -1131,9 +1144,9 @@ async fn schedule_shows_the_queue_by_priority_then_age_and_the_free_devices(db: 
     assert_eq!(
         slots,
         vec![
-            (n1.id.clone(), 0, 16 * GB),
-            (n1.id.clone(), 1, 16 * GB),
-            (n2.id.clone(), 0, 16 * GB)
+            (n1.id.to_string(), 0, 16 * GB),
+            (n1.id.to_string(), 1, 16 * GB),
+            (n2.id.to_string(), 0, 16 * GB)
         ]
     );
     // Nothing was decided, so nothing moved.
@@ -1154,7 +1167,7 @@ async fn schedule_never_hands_out_a_held_device(db: TestDb) {
     assert_eq!(free.len(), 8);
     assert_eq!(
         applied.iter().map(|d| d.job_id.clone()).collect::<Vec<_>>(),
-        vec![big.id.clone(), small.id.clone()]
+        vec![big.id.to_string(), small.id.to_string()]
     );
     let reasons = [&big, &small].map(|j| j.id.clone());
     let mut got = Vec::new();
@@ -1181,7 +1194,7 @@ async fn schedule_never_hands_out_a_held_device(db: TestDb) {
         .await
         .unwrap()
         .into_iter()
-        .map(|a| (a.node_id, a.device))
+        .map(|a| (a.node_id.to_string(), a.device))
         .collect();
     s.transition(
         &small.id,
@@ -1196,7 +1209,7 @@ async fn schedule_never_hands_out_a_held_device(db: TestDb) {
     let free: Vec<(String, u32)> = free.into_iter().map(|f| (f.node_id, f.device)).collect();
     assert_eq!(free, small_devices);
     assert_eq!(applied.len(), 1);
-    assert_eq!(applied[0].job_id, too_big.id);
+    assert_eq!(applied[0].job_id, too_big.id.as_str());
     assert_eq!(applied[0].slots, small_devices);
 }
 
@@ -1209,21 +1222,21 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
     let b = submit(s, "b", 0, 2).await;
     let c = submit(s, "c", 0, 1).await;
     let d = submit(s, "d", 0, 1).await;
-    let slot = |device: u32| (n.id.clone(), device);
+    let slot = |device: u32| (n.id.to_string(), device);
     let decisions = vec![
         // A held device.
         Decision {
-            job_id: a.id.clone(),
+            job_id: a.id.to_string(),
             slots: vec![slot(0)],
         },
         // Too few slots for the world size.
         Decision {
-            job_id: b.id.clone(),
+            job_id: b.id.to_string(),
             slots: vec![slot(1)],
         },
         // A job that is not queued, and one that does not exist.
         Decision {
-            job_id: holder.id.clone(),
+            job_id: holder.id.to_string(),
             slots: vec![slot(1)],
         },
         Decision {
@@ -1232,26 +1245,26 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
         },
         // A device that does not exist.
         Decision {
-            job_id: c.id.clone(),
+            job_id: c.id.to_string(),
             slots: vec![slot(7)],
         },
         // Valid.
         Decision {
-            job_id: d.id.clone(),
+            job_id: d.id.to_string(),
             slots: vec![slot(1)],
         },
         // The same job again, and a device already given in this pass.
         Decision {
-            job_id: d.id.clone(),
+            job_id: d.id.to_string(),
             slots: vec![slot(2)],
         },
         Decision {
-            job_id: c.id.clone(),
+            job_id: c.id.to_string(),
             slots: vec![slot(1)],
         },
         // The same device twice in one job.
         Decision {
-            job_id: b.id.clone(),
+            job_id: b.id.to_string(),
             slots: vec![slot(2), slot(2)],
         },
     ];
@@ -1259,7 +1272,7 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
     assert_eq!(
         self::decisions(&applied),
         vec![Decision {
-            job_id: d.id.clone(),
+            job_id: d.id.to_string(),
             slots: vec![slot(1)]
         }]
     );
@@ -1290,11 +1303,15 @@ async fn schedule_ignores_devices_of_lost_nodes(db: TestDb) {
     let one = submit(s, "one", 0, 1).await;
     let (free, applied) = schedule_first_fit(s).await;
     assert!(
-        free.iter().all(|f| f.node_id == live.id),
+        free.iter().all(|f| f.node_id == live.id.as_str()),
         "{free:?} {gone:?}"
     );
     assert_eq!(applied.len(), 1);
-    assert_eq!(applied[0].job_id, one.id, "the small job backfills");
+    assert_eq!(
+        applied[0].job_id,
+        one.id.as_str(),
+        "the small job backfills"
+    );
 }
 
 async fn assignments_are_listed_per_node_and_per_job(db: TestDb) {
@@ -1312,7 +1329,7 @@ async fn assignments_are_listed_per_node_and_per_job(db: TestDb) {
     let ranks: Vec<(u32, u32)> = on_n1[0].1.iter().map(|a| (a.rank, a.device)).collect();
     assert_eq!(ranks, vec![(0, 0), (1, 1)]);
     let on_n2 = s.assignments_for_node(&n2.id).await.unwrap();
-    let summary: Vec<(String, Vec<(u32, u32)>)> = on_n2
+    let summary: Vec<(JobId, Vec<(u32, u32)>)> = on_n2
         .iter()
         .map(|(j, a)| (j.id.clone(), a.iter().map(|a| (a.rank, a.device)).collect()))
         .collect();
@@ -1324,7 +1341,7 @@ async fn assignments_are_listed_per_node_and_per_job(db: TestDb) {
         ]
     );
     let all = s.assignments_for_job(&wide.id).await.unwrap();
-    let placed: Vec<(u32, String, u32, u32)> = all
+    let placed: Vec<(u32, NodeId, u32, u32)> = all
         .iter()
         .map(|a| (a.rank, a.node_id.clone(), a.device, a.attempt))
         .collect();
@@ -1358,7 +1375,12 @@ async fn assignments_are_listed_per_node_and_per_job(db: TestDb) {
     assert!(s.assignments_for_node(&n1.id).await.unwrap().is_empty());
     assert_eq!(s.assignments_for_node(&n2.id).await.unwrap().len(), 1);
     assert_eq!(s.assignments_for_job(&wide.id).await.unwrap(), all);
-    assert!(s.assignments_for_job("nope").await.unwrap().is_empty());
+    assert!(
+        s.assignments_for_job(&"nope".into())
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 async fn set_master_ignores_other_attempts(db: TestDb) {
@@ -1413,7 +1435,7 @@ async fn steps_round_trip_and_a_repeated_batch_changes_nothing(db: TestDb) {
     assert!(got[3].loss.is_nan() && got[3].tokens_per_second.is_nan());
     assert_eq!(got[3].loss_scale, 65536.0);
     assert_eq!(got[4], step(2, 2, 8.0));
-    assert!(s.steps("nope").await.unwrap().is_empty());
+    assert!(s.steps(&"nope".into()).await.unwrap().is_empty());
 }
 
 async fn a_steps_validation_loss_round_trips_and_is_absent_on_steps_without_one(db: TestDb) {
@@ -1467,7 +1489,7 @@ async fn rank_memory_is_replaced_per_rank(db: TestDb) {
         s.rank_memory(&j.id).await.unwrap(),
         vec![record(0, 100), record(1, 200)]
     );
-    assert!(s.rank_memory("nope").await.unwrap().is_empty());
+    assert!(s.rank_memory(&"nope".into()).await.unwrap().is_empty());
 }
 
 async fn log_lines_are_numbered_per_job_and_paged_after_a_sequence_number(db: TestDb) {
@@ -1578,7 +1600,7 @@ async fn uploads_are_recorded_at_the_current_attempt_only_and_removed_by_kind(db
             .unwrap()
     );
     assert!(
-        !s.add_artifact("nope", &record(1, manifest, 7))
+        !s.add_artifact(&"nope".into(), &record(1, manifest, 7))
             .await
             .unwrap()
     );
@@ -1610,15 +1632,18 @@ async fn uploads_are_recorded_at_the_current_attempt_only_and_removed_by_kind(db
 
 async fn reports_for_an_unknown_job_fail_naming_it(db: TestDb) {
     let s = &db.store;
-    let unknown =
-        |r: Result<_, StoreError>| matches!(r, Err(StoreError::UnknownJob(id)) if id == "nope");
+    let unknown = |r: Result<_, StoreError>| matches!(r, Err(StoreError::UnknownJob(id)) if id.as_str() == "nope");
     assert!(unknown(
-        s.add_steps("nope", &[step(1, 0, 1.0)]).await.map(|_| ())
+        s.add_steps(&"nope".into(), &[step(1, 0, 1.0)])
+            .await
+            .map(|_| ())
     ));
     assert!(unknown(
-        s.append_logs("nope", &[(0, "x".into())]).await.map(|_| ())
+        s.append_logs(&"nope".into(), &[(0, "x".into())])
+            .await
+            .map(|_| ())
     ));
-    assert!(!s.add_checkpoint("nope", 1, 1).await.unwrap());
+    assert!(!s.add_checkpoint(&"nope".into(), 1, 1).await.unwrap());
     let memory = RankMemoryRecord {
         rank: 0,
         measured: breakdown(1),
@@ -1626,7 +1651,7 @@ async fn reports_for_an_unknown_job_fail_naming_it(db: TestDb) {
         comm_bytes_sent: BTreeMap::new(),
         process_peak_rss_bytes: None,
     };
-    assert!(unknown(s.set_rank_memory("nope", &memory).await));
+    assert!(unknown(s.set_rank_memory(&"nope".into(), &memory).await));
 }
 
 async fn tokens_are_stored_hashed_and_looked_up_with_their_role(db: TestDb) {
@@ -1700,7 +1725,7 @@ async fn the_database_refuses_a_second_holder_of_a_device(db: TestDb) {
     };
     // Another job on the held device.
     let second_holder = raw!(db, pool => {
-        sqlx::query(&insert(&other.id, 1, 0)).execute(pool).await.map(|_| ())
+        sqlx::query(&insert(other.id.as_str(), 1, 0)).execute(pool).await.map(|_| ())
     });
     assert!(second_holder.is_err(), "a device held twice");
     // The same attempt and rank placed twice.
@@ -1714,12 +1739,12 @@ async fn the_database_refuses_a_second_holder_of_a_device(db: TestDb) {
     .unwrap()
     .unwrap();
     let replaced = raw!(db, pool => {
-        sqlx::query(&insert(&held.id, 1, 0)).execute(pool).await.map(|_| ())
+        sqlx::query(&insert(held.id.as_str(), 1, 0)).execute(pool).await.map(|_| ())
     });
     assert!(replaced.is_err(), "an attempt placed twice");
     // Once released, the device may be held again.
     let next = raw!(db, pool => {
-        sqlx::query(&insert(&other.id, 1, 0)).execute(pool).await.map(|_| ())
+        sqlx::query(&insert(other.id.as_str(), 1, 0)).execute(pool).await.map(|_| ())
     });
     next.unwrap();
 }
@@ -1875,7 +1900,7 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
         "decisions applied = attempts scheduled"
     );
     assert!(placed > JOBS, "some jobs ran twice after node-2 was lost");
-    let ranks: Vec<(String, i64, i64, i64)> = raw!(db, pool => {
+    let ranks: Vec<(JobId, i64, i64, i64)> = raw!(db, pool => {
         sqlx::query_as(
             "SELECT job_id, attempt, COUNT(*), MAX(rank) FROM assignments GROUP BY job_id, attempt",
         )
@@ -2188,15 +2213,15 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     let c = submit(s, "c", 0, 4).await;
     let first = kept_pass(s, &mut board).await;
     assert!(first.loaded);
-    assert_eq!(placed_ids(&first), [a.id.clone(), b.id.clone()]);
+    assert_eq!(placed_ids(&first), [a.id.to_string(), b.id.to_string()]);
     assert_eq!(board.held_ranks()["bob"], 2);
     let idle = kept_pass(s, &mut board).await;
     assert!(!idle.loaded && idle.placed.is_empty());
 
     // `a` runs and ends, `b` starts, `c` is cancelled and `d` arrives: `d` gets `a`'s device.
-    let to = |id: &str, from: JobState, to: JobState| {
+    let to = |id: &JobId, from: JobState, to: JobState| {
         let other = other.clone();
-        let id = id.to_string();
+        let id = id.clone();
         async move {
             other
                 .transition(&id, &[from], to, "test")
@@ -2237,7 +2262,10 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
         .unwrap();
     let pass = kept_pass(s, &mut board).await;
     assert!(!pass.loaded);
-    assert!(board.nodes().iter().all(|n| n.id != n1.id), "n1 is lost");
+    assert!(
+        board.nodes().iter().all(|n| n.id != n1.id.as_str()),
+        "n1 is lost"
+    );
 
     // An agent's report sends a running job back to the queue.
     let scheduled: Vec<Job> = s
@@ -2268,7 +2296,7 @@ async fn try_pass(
         .unwrap()
 }
 
-async fn state_of(store: &Store, id: &str) -> JobState {
+async fn state_of(store: &Store, id: &JobId) -> JobState {
     store.get_job(id).await.unwrap().unwrap().state
 }
 
@@ -2357,7 +2385,7 @@ async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb
     loop {
         let placed = server::scheduling::pass(&second).await.unwrap();
         if !placed.is_empty() {
-            assert_eq!(placed[0].job_id, two.id);
+            assert_eq!(placed[0].job_id, two.id.as_str());
             break;
         }
         assert!(
@@ -2398,13 +2426,13 @@ async fn a_pass_at_its_rank_budget_wakes_the_next(db: TestDb) {
 
     let placed = server::scheduling::pass(&state).await.unwrap();
     assert_eq!(placed.len(), 1);
-    assert_eq!(placed[0].job_id, wide.id);
+    assert_eq!(placed[0].job_id, wide.id.as_str());
     assert!(woken(), "a capped pass wakes the loop");
     assert_eq!(state_of(s, &one.id).await, JobState::Queued);
 
     let placed = server::scheduling::pass(&state).await.unwrap();
     assert_eq!(placed.len(), 1);
-    assert_eq!(placed[0].job_id, one.id);
+    assert_eq!(placed[0].job_id, one.id.as_str());
     assert!(
         !woken(),
         "a pass that placed all it could leaves no wake-up"
@@ -2441,11 +2469,11 @@ async fn a_change_committed_after_a_later_one_still_reaches_the_board() {
         let narrow = submit(s, "narrow", 0, 1).await;
         let pass = kept_pass(s, &mut board).await;
         assert_eq!(placed_ids(&pass), [narrow.id.as_str()]);
-        assert!(board.queued(&wide.id).is_some());
+        assert!(board.queued(wide.id.as_str()).is_some());
         slow.commit().await.unwrap();
         let pass = kept_pass(s, &mut board).await;
         assert!(!pass.loaded);
-        assert!(board.queued(&wide.id).is_none(), "the cancellation arrived");
+        assert!(board.queued(wide.id.as_str()).is_none(), "the cancellation arrived");
     })
     .await;
 }

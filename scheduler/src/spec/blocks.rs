@@ -3,13 +3,16 @@
 //! stand-in model, the one required member), and within it, after each mistake, the offending
 //! member is dropped and the rest read again. A block read that way (its offending members at
 //! their defaults) is still range-checked, so a type error does not hide the block's other
-//! mistakes.
+//! mistakes. `resume_from` is read as given (a [`JobArtifact`]) and kept apart from the spec:
+//! validation reads the checkpoint it names, and reports a name that is none with the rest.
 
 use std::collections::BTreeSet;
 
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
-use super::{HfConfig, JobSpec, from_value};
+use super::{HfConfig, JobArtifact, JobSpec, from_value};
 use crate::error::{Error, FieldError, Problems};
 
 /// What [`read`] found: the top-level members in error, and those of them read again without
@@ -17,6 +20,15 @@ use crate::error::{Error, FieldError, Problems};
 pub(super) struct Blocks {
     pub(super) failed: BTreeSet<String>,
     pub(super) repaired: BTreeSet<String>,
+    /// `resume_from` as given, when it was read.
+    pub(super) resume_from: Option<JobArtifact>,
+}
+
+/// `resume_from` alone, as given.
+#[derive(Deserialize)]
+struct ResumeFromDoc {
+    #[serde(default)]
+    resume_from: Option<JobArtifact>,
 }
 
 impl Blocks {
@@ -44,12 +56,16 @@ pub(super) fn read(spec: &Map<String, Value>, p: &mut Problems) -> (Blocks, Opti
             failed.insert(key.clone());
             continue;
         }
-        let mut alone = Map::new();
-        if key != "model" {
-            alone.insert("model".into(), stand_in_model());
-        }
-        alone.insert(key.clone(), value.clone());
-        let (errors, read) = mistakes(Value::Object(alone));
+        let (errors, read) = if key == "resume_from" {
+            mistakes::<ResumeFromDoc>(json!({ "resume_from": value }))
+        } else {
+            let mut alone = Map::new();
+            if key != "model" {
+                alone.insert("model".into(), stand_in_model());
+            }
+            alone.insert(key.clone(), value.clone());
+            mistakes::<JobSpec>(Value::Object(alone))
+        };
         if !errors.is_empty() {
             failed.insert(key.clone());
             p.note::<()>(Err(Error::InvalidSpec(errors)));
@@ -66,11 +82,23 @@ pub(super) fn read(spec: &Map<String, Value>, p: &mut Problems) -> (Blocks, Opti
     // The repaired blocks if the whole reads with them, else their defaults.
     let mut with_repaired = rest.clone();
     with_repaired.extend(repaired.clone());
+    let resume_from = with_repaired.remove("resume_from");
+    rest.remove("resume_from");
     let (spec, repaired) = match from_value(Value::Object(with_repaired)) {
         Ok(spec) => (Some(spec), repaired.keys().cloned().collect()),
         Err(_) => (p.note(from_value(Value::Object(rest))), BTreeSet::new()),
     };
-    (Blocks { failed, repaired }, spec)
+    let mut blocks = Blocks {
+        failed,
+        repaired,
+        resume_from: None,
+    };
+    if let Some(given) = resume_from.filter(|_| blocks.read("resume_from")) {
+        let doc: ResumeFromDoc = serde_json::from_value(json!({ "resume_from": given }))
+            .expect("resume_from read above without mistakes");
+        blocks.resume_from = doc.resume_from;
+    }
+    (blocks, spec)
 }
 
 /// A model every block can be read beside; never validated in place of a user's.
@@ -78,14 +106,14 @@ fn stand_in_model() -> Value {
     json!({"preset": "gpt2-tiny"})
 }
 
-/// Every mistake in `doc`, reading it again without each offending member until it reads, and
-/// `doc` without them. A mistake at the member just dropped or at a block holding it ends the
-/// search: it may be the drop's consequence (a required member missing, a shape left
-/// incomplete), not the user's.
-fn mistakes(mut doc: Value) -> (Vec<FieldError>, Value) {
+/// Every mistake in `doc` read as a `T`, reading it again without each offending member until
+/// it reads, and `doc` without them. A mistake at the member just dropped or at a block holding
+/// it ends the search: it may be the drop's consequence (a required member missing, a shape
+/// left incomplete), not the user's.
+fn mistakes<T: DeserializeOwned>(mut doc: Value) -> (Vec<FieldError>, Value) {
     let mut found: Vec<FieldError> = Vec::new();
     loop {
-        let Err(Error::InvalidSpec(mut errors)) = from_value::<JobSpec>(doc.clone()) else {
+        let Err(Error::InvalidSpec(mut errors)) = from_value::<T>(doc.clone()) else {
             return (found, doc);
         };
         let e = errors.remove(0);

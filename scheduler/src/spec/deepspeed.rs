@@ -61,7 +61,9 @@ impl Default for Extra {
     }
 }
 
-pub(super) fn translate(value: Value) -> Result<Parsed, Error> {
+/// The job, and its `resume_from` as given: validation reads the checkpoint it names into the
+/// spec.
+pub(super) fn translate(value: Value) -> Result<(Parsed, Option<JobArtifact>), Error> {
     let job: DeepSpeedJob = from_value(value)?;
     let mut unsupported = Vec::new();
     let mut ds = Section::new("deepspeed".into(), job.deepspeed);
@@ -92,7 +94,7 @@ pub(super) fn translate(value: Value) -> Result<Parsed, Error> {
     scheduler(&mut ds, &mut training, &mut unsupported)?;
     ds.finish(&mut unsupported);
 
-    Ok(Parsed {
+    let parsed = Parsed {
         spec: JobSpec {
             name: job.name,
             model: job.model,
@@ -107,10 +109,11 @@ pub(super) fn translate(value: Value) -> Result<Parsed, Error> {
             data: job.data,
             checkpoint: job.checkpoint,
             device: job.device,
-            resume_from: job.resume_from,
+            resume_from: None,
         },
         unsupported_keys: unsupported,
-    })
+    };
+    Ok((parsed, job.resume_from))
 }
 
 /// DeepSpeed's batch rule: train_batch_size = micro × accumulation × world size; any two

@@ -15,8 +15,8 @@ pub use data::{
     Validation,
 };
 pub use model::{
-    Architecture, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource, ModelSpec,
-    PRESET_NAMES,
+    Architecture, CheckpointRef, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource,
+    ModelSpec, PRESET_NAMES,
 };
 pub use optimizer::{AdaFactor, Adam8bit, AdamW, Lion, Momentum, Optimizer, OptimizerKind, Sgd};
 pub use precision::{Dtype, DynamicLossScale, LossScale, Precision, ScalerSemantics};
@@ -188,7 +188,7 @@ pub struct JobSpec {
     /// "checkpoints/step-NNNNNNNN"}` (the folder its artifact list names the files in):
     /// weights, optimizer state, loss scale and data position, at any world size and stage.
     #[serde(default)]
-    pub resume_from: Option<JobArtifact>,
+    pub resume_from: Option<CheckpointRef>,
 }
 
 /// The folder of the checkpoint of `step` among a job's artifacts.
@@ -221,8 +221,11 @@ impl JobSpec {
     /// once; a DeepSpeed config's from the first that stops its translation.
     pub fn parse_value(mut value: serde_json::Value, purpose: Purpose) -> Result<Parsed, Error> {
         if value.get("deepspeed").is_some() {
-            let parsed = deepspeed::translate(value)?;
-            parsed.spec.validate(purpose)?;
+            let (mut parsed, resume_from) = deepspeed::translate(value)?;
+            let mut problems = Problems::default();
+            let spec = &mut parsed.spec;
+            spec.resume_from = spec.check(resume_from.as_ref(), purpose, &|_| true, &mut problems);
+            problems.finish()?;
             return Ok(parsed);
         }
         let serde_json::Value::Object(map) = &mut value else {
@@ -233,9 +236,11 @@ impl JobSpec {
             opt.entry("type").or_insert_with(|| "adamw".into());
         }
         let mut problems = Problems::default();
-        let (blocks, spec) = blocks::read(map, &mut problems);
-        if let Some(spec) = &spec {
-            spec.check(purpose, &|block| blocks.read(block), &mut problems);
+        let (blocks, mut spec) = blocks::read(map, &mut problems);
+        if let Some(spec) = &mut spec {
+            let read = |block: &str| blocks.read(block);
+            spec.resume_from =
+                spec.check(blocks.resume_from.as_ref(), purpose, &read, &mut problems);
         }
         problems.finish()?;
         Ok(Parsed {
@@ -247,13 +252,21 @@ impl JobSpec {
     /// Checks ranges and cross-field consistency, naming every offending field.
     pub fn validate(&self, purpose: Purpose) -> Result<(), Error> {
         let mut problems = Problems::default();
-        self.check(purpose, &|_| true, &mut problems);
+        let resume_from = self.resume_from.clone().map(JobArtifact::from);
+        self.check(resume_from.as_ref(), purpose, &|_| true, &mut problems);
         problems.finish()
     }
 
     /// Records the mistakes of the top-level members for which `read` holds (the others were
-    /// not read, so checks that involve them are skipped rather than run on defaults).
-    fn check(&self, purpose: Purpose, read: &dyn Fn(&str) -> bool, p: &mut Problems) {
+    /// not read, so checks that involve them are skipped rather than run on defaults), with
+    /// `resume_from` as given in place of the spec's own; returns the checkpoint that names.
+    fn check(
+        &self,
+        resume_from: Option<&JobArtifact>,
+        purpose: Purpose,
+        read: &dyn Fn(&str) -> bool,
+        p: &mut Problems,
+    ) -> Option<CheckpointRef> {
         if let Some(name) = self.name.as_ref().filter(|_| read("name")) {
             p.ensure(
                 (1..=64).contains(&name.len())
@@ -282,28 +295,28 @@ impl JobSpec {
         if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
             p.note(self.data.validate(arch, self.model.init_from.as_ref()));
         }
-        if let Some(from) = self.resume_from.as_ref().filter(|_| read("resume_from")) {
-            p.ensure(!from.job.trim().is_empty(), "resume_from.job", || {
-                "must be a job's id".into()
+        let from = resume_from.filter(|_| read("resume_from"))?;
+        p.ensure(!from.job.trim().is_empty(), "resume_from.job", || {
+            "must be a job's id".into()
+        });
+        let step = from.checkpoint_step();
+        p.ensure(step.is_some(), "resume_from.artifact", || {
+            from.not_a_checkpoint()
+        });
+        if let Some(step) = step.filter(|_| read("training")) {
+            p.ensure(self.training.steps.get() > step, "training.steps", || {
+                format!("must be more than the {step} steps the checkpoint has taken")
             });
-            let step = from.checkpoint_step();
-            p.ensure(step.is_some(), "resume_from.artifact", || {
-                format!(
-                    "{:?}: must be a checkpoint, as \"checkpoints/step-00000100\"",
-                    from.artifact
-                )
-            });
-            if let Some(step) = step.filter(|_| read("training")) {
-                p.ensure(self.training.steps.get() > step, "training.steps", || {
-                    format!("must be more than the {step} steps the checkpoint has taken")
-                });
-            }
-            p.ensure(
-                self.model.init_from.is_none() || !read("model"),
-                "model.init_from",
-                || "a job resuming from a checkpoint takes its weights from there".into(),
-            );
         }
+        p.ensure(
+            self.model.init_from.is_none() || !read("model"),
+            "model.init_from",
+            || "a job resuming from a checkpoint takes its weights from there".into(),
+        );
+        Some(CheckpointRef {
+            job: from.job.clone(),
+            step: step?,
+        })
     }
 
     pub fn architecture(&self) -> Architecture {

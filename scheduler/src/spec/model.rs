@@ -44,13 +44,51 @@ pub struct JobArtifact {
 
 impl JobArtifact {
     /// The step of the checkpoint `artifact` names (`checkpoints/step-NNNNNNNN`), if it names one.
-    pub fn checkpoint_step(&self) -> Option<u32> {
+    pub(super) fn checkpoint_step(&self) -> Option<u32> {
         let step = self
             .artifact
             .strip_prefix("checkpoints/step-")?
             .parse()
             .ok()?;
         (super::checkpoint_artifact(step) == self.artifact).then_some(step)
+    }
+
+    /// Why `artifact` does not name a checkpoint.
+    pub(super) fn not_a_checkpoint(&self) -> String {
+        format!(
+            "{:?}: must be a checkpoint, as \"checkpoints/step-00000100\"",
+            self.artifact
+        )
+    }
+}
+
+/// Another job's checkpoint to resume from: the job, and the step its artifact's name
+/// (`checkpoints/step-NNNNNNNN`) was read into by validation, which reads `resume_from` as a
+/// [`JobArtifact`] so that a name that is not a checkpoint's is reported with the spec's other
+/// mistakes. Its JSON is that `JobArtifact`'s.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "JobArtifact", into = "JobArtifact")]
+pub struct CheckpointRef {
+    pub job: String,
+    pub step: u32,
+}
+
+/// For specs validated already (stored ones, agents' assignments): their names read.
+impl TryFrom<JobArtifact> for CheckpointRef {
+    type Error = String;
+
+    fn try_from(a: JobArtifact) -> Result<CheckpointRef, String> {
+        let step = a.checkpoint_step().ok_or_else(|| a.not_a_checkpoint())?;
+        Ok(CheckpointRef { job: a.job, step })
+    }
+}
+
+impl From<CheckpointRef> for JobArtifact {
+    fn from(c: CheckpointRef) -> JobArtifact {
+        JobArtifact {
+            job: c.job,
+            artifact: super::checkpoint_artifact(c.step),
+        }
     }
 }
 

@@ -11,13 +11,14 @@ use serde_json::Value;
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
 use crate::app::AppState;
+use crate::domain::JobId;
 use crate::routes::jobs::find;
 
 /// Jobs one comparison shows at most.
 const MAX_JOBS: usize = 8;
 
 struct Column {
-    id: String,
+    id: JobId,
     short_id: String,
     name: String,
     state: &'static str,
@@ -70,7 +71,7 @@ pub async fn page(
     }
     let mut jobs = Vec::new();
     for id in &ids {
-        match find(&state, id).await {
+        match find(&state, &JobId::from(id.as_str())).await {
             Ok(job) => jobs.push(job),
             Err(e) => return error_page(e),
         }
@@ -112,7 +113,7 @@ pub async fn page(
         jobs: jobs
             .into_iter()
             .map(|j| Column {
-                short_id: view::short_id(&j.id).to_string(),
+                short_id: view::short_id(j.id.as_str()).to_string(),
                 name: j.name.unwrap_or_default(),
                 state: j.state.as_str(),
                 id: j.id,

@@ -13,7 +13,7 @@ use scheduler::memory::Category;
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
 use crate::app::AppState;
-use crate::domain::{LogLine, Role};
+use crate::domain::{JobId, LogLine, Role};
 use crate::error::ApiError;
 use crate::routes::jobs::get::detail;
 use crate::routes::jobs::metrics::job_metrics;
@@ -53,7 +53,7 @@ struct CommRow {
 #[template(path = "job.html")]
 struct JobPage {
     layout: Layout,
-    id: String,
+    id: JobId,
     name: String,
     state: &'static str,
     live: bool,
@@ -80,7 +80,7 @@ struct JobPage {
 pub async fn page(
     State(state): State<AppState>,
     Signed(caller): Signed,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Response {
     match load(&state, &id, &caller).await {
         Ok(page) => render(&page),
@@ -90,7 +90,7 @@ pub async fn page(
 
 async fn load(
     state: &AppState,
-    id: &str,
+    id: &JobId,
     caller: &crate::auth::Caller,
 ) -> Result<JobPage, ApiError> {
     let d = detail(state, id).await?;
@@ -205,7 +205,7 @@ async fn load(
 pub async fn log_text(
     State(state): State<AppState>,
     Signed(_): Signed,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Response {
     match whole_log(&state, &id).await {
         Ok(text) => (
@@ -216,7 +216,10 @@ pub async fn log_text(
                 ),
                 (
                     header::CONTENT_DISPOSITION,
-                    format!("attachment; filename=\"{}.log\"", view::short_id(&id)),
+                    format!(
+                        "attachment; filename=\"{}.log\"",
+                        view::short_id(id.as_str())
+                    ),
                 ),
             ],
             text,
@@ -226,7 +229,7 @@ pub async fn log_text(
     }
 }
 
-async fn whole_log(state: &AppState, id: &str) -> Result<String, ApiError> {
+async fn whole_log(state: &AppState, id: &JobId) -> Result<String, ApiError> {
     crate::routes::jobs::find(state, id).await?;
     let mut text = String::new();
     let mut after = 0;

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
 use crate::app::AppState;
-use crate::domain::JobState;
+use crate::domain::{JobId, JobState};
 use crate::routes::jobs::list::{ListParams, page as list_page};
 use crate::store::JobSort;
 
@@ -25,7 +25,7 @@ struct Query {
 }
 
 struct Row {
-    id: String,
+    id: JobId,
     short_id: String,
     name: String,
     state: &'static str,
@@ -150,7 +150,7 @@ pub async fn page(
         .jobs
         .into_iter()
         .map(|j| Row {
-            short_id: view::short_id(&j.id).to_string(),
+            short_id: view::short_id(j.id.as_str()).to_string(),
             name: j.name.unwrap_or_default(),
             state: j.state.as_str(),
             owner: j.owner,

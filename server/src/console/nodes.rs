@@ -8,6 +8,7 @@ use axum::response::Response;
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
 use crate::app::AppState;
+use crate::domain::{JobId, NodeId};
 use crate::error::ApiError;
 
 struct DeviceRow {
@@ -15,7 +16,7 @@ struct DeviceRow {
     kind: String,
     memory: String,
     /// (job id, short id, rank) of the rank holding it.
-    holder: Option<(String, String, u32)>,
+    holder: Option<(JobId, String, u32)>,
     used: String,
     free: String,
     /// Used over memory, 0-1.
@@ -24,7 +25,7 @@ struct DeviceRow {
 
 struct NodeView {
     name: String,
-    id: String,
+    id: NodeId,
     host: String,
     lost: bool,
     heartbeat: String,
@@ -78,8 +79,13 @@ async fn load(state: &AppState) -> Result<Vec<NodeView>, ApiError> {
                 index,
                 kind: format!("{:?}", d.kind).to_lowercase(),
                 memory: view::bytes(d.memory_bytes),
-                holder: holder
-                    .map(|(job, rank)| (job.id.clone(), view::short_id(&job.id).to_string(), rank)),
+                holder: holder.map(|(job, rank)| {
+                    (
+                        job.id.clone(),
+                        view::short_id(job.id.as_str()).to_string(),
+                        rank,
+                    )
+                }),
                 used: view::bytes(used),
                 free: view::bytes(d.memory_bytes.saturating_sub(used)),
                 fraction: format!("{:.3}", used as f64 / d.memory_bytes.max(1) as f64),

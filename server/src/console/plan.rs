@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::view::Layout;
 use super::{Signed, error_page, render};
 use crate::app::AppState;
-use crate::domain::Role;
+use crate::domain::{JobId, Role};
 use crate::routes::jobs::find;
 
 /// What a fresh editor holds: the smallest model, a few steps.
@@ -46,7 +46,7 @@ pub async fn page(
     Query(q): Query<PlanQuery>,
 ) -> Response {
     let spec = match q.from.filter(|f| !f.is_empty()) {
-        Some(id) => match find(&state, &id).await {
+        Some(id) => match find(&state, &JobId::from(id)).await {
             Ok(job) => serde_json::to_string_pretty(&job.spec).unwrap_or_default(),
             Err(e) => return error_page(e),
         },

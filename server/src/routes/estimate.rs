@@ -14,7 +14,7 @@ use utoipa::ToSchema;
 
 use crate::app::AppState;
 use crate::auth::Viewer;
-use crate::domain::NodeRecord;
+use crate::domain::{NodeId, NodeRecord};
 use crate::error::{ApiError, Problem};
 use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
@@ -33,7 +33,8 @@ pub struct Estimate {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct NodeFit {
-    pub node_id: String,
+    #[schema(value_type = String)]
+    pub node_id: NodeId,
     pub name: String,
     /// Devices of this node that could hold one rank (less the safety margin).
     pub devices_that_fit: usize,

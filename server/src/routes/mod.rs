@@ -84,7 +84,7 @@ pub(crate) fn planning_inventory(nodes: &[NodeRecord], settings: &Settings) -> I
             .iter()
             .filter(|n| !n.lost)
             .map(|n| Node {
-                name: n.id.clone(),
+                name: n.id.to_string(),
                 devices: n
                     .devices
                     .iter()

@@ -3,10 +3,11 @@
 use super::backend::{Conn, on};
 use super::rows::to_u32;
 use super::{ArtifactRecord, StoreError};
+use crate::domain::JobId;
 
 pub(super) async fn add_artifact(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     a: &ArtifactRecord,
 ) -> Result<bool, StoreError> {
     // Recorded only while `attempt` is the job's current one, checked in the same statement.
@@ -34,7 +35,7 @@ pub(super) async fn add_artifact(
 
 pub(super) async fn artifacts(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
 ) -> Result<Vec<ArtifactRecord>, StoreError> {
     let rows = on!(c, c => {
         sqlx::query_as::<_, (i64, String, i64, i64, String, i64)>(
@@ -64,7 +65,7 @@ pub(super) async fn artifacts(
 
 pub(super) async fn remove_artifacts(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     checkpoints_only: bool,
 ) -> Result<u64, StoreError> {
     let sql = if checkpoints_only {
@@ -78,9 +79,9 @@ pub(super) async fn remove_artifacts(
     Ok(removed)
 }
 
-pub(super) async fn jobs_with_artifacts(c: &mut Conn<'_>) -> Result<Vec<String>, StoreError> {
+pub(super) async fn jobs_with_artifacts(c: &mut Conn<'_>) -> Result<Vec<JobId>, StoreError> {
     let ids = on!(c, c => {
-        sqlx::query_scalar::<_, String>("SELECT DISTINCT job_id FROM artifacts ORDER BY job_id")
+        sqlx::query_scalar::<_, JobId>("SELECT DISTINCT job_id FROM artifacts ORDER BY job_id")
             .fetch_all(&mut **c)
             .await?
     });

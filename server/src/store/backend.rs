@@ -16,6 +16,7 @@ use sqlx::{
 };
 
 use super::{Backend, StoreError};
+use crate::domain::JobId;
 
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
@@ -375,12 +376,12 @@ pub(super) async fn lock_scheduling(c: &mut Conn<'_>) -> Result<(), StoreError> 
 }
 
 /// Maps a violated foreign key (a report for a job that does not exist) to `UnknownJob`.
-pub(super) fn unknown_job_on_fk(job_id: &str) -> impl FnOnce(StoreError) -> StoreError + '_ {
+pub(super) fn unknown_job_on_fk(job_id: &JobId) -> impl FnOnce(StoreError) -> StoreError + '_ {
     move |e| match e {
         StoreError::Database(sqlx::Error::Database(d))
             if d.kind() == sqlx::error::ErrorKind::ForeignKeyViolation =>
         {
-            StoreError::UnknownJob(job_id.to_string())
+            StoreError::UnknownJob(job_id.clone())
         }
         e => e,
     }

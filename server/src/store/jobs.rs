@@ -2,9 +2,9 @@
 //! that record their reason and release devices.
 
 use super::backend::{Arg, Conn, bind_args, on};
-use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, new_id, state, to_json, to_u32};
+use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, state, to_json, to_u32};
 use super::{JobFilter, SortKey, StoreError};
-use crate::domain::{Job, JobState, Transition};
+use crate::domain::{Job, JobId, JobState, Transition};
 
 /// The page size when a filter asks for 0 jobs.
 pub const DEFAULT_PAGE: u32 = 100;
@@ -28,8 +28,8 @@ pub(super) async fn insert(
             return Ok(None);
         }
     }
-    let id = if job.id.is_empty() {
-        new_id()
+    let id = if job.id.as_str().is_empty() {
+        JobId::mint()
     } else {
         job.id.clone()
     };
@@ -130,9 +130,9 @@ async fn queued_of(c: &mut Conn<'_>, owner: &str) -> Result<i64, StoreError> {
 pub(super) async fn placed_before(
     c: &mut Conn<'_>,
     before: i64,
-) -> Result<Vec<(String, u32)>, StoreError> {
+) -> Result<Vec<(JobId, u32)>, StoreError> {
     let rows = on!(c, c => {
-        sqlx::query_as::<_, (String, i64)>(
+        sqlx::query_as::<_, (JobId, i64)>(
             "SELECT j.id, j.attempt FROM jobs j WHERE j.state IN ('scheduled', 'running') \
              AND EXISTS (SELECT 1 FROM assignments a WHERE a.job_id = j.id \
                  AND a.attempt = j.attempt AND a.assigned_at < $1)",
@@ -146,7 +146,7 @@ pub(super) async fn placed_before(
         .collect()
 }
 
-pub(super) async fn get(c: &mut Conn<'_>, id: &str) -> Result<Option<Job>, StoreError> {
+pub(super) async fn get(c: &mut Conn<'_>, id: &JobId) -> Result<Option<Job>, StoreError> {
     let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
     let row = on!(c, c => {
         sqlx::query_as::<_, JobRow>(&sql).bind(id).fetch_optional(&mut **c).await?
@@ -184,7 +184,7 @@ pub(super) async fn list(c: &mut Conn<'_>, filter: &JobFilter) -> Result<Vec<Job
     };
     if let Some(before) = &filter.before {
         // Keyset paging: past the cursor job's (sort key, id), read from its row.
-        args.push(Arg::Text(before.clone()));
+        args.push(Arg::Text(before.to_string()));
         conditions.push(format!(
             "({column}, id) {past} (SELECT {column}, id FROM jobs WHERE id = ${})",
             args.len()
@@ -216,7 +216,7 @@ pub(super) async fn list(c: &mut Conn<'_>, filter: &JobFilter) -> Result<Vec<Job
 /// body of every state change. See [`super::Store::transition`].
 pub(super) async fn transition(
     c: &mut Conn<'_>,
-    id: &str,
+    id: &JobId,
     attempt: Option<u32>,
     from: &[JobState],
     to: JobState,
@@ -269,7 +269,7 @@ pub(super) async fn transition(
 }
 
 /// Ends every device hold of job `id`.
-async fn release(c: &mut Conn<'_>, id: &str, now: i64) -> Result<(), StoreError> {
+async fn release(c: &mut Conn<'_>, id: &JobId, now: i64) -> Result<(), StoreError> {
     on!(c, c => {
         sqlx::query(
             "UPDATE assignments SET released_at = $1 WHERE job_id = $2 AND released_at IS NULL",
@@ -285,7 +285,7 @@ async fn release(c: &mut Conn<'_>, id: &str, now: i64) -> Result<(), StoreError>
 /// Records a state change of job `id`, now at `attempt`.
 pub(super) async fn record(
     c: &mut Conn<'_>,
-    id: &str,
+    id: &JobId,
     attempt: u32,
     from: Option<JobState>,
     to: JobState,
@@ -309,7 +309,10 @@ pub(super) async fn record(
     Ok(())
 }
 
-pub(super) async fn transitions(c: &mut Conn<'_>, id: &str) -> Result<Vec<Transition>, StoreError> {
+pub(super) async fn transitions(
+    c: &mut Conn<'_>,
+    id: &JobId,
+) -> Result<Vec<Transition>, StoreError> {
     let rows = on!(c, c => {
         sqlx::query_as::<_, TransitionRow>(
             "SELECT at, from_state, to_state, reason FROM transitions WHERE job_id = $1 ORDER BY id",

@@ -36,8 +36,8 @@ pub use tokens::{Revoked, token_hash};
 
 use crate::clock::Clock;
 use crate::domain::{
-    AssignmentRecord, Job, JobState, LogLine, NodeRecord, RankMemoryRecord, Role, StepRecord,
-    TokenRecord, Transition,
+    AssignmentRecord, Job, JobId, JobState, LogLine, NodeId, NodeRecord, RankMemoryRecord, Role,
+    StepRecord, TokenRecord, Transition,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,7 @@ pub enum StoreError {
     },
     /// A report (steps, memory, logs, checkpoint) for a job that does not exist.
     #[error("no job {0}")]
-    UnknownJob(String),
+    UnknownJob(JobId),
 }
 
 /// Which database the store runs on.
@@ -75,7 +75,7 @@ pub struct JobFilter {
     pub name: Option<String>,
     pub owner: Option<String>,
     pub sort: JobSort,
-    pub before: Option<String>,
+    pub before: Option<JobId>,
     pub limit: u32,
 }
 
@@ -173,7 +173,8 @@ impl Store {
     fn over(pool: Pool) -> Store {
         Store {
             pool,
-            holder: rows::new_id(),
+            // Any unique name; a UUID like the ids.
+            holder: uuid::Uuid::now_v7().to_string(),
             clock: Clock::system(),
         }
     }
@@ -231,11 +232,11 @@ impl Store {
 
     /// Jobs holding devices whose current attempt was placed before `before` (Unix ms):
     /// (id, attempt), for the wall-time limit.
-    pub async fn placed_before(&self, before: i64) -> Result<Vec<(String, u32)>, StoreError> {
+    pub async fn placed_before(&self, before: i64) -> Result<Vec<(JobId, u32)>, StoreError> {
         jobs::placed_before(&mut self.pool.acquire().await?.conn(), before).await
     }
 
-    pub async fn get_job(&self, id: &str) -> Result<Option<Job>, StoreError> {
+    pub async fn get_job(&self, id: &JobId) -> Result<Option<Job>, StoreError> {
         jobs::get(&mut self.pool.acquire().await?.conn(), id).await
     }
 
@@ -248,7 +249,7 @@ impl Store {
     /// attempt and releases the job's assignments; moving to a terminal state releases them.
     pub async fn transition(
         &self,
-        id: &str,
+        id: &JobId,
         from: &[JobState],
         to: JobState,
         reason: &str,
@@ -273,7 +274,7 @@ impl Store {
     /// left (its node was declared lost) cannot move the next attempt.
     pub async fn transition_attempt(
         &self,
-        id: &str,
+        id: &JobId,
         attempt: u32,
         from: &[JobState],
         to: JobState,
@@ -295,7 +296,7 @@ impl Store {
     }
 
     /// The job's state changes, oldest first.
-    pub async fn transitions(&self, id: &str) -> Result<Vec<Transition>, StoreError> {
+    pub async fn transitions(&self, id: &JobId) -> Result<Vec<Transition>, StoreError> {
         jobs::transitions(&mut self.pool.acquire().await?.conn(), id).await
     }
 
@@ -335,7 +336,7 @@ impl Store {
     }
 
     /// Records a heartbeat at `at`; false when the node is unknown or was declared lost.
-    pub async fn heartbeat(&self, node_id: &str, at: i64) -> Result<bool, StoreError> {
+    pub async fn heartbeat(&self, node_id: &NodeId, at: i64) -> Result<bool, StoreError> {
         nodes::heartbeat(&mut self.pool.acquire().await?.conn(), node_id, at).await
     }
 
@@ -347,7 +348,7 @@ impl Store {
     /// Declares nodes silent since before `before` lost and sends their scheduled or running
     /// jobs back to the queue (attempt raised); returns the requeued job ids. Jobs still holding
     /// devices of nodes declared lost earlier are requeued too.
-    pub async fn reap_lost_nodes(&self, before: i64) -> Result<Vec<String>, StoreError> {
+    pub async fn reap_lost_nodes(&self, before: i64) -> Result<Vec<JobId>, StoreError> {
         let mut tx = self.pool.write().await?;
         let requeued = nodes::reap(&mut tx.conn(), before, self.clock.now_ms()).await?;
         tx.commit().await?;
@@ -404,7 +405,7 @@ impl Store {
     /// rank.
     pub async fn assignments_for_node(
         &self,
-        node_id: &str,
+        node_id: &NodeId,
     ) -> Result<Vec<(Job, Vec<AssignmentRecord>)>, StoreError> {
         nodes::assignments_for_node(&mut self.pool.acquire().await?.conn(), node_id).await
     }
@@ -412,7 +413,7 @@ impl Store {
     /// Records where rank 0 of `attempt` listens (ignored if the job moved to another attempt).
     pub async fn set_master(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         attempt: u32,
         master: &str,
     ) -> Result<(), StoreError> {
@@ -428,8 +429,8 @@ impl Store {
     /// The (attempt, rank) pairs of job `job_id` that node `node_id` was ever assigned.
     pub async fn node_ranks(
         &self,
-        job_id: &str,
-        node_id: &str,
+        job_id: &JobId,
+        node_id: &NodeId,
     ) -> Result<Vec<(u32, u32)>, StoreError> {
         nodes::node_ranks(&mut self.pool.acquire().await?.conn(), job_id, node_id).await
     }
@@ -437,27 +438,27 @@ impl Store {
     /// All ranks of the job's current attempt, by rank (also after the attempt ended).
     pub async fn assignments_for_job(
         &self,
-        job_id: &str,
+        job_id: &JobId,
     ) -> Result<Vec<AssignmentRecord>, StoreError> {
         nodes::assignments_for_job(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
     /// Records steps; a step already recorded for its attempt is kept as it was.
-    pub async fn add_steps(&self, job_id: &str, steps: &[StepRecord]) -> Result<(), StoreError> {
+    pub async fn add_steps(&self, job_id: &JobId, steps: &[StepRecord]) -> Result<(), StoreError> {
         let mut tx = self.pool.write().await?;
         reports::add_steps(&mut tx.conn(), job_id, steps).await?;
         tx.commit().await
     }
 
     /// Steps by attempt, then step. A NaN stored reads back as NaN.
-    pub async fn steps(&self, job_id: &str) -> Result<Vec<StepRecord>, StoreError> {
+    pub async fn steps(&self, job_id: &JobId) -> Result<Vec<StepRecord>, StoreError> {
         reports::steps(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
     /// Replaces the rank's memory record.
     pub async fn set_rank_memory(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         memory: &RankMemoryRecord,
     ) -> Result<(), StoreError> {
         reports::set_rank_memory(
@@ -469,7 +470,7 @@ impl Store {
         .await
     }
 
-    pub async fn rank_memory(&self, job_id: &str) -> Result<Vec<RankMemoryRecord>, StoreError> {
+    pub async fn rank_memory(&self, job_id: &JobId) -> Result<Vec<RankMemoryRecord>, StoreError> {
         reports::rank_memory(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
@@ -477,7 +478,7 @@ impl Store {
     /// lines are numbered 1, 2, 3, … in the order appended.
     pub async fn append_logs(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         lines: &[(i64, String)],
     ) -> Result<i64, StoreError> {
         let mut tx = self.pool.write().await?;
@@ -489,7 +490,7 @@ impl Store {
     /// Lines after sequence number `after`, at most `limit`.
     pub async fn logs(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         after: i64,
         limit: u32,
     ) -> Result<Vec<LogLine>, StoreError> {
@@ -501,7 +502,7 @@ impl Store {
     /// again records the later time.
     pub async fn add_checkpoint(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         attempt: u32,
         step: u32,
     ) -> Result<bool, StoreError> {
@@ -516,31 +517,35 @@ impl Store {
     }
 
     /// The job's checkpoints, by step (then attempt); the last is where a requeued job resumes.
-    pub async fn checkpoints(&self, job_id: &str) -> Result<Vec<CheckpointRecord>, StoreError> {
+    pub async fn checkpoints(&self, job_id: &JobId) -> Result<Vec<CheckpointRecord>, StoreError> {
         reports::checkpoints(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
     /// Records an upload of `a.attempt` if it is still the job's current attempt; false,
     /// writing nothing, when it is not or the job does not exist. The same name again
     /// replaces the record.
-    pub async fn add_artifact(&self, job_id: &str, a: &ArtifactRecord) -> Result<bool, StoreError> {
+    pub async fn add_artifact(
+        &self,
+        job_id: &JobId,
+        a: &ArtifactRecord,
+    ) -> Result<bool, StoreError> {
         artifacts::add_artifact(&mut self.pool.acquire().await?.conn(), job_id, a).await
     }
 
     /// Every upload of the job, by name (then attempt).
-    pub async fn artifacts(&self, job_id: &str) -> Result<Vec<ArtifactRecord>, StoreError> {
+    pub async fn artifacts(&self, job_id: &JobId) -> Result<Vec<ArtifactRecord>, StoreError> {
         artifacts::artifacts(&mut self.pool.acquire().await?.conn(), job_id).await
     }
 
     /// The jobs that have uploads.
-    pub async fn jobs_with_artifacts(&self) -> Result<Vec<String>, StoreError> {
+    pub async fn jobs_with_artifacts(&self) -> Result<Vec<JobId>, StoreError> {
         artifacts::jobs_with_artifacts(&mut self.pool.acquire().await?.conn()).await
     }
 
     /// Forgets the job's uploads (only its checkpoints' with `checkpoints_only`); how many.
     pub async fn remove_artifacts(
         &self,
-        job_id: &str,
+        job_id: &JobId,
         checkpoints_only: bool,
     ) -> Result<u64, StoreError> {
         artifacts::remove_artifacts(

@@ -7,10 +7,10 @@ use super::StoreError;
 use super::backend::{Arg, Conn, insert_rows, lock_scheduling, on};
 use super::rows::{
     A_ASSIGNMENT_COLUMNS, AssignmentRow, J_JOB_COLUMNS, JobRow, NODE_DEVICE_COLUMNS, NodeDeviceRow,
-    new_id, nodes_from_rows, to_u32,
+    nodes_from_rows, to_u32,
 };
 use super::{jobs, lease};
-use crate::domain::{AssignmentRecord, Job, JobState, NodeRecord};
+use crate::domain::{AssignmentRecord, Job, JobId, JobState, NodeId, NodeRecord};
 
 pub(super) async fn register(
     c: &mut Conn<'_>,
@@ -23,7 +23,7 @@ pub(super) async fn register(
     // Devices change: no scheduling pass may be placing on them meanwhile.
     lock_scheduling(c).await?;
     let existing = on!(c, c => {
-        sqlx::query_scalar::<_, String>("SELECT id FROM nodes WHERE token_hash = $1")
+        sqlx::query_scalar::<_, NodeId>("SELECT id FROM nodes WHERE token_hash = $1")
             .bind(token_hash)
             .fetch_optional(&mut **c)
             .await?
@@ -32,7 +32,7 @@ pub(super) async fn register(
         Some(id) => {
             // The same agent again (restarted): the ranks it ran are gone.
             let reason = format!("node {name} registered again");
-            requeue_jobs_on(c, "n.id = $1", Some(&id), &reason, now).await?;
+            requeue_jobs_on(c, "n.id = $1", Some(id.as_str()), &reason, now).await?;
             on!(c, c => {
                 sqlx::query(
                     "UPDATE nodes SET name = $1, host = $2, registered_at = $3, \
@@ -52,7 +52,7 @@ pub(super) async fn register(
             id
         }
         None => {
-            let id = new_id();
+            let id = NodeId::mint();
             on!(c, c => {
                 sqlx::query(
                     "INSERT INTO nodes (id, name, host, token_hash, registered_at, \
@@ -74,7 +74,7 @@ pub(super) async fn register(
         .enumerate()
         .map(|(i, d)| {
             vec![
-                Arg::Text(id.clone()),
+                Arg::Text(id.to_string()),
                 Arg::Int(i as i64),
                 Arg::Text(d.kind.as_str().into()),
                 Arg::Int(d.memory_bytes as i64),
@@ -116,7 +116,7 @@ pub(super) async fn select(
 
 pub(super) async fn heartbeat(
     c: &mut Conn<'_>,
-    node_id: &str,
+    node_id: &NodeId,
     at: i64,
 ) -> Result<bool, StoreError> {
     let updated = on!(c, c => {
@@ -134,7 +134,7 @@ pub(super) async fn reap(
     c: &mut Conn<'_>,
     before: i64,
     now: i64,
-) -> Result<Vec<String>, StoreError> {
+) -> Result<Vec<JobId>, StoreError> {
     lock_scheduling(c).await?;
     let lost = on!(c, c => {
         sqlx::query("UPDATE nodes SET lost = TRUE WHERE NOT lost AND last_heartbeat < $1")
@@ -158,7 +158,7 @@ async fn requeue_jobs_on(
     arg: Option<&str>,
     what: &str,
     now: i64,
-) -> Result<Vec<String>, StoreError> {
+) -> Result<Vec<JobId>, StoreError> {
     let sql = format!(
         "SELECT DISTINCT a.job_id, n.name FROM assignments a \
          JOIN nodes n ON n.id = a.node_id JOIN jobs j ON j.id = a.job_id \
@@ -166,13 +166,13 @@ async fn requeue_jobs_on(
          ORDER BY a.job_id, n.name"
     );
     let held = on!(c, c => {
-        let mut q = sqlx::query_as::<_, (String, String)>(&sql);
+        let mut q = sqlx::query_as::<_, (JobId, String)>(&sql);
         if let Some(arg) = arg {
             q = q.bind(arg);
         }
         q.fetch_all(&mut **c).await?
     });
-    let mut requeued: Vec<String> = Vec::new();
+    let mut requeued: Vec<JobId> = Vec::new();
     for (job_id, node) in held {
         if requeued.last() == Some(&job_id) {
             continue;
@@ -194,7 +194,7 @@ async fn requeue_jobs_on(
 
 pub(super) async fn assignments_for_node(
     c: &mut Conn<'_>,
-    node_id: &str,
+    node_id: &NodeId,
 ) -> Result<Vec<(Job, Vec<AssignmentRecord>)>, StoreError> {
     #[derive(sqlx::FromRow)]
     struct Row {
@@ -219,7 +219,7 @@ pub(super) async fn assignments_for_node(
             job_id: job.id.clone(),
             attempt: i64::from(job.attempt),
             rank: r.a_rank,
-            node_id: node_id.to_string(),
+            node_id: node_id.clone(),
             device: r.a_device,
         })?;
         match out.last_mut() {
@@ -232,7 +232,7 @@ pub(super) async fn assignments_for_node(
 
 pub(super) async fn assignments_for_job(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
 ) -> Result<Vec<AssignmentRecord>, StoreError> {
     let sql = format!(
         "SELECT {A_ASSIGNMENT_COLUMNS} FROM assignments a \
@@ -247,8 +247,8 @@ pub(super) async fn assignments_for_job(
 
 pub(super) async fn node_ranks(
     c: &mut Conn<'_>,
-    job_id: &str,
-    node_id: &str,
+    job_id: &JobId,
+    node_id: &NodeId,
 ) -> Result<Vec<(u32, u32)>, StoreError> {
     let rows = on!(c, c => {
         sqlx::query_as::<_, (i64, i64)>(
@@ -267,7 +267,7 @@ pub(super) async fn node_ranks(
 
 pub(super) async fn set_master(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     attempt: u32,
     master: &str,
 ) -> Result<(), StoreError> {

@@ -3,11 +3,11 @@
 use super::backend::{Arg, Conn, insert_rows, on, unknown_job_on_fk};
 use super::rows::{json, real, to_json, to_u32};
 use super::{CheckpointRecord, StoreError};
-use crate::domain::{LogLine, RankMemoryRecord, StepRecord};
+use crate::domain::{JobId, LogLine, RankMemoryRecord, StepRecord};
 
 pub(super) async fn add_steps(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     steps: &[StepRecord],
 ) -> Result<(), StoreError> {
     // A batch the agent sends again after a lost reply changes nothing.
@@ -40,7 +40,7 @@ pub(super) async fn add_steps(
     .map_err(unknown_job_on_fk(job_id))
 }
 
-pub(super) async fn steps(c: &mut Conn<'_>, job_id: &str) -> Result<Vec<StepRecord>, StoreError> {
+pub(super) async fn steps(c: &mut Conn<'_>, job_id: &JobId) -> Result<Vec<StepRecord>, StoreError> {
     type Row = (
         i64,
         i64,
@@ -83,7 +83,7 @@ pub(super) async fn steps(c: &mut Conn<'_>, job_id: &str) -> Result<Vec<StepReco
 
 pub(super) async fn set_rank_memory(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     m: &RankMemoryRecord,
     now: i64,
 ) -> Result<(), StoreError> {
@@ -113,7 +113,7 @@ pub(super) async fn set_rank_memory(
 
 pub(super) async fn rank_memory(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
 ) -> Result<Vec<RankMemoryRecord>, StoreError> {
     let rows = on!(c, c => {
         sqlx::query_as::<_, (i64, String, String, String, Option<i64>)>(
@@ -139,7 +139,7 @@ pub(super) async fn rank_memory(
 
 pub(super) async fn append_logs(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     lines: &[(i64, String)],
 ) -> Result<i64, StoreError> {
     // The job row holds the counter: raising it takes the row's lock, so concurrent appends to
@@ -153,7 +153,7 @@ pub(super) async fn append_logs(
         .fetch_optional(&mut **c)
         .await?
     });
-    let last = last.ok_or_else(|| StoreError::UnknownJob(job_id.to_string()))?;
+    let last = last.ok_or_else(|| StoreError::UnknownJob(job_id.clone()))?;
     let first = last - lines.len() as i64 + 1;
     let rows = lines
         .iter()
@@ -173,7 +173,7 @@ pub(super) async fn append_logs(
 
 pub(super) async fn logs(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     after: i64,
     limit: u32,
 ) -> Result<Vec<LogLine>, StoreError> {
@@ -195,7 +195,7 @@ pub(super) async fn logs(
 
 pub(super) async fn add_checkpoint(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
     attempt: u32,
     step: u32,
     now: i64,
@@ -222,7 +222,7 @@ pub(super) async fn add_checkpoint(
 
 pub(super) async fn checkpoints(
     c: &mut Conn<'_>,
-    job_id: &str,
+    job_id: &JobId,
 ) -> Result<Vec<CheckpointRecord>, StoreError> {
     let rows = on!(c, c => {
         sqlx::query_as::<_, (i64, i64, i64)>(

@@ -6,7 +6,7 @@ use scheduler::memory::DeviceKind;
 use serde::de::DeserializeOwned;
 
 use super::StoreError;
-use crate::domain::{AssignmentRecord, Job, JobState, NodeRecord, Transition};
+use crate::domain::{AssignmentRecord, Job, JobId, JobState, NodeId, NodeRecord, Transition};
 
 /// The columns of `jobs` that make a [`Job`], in [`JobRow`]'s order.
 pub(super) const JOB_COLUMNS: &str = "id, name, state, priority, attempt, world_size, spec, plan, \
@@ -16,11 +16,6 @@ pub(super) const JOB_COLUMNS: &str = "id, name, state, priority, attempt, world_
 pub(super) const J_JOB_COLUMNS: &str = "j.id, j.name, j.state, j.priority, j.attempt, \
      j.world_size, j.spec, j.plan, j.unsupported_keys, j.owner, j.reason, j.master, \
      j.created_at, j.updated_at";
-
-/// A fresh UUIDv7: ids sort by creation time.
-pub(super) fn new_id() -> String {
-    uuid::Uuid::now_v7().to_string()
-}
 
 fn corrupt(what: &str, reason: impl ToString) -> StoreError {
     StoreError::Corrupt {
@@ -57,7 +52,7 @@ pub(super) fn real(v: f64) -> Option<f64> {
 
 #[derive(sqlx::FromRow)]
 pub(super) struct JobRow {
-    id: String,
+    id: JobId,
     name: Option<String>,
     state: String,
     priority: i64,
@@ -119,10 +114,10 @@ impl TryFrom<TransitionRow> for Transition {
 
 #[derive(sqlx::FromRow)]
 pub(super) struct AssignmentRow {
-    pub(super) job_id: String,
+    pub(super) job_id: JobId,
     pub(super) attempt: i64,
     pub(super) rank: i64,
-    pub(super) node_id: String,
+    pub(super) node_id: NodeId,
     pub(super) device: i64,
 }
 
@@ -146,7 +141,7 @@ impl TryFrom<AssignmentRow> for AssignmentRecord {
 /// A node joined with one of its devices (none for a node without devices).
 #[derive(sqlx::FromRow)]
 pub(super) struct NodeDeviceRow {
-    id: String,
+    id: NodeId,
     name: String,
     host: String,
     registered_at: i64,

@@ -19,7 +19,7 @@ use wire::artifact::{Artifact, MODEL_FILE};
 use super::reports::View;
 use crate::app::AppState;
 use crate::auth::AgentNode;
-use crate::domain::{Job, NodeRecord};
+use crate::domain::{Job, JobId, NodeId, NodeRecord};
 use crate::error::{ApiError, Problem};
 use crate::store::ArtifactRecord;
 
@@ -73,7 +73,7 @@ impl From<&ArtifactRecord> for ArtifactView {
 pub async fn upload(
     State(state): State<AppState>,
     AgentNode(node): AgentNode,
-    path: Path<(String, String, u32, String)>,
+    path: Path<(NodeId, JobId, u32, String)>,
     body: Body,
 ) -> Result<(StatusCode, Json<ArtifactView>), ApiError> {
     let Path((_, job_id, attempt, name)) = path;
@@ -135,17 +135,17 @@ pub async fn upload(
 pub async fn download(
     State(state): State<AppState>,
     AgentNode(node): AgentNode,
-    path: Path<(String, String, String)>,
+    path: Path<(NodeId, JobId, String)>,
 ) -> Result<Body, ApiError> {
     let Path((_, job_id, name)) = path;
     let job = running(&state, &node, &job_id, &name).await?;
     // The files of the checkpoint another job's spec resumes from are that job's (this job's
     // own checkpoints come after it, at later steps).
     let owner = match &job.spec.resume_from {
-        Some(from) if Artifact::step_of(&name) == from.checkpoint_step() => from.job.as_str(),
-        _ => job_id.as_str(),
+        Some(from) if Artifact::step_of(&name) == Some(from.step) => JobId::from(from.job.as_str()),
+        _ => job_id,
     };
-    file(&state, owner, &name).await
+    file(&state, &owner, &name).await
 }
 
 /// The model a job this node runs starts from (its agent token).
@@ -171,24 +171,24 @@ pub async fn download(
 pub async fn init_from(
     State(state): State<AppState>,
     AgentNode(node): AgentNode,
-    path: Path<(String, String)>,
+    path: Path<(NodeId, JobId)>,
 ) -> Result<Body, ApiError> {
     let Path((_, job_id)) = path;
     let job = running(&state, &node, &job_id, "init_from").await?;
     let Some(InitFrom::Artifact(from)) = job.spec.model.init_from else {
         return Err(ApiError::NotFound {
             what: "model to start from for job",
-            id: job_id,
+            id: job_id.to_string(),
         });
     };
-    file(&state, &from.job, MODEL_FILE).await
+    file(&state, &JobId::from(from.job), MODEL_FILE).await
 }
 
 /// The job, if `node` holds ranks of its current attempt.
 async fn running(
     state: &AppState,
     node: &NodeRecord,
-    job_id: &str,
+    job_id: &JobId,
     what: &str,
 ) -> Result<Job, ApiError> {
     let view = View::load(state, job_id, node).await?;
@@ -207,7 +207,7 @@ fn refused(state: &AppState, what: &str, reason: RefusalReason) -> ApiError {
 }
 
 /// The file `name` job `job_id` has, streamed.
-async fn file(state: &AppState, job_id: &str, name: &str) -> Result<Body, ApiError> {
+async fn file(state: &AppState, job_id: &JobId, name: &str) -> Result<Body, ApiError> {
     let a = crate::routes::jobs::artifacts::named(state, job_id, name).await?;
     Ok(Body::from_stream(
         state.artifacts.get(job_id, &a, None).await?,

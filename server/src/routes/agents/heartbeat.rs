@@ -17,7 +17,7 @@ use wire::artifact::Artifact;
 
 use crate::app::AppState;
 use crate::auth::AgentNode;
-use crate::domain::{Job, JobState, NodeRecord};
+use crate::domain::{Job, JobId, JobState, NodeId, NodeRecord};
 use crate::error::{ApiError, Problem};
 
 /// Heartbeat of a registered agent (its agent token).
@@ -105,10 +105,10 @@ fn wait(state: &AppState, wait_ms: u64) -> Duration {
 }
 
 /// Returns once a wake for `node` (or for every node) arrives.
-async fn woken(wake: &mut tokio::sync::broadcast::Receiver<Option<String>>, node: &str) {
+async fn woken(wake: &mut tokio::sync::broadcast::Receiver<Option<NodeId>>, node: &NodeId) {
     loop {
         match wake.recv().await {
-            Ok(Some(n)) if n != node => continue,
+            Ok(Some(n)) if n != *node => continue,
             // Missed wakes may have been for this node.
             Ok(_) | Err(RecvError::Lagged(_)) => return,
             Err(RecvError::Closed) => std::future::pending().await,
@@ -121,7 +121,7 @@ async fn woken(wake: &mut tokio::sync::broadcast::Receiver<Option<String>>, node
 async fn over(state: &AppState, running: &[(String, u32)]) -> Result<Vec<(String, u32)>, ApiError> {
     let mut cancel = Vec::new();
     for (id, attempt) in running {
-        let stop = match state.store.get_job(id).await? {
+        let stop = match state.store.get_job(&JobId::from(id.as_str())).await? {
             None => true,
             Some(job) => {
                 job.attempt != *attempt || job.state.is_terminal() || job.state == JobState::Queued
@@ -144,7 +144,7 @@ async fn assignments(
 ) -> Result<Vec<Assignment>, ApiError> {
     let mut out = Vec::new();
     for (job, records) in state.store.assignments_for_node(&node.id).await? {
-        let key = (job.id.clone(), job.attempt);
+        let key = (job.id.to_string(), job.attempt);
         if job.state != JobState::Scheduled || running.contains(&key) {
             continue;
         }
@@ -179,7 +179,7 @@ async fn assignments(
         };
         let resume_from = resume_from(state, &job).await?;
         out.push(Assignment {
-            job_id: job.id.clone(),
+            job_id: job.id.to_string(),
             attempt: job.attempt,
             ranks,
             transport,
@@ -203,12 +203,11 @@ async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, 
             (newest.step, uploads)
         } else if let Some(from) = &job.spec.resume_from {
             // Another job's: the files it lists (of each name, its newest attempt's).
-            let listed = match state.store.get_job(&from.job).await? {
+            let listed = match state.store.get_job(&JobId::from(from.job.as_str())).await? {
                 Some(other) => crate::artifacts::of_job(state, &other).await?,
                 None => Vec::new(),
             };
-            let step = from.checkpoint_step().expect("admission checked the name");
-            (step, listed)
+            (from.step, listed)
         } else {
             return Ok(None);
         };

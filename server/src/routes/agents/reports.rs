@@ -10,7 +10,7 @@ use wire::agent::{Refusal, RefusalReason, Report};
 
 use crate::app::{App, JobEvent};
 use crate::artifacts;
-use crate::domain::{Job, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord};
+use crate::domain::{Job, JobId, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord};
 use crate::error::ApiError;
 
 const LIVE: [JobState; 2] = [JobState::Scheduled, JobState::Running];
@@ -19,8 +19,8 @@ const LIVE: [JobState; 2] = [JobState::Scheduled, JobState::Running];
 /// a follower that sees the job end has seen its last lines.
 #[derive(Default)]
 struct Pending {
-    steps: HashMap<String, Vec<StepRecord>>,
-    logs: HashMap<String, Vec<(i64, String)>>,
+    steps: HashMap<JobId, Vec<StepRecord>>,
+    logs: HashMap<JobId, Vec<(i64, String)>>,
 }
 
 /// A job as a node's request sees it: the job, and the (attempt, rank) pairs this node was
@@ -31,7 +31,11 @@ pub(super) struct View {
 }
 
 impl View {
-    pub(super) async fn load(app: &App, job_id: &str, node: &NodeRecord) -> Result<View, ApiError> {
+    pub(super) async fn load(
+        app: &App,
+        job_id: &JobId,
+        node: &NodeRecord,
+    ) -> Result<View, ApiError> {
         Ok(View {
             job: app.store.get_job(job_id).await?,
             ranks: app.store.node_ranks(job_id, &node.id).await?,
@@ -89,20 +93,21 @@ pub(super) async fn apply(
     reports: Vec<Report>,
 ) -> Result<Vec<Refusal>, ApiError> {
     let now = app.now_ms();
-    let mut views: HashMap<String, View> = HashMap::new();
+    let mut views: HashMap<JobId, View> = HashMap::new();
     let mut pending = Pending::default();
     let mut refused = Vec::new();
     for (index, report) in reports.into_iter().enumerate() {
         let (job_id, attempt) = report.key();
-        if !views.contains_key(job_id) {
-            let view = View::load(app, job_id, node).await?;
-            views.insert(job_id.to_string(), view);
+        let job_id = JobId::from(job_id);
+        if !views.contains_key(&job_id) {
+            let view = View::load(app, &job_id, node).await?;
+            views.insert(job_id.clone(), view);
         }
-        let view = &views[job_id];
+        let view = &views[&job_id];
         let job = match view.admits(attempt, &report) {
             Ok(job) => job.clone(),
             Err(reason) => {
-                tracing::debug!(job = job_id, attempt, node = %node.id, ?reason, "report refused");
+                tracing::debug!(job = job_id.as_str(), attempt, node = %node.id, ?reason, "report refused");
                 app.metrics.refused(reason, 1);
                 refused.push(Refusal { index, reason });
                 continue;
@@ -184,7 +189,12 @@ pub(super) async fn apply(
                 let reason = if let Some(name) =
                     artifacts::missing_from_checkpoint(&uploads, attempt, step, world)
                 {
-                    tracing::warn!(job = job.id, attempt, step, "checkpoint without {name}");
+                    tracing::warn!(
+                        job = job.id.as_str(),
+                        attempt,
+                        step,
+                        "checkpoint without {name}"
+                    );
                     Some(RefusalReason::Incomplete)
                 } else {
                     let added = app.store.add_checkpoint(&job.id, attempt, step).await?;
@@ -270,7 +280,7 @@ impl Pending {
 }
 
 /// Keeps the beat's view of a job current after it moved.
-fn refresh(views: &mut HashMap<String, View>, moved: Option<Job>) {
+fn refresh(views: &mut HashMap<JobId, View>, moved: Option<Job>) {
     if let Some(job) = moved
         && let Some(view) = views.get_mut(&job.id)
     {

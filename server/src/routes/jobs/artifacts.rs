@@ -16,6 +16,7 @@ use utoipa::ToSchema;
 use crate::app::AppState;
 use crate::artifacts;
 use crate::auth::Viewer;
+use crate::domain::JobId;
 use crate::error::{ApiError, Problem};
 use crate::routes::agents::artifacts::ArtifactView;
 use crate::store::ArtifactRecord;
@@ -41,7 +42,7 @@ pub struct ArtifactList {
 pub async fn list(
     State(state): State<AppState>,
     _: Viewer,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Result<Json<ArtifactList>, ApiError> {
     let listed = listed(&state, &id).await?;
     Ok(Json(ArtifactList {
@@ -72,7 +73,7 @@ pub async fn list(
 pub async fn download(
     State(state): State<AppState>,
     _: Viewer,
-    path: Path<(String, String)>,
+    path: Path<(JobId, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let Path((id, name)) = path;
@@ -118,7 +119,7 @@ pub async fn download(
 }
 
 /// Job `id`'s files (a 404 for no such job).
-async fn listed(state: &AppState, id: &str) -> Result<Vec<ArtifactRecord>, ApiError> {
+async fn listed(state: &AppState, id: &JobId) -> Result<Vec<ArtifactRecord>, ApiError> {
     let job = super::find(state, id).await?;
     Ok(artifacts::of_job(state, &job).await?)
 }
@@ -126,7 +127,7 @@ async fn listed(state: &AppState, id: &str) -> Result<Vec<ArtifactRecord>, ApiEr
 /// The file `name` job `id` has (a 404 for no such job or file).
 pub(crate) async fn named(
     state: &AppState,
-    id: &str,
+    id: &JobId,
     name: &str,
 ) -> Result<ArtifactRecord, ApiError> {
     listed(state, id)

@@ -6,7 +6,7 @@ use axum::extract::{Path, State};
 
 use crate::app::AppState;
 use crate::auth::Submitter;
-use crate::domain::{Job, JobState, Role};
+use crate::domain::{Job, JobId, JobState, Role};
 use crate::error::{ApiError, Problem};
 
 /// Cancel a job (its owner, or an admin).
@@ -28,7 +28,7 @@ use crate::error::{ApiError, Problem};
 pub async fn cancel(
     State(state): State<AppState>,
     Submitter(caller): Submitter,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Result<Json<Job>, ApiError> {
     let job = super::find(&state, &id).await?;
     if job.owner != caller.name && caller.role < Role::Admin {

@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use scheduler::memory::Breakdown;
 use scheduler::plan;
-use scheduler::spec::{InitFrom, JobArtifact, JobSpec, Purpose, checkpoint_artifact};
+use scheduler::spec::{CheckpointRef, InitFrom, JobSpec, Purpose, checkpoint_artifact};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use wire::artifact::Artifact;
@@ -16,7 +16,7 @@ use wire::artifact::Artifact;
 use crate::app::AppState;
 use crate::artifacts;
 use crate::auth::Submitter;
-use crate::domain::{Job, JobState};
+use crate::domain::{Job, JobId, JobState};
 use crate::error::{ApiError, Problem};
 use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
@@ -127,7 +127,7 @@ pub async fn create(
     };
     let now = state.now_ms();
     let job = Job {
-        id: uuid::Uuid::now_v7().to_string(),
+        id: JobId::mint(),
         name: parsed.spec.name.clone(),
         state: JobState::Queued,
         priority: params.priority,
@@ -188,7 +188,7 @@ async fn starts_from(state: &AppState, spec: &JobSpec, source: &str) -> Result<(
 async fn resumes_from(
     state: &AppState,
     spec: &JobSpec,
-    from: &JobArtifact,
+    from: &CheckpointRef,
 ) -> Result<(), ApiError> {
     let field = "resume_from.job";
     let (job, listed) = source_job(state, field, &from.job).await?;
@@ -196,14 +196,14 @@ async fn resumes_from(
         .iter()
         .filter_map(|a| Artifact::step_of(&a.name))
         .collect();
-    if !steps.contains(&from.checkpoint_step().expect("the spec checked the name")) {
+    if !steps.contains(&from.step) {
         steps.dedup();
         return Err(ApiError::spec(
             "resume_from.artifact",
             format!(
                 "job {} has no committed checkpoint {:?} (its checkpoints: {})",
                 from.job,
-                from.artifact,
+                checkpoint_artifact(from.step),
                 if steps.is_empty() {
                     "none".to_string()
                 } else {
@@ -242,7 +242,7 @@ async fn source_job(
     field: &str,
     id: &str,
 ) -> Result<(Job, Vec<crate::store::ArtifactRecord>), ApiError> {
-    let Some(job) = state.store.get_job(id).await? else {
+    let Some(job) = state.store.get_job(&JobId::from(id)).await? else {
         return Err(ApiError::spec(field, format!("no job {id:?}")));
     };
     let listed = artifacts::of_job(state, &job).await?;

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use crate::app::{AppState, JobEvent};
 use crate::auth::Viewer;
-use crate::domain::{Job, JobState};
+use crate::domain::{Job, JobId, JobState};
 use crate::error::{ApiError, Problem};
 
 /// One server-sent event of the stream (axum's `Event`s write it).
@@ -39,7 +39,7 @@ pub struct JobEventMessage {
 pub async fn events(
     State(state): State<AppState>,
     _: Viewer,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     // Subscribe before reading the state, so no change falls between the two.
     let rx = state.events.subscribe();
@@ -62,7 +62,7 @@ pub async fn events(
 
 struct Follower {
     state: AppState,
-    id: String,
+    id: JobId,
     rx: tokio::sync::broadcast::Receiver<JobEvent>,
     stop: tokio::sync::watch::Receiver<bool>,
     /// The state and attempt last sent, to send a change seen by polling only once.

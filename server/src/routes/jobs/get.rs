@@ -7,7 +7,7 @@ use utoipa::ToSchema;
 
 use crate::app::AppState;
 use crate::auth::Viewer;
-use crate::domain::{Job, Transition};
+use crate::domain::{Job, JobId, Transition};
 use crate::error::{ApiError, Problem};
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -33,13 +33,13 @@ pub struct JobDetail {
 pub async fn get(
     State(state): State<AppState>,
     _: Viewer,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Result<Json<JobDetail>, ApiError> {
     Ok(Json(detail(&state, &id).await?))
 }
 
 /// Job `id` with its history (or a 404), as the endpoint and the console's job page show it.
-pub(crate) async fn detail(state: &AppState, id: &str) -> Result<JobDetail, ApiError> {
+pub(crate) async fn detail(state: &AppState, id: &JobId) -> Result<JobDetail, ApiError> {
     let job = super::find(state, id).await?;
     let transitions = state.store.transitions(id).await?;
     Ok(JobDetail { job, transitions })

@@ -9,7 +9,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::app::AppState;
 use crate::auth::Viewer;
-use crate::domain::{Job, JobState};
+use crate::domain::{Job, JobId, JobState};
 use crate::error::{ApiError, Problem};
 use crate::store::{JobFilter, JobSort};
 
@@ -104,13 +104,13 @@ pub(crate) async fn page(state: &AppState, params: ListParams) -> Result<JobPage
             name: params.name,
             owner: params.owner,
             sort,
-            before: params.cursor,
+            before: params.cursor.map(JobId::from),
             limit: limit + 1,
         })
         .await?;
     let next_cursor = if jobs.len() > limit as usize {
         jobs.truncate(limit as usize);
-        jobs.last().map(|j| j.id.clone())
+        jobs.last().map(|j| j.id.to_string())
     } else {
         None
     };

@@ -19,7 +19,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::app::{AppState, JobEvent};
 use crate::auth::Viewer;
-use crate::domain::LogLine;
+use crate::domain::{JobId, LogLine};
 use crate::error::{ApiError, Problem};
 
 const PAGE: u32 = 1000;
@@ -82,7 +82,7 @@ pub struct LogPage {
 pub async fn logs(
     State(state): State<AppState>,
     _: Viewer,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
     headers: HeaderMap,
     params: Result<Query<LogParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
@@ -121,7 +121,7 @@ pub async fn logs(
 
 struct Follow {
     state: AppState,
-    id: String,
+    id: JobId,
     after: i64,
     rx: broadcast::Receiver<JobEvent>,
     stop: watch::Receiver<bool>,
@@ -185,7 +185,7 @@ impl Follow {
 pub(crate) async fn wait_for_job(
     rx: &mut broadcast::Receiver<JobEvent>,
     stop: &mut watch::Receiver<bool>,
-    id: &str,
+    id: &JobId,
 ) -> Option<Option<JobEvent>> {
     let deadline = tokio::time::sleep(POLL);
     tokio::pin!(deadline);

@@ -9,12 +9,13 @@ use utoipa::ToSchema;
 
 use crate::app::AppState;
 use crate::auth::Viewer;
-use crate::domain::{Job, JobState, RankMemoryRecord, StepRecord};
+use crate::domain::{Job, JobId, JobState, NodeId, RankMemoryRecord, StepRecord};
 use crate::error::{ApiError, Problem};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobMetrics {
-    pub job_id: String,
+    #[schema(value_type = String)]
+    pub job_id: JobId,
     pub state: JobState,
     /// The plan's bytes per rank, by category (before any rank reported).
     #[schema(value_type = Object)]
@@ -31,7 +32,8 @@ pub struct JobMetrics {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RankDevice {
     pub rank: u32,
-    pub node_id: String,
+    #[schema(value_type = String)]
+    pub node_id: NodeId,
     pub device: u32,
     pub memory_bytes: u64,
 }
@@ -51,7 +53,7 @@ pub struct RankDevice {
 pub async fn metrics(
     State(state): State<AppState>,
     _: Viewer,
-    Path(id): Path<String>,
+    Path(id): Path<JobId>,
 ) -> Result<Json<JobMetrics>, ApiError> {
     let job = super::find(&state, &id).await?;
     Ok(Json(job_metrics(&state, job).await?))

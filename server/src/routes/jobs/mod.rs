@@ -12,11 +12,11 @@ pub mod metrics;
 pub mod spec;
 
 use crate::app::App;
-use crate::domain::Job;
+use crate::domain::{Job, JobId};
 use crate::error::ApiError;
 
 /// The job `id`, or a 404.
-pub(crate) async fn find(app: &App, id: &str) -> Result<Job, ApiError> {
+pub(crate) async fn find(app: &App, id: &JobId) -> Result<Job, ApiError> {
     app.store
         .get_job(id)
         .await?
