@@ -327,6 +327,17 @@ mod tests {
         assert!(whole.3.iter().any(|&g| g != 0.5), "dw was added into");
     }
 
+    /// Planning's CPU process charges the GEMM workspace the kernels compute for its cores.
+    #[test]
+    fn planning_charges_the_kernels_gemm_workspace() {
+        let planning = scheduler::memory::process::CpuProcess::PLANNING;
+        let gemm = kernels::matmul::gemm_workspace_for(planning.gemm_per_thread);
+        assert_eq!(
+            (gemm.per_thread, gemm.per_call),
+            (planning.gemm_per_thread, planning.gemm_per_call)
+        );
+    }
+
     /// Admission's limits are the kernels' own: what it admits, they run.
     #[test]
     fn admission_limits_are_the_kernels_limits() {

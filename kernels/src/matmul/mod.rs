@@ -476,7 +476,11 @@ pub struct GemmWorkspace {
 
 /// [`GemmWorkspace`] on this CPU.
 pub fn gemm_workspace() -> GemmWorkspace {
-    let l2 = gemm_common::cache::CACHE_INFO[1].cache_bytes as u64;
+    gemm_workspace_for(gemm_common::cache::CACHE_INFO[1].cache_bytes as u64)
+}
+
+/// [`GemmWorkspace`] on cores with `l2` bytes of L2 cache.
+pub fn gemm_workspace_for(l2: u64) -> GemmWorkspace {
     let f32_bytes = std::mem::size_of::<f32>() as u64;
     GemmWorkspace {
         per_thread: l2,

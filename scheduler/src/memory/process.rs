@@ -13,8 +13,9 @@
 
 /// Resident bytes a process gains after it starts that no buffer accounts for: code pages
 /// first touched by training, the allocator's per-thread arenas, the ranks' and the agent's
-/// small allocations. Measured: 4-8 MB (peak RSS less accounted bytes, start resident set and
-/// GEMM workspace, `zerotrain train` gpt2-tiny to gpt2-124M, 1 and 4 ranks), with headroom.
+/// small allocations. Measured: gpt2-124M fp32 on one rank peaked 16.7 MB over its accounted
+/// bytes, 8.6 MB of them resident at start, so 8.1 MB after it, GEMM workspace and stacks
+/// included (`zerotrain train --json`'s `process`, a 2-core EPYC); with headroom.
 pub const GROWTH_BYTES: u64 = 12 << 20;
 
 /// Each thread's touched stack: the kernels keep row blocks and micro-tiles there (tens of
@@ -39,14 +40,15 @@ pub struct CpuProcess {
 impl CpuProcess {
     /// What planning assumes for a CPU rank, whose node's cores it does not know: a 16-thread
     /// process of one rank on cores with 2 MiB of L2 (the largest current x86 cores), starting
-    /// with 16 MiB resident (10 MB measured for `zerotrain`).
+    /// with 16 MiB resident (8.6 MB measured for `zerotrain train`).
     pub const PLANNING: CpuProcess = CpuProcess {
         resident_at_start: 16 << 20,
         threads: 16,
         ranks: 1,
         gemm_per_thread: 2 << 20,
-        // `kernels::matmul::gemm_workspace` on such cores: a depth block of 512 of 512 rows
-        // and a panel's rounding (64) in f32, and two L2-sized panels of the other operand.
+        // `kernels::matmul::gemm_workspace_for` such cores (a runner test holds them equal):
+        // a depth block of 512 of 512 rows and a panel's rounding (64) in f32, and two
+        // L2-sized panels of the other operand.
         gemm_per_call: 4 * 512 * (512 + 64) + 2 * (2 << 20),
     };
 
