@@ -51,18 +51,6 @@ impl Running {
             .unwrap()
     }
 
-    async fn get(&self, path: &str) -> Value {
-        self.http
-            .get(format!("{}{path}", self.server.url()))
-            .bearer_auth(&self.admin)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    }
-
     /// Registers a one-device node: its heartbeat URL path and token.
     async fn register(&self) -> (String, String) {
         let node = json!({
@@ -112,11 +100,8 @@ async fn the_scheduling_loop_places_a_submitted_job_at_once() {
         .as_str()
         .unwrap()
         .to_string();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while s.get(&format!("/v1/jobs/{id}")).await["state"] != "scheduled" {
-        assert!(Instant::now() < deadline, "not scheduled by the loop");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let url = s.server.url();
+    live::until_state(&url, &s.admin, &id, &["scheduled"], Duration::from_secs(10)).await;
     s.server.shutdown().await.unwrap();
 }
 
@@ -256,11 +241,16 @@ async fn submit_wait_follows_the_job_to_its_end() {
     let args = ["submit", path.to_str().unwrap(), "--wait"];
     let waiting = s.zerotrain(&args);
     let agent = async {
-        // A fake agent: take the assignment, then report a step and the end.
+        // A fake agent: take the assignment (each beat waits for it at the server, as an
+        // agent's does), then report a step and the end.
         let deadline = Instant::now() + Duration::from_secs(20);
         let job = loop {
             let reply: Value = s
-                .post(&beat, &token, &json!({"reports": [], "running": []}))
+                .post(
+                    &beat,
+                    &token,
+                    &json!({"reports": [], "running": [], "wait_ms": 20_000}),
+                )
                 .await
                 .json()
                 .await
@@ -269,7 +259,6 @@ async fn submit_wait_follows_the_job_to_its_end() {
                 break a["job_id"].as_str().unwrap().to_string();
             }
             assert!(Instant::now() < deadline, "no assignment");
-            tokio::time::sleep(Duration::from_millis(50)).await;
         };
         let report = |kind: &str, extra: Value| {
             let mut r = json!({"kind": kind, "job_id": job, "attempt": 1});

@@ -63,20 +63,20 @@ async fn chromedriver() -> Driver {
     let url = format!("http://127.0.0.1:{port}");
     // Ready when its status says so.
     let http = reqwest::Client::new();
-    let start = Instant::now();
-    loop {
-        if let Ok(r) = http.get(format!("{url}/status")).send().await
-            && let Ok(v) = r.json::<Value>().await
-            && v["value"]["ready"] == true
-        {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "chromedriver never got ready"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    live::poll(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            if let Ok(r) = http.get(format!("{url}/status")).send().await
+                && let Ok(v) = r.json::<Value>().await
+                && v["value"]["ready"] == true
+            {
+                return Ok(());
+            }
+            Err("chromedriver never got ready".to_string())
+        },
+    )
+    .await;
     Driver { child, url }
 }
 
@@ -143,15 +143,14 @@ async fn assert_no_console_errors(c: &Client, page: &str) {
 
 /// Evaluates `script` (a function body) until it returns something truthy.
 async fn until(c: &Client, what: &str, script: &str) -> Value {
-    let start = Instant::now();
-    loop {
+    live::poll(WAIT, Duration::from_millis(100), || async {
         let v = c.execute(script, vec![]).await.expect(what);
-        if !(v.is_null() || v == false || v == "" || v == 0) {
-            return v;
+        match v.is_null() || v == false || v == "" || v == 0 {
+            true => Err(format!("{what} (last: {v})")),
+            false => Ok(v),
         }
-        assert!(start.elapsed() < WAIT, "after {WAIT:?}: {what} (last: {v})");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await
 }
 
 async fn screenshot(c: &Client, name: &str) {

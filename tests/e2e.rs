@@ -111,16 +111,10 @@ impl Service {
         (r.status().as_u16(), r.json().await.unwrap())
     }
 
-    /// Polls job `id` until it reaches a terminal state (or `limit` passes).
+    /// Follows job `id` until it reaches a terminal state (or `limit` passes).
     async fn finished(&self, id: &str, limit: Duration) -> Value {
-        poll(limit, Duration::from_millis(100), || async {
-            let job = self.get(&format!("/v1/jobs/{id}")).await;
-            match job["state"].as_str().unwrap() {
-                "succeeded" | "failed" | "cancelled" => Ok(job),
-                state => Err(format!("job {id} still {state}")),
-            }
-        })
-        .await
+        let ended = ["succeeded", "failed", "cancelled"];
+        live::until_state(&self.server.url(), ADMIN, id, &ended, limit).await
     }
 
     /// Waits until `n` nodes have registered: admission plans against registered devices.
@@ -165,13 +159,7 @@ impl Service {
     }
 
     async fn wait_state(&self, id: &str, state: &str, limit: Duration) {
-        poll(limit, Duration::from_millis(50), || async {
-            let job = self.get(&format!("/v1/jobs/{id}")).await;
-            (job["state"] == state)
-                .then_some(())
-                .ok_or(format!("job {id} never {state}: {}", job["state"]))
-        })
-        .await
+        live::until_state(&self.server.url(), ADMIN, id, &[state], limit).await;
     }
 }
 

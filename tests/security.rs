@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::os::unix::fs::symlink;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use api_helpers::*;
 use axum::body::Body;
@@ -109,14 +109,17 @@ async fn an_agent_refuses_inputs_leading_outside_its_roots_and_trains_on_those_i
                 .unwrap()
         }
     };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while get(format!("{url}/v1/nodes")).await["nodes"]
-        .as_array()
-        .is_none_or(Vec::is_empty)
-    {
-        assert!(Instant::now() < deadline, "the agent never registered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    live::poll(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            match get(format!("{url}/v1/nodes")).await["nodes"].as_array() {
+                Some(nodes) if !nodes.is_empty() => Ok(()),
+                _ => Err("the agent never registered".to_string()),
+            }
+        },
+    )
+    .await;
     let cases = [
         (with_input(text("corpus.txt"), None), None),
         (
@@ -146,15 +149,9 @@ async fn an_agent_refuses_inputs_leading_outside_its_roots_and_trains_on_those_i
         let id = created["id"]
             .as_str()
             .unwrap_or_else(|| panic!("{created}"));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let job = loop {
-            let job = get(format!("{url}/v1/jobs/{id}")).await;
-            if matches!(job["state"].as_str(), Some("succeeded" | "failed")) {
-                break job;
-            }
-            assert!(Instant::now() < deadline, "{job}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let ended = ["succeeded", "failed"];
+        let (admin, limit) = ("zt_security_admin", Duration::from_secs(60));
+        let job = live::until_state(&url, admin, id, &ended, limit).await;
         let logs = get(format!("{url}/v1/jobs/{id}/logs")).await.to_string();
         match refusal {
             None => assert_eq!(job["state"], "succeeded", "{job}"),

@@ -57,7 +57,8 @@ fn staging(out: &Path) -> bool {
 }
 
 /// Waits until `done` holds, failing if `child` exits first or a minute passes (a liveness
-/// bound far above the seconds a step of gpt2-tiny takes).
+/// bound far above the seconds a step of gpt2-tiny takes). `done` reads files the child
+/// writes, which no event announces: they are looked at every millisecond.
 fn wait_until(child: &mut Child, what: &str, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
     while !done() {

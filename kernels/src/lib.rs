@@ -18,6 +18,9 @@ pub mod cpu;
 pub mod crossentropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda.rs"]
+pub mod cuda;
 pub mod encoder;
 pub mod float;
 pub mod gelu;

@@ -1108,6 +1108,7 @@ async fn downloads_serve_byte_ranges(app: &TestApp) -> String {
 }
 
 /// Returns once a heartbeat is waiting at the server (after it looked for work and found none).
+/// The server announces no event for that, only the gauge, which is read until it moves.
 async fn until_a_heartbeat_waits(app: &TestApp) {
     while app.state.metrics.server.agent_heartbeats_waiting.get() < 1.0 {
         tokio::time::sleep(Duration::from_millis(1)).await;

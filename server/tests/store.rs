@@ -1796,6 +1796,8 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
                         store.release_lease().await.unwrap();
                     }
                 }
+                // A scheduling loop's pause between passes (the behaviour under test: two
+                // replicas' passes interleaving), not a wait for an event.
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             placed
@@ -1874,6 +1876,7 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
             assert!(live.iter().all(|n| !n.lost), "node-2 is back");
         }
         assert!(Instant::now() < deadline, "jobs left: {counts:?}");
+        // The agents' pace: the replicas place between two rounds of starts and ends.
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     done.store(true, Ordering::Relaxed);
@@ -2332,6 +2335,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
             break pass;
         }
         assert!(Instant::now() < deadline, "b never took the lease over");
+        // Time passing is the behaviour under test: the lease lapses only on the clock.
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(taken.loaded, "a new holder loads its board");
@@ -2392,6 +2396,7 @@ async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb
             Instant::now() < deadline,
             "the second server never took over"
         );
+        // Time passing is the behaviour under test: the dead server's lease lapses on the clock.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(state_of(s, &two.id).await, JobState::Scheduled);

@@ -177,7 +177,65 @@ pub async fn proxy(upstream: String, mode: Mode) -> Proxy {
     Proxy { url, mode: tx }
 }
 
-/// Calls `probe` every `every` until it gives a value, failing after `limit` with the last thing it said.
+/// Follows job `id`'s event stream (`GET /v1/jobs/{id}/events`, which starts with the job's
+/// current state) until the job's state is one of `states`, failing after `limit` or when the
+/// stream ends (after a terminal state) in another. Returns the job as `GET /v1/jobs/{id}`
+/// gives it then.
+pub async fn until_state(
+    url: &str,
+    token: &str,
+    id: &str,
+    states: &[&str],
+    limit: Duration,
+) -> serde_json::Value {
+    let http = reqwest::Client::new();
+    let follow = async {
+        let mut stream = http
+            .get(format!("{url}/v1/jobs/{id}/events"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(stream.status(), 200, "the events of job {id}");
+        let (mut pending, mut last) = (Vec::new(), String::from("no state yet"));
+        while let Some(chunk) = stream.chunk().await.unwrap() {
+            pending.extend_from_slice(&chunk);
+            // Events end with a blank line; a chunk may hold several, or part of one.
+            while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = pending.drain(..end + 2).collect();
+                let event = String::from_utf8(event).unwrap();
+                if !event.lines().any(|l| l == "event: state") {
+                    continue;
+                }
+                let data = event
+                    .lines()
+                    .find_map(|l| l.strip_prefix("data: "))
+                    .unwrap();
+                let change: serde_json::Value = serde_json::from_str(data).unwrap();
+                last = change["state"].as_str().unwrap().to_string();
+                if states.contains(&last.as_str()) {
+                    return;
+                }
+            }
+        }
+        panic!("job {id} ended {last}, never {states:?}");
+    };
+    if tokio::time::timeout(limit, follow).await.is_err() {
+        panic!("after {limit:?}: job {id} never {states:?}");
+    }
+    http.get(format!("{url}/v1/jobs/{id}"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Calls `probe` every `every` until it gives a value, failing after `limit` with the last
+/// thing it said: for state that no stream announces (a node registering, a file appearing, a
+/// metric scraped); a job's state is followed on its event stream ([`until_state`]).
 pub async fn poll<T, F, Fut>(limit: Duration, every: Duration, mut probe: F) -> T
 where
     F: FnMut() -> Fut,

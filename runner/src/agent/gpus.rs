@@ -35,11 +35,7 @@ pub struct Discovery {
 
 /// The GPUs the driver sees.
 pub fn discover() -> Discovery {
-    #[cfg(feature = "cuda")]
     let found = kernels::cuda::gpus::discover().map_err(|e| e.to_string());
-    #[cfg(not(feature = "cuda"))]
-    let found: Result<Vec<Gpu>, String> =
-        Err("this zerotrain was built without CUDA support (cargo feature `cuda`)".into());
     match found {
         Ok(gpus) if gpus.is_empty() => Discovery {
             gpus,

@@ -33,7 +33,6 @@ wire::metrics! {
 pub struct AgentMetrics {
     registry: Registry,
     pub series: AgentSeries,
-    #[cfg(feature = "cuda")]
     probes: std::sync::Mutex<Vec<(usize, kernels::cuda::gpus::MemoryProbe)>>,
 }
 
@@ -43,7 +42,6 @@ impl AgentMetrics {
         AgentMetrics {
             series: AgentSeries::new(&registry),
             registry,
-            #[cfg(feature = "cuda")]
             probes: std::sync::Mutex::new(Vec::new()),
         }
     }
@@ -61,7 +59,6 @@ impl AgentMetrics {
                 .gpu_memory_total_bytes
                 .with_label_values(&[&device])
                 .set(i64::try_from(g.total_bytes).unwrap_or(i64::MAX));
-            #[cfg(feature = "cuda")]
             match kernels::cuda::gpus::MemoryProbe::new(g.ordinal) {
                 Ok(probe) => self
                     .probes
@@ -83,7 +80,6 @@ impl AgentMetrics {
 
     /// Reads each watched GPU's memory in use now.
     fn sample_gpus(&self) {
-        #[cfg(feature = "cuda")]
         for (device, probe) in self.probes.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             if let Ok(used) = probe.used_bytes() {
                 self.set_gpu_memory_used(*device, used);

@@ -35,19 +35,8 @@ pub trait Transport: Send {
     fn exchange(&mut self, out: &[&[u8]], inp: &mut [u8]) -> Result<(), Error>;
 }
 
-/// What NCCL needs of an element type, where it is built.
-#[cfg(feature = "cuda")]
-pub trait NcclElem: kernels::cuda::nccl::NcclType {}
-#[cfg(feature = "cuda")]
-impl<T: kernels::cuda::nccl::NcclType> NcclElem for T {}
-/// What NCCL needs of an element type, where it is built: nothing here.
-#[cfg(not(feature = "cuda"))]
-pub trait NcclElem {}
-#[cfg(not(feature = "cuda"))]
-impl<T> NcclElem for T {}
-
 /// An element type collectives can carry and sum.
-pub trait Summable: bytemuck::Pod + Send + Sync + NcclElem {
+pub trait Summable: bytemuck::Pod + Send + Sync + kernels::cuda::nccl::NcclType {
     /// `acc += x` element-wise (16-bit floats are summed in f32 and rounded once).
     fn add(acc: &mut [Self], x: &[Self]);
 }

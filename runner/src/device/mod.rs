@@ -27,19 +27,11 @@ pub use cpu::Cpu;
 #[cfg(feature = "cuda")]
 pub use cuda::Cuda;
 
-/// An element type a device buffer can hold.
-#[cfg(not(feature = "cuda"))]
-pub trait Elem: bytemuck::Pod + Default + Send + Sync {}
-#[cfg(not(feature = "cuda"))]
-impl<T: bytemuck::Pod + Default + Send + Sync> Elem for T {}
-
-/// An element type a device buffer can hold (on the GPU too).
-#[cfg(feature = "cuda")]
+/// An element type a device buffer can hold (on a GPU too, where CUDA is built).
 pub trait Elem:
     bytemuck::Pod + Default + Send + Sync + kernels::cuda::DeviceRepr + kernels::cuda::ValidAsZeroBits
 {
 }
-#[cfg(feature = "cuda")]
 impl<
     T: bytemuck::Pod
         + Default
