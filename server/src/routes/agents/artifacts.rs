@@ -85,7 +85,11 @@ pub async fn upload(
     // from rank 0's.
     let rank = match artifact {
         Artifact::Rank { rank, .. } => u32::try_from(rank).unwrap_or(u32::MAX),
-        Artifact::Manifest { .. } | Artifact::Model | Artifact::Config => 0,
+        Artifact::Manifest { .. }
+        | Artifact::Model
+        | Artifact::Config
+        | Artifact::Index
+        | Artifact::Shard { .. } => 0,
     };
     let view = View::load(&state, &job_id, &node).await?;
     let job = view
