@@ -169,6 +169,7 @@ fn train(
             .collect(),
         threads: cfg.threads,
         out_dir: Some(dir.to_path_buf()),
+        export_shard_bytes: Some(cfg.export_shard_bytes),
         comm_timeout: Some(COMM_TIMEOUT),
         distributed: None,
         cancel: Some(cancel),
