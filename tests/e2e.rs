@@ -536,6 +536,97 @@ async fn a_job_started_from_another_job_s_model_computes_that_model_s_last_loss(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_export_is_pulled_as_transformers_lays_it_out_and_fine_tuned_from() {
+    let s = service().await;
+    let work = tempfile::tempdir().unwrap();
+    // llama-tiny's export is about 0.6 MB: past 100 kB it is sharded.
+    let mut agent = agent_process(
+        &s,
+        work.path(),
+        "sharder",
+        1,
+        &["--export-shard-bytes", "100kB"],
+    );
+    s.wait_nodes(1).await;
+    let spec = |init_from: Value| {
+        json!({"model": {"preset": "llama-tiny", "init_from": init_from},
+            "training": {"steps": 2, "micro_batch_size": 1, "seq_len": 32}})
+    };
+    let (status, created) = s.submit(spec(Value::Null)).await;
+    assert_eq!(status, 201, "{created}");
+    let first = job_id(&created);
+    let done = s.finished(&first, Duration::from_secs(120)).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+
+    // Listed: the config, the index and its shards, no single file.
+    let listed = s.get(&format!("/v1/jobs/{first}/artifacts")).await["artifacts"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let names: Vec<&str> = listed.iter().map(|a| a["name"].as_str().unwrap()).collect();
+    let n = names.len() - 2;
+    assert!(n >= 3, "{names:?}");
+    let mut want: Vec<String> = (1..=n)
+        .map(|k| format!("model-{k:05}-of-{n:05}.safetensors"))
+        .collect();
+    want.insert(0, "config.json".into());
+    want.push("model.safetensors.index.json".into());
+    assert_eq!(names, want);
+
+    // `zerotrain pull` writes them all, each as listed, into the folder `from_pretrained` reads.
+    let pulled = s.pull(&first);
+    let mut files: Vec<String> = std::fs::read_dir(pulled.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(files, want);
+    for a in &listed {
+        let bytes = std::fs::read(pulled.path().join(a["name"].as_str().unwrap())).unwrap();
+        assert_eq!(sha256_hex(&bytes), a["sha256"].as_str().unwrap(), "{a}");
+    }
+    let index: Value = serde_json::from_slice(
+        &std::fs::read(pulled.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let mut in_index: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    in_index.sort();
+    in_index.dedup();
+    assert_eq!(in_index, want[1..=n]);
+
+    // A job started from that export gets the weights the pulled folder holds: its first loss
+    // is a run's from that folder in this process.
+    let (status, created) = s
+        .submit(spec(json!({"job": first, "artifact": "model"})))
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let second = job_id(&created);
+    let tuned = s.finished(&second, Duration::from_secs(120)).await;
+    assert_eq!(tuned["state"], "succeeded", "{tuned}");
+    let reference = {
+        let local = spec(json!(pulled.path().display().to_string())).to_string();
+        let spec = JobSpec::parse(&local, Purpose::Train).unwrap().spec;
+        let plan = plan_local(&spec, None).unwrap();
+        tokio::task::spawn_blocking(move || {
+            run(&spec, &plan, &Options::default(), &mut |_| {}).unwrap()
+        })
+        .await
+        .unwrap()
+    };
+    let m = s.get(&format!("/v1/jobs/{second}/metrics")).await;
+    assert_eq!(m["steps"][0]["loss"].as_f64().unwrap(), reference.losses[0]);
+    let from_scratch = s.get(&format!("/v1/jobs/{first}/metrics")).await;
+    assert_ne!(m["steps"][0]["loss"], from_scratch["steps"][0]["loss"]);
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen2_job_from_a_hugging_face_directory_trains_and_is_pulled_in_transformers_form() {
     let s = service().await;
     let (stop, thread) = agent(&s, "llama", 2, 1 << 30);

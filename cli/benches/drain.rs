@@ -88,6 +88,7 @@ async fn drain(jobs: usize) -> f64 {
         threads: Some(1),
         data_roots: state.data_roots.clone(),
         work_dir: dir.path().join("agents/bench"),
+        export_shard_bytes: runner::checkpoint::EXPORT_SHARD_BYTES,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

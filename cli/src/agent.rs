@@ -1,7 +1,7 @@
 //! `zerotrain agent --server URL --token T [--gpus all|none|0,1,…] [--cpu-devices N
-//! --device-memory SIZE] [--data-root DIR]...`: a runner agent offering this machine's GPUs
-//! (a build with feature `cuda`) or virtual CPU devices to a server until the process ends;
-//! jobs read input files only inside its data roots.
+//! --device-memory SIZE] [--data-root DIR]... [--export-shard-bytes SIZE]`: a runner agent
+//! offering this machine's GPUs (a build with feature `cuda`) or virtual CPU devices to a
+//! server until the process ends; jobs read input files only inside its data roots.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -58,6 +58,8 @@ pub struct Args {
     /// outlives an attempt) [default: DATA_DIR/agents/NAME].
     #[arg(long, value_name = "DIR")]
     work_dir: Option<PathBuf>,
+    #[command(flatten)]
+    export: crate::train::Export,
 }
 
 /// What a node offers, shared by `agent` and `up`'s local agent.
@@ -171,6 +173,7 @@ fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
         threads: args.threads,
         data_roots,
         work_dir,
+        export_shard_bytes: args.export.export_shard_bytes,
     })
 }
 

@@ -1,5 +1,6 @@
 //! `zerotrain pull JOB [--to DIR] [--all]`: download a job's files into a folder — by default
-//! the final export (`config.json` + `model.safetensors`), which `transformers`'
+//! the final export (`config.json` + `model.safetensors`, or for a sharded export
+//! `model-KKKKK-of-NNNNN.safetensors` + `model.safetensors.index.json`), which `transformers`'
 //! `from_pretrained(DIR)` loads as it is. Each file streams into `.NAME.part` beside its place,
 //! hashed on the way, and is renamed into place only once its size and SHA-256 match the
 //! server's listing; an interrupted pull leaves the part, and the next one asks for the rest.
@@ -13,7 +14,7 @@ use reqwest::{Method, StatusCode, header};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt, BufWriter};
-use wire::artifact::{CONFIG_FILE, MODEL_FILE, url_segment};
+use wire::artifact::{Artifact, CONFIG_FILE, INDEX_FILE, MODEL_FILE, shard_file, url_segment};
 
 use crate::client::{Client, Connection, check_id};
 
@@ -84,7 +85,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The files to download: the export, or with `all` every file the job has.
+/// The files to download: the export (`config.json` and the weights: `model.safetensors`, or
+/// a sharded export's shards and index), or with `all` every file the job has.
 fn select<'a>(id: &str, listed: &'a [Listed], all: bool) -> anyhow::Result<Vec<&'a Listed>> {
     let has = || {
         if listed.is_empty() {
@@ -103,18 +105,51 @@ fn select<'a>(id: &str, listed: &'a [Listed], all: bool) -> anyhow::Result<Vec<&
         }
         return Ok(listed.iter().collect());
     }
-    [CONFIG_FILE, MODEL_FILE]
-        .into_iter()
-        .map(|name| {
-            listed.iter().find(|a| a.name == name).with_context(|| {
-                format!(
-                    "job {id} has no {name} yet (it has: {}); a job's model is there once it \
-                     succeeded",
-                    has()
-                )
-            })
+    let missing = |name: &str| {
+        anyhow::anyhow!(
+            "job {id} has no {name} yet (it has: {}); a job's model is there once it succeeded",
+            has()
+        )
+    };
+    let config = listed
+        .iter()
+        .find(|a| a.name == CONFIG_FILE)
+        .ok_or_else(|| missing(CONFIG_FILE))?;
+    let weights: Vec<&Listed> = listed
+        .iter()
+        .filter(|a| Artifact::parse(&a.name).is_some_and(Artifact::is_weights))
+        .collect();
+    let names: Vec<&str> = weights.iter().map(|a| a.name.as_str()).collect();
+    if !names.contains(&MODEL_FILE) && !names.contains(&INDEX_FILE) {
+        return Err(missing(MODEL_FILE));
+    }
+    if let Some(absent) = absent_shard(&names) {
+        bail!(
+            "job {id}'s sharded model lacks {absent} (it has: {})",
+            has()
+        );
+    }
+    // By name: the shards before their index.
+    Ok(std::iter::once(config).chain(weights).collect())
+}
+
+/// The first shard a sharded export of `names` (the job's weights files) lacks; `None` when
+/// every shard its count calls for is there, or it is one file.
+fn absent_shard(names: &[&str]) -> Option<String> {
+    let shards: Vec<(u32, u32)> = names
+        .iter()
+        .filter_map(|n| match Artifact::parse(n) {
+            Some(Artifact::Shard { index, count }) => Some((index, count)),
+            _ => None,
         })
-        .collect()
+        .collect();
+    if !names.contains(&INDEX_FILE) {
+        return None;
+    }
+    let count = shards.iter().map(|&(_, n)| n).max().unwrap_or(2);
+    (1..=count)
+        .find(|&k| !shards.contains(&(k, count)))
+        .map(|k| shard_file(k, count))
 }
 
 /// Where the file `name` goes under `dir`: refused unless it is a relative path of plain
@@ -328,6 +363,10 @@ async fn finish(
 mod tests {
     use super::*;
 
+    fn names(selected: Vec<&Listed>) -> Vec<String> {
+        selected.into_iter().map(|a| a.name.clone()).collect()
+    }
+
     fn listed(name: &str, bytes: u64, sha256: &str) -> Listed {
         Listed {
             name: name.into(),
@@ -431,7 +470,6 @@ mod tests {
             listed("model.safetensors", 2, "b"),
             listed("checkpoints/step-00000020/manifest.json", 3, "c"),
         ];
-        let names = |v: Vec<&Listed>| v.into_iter().map(|a| a.name.clone()).collect::<Vec<_>>();
         assert_eq!(
             names(select("j1", &all, false).unwrap()),
             ["config.json", "model.safetensors"]
@@ -452,6 +490,37 @@ mod tests {
             "{e}"
         );
         assert!(select("j1", &[], true).is_err());
+    }
+
+    #[test]
+    fn a_sharded_export_is_selected_whole_its_index_last_and_a_missing_shard_is_named() {
+        let all = [
+            listed("checkpoints/step-00000020/manifest.json", 3, "c"),
+            listed("config.json", 1, "a"),
+            listed("model-00001-of-00002.safetensors", 2, "b"),
+            listed("model-00002-of-00002.safetensors", 2, "d"),
+            listed("model.safetensors.index.json", 2, "e"),
+        ];
+        assert_eq!(
+            names(select("j1", &all, false).unwrap()),
+            [
+                "config.json",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json"
+            ]
+        );
+        let without_second = [&all[..3], &all[4..]].concat();
+        let e = select("j1", &without_second, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("job j1's sharded model lacks model-00002-of-00002.safetensors"),
+            "{e}"
+        );
+        // Shards without their index are no model yet.
+        let e = select("j1", &all[..4], false).unwrap_err().to_string();
+        assert!(e.contains("job j1 has no model.safetensors yet"), "{e}");
     }
 
     /// A stand-in for the server's download route: serves `file` at

@@ -1,5 +1,6 @@
-//! `zerotrain train [SPEC.json] [--model-dir DIR] [--out DIR] [--device cuda[:N]] [--json]`: runs a job in this process, without the
-//! service, with a progress bar (step, loss, loss scale, tokens/s) on stderr.
+//! `zerotrain train [SPEC.json] [--model-dir DIR] [--out DIR] [--export-shard-bytes SIZE]
+//! [--device cuda[:N]] [--json]`: runs a job in this process, without the service, with a
+//! progress bar (step, loss, loss scale, tokens/s) on stderr.
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -24,6 +25,8 @@ pub struct Args {
     /// Where checkpoints and the final Hugging Face export go.
     #[arg(long)]
     out: Option<PathBuf>,
+    #[command(flatten)]
+    export: Export,
     /// Each rank's memory budget, e.g. 2GiB: the plan must fit it and the trainer enforces it.
     #[arg(long, value_parser = parse_size)]
     device_memory: Option<u64>,
@@ -48,6 +51,22 @@ pub struct Args {
     /// Seconds a rank waits for a neighbour before failing.
     #[arg(long, default_value_t = 60)]
     comm_timeout: u64,
+}
+
+/// How the export is written, shared by `train`, `agent` and `up`'s local agent.
+#[derive(clap::Args)]
+pub(super) struct Export {
+    /// The largest file of a job's Hugging Face export, e.g. 2GB or 500MiB: a larger export is
+    /// written as transformers shards it (`model-KKKKK-of-NNNNN.safetensors` files of at most
+    /// this size, unless one tensor alone is larger, and `model.safetensors.index.json`).
+    #[arg(
+        long,
+        env = "ZEROTRAIN_EXPORT_SHARD_BYTES",
+        value_name = "SIZE",
+        default_value = "2GB",
+        value_parser = parse_size
+    )]
+    pub(super) export_shard_bytes: u64,
 }
 
 /// A line above the progress bar, or on stderr where there is no bar (not a terminal).
@@ -79,6 +98,7 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
         device: args.device,
         threads: args.threads,
         out_dir: args.out,
+        export_shard_bytes: Some(args.export.export_shard_bytes),
         comm_timeout: Some(Duration::from_secs(args.comm_timeout)),
         distributed: args
             .rank

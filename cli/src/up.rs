@@ -30,6 +30,8 @@ pub struct Args {
     /// Where the local agent serves its own Prometheus `/metrics` (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
     metrics_addr: SocketAddr,
+    #[command(flatten)]
+    export: crate::train::Export,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -64,6 +66,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .data_dir
                 .join("agents")
                 .join("local"),
+            export_shard_bytes: args.export.export_shard_bytes,
         };
         let flag = stop.clone();
         let local = std::thread::spawn(move || runner::agent::run(&cfg, &flag, &metrics));

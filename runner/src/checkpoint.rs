@@ -8,8 +8,10 @@
 //! Who removes old checkpoints depends on the host: a run on its own keeps the two newest; an
 //! agent uploads each file to the server ([`Upload`]) and removes it then.
 //!
-//! On completion the model is exported as Hugging Face GPT-2: `model.safetensors` (fp32,
-//! `transformer.`-prefixed names, LM head tied) and `config.json`.
+//! On completion the model is exported in Hugging Face form, the family's state-dict names in
+//! fp32 (GPT-2's `transformer.`-prefixed, its LM head tied): `model.safetensors`, or past
+//! [`EXPORT_SHARD_BYTES`] (or the limit the host sets) transformers' sharded layout, and
+//! `config.json` ([`ModelFile`]).
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -27,7 +29,7 @@ use crate::device::{Cpu, Device};
 use crate::loss_scale;
 use crate::tensor_file::TensorFile;
 use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, checkpoint_dir, rank_file, step_name};
-pub use wire::artifact::{CONFIG_FILE, MODEL_FILE};
+pub use wire::artifact::{CONFIG_FILE, INDEX_FILE, MODEL_FILE};
 
 /// Where a run's files go once written, besides its output folder (an agent's: the server's
 /// artifact store). Each rank sends its own checkpoint file before the checkpoint is published,
@@ -295,86 +297,279 @@ pub fn load_rank(dir: &Path, rank: usize, tensors: &mut [StateTensor<'_>]) -> Re
     })
 }
 
-/// `model.safetensors` in Hugging Face form (the family's state-dict names), written in place
-/// as the ranks' shards arrive: the header comes from the shape alone, and each unit's fp32
-/// values, concatenated in unit order, are written where they belong, so no rank ever holds
-/// the whole model.
+/// The largest file the export writes unless told otherwise (2 GB, decimal): a larger export
+/// is sharded ([`ModelFile`]).
+pub const EXPORT_SHARD_BYTES: u64 = 2_000_000_000;
+
+/// The Hugging Face export (the family's state-dict names, fp32), written in place as the
+/// ranks' shards arrive: the headers come from the shape alone, and each unit's values,
+/// concatenated in unit order, are written where they belong, so no rank ever holds the whole
+/// model. It is one `model.safetensors`, or, where that file would be larger than the limit,
+/// the shards `model-KKKKK-of-NNNNN.safetensors` (the same tensors in the same order, each file
+/// at most the limit unless it holds a single larger tensor) and `model.safetensors.index.json`,
+/// as transformers' `save_pretrained` writes them.
 pub struct ModelFile {
-    file: File,
-    tmp: PathBuf,
     out: PathBuf,
     /// The `config.json` written beside it.
     config: serde_json::Map<String, serde_json::Value>,
-    /// Where each unit's first value lies in the file.
-    unit_starts: Vec<u64>,
+    /// The files, under temporary names until [`ModelFile::finish`].
+    files: Vec<Part>,
+    /// Per unit, where each of its tensors' values go.
+    places: Vec<Vec<Place>>,
+    /// The index of a sharded export, written once every shard is in place.
+    index: Option<Vec<u8>>,
+}
+
+/// One file of the export being written.
+struct Part {
+    artifact: Artifact,
+    tmp: PathBuf,
+    file: File,
+}
+
+/// Where elements `elems` of a unit (one tensor) lie: in file `file` from byte `offset` on.
+struct Place {
+    elems: std::ops::Range<usize>,
+    file: usize,
+    offset: u64,
+}
+
+/// One tensor of the export, in file order.
+struct ExportTensor {
+    name: String,
+    dims: Vec<usize>,
+    unit: usize,
+    /// Its elements within the unit.
+    elems: std::ops::Range<usize>,
+}
+
+impl ExportTensor {
+    fn bytes(&self) -> u64 {
+        4 * self.elems.len() as u64
+    }
+
+    /// Its safetensors header entry, its values starting `begin` bytes into the file's data.
+    fn header_entry(&self, begin: u64) -> serde_json::Value {
+        serde_json::json!({
+            "dtype": "F32",
+            "shape": self.dims,
+            "data_offsets": [begin, begin + self.bytes()],
+        })
+    }
+}
+
+/// The metadata every file of the export carries, as transformers' writes it.
+fn export_metadata() -> serde_json::Value {
+    serde_json::json!({ "format": "pt" })
+}
+
+/// The size of a safetensors file as tensors are added to it: its header's JSON (compact, as
+/// `serde_json::to_vec` writes it) and its data.
+#[derive(Debug, Clone, Copy)]
+struct FileSize {
+    json: u64,
+    data: u64,
+}
+
+impl FileSize {
+    /// A file with only the metadata: `{"__metadata__":{…}}`.
+    fn new() -> FileSize {
+        let json = serde_json::json!({ "__metadata__": export_metadata() }).to_string();
+        FileSize {
+            json: json.len() as u64,
+            data: 0,
+        }
+    }
+
+    /// The file with `t` added: `,"NAME":{…}` more header, and its values.
+    fn with(self, t: &ExportTensor) -> FileSize {
+        let name = serde_json::Value::from(t.name.as_str()).to_string();
+        let entry = t.header_entry(self.data).to_string();
+        FileSize {
+            json: self.json + 1 + name.len() as u64 + 1 + entry.len() as u64,
+            data: self.data + t.bytes(),
+        }
+    }
+
+    /// Bytes on disk: the header's length, the header padded to 8 bytes, the data.
+    fn total(self) -> u64 {
+        8 + self.json.next_multiple_of(8) + self.data
+    }
+}
+
+/// The export's tensors dealt into files of at most `limit` bytes each, in order: a file is
+/// closed when the next tensor would take it past the limit, and a tensor larger than the
+/// limit on its own gets a file of its own. Each range is one file's tensors.
+fn deal(tensors: &[ExportTensor], limit: u64) -> Vec<std::ops::Range<usize>> {
+    let mut files = Vec::new();
+    let (mut start, mut size) = (0, FileSize::new());
+    for (i, t) in tensors.iter().enumerate() {
+        let grown = size.with(t);
+        if grown.total() > limit && i > start {
+            files.push(start..i);
+            (start, size) = (i, FileSize::new().with(t));
+        } else {
+            size = grown;
+        }
+    }
+    files.push(start..tensors.len());
+    files
+}
+
+/// A safetensors header for `tensors` in order, padded with spaces to a multiple of 8 bytes
+/// as safetensors' own writer pads it.
+fn export_header(tensors: &[ExportTensor], path: &Path) -> Result<Vec<u8>, Error> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), export_metadata());
+    let mut at = 0;
+    for t in tensors {
+        header.insert(t.name.clone(), t.header_entry(at));
+        at += t.bytes();
+    }
+    let mut json = serde_json::to_vec(&header).map_err(|e| io(path, e))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    Ok(json)
 }
 
 impl ModelFile {
-    /// Creates the file under a temporary name in `out` and writes its header; `config` is
-    /// the `config.json` [`ModelFile::finish`] writes beside it.
+    /// Creates the export's files under temporary names in `out` and writes their headers:
+    /// shards of at most `shard_bytes` each where one file would be larger. `config` is the
+    /// `config.json` [`ModelFile::finish`] writes beside them.
     pub fn create(
         out: &Path,
         model: &ModelShape,
         config: &serde_json::Map<String, serde_json::Value>,
+        shard_bytes: u64,
     ) -> Result<ModelFile, Error> {
         fs::create_dir_all(out).map_err(|e| io(out, e))?;
         let layout = model.units(1);
-        let mut header = serde_json::Map::new();
-        header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
-        let mut unit_offsets = Vec::new();
-        let mut at = 0u64;
-        for unit in layout.iter() {
-            unit_offsets.push(at);
-            for t in &unit.tensors {
-                let r = t.range();
-                let (begin, end) = (at + 4 * r.start as u64, at + 4 * r.end as u64);
-                header.insert(
-                    t.kind.state_dict_name(unit.layer()),
-                    serde_json::json!({
-                        "dtype": "F32",
-                        "shape": t.dims.to_vec(),
-                        "data_offsets": [begin, end],
-                    }),
-                );
+        let tensors: Vec<ExportTensor> = layout
+            .iter()
+            .enumerate()
+            .flat_map(|(u, unit)| {
+                unit.tensors.iter().map(move |t| ExportTensor {
+                    name: t.kind.state_dict_name(unit.layer()),
+                    dims: t.dims.to_vec(),
+                    unit: u,
+                    elems: t.range(),
+                })
+            })
+            .collect();
+        let dealt = deal(&tensors, shard_bytes);
+        let count = dealt.len() as u32;
+        let artifact = |k: usize| match count {
+            1 => Artifact::Model,
+            _ => Artifact::Shard {
+                index: k as u32 + 1,
+                count,
+            },
+        };
+        let mut files = Vec::with_capacity(dealt.len());
+        let mut places: Vec<Vec<Place>> = layout.iter().map(|_| Vec::new()).collect();
+        // By name, as transformers writes it.
+        let mut weight_map = std::collections::BTreeMap::new();
+        for (k, range) in dealt.iter().enumerate() {
+            let artifact = artifact(k);
+            let name = artifact.name();
+            let tmp = out.join(format!(".{name}.tmp"));
+            let json = export_header(&tensors[range.clone()], &tmp)?;
+            let mut file = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+            file.write_all(&(json.len() as u64).to_le_bytes())
+                .and_then(|_| file.write_all(&json))
+                .map_err(|e| io(&tmp, e))?;
+            let mut offset = 8 + json.len() as u64;
+            for t in &tensors[range.clone()] {
+                places[t.unit].push(Place {
+                    elems: t.elems.clone(),
+                    file: k,
+                    offset,
+                });
+                offset += t.bytes();
+                weight_map.insert(t.name.as_str(), name.clone());
             }
-            at += 4 * unit.len as u64;
+            files.push(Part {
+                artifact,
+                tmp,
+                file,
+            });
         }
-        let mut json = serde_json::to_vec(&header).map_err(|e| io(out, e))?;
-        // Values start 8-byte aligned, as safetensors' own writer pads them.
-        json.resize(json.len().next_multiple_of(8), b' ');
-        let tmp = out.join(format!(".{MODEL_FILE}.tmp"));
-        let mut file = File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        file.write_all(&(json.len() as u64).to_le_bytes())
-            .and_then(|_| file.write_all(&json))
-            .map_err(|e| io(&tmp, e))?;
-        let data = 8 + json.len() as u64;
+        let index = if count > 1 {
+            let total_size: u64 = tensors.iter().map(ExportTensor::bytes).sum();
+            let index = serde_json::json!({
+                "metadata": { "total_size": total_size },
+                "weight_map": weight_map,
+            });
+            let mut text =
+                serde_json::to_vec_pretty(&index).map_err(|e| io(&out.join(INDEX_FILE), e))?;
+            text.push(b'\n');
+            Some(text)
+        } else {
+            None
+        };
         Ok(ModelFile {
-            file,
-            tmp,
             out: out.to_path_buf(),
             config: config.clone(),
-            unit_starts: unit_offsets.into_iter().map(|o| data + o).collect(),
+            files,
+            places,
+            index,
         })
     }
 
     /// Writes `values` as elements `at..` of unit `unit`.
     pub fn write(&self, unit: usize, at: usize, values: &[f32]) -> Result<(), Error> {
         use std::os::unix::fs::FileExt;
-        let offset = self.unit_starts[unit] + 4 * at as u64;
-        self.file
-            .write_all_at(bytemuck::cast_slice(values), offset)
-            .map_err(|e| io(&self.tmp, e))
+        let end = at + values.len();
+        for place in &self.places[unit] {
+            let (from, to) = (at.max(place.elems.start), end.min(place.elems.end));
+            if from >= to {
+                continue;
+            }
+            let part = &self.files[place.file];
+            let offset = place.offset + 4 * (from - place.elems.start) as u64;
+            part.file
+                .write_all_at(bytemuck::cast_slice(&values[from - at..to - at]), offset)
+                .map_err(|e| io(&part.tmp, e))?;
+        }
+        Ok(())
     }
 
-    /// Syncs the file, renames it into place and writes `config.json` beside it.
-    pub fn finish(self) -> Result<(), Error> {
-        self.file.sync_all().map_err(|e| io(&self.tmp, e))?;
-        let model = self.out.join(MODEL_FILE);
-        fs::rename(&self.tmp, &model).map_err(|e| io(&model, e))?;
+    /// Syncs the files, renames them into place (a sharded export's index last, so the set
+    /// is complete once it names it) and writes `config.json` beside them; the files written,
+    /// in that order. Weights an earlier export left in `out` that these do not replace are
+    /// removed first, so the folder never holds two exports' weights.
+    pub fn finish(self) -> Result<Vec<(Artifact, PathBuf)>, Error> {
+        for part in &self.files {
+            part.file.sync_all().map_err(|e| io(&part.tmp, e))?;
+        }
+        for name in names(&self.out)? {
+            let stale = Artifact::parse(&name).is_some_and(|a| {
+                a.is_weights()
+                    && (a == Artifact::Index || !self.files.iter().any(|p| p.artifact == a))
+            });
+            if stale {
+                let path = self.out.join(name);
+                fs::remove_file(&path).map_err(|e| io(&path, e))?;
+            }
+        }
+        let mut written = Vec::new();
+        for part in self.files {
+            let path = self.out.join(part.artifact.name());
+            fs::rename(&part.tmp, &path).map_err(|e| io(&path, e))?;
+            written.push((part.artifact, path));
+        }
+        if let Some(index) = &self.index {
+            let path = self.out.join(INDEX_FILE);
+            let tmp = self.out.join(format!(".{INDEX_FILE}.tmp"));
+            write_synced(&tmp, index)?;
+            fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
+            written.push((Artifact::Index, path));
+        }
         let path = self.out.join(CONFIG_FILE);
         let text = serde_json::to_vec_pretty(&self.config).map_err(|e| io(&path, e))?;
         write_synced(&path, &text)?;
-        sync_dir(&self.out)
+        written.push((Artifact::Config, path));
+        sync_dir(&self.out)?;
+        Ok(written)
     }
 }
 
@@ -407,9 +602,6 @@ pub struct HfWeights {
     /// Per unit, per tensor: the file holding it and its name there.
     names: Vec<Vec<(usize, String)>>,
 }
-
-/// The index of a sharded Hugging Face weights set: which file holds each tensor.
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// Largest index read (Llama-3.1-405B's is under 100 KiB).
 const MAX_INDEX_BYTES: u64 = 4 << 20;
@@ -460,41 +652,61 @@ pub fn load_hf(roots: &DataRoots, path: &str, model: &ModelShape) -> Result<HfWe
         what: describe(FIELD, path),
         reason: format!("a model directory holds {MODEL_FILE} or {INDEX_FILE}; this holds neither"),
     })?;
-    let fail = |reason: String| Error::Data {
-        what: what.clone(),
-        reason,
-    };
-    let mut bytes = Vec::new();
-    std::io::Read::read_to_end(
-        &mut std::io::Read::take(&file, MAX_INDEX_BYTES + 1),
-        &mut bytes,
-    )
-    .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
-    if bytes.len() as u64 > MAX_INDEX_BYTES {
-        return Err(fail(format!("larger than {}", human(MAX_INDEX_BYTES))));
-    }
-    let files = shard_names(&bytes)
-        .map_err(fail)?
+    let files = read_index(&file)
+        .map_err(|reason| Error::Data {
+            what: what.clone(),
+            reason,
+        })?
         .iter()
         .map(|name| Ok(roots.open(FIELD, &format!("{dir}/{name}"))?.1))
         .collect::<Result<Vec<_>, Error>>()?;
     HfWeights::new(files, what, model)
 }
 
+/// The files of the sharded set whose index `file` is (at most `MAX_INDEX_BYTES` of it read).
+fn read_index(file: &File) -> Result<Vec<String>, String> {
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(file, MAX_INDEX_BYTES + 1),
+        &mut bytes,
+    )
+    .map_err(|e| format!("cannot read: {}", e.kind()))?;
+    if bytes.len() as u64 > MAX_INDEX_BYTES {
+        return Err(format!("larger than {}", human(MAX_INDEX_BYTES)));
+    }
+    shard_names(&bytes)
+}
+
 /// [`load_hf`] of a file (or model directory) the host fetched itself (an agent: another
 /// job's export, from the server), read wherever it is.
 pub fn load_hf_file(path: &Path, model: &ModelShape) -> Result<HfWeights, Error> {
+    let open = |path: &Path| {
+        File::open(path).map_err(|e| Error::Data {
+            what: path.display().to_string(),
+            reason: format!("cannot open: {}", e.kind()),
+        })
+    };
+    let single = path.join(MODEL_FILE);
+    if path.is_dir() && !single.exists() {
+        // A sharded set: its index names the files beside it.
+        let index = path.join(INDEX_FILE);
+        let what = index.display().to_string();
+        let files = read_index(&open(&index)?)
+            .map_err(|reason| Error::Data {
+                what: what.clone(),
+                reason,
+            })?
+            .iter()
+            .map(|name| open(&path.join(name)))
+            .collect::<Result<Vec<_>, Error>>()?;
+        return HfWeights::new(files, what, model);
+    }
     let path = if path.is_dir() {
-        path.join(MODEL_FILE)
+        single
     } else {
         path.to_path_buf()
     };
-    let what = path.display().to_string();
-    let file = File::open(&path).map_err(|e| Error::Data {
-        what: what.clone(),
-        reason: format!("cannot open: {}", e.kind()),
-    })?;
-    HfWeights::new(vec![file], what, model)
+    HfWeights::new(vec![open(&path)?], path.display().to_string(), model)
 }
 
 impl HfWeights {
@@ -701,4 +913,54 @@ fn widen(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), Dtype> {
         other => return Err(other),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(name: &str, dims: &[usize]) -> ExportTensor {
+        let n = dims.iter().product();
+        ExportTensor {
+            name: name.into(),
+            dims: dims.to_vec(),
+            unit: 0,
+            elems: 0..n,
+        }
+    }
+
+    /// Bytes of the file holding `tensors`, as written.
+    fn written(tensors: &[ExportTensor]) -> u64 {
+        let header = export_header(tensors, Path::new("x")).unwrap();
+        8 + header.len() as u64 + tensors.iter().map(ExportTensor::bytes).sum::<u64>()
+    }
+
+    #[test]
+    fn dealing_counts_each_file_as_it_is_written_and_fills_it_up_to_the_limit() {
+        let tensors: Vec<ExportTensor> = (0..40)
+            .map(|i| {
+                tensor(
+                    &format!("model.layers.{i}.\"w\"\u{e9}"),
+                    &[i % 7 + 1, 3 * i + 1],
+                )
+            })
+            .collect();
+        for limit in [0, 200, 1000, 4000, 50_000] {
+            let files = deal(&tensors, limit);
+            assert_eq!(files.first().unwrap().start, 0);
+            assert_eq!(files.last().unwrap().end, tensors.len());
+            for (k, range) in files.iter().enumerate() {
+                let file = &tensors[range.clone()];
+                let size = file.iter().fold(FileSize::new(), |s, t| s.with(t));
+                assert_eq!(size.total(), written(file), "limit {limit}, file {k}");
+                assert!(size.total() <= limit || file.len() == 1, "limit {limit}");
+                if let Some(next) = files.get(k + 1) {
+                    assert_eq!(next.start, range.end);
+                    let grown = &tensors[range.start..range.end + 1];
+                    assert!(written(grown) > limit, "limit {limit}: file {k} had room");
+                }
+            }
+        }
+        assert_eq!(deal(&tensors, u64::MAX), vec![0..tensors.len()]);
+    }
 }

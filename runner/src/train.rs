@@ -24,7 +24,6 @@ use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
 use crate::zero::{Engine, StepReport};
 use crate::{lr_schedule, process};
-use wire::artifact::Artifact;
 
 /// How a run is hosted.
 #[derive(Debug, Clone, Default)]
@@ -40,6 +39,9 @@ pub struct Options {
     pub threads: Option<usize>,
     /// Where checkpoints and the final Hugging Face export go (none: nothing is written).
     pub out_dir: Option<std::path::PathBuf>,
+    /// The largest file of the export: a larger one is sharded (default
+    /// `checkpoint::EXPORT_SHARD_BYTES`, 2 GB).
+    pub export_shard_bytes: Option<u64>,
     /// How long a rank waits for a neighbour before failing (default 60 s).
     pub comm_timeout: Option<Duration>,
     /// Run only this rank, joining the others over TCP; otherwise every rank runs here.
@@ -648,15 +650,20 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         let Some(out) = job.opts.out_dir.as_deref() else {
             return Ok(());
         };
+        let shard_bytes = job
+            .opts
+            .export_shard_bytes
+            .unwrap_or(checkpoint::EXPORT_SHARD_BYTES);
         let file = (self.engine.rank() == 0)
-            .then(|| checkpoint::ModelFile::create(out, &job.model, job.hf_config))
+            .then(|| checkpoint::ModelFile::create(out, &job.model, job.hf_config, shard_bytes))
             .transpose()?;
         self.engine.export(file.as_ref())?;
         if let Some(file) = file {
-            file.finish()?;
+            let written = file.finish()?;
             if let Some(up) = &job.opts.upload {
-                up.upload(Artifact::Model, &out.join(checkpoint::MODEL_FILE))?;
-                up.upload(Artifact::Config, &out.join(checkpoint::CONFIG_FILE))?;
+                for (artifact, path) in &written {
+                    up.upload(*artifact, path)?;
+                }
             }
         }
         Ok(())

@@ -1,4 +1,5 @@
-//! Checkpoints: resuming is bit-identical, and the final export is Hugging Face GPT-2.
+//! Checkpoints: resuming is bit-identical, and the final export is Hugging Face's form (one
+//! file, or shards past a limit).
 
 use std::fs;
 use std::path::Path;
@@ -12,13 +13,30 @@ use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 
 fn train_in(json: &str, out: &Path) -> Summary {
+    train_with(
+        json,
+        &Options {
+            out_dir: Some(out.to_path_buf()),
+            ..Options::default()
+        },
+    )
+}
+
+fn train_with(json: &str, opts: &Options) -> Summary {
     let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
-    let opts = Options {
-        out_dir: Some(out.to_path_buf()),
-        ..Options::default()
-    };
     let plan = plan_local(&spec, None).unwrap();
-    run(&spec, &plan, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
+    run(&spec, &plan, opts, &mut |_| {}).unwrap_or_else(|e| panic!("{e}: {json}"))
+}
+
+/// The names in `dir` that `keep` accepts, sorted.
+fn names_in(dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| keep(n))
+        .collect();
+    names.sort();
+    names
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -263,15 +281,7 @@ fn a_run_resumes_from_the_checkpoint_it_is_given_not_the_newest_on_disk() {
         run(&spec, &plan_local(&spec, None).unwrap(), &opts, &mut |_| {}).unwrap()
     };
     let whole = run_with(Resume::Latest, out.path());
-    let steps = |dir: &Path| -> Vec<String> {
-        let mut names: Vec<String> = fs::read_dir(dir.join("checkpoints"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .filter(|n| n.starts_with("step-"))
-            .collect();
-        names.sort();
-        names
-    };
+    let steps = |dir: &Path| names_in(&dir.join("checkpoints"), |n| n.starts_with("step-"));
     let all = [
         "step-00000002",
         "step-00000004",
@@ -359,4 +369,141 @@ fn a_sharded_hugging_face_set_reads_as_its_single_file_does() {
     let empty = tempfile::tempdir().unwrap();
     let err = load(empty.path()).unwrap_err().to_string();
     assert!(err.contains("holds neither"), "{err}");
+}
+
+#[test]
+fn an_export_past_its_shard_limit_is_transformers_shards_of_the_same_tensors() {
+    // llama-tiny's embedding and LM head (131 kB each) are each larger than the limit; its
+    // blocks' tensors go a few to a file.
+    const LIMIT: u64 = 100_000;
+    let json = r#"{"model": {"preset": "llama-tiny"}, "training": {"steps": 2}}"#;
+    let (single, sharded) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train_in(json, single.path());
+    train_with(
+        json,
+        &Options {
+            out_dir: Some(sharded.path().to_path_buf()),
+            export_shard_bytes: Some(LIMIT),
+            ..Options::default()
+        },
+    );
+    let exported = |dir: &Path| names_in(dir, |n| n != "checkpoints" && n != "cache");
+    // Under the limit (2 GB by default): the one file, no index.
+    assert_eq!(
+        exported(single.path()),
+        ["config.json", "model.safetensors"]
+    );
+    let whole_bytes = fs::read(single.path().join("model.safetensors")).unwrap();
+    let (_, whole_header) = SafeTensors::read_metadata(&whole_bytes).unwrap();
+    let whole = SafeTensors::deserialize(&whole_bytes).unwrap();
+
+    let index: serde_json::Value =
+        serde_json::from_slice(&fs::read(sharded.path().join(checkpoint::INDEX_FILE)).unwrap())
+            .unwrap();
+    let weight_map = index["weight_map"].as_object().unwrap();
+    let mut files: Vec<&str> = weight_map.values().map(|f| f.as_str().unwrap()).collect();
+    files.sort();
+    files.dedup();
+    let n = files.len();
+    assert!(n >= 3, "{files:?}");
+    let shards: Vec<String> = (1..=n)
+        .map(|k| format!("model-{k:05}-of-{n:05}.safetensors"))
+        .collect();
+    assert_eq!(files, shards);
+    let mut want = shards.clone();
+    want.extend(["config.json".into(), checkpoint::INDEX_FILE.into()]);
+    want.sort();
+    assert_eq!(
+        exported(sharded.path()),
+        want,
+        "nothing else, nothing temporary"
+    );
+    assert_eq!(
+        fs::read(sharded.path().join("config.json")).unwrap(),
+        fs::read(single.path().join("config.json")).unwrap()
+    );
+
+    // File by file, in order, the shards hold the single file's tensors, bit for bit.
+    let (mut order, mut total, mut alone, mut shared) = (Vec::new(), 0u64, 0, 0);
+    for shard in &shards {
+        let bytes = fs::read(sharded.path().join(shard)).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let names = header.offset_keys();
+        for name in &names {
+            let (got, want) = (file.tensor(name).unwrap(), whole.tensor(name).unwrap());
+            assert_eq!(
+                (got.dtype(), got.shape(), got.data()),
+                (want.dtype(), want.shape(), want.data()),
+                "{name} in {shard}"
+            );
+            assert_eq!(weight_map[name], shard.as_str(), "{name}");
+            total += got.data().len() as u64;
+        }
+        let size = bytes.len() as u64;
+        assert!(
+            size <= LIMIT || names.len() == 1,
+            "{shard}: {size} bytes in {} tensors",
+            names.len()
+        );
+        if size > LIMIT {
+            alone += 1;
+        } else if names.len() > 1 {
+            shared += 1;
+        }
+        assert_eq!(
+            header.metadata().as_ref().and_then(|m| m.get("format")),
+            Some(&"pt".to_string())
+        );
+        order.extend(names);
+    }
+    assert_eq!(order, whole_header.offset_keys(), "the same order");
+    assert_eq!((alone, shared > 0), (2, true), "both rules were at work");
+    assert_eq!(index["metadata"]["total_size"], total);
+    assert_eq!(total, whole_header.data_len() as u64);
+
+    // Read back, by `init_from` and by an agent's fetched folder: the single file's values.
+    let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
+    let model = spec.architecture().model().unwrap();
+    let roots = DataRoots::anywhere();
+    let from_single = checkpoint::load_hf(&roots, single.path().to_str().unwrap(), &model).unwrap();
+    let from_shards =
+        checkpoint::load_hf(&roots, sharded.path().to_str().unwrap(), &model).unwrap();
+    let fetched = checkpoint::load_hf_file(sharded.path(), &model).unwrap();
+    for u in 0..model.units(1).iter().count() {
+        let want = from_single.unit_values(u).unwrap();
+        assert_eq!(from_shards.unit_values(u).unwrap(), want, "unit {u}");
+        assert_eq!(fetched.unit_values(u).unwrap(), want, "unit {u}");
+    }
+}
+
+#[test]
+fn an_export_into_a_folder_replaces_the_weights_of_one_before_it() {
+    let json = r#"{"model": {"preset": "llama-tiny"}, "training": {"steps": 1}}"#;
+    let out = tempfile::tempdir().unwrap();
+    let export = |limit| {
+        let opts = Options {
+            out_dir: Some(out.path().to_path_buf()),
+            export_shard_bytes: Some(limit),
+            resume: Resume::Fresh,
+            ..Options::default()
+        };
+        train_with(json, &opts);
+        names_in(out.path(), |n| n.starts_with("model"))
+    };
+    let sharded = export(100_000);
+    assert!(sharded.len() > 3, "{sharded:?}");
+    // Fewer shards: none of the earlier set is left beside them.
+    let fewer = export(300_000);
+    assert!(fewer.len() < sharded.len(), "{fewer:?}");
+    let n = fewer.len() - 1;
+    assert!(fewer.iter().all(|f| f.ends_with(&format!("-of-{n:05}.safetensors"))
+        || f == checkpoint::INDEX_FILE), "{fewer:?}");
+    // One file: no shard or index is left to shadow it.
+    assert_eq!(
+        export(checkpoint::EXPORT_SHARD_BYTES),
+        ["model.safetensors"]
+    );
+    assert!(export(100_000).len() > 3);
+    assert!(!out.path().join("model.safetensors").exists());
 }

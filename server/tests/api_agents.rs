@@ -866,6 +866,72 @@ async fn a_node_uploads_only_its_own_ranks_files_and_only_artifact_names() {
     );
 }
 
+#[tokio::test]
+async fn a_job_started_from_a_sharded_export_is_assigned_its_files_and_only_its_nodes_fetch_them() {
+    let app = TestApp::new().await;
+    let nodes = [
+        app.register("n1", 1, 2 * GIB).await,
+        app.register("n2", 1, 2 * GIB).await,
+    ];
+    // The node a job is assigned to (its assignment) and the other one.
+    let placed = async |id: &str| {
+        app.schedule().await;
+        for (k, node) in nodes.iter().enumerate() {
+            let mine = app.beat(node, vec![], vec![]).await.assignments;
+            if let Some(a) = mine.into_iter().find(|a| a.job_id == id) {
+                return (&nodes[k], &nodes[1 - k], a);
+            }
+        }
+        panic!("job {id} was not assigned");
+    };
+    let from = app.submit_ok(&tiny_spec(1)).await;
+    let (holder, _, _) = placed(&from).await;
+    let index = "model.safetensors.index.json";
+    let files = [
+        ("config.json", "{}"),
+        ("model-00001-of-00002.safetensors", "first"),
+        ("model-00002-of-00002.safetensors", "second"),
+        (index, "{\"weight_map\": {}}"),
+    ];
+    for (name, text) in files {
+        let up = app.upload(holder, &from, 1, name, text).await;
+        assert_eq!(up.status, StatusCode::CREATED, "{name}: {}", up.text);
+    }
+    let finished = Report::Finished {
+        job_id: from.clone(),
+        attempt: 1,
+        final_loss: 1.0,
+    };
+    app.beat(holder, vec![finished], vec![]).await;
+
+    // Its index counts as a model to start from.
+    let mut spec = tiny_spec(1);
+    spec["model"]["init_from"] = json!({"job": from, "artifact": "model"});
+    let id = app.submit_ok(&spec).await;
+    let (runner, idle, a) = placed(&id).await;
+    assert_eq!(a.init_from, [files[1].0, files[2].0, index]);
+    let fetch = async |(node, token): &(String, String), name: &str| {
+        let path = format!("/v1/agents/{node}/jobs/{id}/artifacts/{name}");
+        app.call(Method::GET, &path, Some(token), None).await
+    };
+    for (name, text) in &files[1..] {
+        let got = fetch(runner, name).await;
+        assert_eq!(
+            (got.status, got.text.as_str()),
+            (StatusCode::OK, *text),
+            "{name}"
+        );
+    }
+    // A node running no rank of the job fetches nothing for it; and the export's config is
+    // not among what the job starts from.
+    let refused = fetch(idle, files[1].0).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text);
+    assert_eq!(
+        fetch(runner, "config.json").await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
 /// Every file under `dir`, relative to it.
 fn walk(dir: &Path) -> Vec<String> {
     let mut out = Vec::new();

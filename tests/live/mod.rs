@@ -111,6 +111,7 @@ pub fn agent_at(
         data_roots: server.state().data_roots.clone(),
         // Its own folder, which neither the server nor another agent reads.
         work_dir: server.state().settings.data_dir.join("agents").join(name),
+        export_shard_bytes: runner::checkpoint::EXPORT_SHARD_BYTES,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

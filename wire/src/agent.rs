@@ -13,8 +13,9 @@
 //! - `PUT /v1/agents/{node}/jobs/{job}/attempts/{attempt}/artifacts/{name}` (agent token):
 //!   one file of a checkpoint or of the export (`crate::artifact` names it), streamed to the
 //!   server's artifact store as soon as it is written; `GET /v1/agents/{node}/jobs/{job}/
-//!   artifacts/{name}` fetches one the job has (the checkpoint an attempt resumes from). No
-//!   node needs a filesystem shared with the server or with other nodes.
+//!   artifacts/{name}` fetches one the job has (the checkpoint an attempt resumes from), or
+//!   one of the export its `model.init_from` names. No node needs a filesystem shared with
+//!   the server or with other nodes.
 //!
 //! Fencing: the server applies a report or an upload only for a (job, attempt) this node holds
 //! ranks of and that is still the job's current attempt (a rank's checkpoint file only from the
@@ -67,6 +68,12 @@ pub struct Assignment {
     /// The newest checkpoint the server recorded as committed (by an earlier attempt): the
     /// attempt resumes from it, and from nothing else.
     pub resume_from: Option<ResumeFrom>,
+    /// The weights files of the export `spec.model.init_from` names (another job's:
+    /// `model.safetensors`, or a sharded export's index and shards), which the node downloads
+    /// (`GET /v1/agents/{node}/jobs/{job}/artifacts/{name}`) before it starts, unless it
+    /// resumes; empty when the job starts from no job's model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub init_from: Vec<String>,
 }
 
 /// A committed checkpoint to resume from: its step and the names of its files, which the

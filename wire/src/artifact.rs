@@ -1,12 +1,17 @@
 //! The names of a job's files, as the trainer writes them, agents upload them and the server
 //! stores and lists them: `checkpoints/step-NNNNNNNN/manifest.json` and
 //! `checkpoints/step-NNNNNNNN/rank-KKKKK.safetensors` for a checkpoint, `model.safetensors` and
-//! `config.json` for the final export. Anything else is not an artifact, so an agent cannot
-//! write outside a job's folder in the store.
+//! `config.json` for the final export, or for an export sharded as Hugging Face shards one,
+//! `model-KKKKK-of-NNNNN.safetensors` and `model.safetensors.index.json` in place of
+//! `model.safetensors`. Anything else is not an artifact, so an agent cannot write outside a
+//! job's folder in the store.
 
-/// The files of the final export (Hugging Face GPT-2).
+/// The files of the final export (Hugging Face form).
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
+/// The index of a sharded export (or of any sharded Hugging Face weights): which file holds
+/// each tensor.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// What a checkpoint holds besides the ranks' files.
 pub const MANIFEST_FILE: &str = "manifest.json";
 
@@ -43,6 +48,12 @@ pub fn rank_file(rank: usize) -> String {
     format!("rank-{rank:05}.safetensors")
 }
 
+/// `model-00002-of-00005.safetensors`: file `index` (from 1) of a sharded export of `count`
+/// files, as transformers' `save_pretrained` names them.
+pub fn shard_file(index: u32, count: u32) -> String {
+    format!("model-{index:05}-of-{count:05}.safetensors")
+}
+
 /// One file of a job, parsed from its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Artifact {
@@ -57,6 +68,13 @@ pub enum Artifact {
     },
     Model,
     Config,
+    /// The index of a sharded export.
+    Index,
+    /// File `index` of the `count` (at least 2) of a sharded export; `1 <= index <= count`.
+    Shard {
+        index: u32,
+        count: u32,
+    },
 }
 
 impl Artifact {
@@ -65,7 +83,14 @@ impl Artifact {
         match name {
             MODEL_FILE => return Some(Artifact::Model),
             CONFIG_FILE => return Some(Artifact::Config),
+            INDEX_FILE => return Some(Artifact::Index),
             _ => {}
+        }
+        if let Some(rest) = name.strip_prefix("model-") {
+            let (index, count) = rest.strip_suffix(".safetensors")?.split_once("-of-")?;
+            let (index, count) = (digits(index, 5)?, digits(count, 5)?);
+            return (1 <= index && index <= count && count >= 2)
+                .then_some(Artifact::Shard { index, count });
         }
         let rest = name.strip_prefix(CHECKPOINTS)?.strip_prefix("/step-")?;
         let (step, file) = rest.split_once('/')?;
@@ -89,6 +114,8 @@ impl Artifact {
             }
             Artifact::Model => MODEL_FILE.into(),
             Artifact::Config => CONFIG_FILE.into(),
+            Artifact::Index => INDEX_FILE.into(),
+            Artifact::Shard { index, count } => shard_file(index, count),
         }
     }
 
@@ -96,8 +123,17 @@ impl Artifact {
     pub fn step(self) -> Option<u32> {
         match self {
             Artifact::Manifest { step } | Artifact::Rank { step, .. } => Some(step),
-            Artifact::Model | Artifact::Config => None,
+            Artifact::Model | Artifact::Config | Artifact::Index | Artifact::Shard { .. } => None,
         }
+    }
+
+    /// Whether it is a file of the export's weights: `model.safetensors`, or a sharded
+    /// export's index or one of its shards.
+    pub fn is_weights(self) -> bool {
+        matches!(
+            self,
+            Artifact::Model | Artifact::Index | Artifact::Shard { .. }
+        )
     }
 
     /// The step of the checkpoint the file `name` belongs to; `None` for the export and for
@@ -131,6 +167,12 @@ mod tests {
             Artifact::Rank { step: 10, rank: 3 },
             Artifact::Model,
             Artifact::Config,
+            Artifact::Index,
+            Artifact::Shard { index: 1, count: 2 },
+            Artifact::Shard {
+                index: 99999,
+                count: 99999,
+            },
         ];
         for a in all {
             assert_eq!(Artifact::parse(&a.name()), Some(a), "{}", a.name());
@@ -139,6 +181,68 @@ mod tests {
             Artifact::Rank { step: 7, rank: 2 }.name(),
             "checkpoints/step-00000007/rank-00002.safetensors"
         );
+    }
+
+    #[test]
+    fn shards_are_named_as_transformers_names_them() {
+        assert_eq!(
+            Artifact::Shard { index: 2, count: 5 }.name(),
+            "model-00002-of-00005.safetensors"
+        );
+        assert_eq!(
+            Artifact::parse("model-00003-of-00003.safetensors"),
+            Some(Artifact::Shard { index: 3, count: 3 })
+        );
+        assert_eq!(
+            Artifact::parse("model.safetensors.index.json"),
+            Some(Artifact::Index)
+        );
+        for name in [MODEL_FILE, INDEX_FILE, "model-00001-of-00002.safetensors"] {
+            let a = Artifact::parse(name).unwrap();
+            assert!(a.is_weights() && a.step().is_none(), "{name}");
+        }
+        assert!(!Artifact::Config.is_weights());
+        assert!(!Artifact::Manifest { step: 1 }.is_weights());
+    }
+
+    #[test]
+    fn shard_names_out_of_range_or_misspelt_are_not_artifacts() {
+        for name in [
+            // K > N, K = 0, a set of one.
+            "model-00003-of-00002.safetensors",
+            "model-00000-of-00002.safetensors",
+            "model-00001-of-00001.safetensors",
+            "model-00000-of-00000.safetensors",
+            // Other digit counts.
+            "model-1-of-2.safetensors",
+            "model-0001-of-00002.safetensors",
+            "model-00001-of-0002.safetensors",
+            "model-000001-of-00002.safetensors",
+            "model-00001-of-000002.safetensors",
+            // Not digits, other separators, other suffixes.
+            "model-0000a-of-00002.safetensors",
+            "model-+0001-of-00002.safetensors",
+            "model-00001_of_00002.safetensors",
+            "model-00001-of-00002.bin",
+            "model-00001-of-00002.safetensors.tmp",
+            ".model-00001-of-00002.safetensors.tmp",
+            "model-00001-of-00002",
+            "model-00001-of-00002-of-00003.safetensors",
+            // Paths.
+            "x/model-00001-of-00002.safetensors",
+            "../model-00001-of-00002.safetensors",
+            "/model-00001-of-00002.safetensors",
+            "model-00001-of-00002.safetensors/x",
+            "model-00001/of-00002.safetensors",
+            "model-00001-of-00002\\.safetensors",
+            "checkpoints/step-00000010/model-00001-of-00002.safetensors",
+            // The index, misspelt.
+            "model.safetensors.index.json.tmp",
+            "x/model.safetensors.index.json",
+            "pytorch_model.bin.index.json",
+        ] {
+            assert_eq!(Artifact::parse(name), None, "{name:?}");
+        }
     }
 
     #[test]

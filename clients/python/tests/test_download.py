@@ -117,6 +117,39 @@ def test_download_streams_the_model_files_into_a_folder(server: Artifacts, tmp_p
         assert (folder / name).read_bytes() == server.files[name]
 
 
+def test_a_sharded_model_downloads_its_shards_and_index_as_transformers_lays_them_out(
+    tmp_path: Path,
+) -> None:
+    shards = {f"model-0000{k}-of-00003.safetensors": safetensors({f"w{k}": [4, k]}) for k in (1, 2, 3)}
+    index = {"metadata": {"total_size": 96}, "weight_map": {f"w{k}": n for k, n in enumerate(shards, 1)}}
+    files = {
+        "config.json": b"{}",
+        **shards,
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "checkpoints/step-5/rank-0.safetensors": b"shard",
+    }
+    server = Artifacts(files)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        folder = job_on(server).download(to=tmp_path / "model")
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            ["config.json", *shards, "model.safetensors.index.json"]
+        )
+        for name in files.keys() - {"checkpoints/step-5/rank-0.safetensors"}:
+            assert (folder / name).read_bytes() == files[name]
+        # A shard the listing lacks is named before anything is fetched.
+        assert server.listing is not None
+        server.listing = [a for a in server.listing if a["name"] != "model-00002-of-00003.safetensors"]
+        server.asked.clear()
+        with pytest.raises(ArtifactError, match="has no artifact model-00002-of-00003.safetensors"):
+            job_on(server).download(to=tmp_path / "again")
+        assert server.asked == [f"/v1/jobs/{JOB}/artifacts"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_download_fetches_named_artifacts_into_subfolders(server: Artifacts, tmp_path: Path) -> None:
     name = "checkpoints/step-5/rank-0.safetensors"
     job_on(server).download(to=tmp_path, names=[name])

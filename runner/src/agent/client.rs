@@ -190,17 +190,13 @@ impl Files {
         })
     }
 
-    /// Fetches the job's artifact `a` into `to`.
+    /// Fetches the job's artifact `a` (or one of what it starts from: the server says which)
+    /// into `to`.
     pub fn get(&self, a: Artifact, to: &Path) -> Result<(), Error> {
         self.fetch(
             &format!("{}/artifacts/{}", self.base, url_segment(&a.name())),
             to,
         )
-    }
-
-    /// Fetches the model the job's `model.init_from` names (another job's export) into `to`.
-    pub fn get_init_from(&self, to: &Path) -> Result<(), Error> {
-        self.fetch(&format!("{}/init_from", self.base), to)
     }
 
     /// Fetches `url` into `to` (written whole, then renamed into place).

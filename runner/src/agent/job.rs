@@ -152,9 +152,7 @@ fn train(
     // Another job's model to start from comes from the server too (a resume needs none).
     let from_job = matches!(a.spec.model.init_from, Some(InitFrom::Artifact(_)));
     let init_weights = if from_job && a.resume_from.is_none() {
-        let file = dir.join("init").join(checkpoint::MODEL_FILE);
-        files.get_init_from(&file)?;
-        Some(file)
+        Some(fetch_init_from(&files, &a.init_from, &dir.join("init"))?)
     } else {
         None
     };
@@ -169,6 +167,7 @@ fn train(
             .collect(),
         threads: cfg.threads,
         out_dir: Some(dir.to_path_buf()),
+        export_shard_bytes: Some(cfg.export_shard_bytes),
         comm_timeout: Some(COMM_TIMEOUT),
         distributed: None,
         cancel: Some(cancel),
@@ -231,19 +230,43 @@ fn train(
 
 /// Fetches the files of the committed checkpoint `r` into `into`; the checkpoint's folder.
 fn fetch_checkpoint(files: &Files, r: &ResumeFrom, into: &Path) -> Result<PathBuf, Error> {
-    for name in &r.files {
-        // Only names of that checkpoint's files: nothing lands outside `into`.
+    let what = format!("checkpoint {}", r.step);
+    fetch_named(files, &r.files, into, &what, |a| a.step() == Some(r.step))?;
+    Ok(checkpoint::step_dir(into, r.step))
+}
+
+/// Fetches the weights of the export the job starts from (`model.safetensors`, or a sharded
+/// export's index and shards: the names the server gave) into `into`; the folder, which
+/// `checkpoint::load_hf_file` reads.
+fn fetch_init_from(files: &Files, names: &[String], into: &Path) -> Result<PathBuf, Error> {
+    const WHAT: &str = "the model to start from";
+    if names.is_empty() {
+        return Err(Error::Untrainable {
+            reason: format!("the server named no files of {WHAT}"),
+        });
+    }
+    fetch_named(files, names, into, WHAT, Artifact::is_weights)?;
+    Ok(into.to_path_buf())
+}
+
+/// Fetches the files `names` of `what` into `into`, each under its name there: only names of
+/// artifacts that `belongs` accepts, so nothing lands outside `into`.
+fn fetch_named(
+    files: &Files,
+    names: &[String],
+    into: &Path,
+    what: &str,
+    belongs: impl Fn(Artifact) -> bool,
+) -> Result<(), Error> {
+    for name in names {
         let a = Artifact::parse(name)
-            .filter(|a| a.step() == Some(r.step))
+            .filter(|&a| belongs(a))
             .ok_or_else(|| Error::Untrainable {
-                reason: format!(
-                    "the server named {name:?} as a file of checkpoint {}",
-                    r.step
-                ),
+                reason: format!("the server named {name:?} as a file of {what}"),
             })?;
         files.get(a, &into.join(a.name()))?;
     }
-    Ok(checkpoint::step_dir(into, r.step))
+    Ok(())
 }
 
 /// The communicators of this node's ranks. Over TCP every rank joins the rendezvous at once

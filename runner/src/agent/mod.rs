@@ -49,6 +49,9 @@ pub struct AgentConfig {
     /// Where attempts write their files before uploading them (each attempt's folder is
     /// removed when it ends).
     pub work_dir: std::path::PathBuf,
+    /// The largest file of a job's export: a larger one is sharded
+    /// (`checkpoint::EXPORT_SHARD_BYTES` by default).
+    pub export_shard_bytes: u64,
 }
 
 /// The devices a node offers: each GPU, then `cpus` virtual CPU devices of `cpu_memory` bytes.

@@ -286,7 +286,7 @@ impl ModelSpec {
                 });
                 p.ensure(a.artifact == "model", "model.init_from.artifact", || {
                     format!(
-                        "{:?}: only \"model\" (the job's exported model.safetensors) can be started from",
+                        "{:?}: only \"model\" (the weights of the job's export) can be started from",
                         a.artifact
                     )
                 });

@@ -2,7 +2,8 @@
 checked against the size and SHA-256 the listing gives before it takes its name."""
 
 import hashlib
-from collections.abc import Iterable
+import re
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
@@ -11,8 +12,12 @@ from .errors import ArtifactError
 if TYPE_CHECKING:
     from .client import Client
 
-# What Hugging Face's `from_pretrained` reads from a folder: the finished model.
+# What Hugging Face's `from_pretrained` reads from a folder: the finished model, when its weights
+# are one file.
 MODEL_FILES = ("config.json", "model.safetensors")
+# A sharded model's index (which file holds each tensor), beside its shards.
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 CHUNK = 1 << 20
 
 
@@ -26,10 +31,11 @@ class Artifact(TypedDict):
     """The training step it holds (None where it is not a checkpoint's)."""
 
 
-def download(client: "Client", job_id: str, to: str | Path, names: Iterable[str] = MODEL_FILES) -> Path:
-    """Downloads the artifacts `names` of a job into the folder `to` (made if missing); the folder."""
+def download(client: "Client", job_id: str, to: str | Path, names: Iterable[str] | None = None) -> Path:
+    """Downloads the artifacts `names` of a job into the folder `to` (made if missing); the folder.
+    Without `names`, the finished model (`model_files`)."""
     listed = {a["name"]: a for a in client.artifacts(job_id)}
-    names = list(names)
+    names = model_files(listed) if names is None else list(names)
     missing = [name for name in names if name not in listed]
     if missing:
         have = ", ".join(sorted(listed)) or "none"
@@ -39,6 +45,18 @@ def download(client: "Client", job_id: str, to: str | Path, names: Iterable[str]
     for artifact, path in targets:
         _fetch(client, job_id, artifact, path)
     return folder
+
+
+def model_files(listed: Collection[str]) -> list[str]:
+    """The files of a job's finished model, from the names of the artifacts it has: `config.json`
+    and `model.safetensors`, or for a model sharded as transformers shards one, every shard
+    `model-KKKKK-of-NNNNN.safetensors` and then `model.safetensors.index.json`."""
+    if INDEX_FILE not in listed or MODEL_FILES[1] in listed:
+        return list(MODEL_FILES)
+    counts = [int(m[2]) for m in map(_SHARD.fullmatch, listed) if m]
+    count = max(counts, default=2)
+    shards = [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    return [MODEL_FILES[0], *shards, INDEX_FILE]
 
 
 def _inside(folder: Path, name: str) -> Path:

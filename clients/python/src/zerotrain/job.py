@@ -97,8 +97,9 @@ class Job(Mapping[str, Any]):
             text: str = line["line"]
             yield text
 
-    def download(self, to: str | Path, names: Iterable[str] = artifacts.MODEL_FILES) -> Path:
-        """Downloads the finished model (`config.json` + `model.safetensors`, a folder
+    def download(self, to: str | Path, names: Iterable[str] | None = None) -> Path:
+        """Downloads the finished model (`config.json` + `model.safetensors`, or a sharded
+        model's `model-KKKKK-of-NNNNN.safetensors` files + `model.safetensors.index.json`: a folder
         `transformers`' `from_pretrained` loads), or the artifacts `names`, into the folder `to`;
         the folder. Each file is streamed and checked against its listed SHA-256."""
         return artifacts.download(self.client, self.id, to, names)

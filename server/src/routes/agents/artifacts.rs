@@ -2,9 +2,11 @@
 //! streams one into the artifact store as it is written (a rank's checkpoint file from the
 //! node that runs that rank; the manifest and the export from rank 0's node, only while the
 //! attempt is the job's current one), and `GET /v1/agents/{node}/jobs/{job}/artifacts/{name}`
-//! gives a node running the job a file the job has (the checkpoint it resumes from), and
-//! `GET /v1/agents/{node}/jobs/{job}/init_from` the model its `model.init_from` names (another
-//! job's export). Names are `wire::artifact`'s; `/` in one is sent as `%2F`.
+//! gives a node running the job a file the job has (the checkpoint it resumes from) or one of
+//! the weights files of the export its `model.init_from` names (another job's: the names the
+//! assignment lists), and `GET /v1/agents/{node}/jobs/{job}/init_from` that export's
+//! `model.safetensors` when it is one file. Names are `wire::artifact`'s; `/` in one is sent as
+//! `%2F`.
 
 use axum::Json;
 use axum::body::Body;
@@ -26,7 +28,8 @@ use crate::store::ArtifactRecord;
 /// One stored file of a job, as listed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ArtifactView {
-    /// `model.safetensors`, `config.json`, or `checkpoints/step-NNNNNNNN/FILE`.
+    /// `model.safetensors` (or a sharded export's `model-KKKKK-of-NNNNN.safetensors` and
+    /// `model.safetensors.index.json`), `config.json`, or `checkpoints/step-NNNNNNNN/FILE`.
     pub name: String,
     pub bytes: u64,
     /// SHA-256 of the bytes, hex.
@@ -85,7 +88,11 @@ pub async fn upload(
     // from rank 0's.
     let rank = match artifact {
         Artifact::Rank { rank, .. } => u32::try_from(rank).unwrap_or(u32::MAX),
-        Artifact::Manifest { .. } | Artifact::Model | Artifact::Config => 0,
+        Artifact::Manifest { .. }
+        | Artifact::Model
+        | Artifact::Config
+        | Artifact::Index
+        | Artifact::Shard { .. } => 0,
     };
     let view = View::load(&state, &job_id, &node).await?;
     let job = view
@@ -112,7 +119,8 @@ pub async fn upload(
     Ok((StatusCode::CREATED, Json(ArtifactView::from(&record))))
 }
 
-/// A file of a job this node runs ranks of (its agent token).
+/// A file of a job this node runs ranks of, or of what it starts from: the checkpoint its spec
+/// resumes from, the weights of the export its `model.init_from` names (its agent token).
 #[utoipa::path(
     get,
     path = "/v1/agents/{node}/jobs/{job}/artifacts/{name}",
@@ -122,11 +130,12 @@ pub async fn upload(
     params(
         ("node" = String, Path, description = "The node id registration returned"),
         ("job" = String, Path, description = "The job id"),
-        ("name" = String, Path, description = "An artifact the job lists, `/` as `%2F`"),
+        ("name" = String, Path, description = "An artifact the job lists, or one the assignment \
+            names (`resume_from.files`, `init_from`), `/` as `%2F`"),
     ),
     responses(
         (status = 200, description = "The file's bytes", content_type = "application/octet-stream"),
-        (status = 404, description = "The job has no such artifact",
+        (status = 404, description = "Neither the job nor the job it starts from has such an artifact",
             body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "The node runs no rank of the job's current attempt",
             body = Problem, content_type = "application/problem+json"),
@@ -140,15 +149,23 @@ pub async fn download(
     let Path((_, job_id, name)) = path;
     let job = running(&state, &node, &job_id, &name).await?;
     // The files of the checkpoint another job's spec resumes from are that job's (this job's
-    // own checkpoints come after it, at later steps).
-    let owner = match &job.spec.resume_from {
-        Some(from) if Artifact::step_of(&name) == Some(from.step) => JobId::from(from.job.as_str()),
+    // own checkpoints come after it, at later steps), and so are the weights of the export it
+    // starts from (this job has no export while it runs).
+    let artifact = Artifact::parse(&name);
+    let owner = match (&job.spec.resume_from, &job.spec.model.init_from) {
+        (Some(from), _) if artifact.and_then(Artifact::step) == Some(from.step) => {
+            JobId::from(from.job.as_str())
+        }
+        (_, Some(InitFrom::Artifact(from))) if artifact.is_some_and(Artifact::is_weights) => {
+            JobId::from(from.job.as_str())
+        }
         _ => job_id,
     };
     file(&state, &owner, &name).await
 }
 
-/// The model a job this node runs starts from (its agent token).
+/// The model a job this node runs starts from, when it is one file (its agent token); a sharded
+/// export's files come through the artifact route, by the names the assignment lists.
 #[utoipa::path(
     get,
     path = "/v1/agents/{node}/jobs/{job}/init_from",
@@ -162,7 +179,8 @@ pub async fn download(
     responses(
         (status = 200, description = "The `model.safetensors` of the job `model.init_from` names",
             content_type = "application/octet-stream"),
-        (status = 404, description = "The job starts from no job's model, or that model is gone",
+        (status = 404, description = "The job starts from no job's model, that model is gone, \
+            or it is sharded",
             body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "The node runs no rank of the job's current attempt",
             body = Problem, content_type = "application/problem+json"),

@@ -8,6 +8,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
+use scheduler::spec::InitFrom;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
 use wire::agent::{
@@ -178,12 +179,14 @@ async fn assignments(
             continue;
         };
         let resume_from = resume_from(state, &job).await?;
+        let init_from = init_from(state, &job).await?;
         out.push(Assignment {
             job_id: job.id.to_string(),
             attempt: job.attempt,
             ranks,
             transport,
             resume_from,
+            init_from,
             spec: job.spec,
             plan: job.plan,
         });
@@ -202,12 +205,7 @@ async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, 
             uploads.retain(|a| a.attempt == newest.attempt);
             (newest.step, uploads)
         } else if let Some(from) = &job.spec.resume_from {
-            // Another job's: the files it lists (of each name, its newest attempt's).
-            let listed = match state.store.get_job(&JobId::from(from.job.as_str())).await? {
-                Some(other) => crate::artifacts::of_job(state, &other).await?,
-                None => Vec::new(),
-            };
-            (from.step, listed)
+            (from.step, listed_by(state, &from.job).await?)
         } else {
             return Ok(None);
         };
@@ -217,4 +215,29 @@ async fn resume_from(state: &AppState, job: &Job) -> Result<Option<ResumeFrom>, 
         .map(|a| a.name)
         .collect();
     Ok(Some(ResumeFrom { step, files }))
+}
+
+/// The weights files of the other job's export the spec's `model.init_from` names (the agent
+/// fetches them through this job, `agents::artifacts::download`); none when it names none.
+async fn init_from(state: &AppState, job: &Job) -> Result<Vec<String>, ApiError> {
+    let Some(InitFrom::Artifact(from)) = &job.spec.model.init_from else {
+        return Ok(Vec::new());
+    };
+    Ok(listed_by(state, &from.job)
+        .await?
+        .into_iter()
+        .filter(|a| Artifact::parse(&a.name).is_some_and(Artifact::is_weights))
+        .map(|a| a.name)
+        .collect())
+}
+
+/// The files another job lists (of each name, its newest attempt's); none for no such job.
+async fn listed_by(
+    state: &AppState,
+    job_id: &str,
+) -> Result<Vec<crate::store::ArtifactRecord>, ApiError> {
+    Ok(match state.store.get_job(&JobId::from(job_id)).await? {
+        Some(other) => crate::artifacts::of_job(state, &other).await?,
+        None => Vec::new(),
+    })
 }

@@ -170,7 +170,14 @@ pub async fn create(
 async fn starts_from(state: &AppState, spec: &JobSpec, source: &str) -> Result<(), ApiError> {
     let field = "model.init_from.job";
     let (job, listed) = source_job(state, field, source).await?;
-    if !listed.iter().any(|a| a.name == wire::artifact::MODEL_FILE) {
+    // A succeeded job's export: one file of weights, or a sharded set's index.
+    let has_model = listed.iter().any(|a| {
+        matches!(
+            Artifact::parse(&a.name),
+            Some(Artifact::Model | Artifact::Index)
+        )
+    });
+    if !has_model {
         return Err(ApiError::spec(
             field,
             format!(
