@@ -380,10 +380,7 @@ fn decisions(placed: &[Placement]) -> Vec<Decision> {
 }
 
 fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
+    server::clock::Clock::system().now_ms()
 }
 
 fn ids(jobs: &[Job]) -> Vec<JobId> {
