@@ -652,29 +652,38 @@ pub fn load_hf(roots: &DataRoots, path: &str, model: &ModelShape) -> Result<HfWe
         what: describe(FIELD, path),
         reason: format!("a model directory holds {MODEL_FILE} or {INDEX_FILE}; this holds neither"),
     })?;
-    let files = read_index(&file)
-        .map_err(|reason| Error::Data {
-            what: what.clone(),
-            reason,
-        })?
-        .iter()
-        .map(|name| Ok(roots.open(FIELD, &format!("{dir}/{name}"))?.1))
-        .collect::<Result<Vec<_>, Error>>()?;
-    HfWeights::new(files, what, model)
+    load_sharded(&file, what, model, |name| {
+        Ok(roots.open(FIELD, &format!("{dir}/{name}"))?.1)
+    })
 }
 
-/// The files of the sharded set whose index `file` is (at most `MAX_INDEX_BYTES` of it read).
-fn read_index(file: &File) -> Result<Vec<String>, String> {
+/// The sharded set whose index is `index` (at most `MAX_INDEX_BYTES` of it read; `what` names
+/// it in errors), each file it names opened by `open`.
+fn load_sharded(
+    index: &File,
+    what: String,
+    model: &ModelShape,
+    open: impl Fn(&str) -> Result<File, Error>,
+) -> Result<HfWeights, Error> {
+    let fail = |reason: String| Error::Data {
+        what: what.clone(),
+        reason,
+    };
     let mut bytes = Vec::new();
     std::io::Read::read_to_end(
-        &mut std::io::Read::take(file, MAX_INDEX_BYTES + 1),
+        &mut std::io::Read::take(index, MAX_INDEX_BYTES + 1),
         &mut bytes,
     )
-    .map_err(|e| format!("cannot read: {}", e.kind()))?;
+    .map_err(|e| fail(format!("cannot read: {}", e.kind())))?;
     if bytes.len() as u64 > MAX_INDEX_BYTES {
-        return Err(format!("larger than {}", human(MAX_INDEX_BYTES)));
+        return Err(fail(format!("larger than {}", human(MAX_INDEX_BYTES))));
     }
-    shard_names(&bytes)
+    let files = shard_names(&bytes)
+        .map_err(fail)?
+        .iter()
+        .map(|name| open(name))
+        .collect::<Result<Vec<_>, Error>>()?;
+    HfWeights::new(files, what, model)
 }
 
 /// [`load_hf`] of a file (or model directory) the host fetched itself (an agent: another
@@ -691,15 +700,7 @@ pub fn load_hf_file(path: &Path, model: &ModelShape) -> Result<HfWeights, Error>
         // A sharded set: its index names the files beside it.
         let index = path.join(INDEX_FILE);
         let what = index.display().to_string();
-        let files = read_index(&open(&index)?)
-            .map_err(|reason| Error::Data {
-                what: what.clone(),
-                reason,
-            })?
-            .iter()
-            .map(|name| open(&path.join(name)))
-            .collect::<Result<Vec<_>, Error>>()?;
-        return HfWeights::new(files, what, model);
+        return load_sharded(&open(&index)?, what, model, |name| open(&path.join(name)));
     }
     let path = if path.is_dir() {
         single
