@@ -47,7 +47,6 @@ pub fn api() -> (Api, OpenApi) {
         .routes(routes!(agents::register::register))
         .routes(routes!(agents::heartbeat::heartbeat))
         .routes(routes!(agents::artifacts::download))
-        .routes(routes!(agents::artifacts::init_from))
         .split_for_parts();
     let (transfers, transfers_doc) = OpenApiRouter::new()
         .routes(routes!(agents::artifacts::upload))

@@ -4,9 +4,7 @@
 //! attempt is the job's current one), and `GET /v1/agents/{node}/jobs/{job}/artifacts/{name}`
 //! gives a node running the job a file the job has (the checkpoint it resumes from) or one of
 //! the weights files of the export its `model.init_from` names (another job's: the names the
-//! assignment lists), and `GET /v1/agents/{node}/jobs/{job}/init_from` that export's
-//! `model.safetensors` when it is one file. Names are `wire::artifact`'s; `/` in one is sent as
-//! `%2F`.
+//! assignment lists). Names are `wire::artifact`'s; `/` in one is sent as `%2F`.
 
 use axum::Json;
 use axum::body::Body;
@@ -16,7 +14,7 @@ use scheduler::spec::InitFrom;
 use serde::Serialize;
 use utoipa::ToSchema;
 use wire::agent::RefusalReason;
-use wire::artifact::{Artifact, MODEL_FILE};
+use wire::artifact::Artifact;
 
 use super::reports::View;
 use crate::app::AppState;
@@ -162,44 +160,6 @@ pub async fn download(
         _ => job_id,
     };
     file(&state, &owner, &name).await
-}
-
-/// The model a job this node runs starts from, when it is one file (its agent token); a sharded
-/// export's files come through the artifact route, by the names the assignment lists.
-#[utoipa::path(
-    get,
-    path = "/v1/agents/{node}/jobs/{job}/init_from",
-    operation_id = "agent_download_init_from",
-    tag = "agents",
-    security(("bearer" = ["node"])),
-    params(
-        ("node" = String, Path, description = "The node id registration returned"),
-        ("job" = String, Path, description = "The job id"),
-    ),
-    responses(
-        (status = 200, description = "The `model.safetensors` of the job `model.init_from` names",
-            content_type = "application/octet-stream"),
-        (status = 404, description = "The job starts from no job's model, that model is gone, \
-            or it is sharded",
-            body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "The node runs no rank of the job's current attempt",
-            body = Problem, content_type = "application/problem+json"),
-    ),
-)]
-pub async fn init_from(
-    State(state): State<AppState>,
-    AgentNode(node): AgentNode,
-    path: Path<(NodeId, JobId)>,
-) -> Result<Body, ApiError> {
-    let Path((_, job_id)) = path;
-    let job = running(&state, &node, &job_id, "init_from").await?;
-    let Some(InitFrom::Artifact(from)) = job.spec.model.init_from else {
-        return Err(ApiError::NotFound {
-            what: "model to start from for job",
-            id: job_id.to_string(),
-        });
-    };
-    file(&state, &JobId::from(from.job), MODEL_FILE).await
 }
 
 /// The job, if `node` holds ranks of its current attempt.
