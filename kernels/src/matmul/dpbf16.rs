@@ -1,6 +1,7 @@
 //! bf16 · bf16 products on AVX512-BF16: `vdpbf16ps` multiplies 16 pairs of bf16 values and
 //! adds both products into 16 f32 lanes, twice the multiply-adds of an f32 FMA per
-//! instruction (and per cycle on Zen 4).
+//! instruction (and per cycle on Zen 4). Where the CPU has AMX, the micro-tiles run on its
+//! tiles instead (`amx`), with the same packs of B.
 //!
 //! Numerics: a product of two bf16 values is exact in f32; the instruction adds the product
 //! of the pair's high halves and then that of the low halves, each addition rounded to
@@ -8,21 +9,22 @@
 //! threads do anyway). Packing element `2p` into the high half makes every output element an
 //! f32 fused multiply-add chain over its whole depth in k order, as an sgemm micro-kernel
 //! computes it within one depth block, computed by one thread; `init` (bias or the prior
-//! value) is added afterwards and the sum rounded once on store. The result does not depend
-//! on the pool, the tiling or the task split.
+//! value) is added afterwards and the sum rounded once on store. On AMX the same products
+//! are summed per 32 of depth before they reach the accumulator (`amx`). The result does not
+//! depend on the pool, the tiling or the task split.
 //!
-//! Layout: A is packed once per call, per 8-row block as `[pair][row]` u32 (two bf16 in one
-//! dword); each task packs one 48-column panel of B as `[pair][column]` u32 (a transposed B
-//! through 16 × 16 register transposes) and runs 8 × 48 micro-tiles (24 zmm accumulators)
-//! over every row block of its row range. The packs live in the caller's matmul scratch (which
-//! the memory model counts): `48·k` bf16 per B slot, and as many rows of A as then fit, a pass
-//! of rows at a time.
+//! Layout: A is packed once per call, per row block (8 rows as `[pair][row]` u32, two bf16 in
+//! one dword; on AMX 16 rows as `[row][pair]`); each task packs one 48-column panel of B as
+//! `[pair][column]` u32 (a transposed B through 16 × 16 register transposes) and runs 8 × 48
+//! (AMX: 16 × 48) micro-tiles over every row block of its row range. The packs live in the
+//! caller's matmul scratch (which the memory model counts): `48·k` bf16 per B slot, and as
+//! many rows of A as then fit, a pass of rows at a time.
 
 use half::bf16;
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 
-use super::{Init, Operand};
+use super::{Init, Operand, amx};
 use crate::Float;
 use crate::par::{SharedMut, for_ranges};
 
@@ -31,7 +33,7 @@ const MR: usize = 8;
 /// zmm registers per micro-tile row.
 const NR: usize = 3;
 /// Columns of a micro-tile and of a packed B panel.
-const NC: usize = 16 * NR;
+pub(super) const NC: usize = 16 * NR;
 /// Tasks to aim for when B has few panels (rows are then split too).
 const MIN_TASKS: usize = 16;
 
@@ -42,13 +44,63 @@ pub(super) fn available() -> bool {
         && is_x86_feature_detected!("avx512bf16")
 }
 
+/// What runs the micro-tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Engine {
+    /// `vdpbf16ps` on zmm registers.
+    Vector,
+    /// `tdpbf16ps` on AMX tiles.
+    Tiles,
+}
+
+impl Engine {
+    /// AMX where the CPU and the OS offer it.
+    fn best() -> Self {
+        if amx::available() {
+            Self::Tiles
+        } else {
+            Self::Vector
+        }
+    }
+
+    /// Rows of a micro-tile, and of a packed row block of A.
+    fn rows(self) -> usize {
+        match self {
+            Self::Vector => MR,
+            Self::Tiles => amx::ROWS,
+        }
+    }
+
+    /// Pairs of depth the packs hold for depth `k`: tiles take whole steps of
+    /// [`amx::PAIRS`], padded with zeros.
+    fn pairs(self, k: usize) -> usize {
+        match self {
+            Self::Vector => k.div_ceil(2),
+            Self::Tiles => k.div_ceil(2 * amx::PAIRS) * amx::PAIRS,
+        }
+    }
+}
+
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major; see the module notes.
 /// The packs live in `scratch`: as many B panel slots as the pool has threads and fit beside
 /// one row block of A, then as many row blocks of A as fit in the rest, a pass of rows at a
-/// time. Only a scratch too short for one slot and one row block (`kp · 56` dwords; the
-/// trainer's holds 2^21, enough for k up to 74,000) sends the packs to the heap.
-/// Callers check [`available`].
+/// time. Only a scratch too short for one slot and one row block (`kp · 56` dwords, `kp · 64`
+/// on AMX; the trainer's holds 2^21, enough for k up to 74,898, 65,536 on AMX) sends the packs
+/// to the heap. Callers check [`available`].
 pub(super) fn product<C: Float, I: Float>(
+    c: &mut [C],
+    a: Operand<'_, bf16>,
+    b: Operand<'_, bf16>,
+    dims: (usize, usize, usize),
+    init: Init<'_, I>,
+    scratch: &mut [f32],
+) {
+    product_on(Engine::best(), c, a, b, dims, init, scratch);
+}
+
+/// [`product`] on the given engine.
+fn product_on<C: Float, I: Float>(
+    engine: Engine,
     c: &mut [C],
     a: Operand<'_, bf16>,
     b: Operand<'_, bf16>,
@@ -56,9 +108,17 @@ pub(super) fn product<C: Float, I: Float>(
     init: Init<'_, I>,
     scratch: &mut [f32],
 ) {
-    let kp = k.div_ceil(2);
-    let blocks = m.div_ceil(MR);
-    let (a_block, b_len) = (kp * MR, kp * NC);
+    if k == 0 {
+        for row in c.chunks_exact_mut(n) {
+            for (j, part) in row.chunks_mut(NC).enumerate() {
+                store(part, &[0.0; NC][..part.len()], &init, j * NC);
+            }
+        }
+        return;
+    }
+    let (mr, kp) = (engine.rows(), engine.pairs(k));
+    let blocks = m.div_ceil(mr);
+    let (a_block, b_len) = (kp * mr, kp * NC);
     let mut heap = Vec::new();
     let packs: &mut [u32] = if scratch.len() >= a_block + b_len {
         // SAFETY: f32 and u32 have the same size and alignment; any bits are valid u32.
@@ -82,8 +142,12 @@ pub(super) fn product<C: Float, I: Float>(
                 for rb in r {
                     // SAFETY: each row block owns its part of the pack.
                     let out = unsafe { dst.slice(rb * a_block..(rb + 1) * a_block) };
-                    // SAFETY: `available` was checked by the caller.
-                    unsafe { pack_a(&a, (first + rb) * MR, m, k, out) };
+                    let i0 = (first + rb) * mr;
+                    match engine {
+                        // SAFETY: `available` was checked by the caller.
+                        Engine::Vector => unsafe { pack_a(&a, i0, m, k, out) },
+                        Engine::Tiles => pack_a_rows(&a, i0, m, k, out),
+                    }
                 }
             });
         }
@@ -95,18 +159,26 @@ pub(super) fn product<C: Float, I: Float>(
         (0..slots).into_par_iter().for_each(|slot| {
             // SAFETY: slots are disjoint.
             let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
-            let mut tile = [0f32; MR * NC];
+            // SAFETY: `Engine::Tiles` is chosen only where `amx::available`.
+            let _tiles = (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
+            let mut tile = [0f32; amx::ROWS * NC];
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
                 let (j0, w) = (panel * NC, NC.min(n - panel * NC));
                 // SAFETY: `available` was checked by the caller.
                 unsafe { pack_b(&b, j0, w, k, pb) };
                 for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
-                    // SAFETY: the packs hold kp pairs of MR rows and NC columns; features
-                    // checked.
-                    unsafe { micro(kp, pa[rb * a_block..].as_ptr(), pb.as_ptr(), &mut tile) };
-                    let i0 = (first + rb) * MR;
-                    for (r, t) in tile.chunks_exact(NC).take(MR.min(m - i0)).enumerate() {
+                    let pa = pa[rb * a_block..].as_ptr();
+                    // SAFETY: the packs hold kp pairs of the engine's rows and NC columns;
+                    // features checked; tiles configured on this thread above.
+                    unsafe {
+                        match engine {
+                            Engine::Vector => micro(kp, pa, pb.as_ptr(), &mut tile),
+                            Engine::Tiles => amx::micro(kp, pa, pb.as_ptr(), tile.as_mut_ptr()),
+                        }
+                    }
+                    let i0 = (first + rb) * mr;
+                    for (r, t) in tile.chunks_exact(NC).take(mr.min(m - i0)).enumerate() {
                         let at = (i0 + r) * n + j0;
                         // SAFETY: tasks own disjoint (row range, panel) blocks of c.
                         store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
@@ -185,8 +257,45 @@ unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut
     }
 }
 
-/// Columns `j0..j0 + w` of `op(b)` as `[pair][column]`, `NC` columns per pair (zeros past `w`
-/// and in the odd tail of k).
+/// Rows `i0..i0 + 16` of `op(a)` as `[row][pair]`, `out.len() / 16` pairs a row (the AMX
+/// layout); rows past `m` and depth past `k` are 0.
+fn pack_a_rows(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut [u32]) {
+    let (h, zero) = (amx::ROWS.min(m - i0), bf16::ZERO);
+    let kp = out.len() / amx::ROWS;
+    let full = k / 2;
+    out[h * kp..].fill(0);
+    if a.trans {
+        // Element (i, kk) is data[kk·ld + i]: pair p of every row from two runs of h rows.
+        let at = |kk: usize, r: usize| {
+            if kk < k {
+                a.data[kk * a.ld + i0 + r]
+            } else {
+                zero
+            }
+        };
+        for p in 0..kp {
+            for r in 0..h {
+                out[r * kp + p] = pair(at(2 * p, r), at(2 * p + 1, r));
+            }
+        }
+    } else {
+        // Row i is data[i·ld..][..k]: its pairs are adjacent.
+        for (r, o) in out.chunks_exact_mut(kp).take(h).enumerate() {
+            let (pairs, tail) = a.data[(i0 + r) * a.ld..][..k].as_chunks::<2>();
+            for (o, &[x, y]) in o.iter_mut().zip(pairs) {
+                *o = pair(x, y);
+            }
+            let rest = &mut o[full..];
+            rest.fill(0);
+            if let [last] = tail {
+                rest[0] = pair(*last, zero);
+            }
+        }
+    }
+}
+
+/// Columns `j0..j0 + w` of `op(b)` as `[pair][column]`, `NC` columns per pair, as many pairs
+/// as `out` holds (zeros past `w` and past the depth).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut [u32]) {
     let zero = bf16::ZERO;
@@ -217,11 +326,11 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
             } else {
                 (0, (c < w).then(|| col(c)))
             };
-            for p in from..k.div_ceil(2) {
+            for p in from..out.len() / NC {
                 out[p * NC + c] = match src {
                     Some(s) if 2 * p + 1 < k => pair(s[2 * p], s[2 * p + 1]),
-                    Some(s) => pair(s[2 * p], zero),
-                    None => 0,
+                    Some(s) if 2 * p < k => pair(s[2 * p], zero),
+                    _ => 0,
                 };
             }
         }
@@ -239,7 +348,8 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
                         *o = pair(l, zero);
                     }
                 }
-                _ => unreachable!("pairs cover k"),
+                // Depth padding (AMX packs whole tile steps).
+                (None, _) => o.fill(0),
             }
             o[w..].fill(0);
         }
@@ -249,9 +359,11 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
 /// One `MR × NC` tile over `kp` pairs: `tile = Σ_p a[p] · b[p]`.
 ///
 /// # Safety
-/// `a` holds `kp · MR` and `b` `kp · NC` dwords; the CPU has AVX512-BF16.
+/// `a` holds `kp · MR` and `b` `kp · NC` dwords, `tile` at least `MR · NC`; the CPU has
+/// AVX512-BF16.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: &mut [f32; MR * NC]) {
+unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: &mut [f32]) {
+    debug_assert!(tile.len() >= MR * NC);
     // SAFETY: in bounds by the contract; unaligned loads and stores.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
@@ -321,41 +433,110 @@ unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
 mod tests {
     use super::*;
 
+    /// The engines this CPU runs.
+    fn engines() -> Vec<Engine> {
+        let tiles = amx::available().then_some(Engine::Tiles);
+        available()
+            .then_some(Engine::Vector)
+            .into_iter()
+            .chain(tiles)
+            .collect()
+    }
+
+    /// Values of a test operand, in ±0.6 steps of 0.1 (exact products, no denormals).
+    fn value(i: usize) -> bf16 {
+        bf16::from_f32((i * 7 % 13) as f32 * 0.1 - 0.6)
+    }
+
     /// A scratch that holds one B slot and one row block of A at a time gives the bits of one
     /// that holds everything: passes of rows and fewer slots only reorder the same work.
     #[test]
     fn row_passes_and_fewer_slots_give_the_same_bits() {
-        if !available() {
-            return;
-        }
         let (m, k, n) = (37, 70, 100);
-        let value = |i: usize| bf16::from_f32((i * 7 % 13) as f32 * 0.1 - 0.6);
         let a: Vec<bf16> = (0..m * k).map(value).collect();
         let b: Vec<bf16> = (0..k * n).map(|i| value(i + 5)).collect();
         let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
-        let run = |len: usize, b_trans: bool| {
-            let mut c = vec![0f32; m * n];
-            let b = if b_trans {
-                Operand::new(&b[..], k, true)
-            } else {
-                Operand::new(&b[..], n, false)
+        for engine in engines() {
+            let run = |len: usize, b_trans: bool| {
+                let mut c = vec![0f32; m * n];
+                let b = if b_trans {
+                    Operand::new(&b[..], k, true)
+                } else {
+                    Operand::new(&b[..], n, false)
+                };
+                let a = Operand::new(&a[..], k, false);
+                let dims = (m, k, n);
+                product_on(
+                    engine,
+                    &mut c,
+                    a,
+                    b,
+                    dims,
+                    Init::Bias(&bias),
+                    &mut vec![0f32; len],
+                );
+                c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
-            let a = Operand::new(&a[..], k, false);
-            product(
-                &mut c,
-                a,
-                b,
-                (m, k, n),
-                Init::Bias(&bias),
-                &mut vec![0f32; len],
-            );
-            c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        };
-        let (a_block, b_len) = (k.div_ceil(2) * MR, k.div_ceil(2) * NC);
-        for b_trans in [false, true] {
-            let whole = run(1 << 16, b_trans);
-            assert_eq!(run(a_block + b_len, b_trans), whole, "one block a pass");
-            assert_eq!(run(3 * a_block + b_len + 7, b_trans), whole, "three a pass");
+            let kp = engine.pairs(k);
+            let (a_block, b_len) = (kp * engine.rows(), kp * NC);
+            for b_trans in [false, true] {
+                let whole = run(1 << 16, b_trans);
+                assert_eq!(
+                    run(a_block + b_len, b_trans),
+                    whole,
+                    "{engine:?}: one block a pass"
+                );
+                let three = run(3 * a_block + b_len + 7, b_trans);
+                assert_eq!(three, whole, "{engine:?}: three a pass");
+            }
+        }
+    }
+
+    /// Every engine gives the exact (f64) product within the rounding of an f32 sum over the
+    /// depth, for each operand stored either way, with its packs in the scratch or (a scratch
+    /// too short) on the heap, and a shape off every block edge (rows not a multiple of 16,
+    /// columns of 48, depth odd and not a multiple of 32).
+    #[test]
+    fn every_engine_matches_the_f64_product() {
+        let (m, k, n) = (37, 71, 100);
+        let a: Vec<bf16> = (0..m * k).map(value).collect();
+        let b: Vec<bf16> = (0..k * n).map(|i| value(3 * i + 5)).collect();
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+        let layouts = [(false, false), (false, true), (true, false), (true, true)];
+        let cases = layouts.into_iter().flat_map(|l| [(l, false), (l, true)]);
+        for engine in engines() {
+            for ((a_trans, b_trans), short) in cases.clone() {
+                // Logical (i, kk) of A and (kk, j) of B, wherever they are stored.
+                let (a_ld, b_ld) = (if a_trans { m } else { k }, if b_trans { k } else { n });
+                let at = |i: usize, kk: usize| if a_trans { kk * m + i } else { i * k + kk };
+                let bt = |kk: usize, j: usize| if b_trans { j * k + kk } else { kk * n + j };
+                let mut c = vec![0f32; m * n];
+                let (oa, ob) = (
+                    Operand::new(&a[..], a_ld, a_trans),
+                    Operand::new(&b[..], b_ld, b_trans),
+                );
+                let len = if short {
+                    crate::matmul::MIN_SCRATCH
+                } else {
+                    1 << 16
+                };
+                let (scratch, init) = (&mut vec![0f32; len], Init::Bias(&bias[..]));
+                product_on(engine, &mut c, oa, ob, (m, k, n), init, scratch);
+                for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                    let terms = (0..k).map(|kk| f64::from(a[at(i, kk)]) * f64::from(b[bt(kk, j)]));
+                    let (sum, size) = terms.fold(
+                        (f64::from(bias[j]), f64::from(bias[j]).abs()),
+                        |(s, z), t| (s + t, z + t.abs()),
+                    );
+                    let bound = (k + 2) as f64 * f64::from(f32::EPSILON) * size;
+                    let got = f64::from(c[i * n + j]);
+                    assert!(
+                        (got - sum).abs() <= bound,
+                        "{engine:?} a_trans {a_trans} b_trans {b_trans} short {short} ({i}, {j}): \
+                         {got} vs {sum} (bound {bound})"
+                    );
+                }
+            }
         }
     }
 

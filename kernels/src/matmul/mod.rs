@@ -8,8 +8,11 @@
 //! depends on the shapes alone), so results do not depend on the pool size. On CPUs with
 //! AVX512-BF16, products of two bf16 operands run on `vdpbf16ps` instead (`dpbf16`): the
 //! same f32 multiply-add chain in k order at twice the rate (bit-identical to the sgemm path
-//! when the depth fits one of gemm's depth blocks, ≤ 512).
+//! when the depth fits one of gemm's depth blocks, ≤ 512); on CPUs with AMX, on its tiles
+//! (`amx`: the same products, summed per 32 of depth before they reach the accumulator).
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
 
@@ -260,11 +263,19 @@ enum Init<'a, B> {
     Read,
 }
 
-/// Whether products of two bf16 operands run on `vdpbf16ps` on this CPU (else on the widening
-/// sgemm path).
+/// Whether products of two bf16 operands run on `vdpbf16ps` (or AMX tiles) on this CPU (else
+/// on the widening sgemm path).
 pub fn has_bf16_dot_product() -> bool {
     #[cfg(target_arch = "x86_64")]
     return dpbf16::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether those products run on AMX tiles on this CPU.
+pub fn has_bf16_tiles() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return dpbf16::available() && amx::available();
     #[cfg(not(target_arch = "x86_64"))]
     false
 }

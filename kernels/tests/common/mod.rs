@@ -19,6 +19,9 @@ pub fn note_unexercised_cpu_paths() {
         if !kernels::matmul::has_bf16_dot_product() {
             missing.push("AVX512-BF16 (the vdpbf16ps bf16 matmul)");
         }
+        if !kernels::matmul::has_bf16_tiles() {
+            missing.push("AMX-BF16 (the bf16 matmul on AMX tiles)");
+        }
         for path in missing {
             let _ = writeln!(
                 std::io::stderr(),
