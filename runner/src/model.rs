@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 
 use kernels::matmul::{DinpMode, Layout};
 use scheduler::memory::{Category, DeviceKind};
-use scheduler::model::{MATMUL_SCRATCH_F32, ModelShape, StepTensors};
+use scheduler::model::{ModelShape, StepTensors, matmul_depth, matmul_scratch_f32};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
@@ -69,13 +69,16 @@ impl<'a, D: Device, S, X: Num> Alloc<'a, D, S, X> {
         })
     }
 
-    /// Where the CPU's GEMMs widen 16-bit tiles; empty for fp32 and on a GPU
+    /// Where the CPU's GEMMs widen 16-bit tiles and pack bf16 ones, for the deepest product
+    /// of the family `A`'s step; empty for fp32 and on a GPU
     /// (`scheduler::memory::rank_breakdown_on`).
-    pub(crate) fn matmul_scratch(&self) -> Result<Buffer<f32, D>, Error> {
+    pub(crate) fn matmul_scratch<A: StepTensors<Shape = S>>(
+        &self,
+    ) -> Result<Buffer<f32, D>, Error> {
         let len = if X::as_f32(&[]).is_some() || D::KIND != DeviceKind::Cpu {
             0
         } else {
-            MATMUL_SCRATCH_F32
+            matmul_scratch_f32(matmul_depth::<A>(self.shape, self.b, self.t))
         };
         self.acct.alloc_on(self.dev, Category::Buffers, len)
     }
@@ -277,6 +280,28 @@ impl<X: Num, D: Device> Passes<X, D> {
 mod tests {
     use super::*;
     use crate::device::Cpu;
+
+    /// The scratch the memory model counts holds the kernels' widening tiles and their bf16
+    /// packs for the deepest product, also past the 2^21 floor, so nothing goes to the heap.
+    #[test]
+    fn the_counted_scratch_holds_the_deepest_products_packs() {
+        let layer = kernels::matmul::scratch_len(512, 1024, 1024);
+        for depth in [1, 31, 576, 65_536, 65_537, 100_000, 131_072, 1 << 20] {
+            let len = matmul_scratch_f32(depth);
+            let packs = kernels::matmul::packs_len(depth);
+            assert!(len >= packs, "depth {depth}: {len} < packs {packs}");
+            assert!(
+                len >= layer,
+                "depth {depth}: {len} < widening tiles {layer}"
+            );
+        }
+        assert_eq!(
+            matmul_scratch_f32(65_536),
+            1 << 21,
+            "the floor up to 65,536"
+        );
+        assert!(matmul_scratch_f32(65_537) > 1 << 21, "packs past it");
+    }
 
     /// The loss over chunks of 5 rows (the last one 3) against one chunk of all 23: the same
     /// losses and input gradients, and the head's gradient summed in another order.

@@ -81,12 +81,22 @@ impl Engine {
     }
 }
 
+/// Scratch (f32) that holds one B panel and one row block of packs for a depth of `k`, on
+/// either engine: a scratch this long keeps [`product`]'s packs off the heap.
+pub(super) fn packs_len(k: usize) -> usize {
+    [Engine::Vector, Engine::Tiles]
+        .map(|e| e.pairs(k) * (e.rows() + NC))
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+}
+
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major; see the module notes.
 /// The packs live in `scratch`: as many B panel slots as the pool has threads and fit beside
 /// one row block of A, then as many row blocks of A as fit in the rest, a pass of rows at a
-/// time. Only a scratch too short for one slot and one row block (`kp · 56` dwords, `kp · 64`
-/// on AMX; the trainer's holds 2^21, enough for k up to 74,898, 65,536 on AMX) sends the packs
-/// to the heap. Callers check [`available`].
+/// time. Only a scratch too short for one slot and one row block ([`packs_len`]; the
+/// trainer's is sized for its deepest product) sends the packs to the heap. Callers check
+/// [`available`].
 pub(super) fn product<C: Float, I: Float>(
     c: &mut [C],
     a: Operand<'_, bf16>,
@@ -159,6 +169,8 @@ fn product_on<C: Float, I: Float>(
         (0..slots).into_par_iter().for_each(|slot| {
             // SAFETY: slots are disjoint.
             let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
+            // The tiles stay configured for the slot's whole run: nothing below calls into
+            // rayon, where this thread could steal another slot and reconfigure them.
             // SAFETY: `Engine::Tiles` is chosen only where `amx::available`.
             let _tiles = (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
             let mut tile = [0f32; amx::ROWS * NC];

@@ -272,6 +272,17 @@ pub fn has_bf16_dot_product() -> bool {
     false
 }
 
+/// Scratch (f32) that keeps the bf16 dot-product packs of a product `depth` deep in the
+/// scratch, on any CPU: one B panel and one row block (64 dwords per pair on AMX, in steps of
+/// 32 of depth). A shorter scratch than this (and than [`MIN_SCRATCH`]) still works; those
+/// packs then go to the heap.
+pub fn packs_len(depth: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return dpbf16::packs_len(depth);
+    #[cfg(not(target_arch = "x86_64"))]
+    0
+}
+
 /// Whether those products run on AMX tiles on this CPU.
 pub fn has_bf16_tiles() -> bool {
     #[cfg(target_arch = "x86_64")]

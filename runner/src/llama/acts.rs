@@ -115,7 +115,7 @@ impl<X: Num, D: Device> Acts<X, D> {
             dwide: a.take(A::DWide)?,
             delta: a.take(A::AttDelta)?,
             batch: a.batch([A::Inputs, A::Targets, A::Logits, A::Losses])?,
-            matmul_scratch: a.matmul_scratch()?,
+            matmul_scratch: a.matmul_scratch::<A>()?,
         })
     }
 }

@@ -277,7 +277,8 @@ pub fn rank_breakdown_on(setup: &Setup, rank: usize, device: DeviceKind) -> Brea
         Some(model) => {
             let mut b = exact(setup, &model, rank);
             if device == DeviceKind::Cuda {
-                b.buffers -= crate::model::matmul_scratch_bytes(setup.dtype.bytes());
+                let depth = model.matmul_depth(setup.micro_batch, setup.seq_len);
+                b.buffers -= crate::model::matmul_scratch_bytes(setup.dtype.bytes(), depth);
             }
             b
         }

@@ -193,6 +193,9 @@ pub trait StepTensors: Copy + PartialEq + 'static {
     fn stored_as(self) -> Element;
     fn buffer(self) -> bool;
     fn layers(s: &Self::Shape) -> usize;
+    /// The widest input or output of a block's matmuls: with the micro-batch's tokens, the
+    /// deepest product of a step ([`matmul_depth`]).
+    fn widest(s: &Self::Shape) -> usize;
 }
 
 impl StepTensors for ActivationTensor {
@@ -213,6 +216,9 @@ impl StepTensors for ActivationTensor {
     }
     fn layers(s: &GptShape) -> usize {
         s.n_layer
+    }
+    fn widest(s: &GptShape) -> usize {
+        4 * s.n_embd
     }
 }
 
@@ -265,7 +271,7 @@ pub(crate) fn tally<A: StepTensors>(
 ) -> Activations {
     let mut out = Activations {
         activations: 0,
-        buffers: matmul_scratch_bytes(compute_bytes),
+        buffers: matmul_scratch_bytes(compute_bytes, matmul_depth::<A>(s, b, t)),
     };
     for &tensor in A::PER_BLOCK.iter().chain(A::PER_STEP) {
         let bytes = (tensor.elements(s, b, t) * copies(tensor, s, checkpointing)) as u64
@@ -293,12 +299,27 @@ pub fn loss_chunk_rows(tokens: usize, v: usize) -> usize {
 /// full tiles (512×1024 inputs, 1024×1024 weights, 512×1024 outputs). fp32 needs none.
 pub const MATMUL_SCRATCH_F32: usize = 1 << 21;
 
-/// Bytes of the CPU matmuls' widening scratch for a compute dtype of `compute_bytes`.
-pub fn matmul_scratch_bytes(compute_bytes: u64) -> u64 {
+/// The deepest product of a step of `b` × `t` tokens: the weight gradients' (depth: the
+/// tokens), or a block's widest layer's.
+pub fn matmul_depth<A: StepTensors>(s: &A::Shape, b: usize, t: usize) -> usize {
+    (b * t).max(A::widest(s))
+}
+
+/// f32 scratch of the CPU matmuls when no product is deeper than `depth`: the widening tiles
+/// ([`MATMUL_SCRATCH_F32`]), or the bf16 dot-product kernels' packs of one B panel and one
+/// row block where those are larger (past 65,536 of depth): 64 dwords per pair on AMX, the
+/// larger of its two engines, for whole steps of 32 (`kernels::matmul::packs_len`).
+pub fn matmul_scratch_f32(depth: usize) -> usize {
+    MATMUL_SCRATCH_F32.max(1024 * depth.div_ceil(32))
+}
+
+/// Bytes of the CPU matmuls' scratch for a compute dtype of `compute_bytes` and products up
+/// to `depth` deep.
+pub fn matmul_scratch_bytes(compute_bytes: u64, depth: usize) -> u64 {
     if compute_bytes == 4 {
         0
     } else {
-        4 * MATMUL_SCRATCH_F32 as u64
+        4 * matmul_scratch_f32(depth) as u64
     }
 }
 

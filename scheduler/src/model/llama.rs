@@ -466,6 +466,12 @@ impl StepTensors for LlamaActivation {
     fn layers(s: &LlamaShape) -> usize {
         s.num_hidden_layers
     }
+    fn widest(s: &LlamaShape) -> usize {
+        s.intermediate_size
+            .max(s.hidden_size)
+            .max(s.q_width())
+            .max(s.kv_width())
+    }
 }
 
 impl Activations {

@@ -11,7 +11,7 @@ mod params;
 
 pub use activations::{
     ActivationTensor, Activations, Element, LOSS_CHUNK_BYTES, MATMUL_SCRATCH_F32, StepScratch,
-    StepTensors, loss_chunk_rows, matmul_scratch_bytes,
+    StepTensors, loss_chunk_rows, matmul_depth, matmul_scratch_bytes, matmul_scratch_f32,
 };
 pub use llama::{
     Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
@@ -214,6 +214,14 @@ impl ModelShape {
         match self {
             ModelShape::Gpt2(s) => Activations::new(s, b, t, checkpointing, compute),
             ModelShape::Llama(s) => Activations::llama(s, b, t, checkpointing, compute),
+        }
+    }
+
+    /// The deepest matmul of a micro-batch of `b` × `t` tokens ([`matmul_depth`]).
+    pub fn matmul_depth(&self, b: usize, t: usize) -> usize {
+        match self {
+            ModelShape::Gpt2(s) => matmul_depth::<ActivationTensor>(s, b, t),
+            ModelShape::Llama(s) => matmul_depth::<LlamaActivation>(s, b, t),
         }
     }
 
