@@ -490,7 +490,37 @@ fn swiglu_matches<X: Float>() {
     assert_close("swiglu dup", &to_f64(&du), &wu, rtol::<X>());
 }
 
+/// A product without depth is its bias, or zero: on every path, the bf16 dot-product
+/// kernel's included (whose packs have no depth to hold).
+fn matmul_without_depth_is_its_init<X: Float>() {
+    let (m, n) = (5, 50);
+    let bias = to_x::<X>(&Rng::new(3).vec(n, 1.0));
+    let mut scratch = vec![0f32; MIN_SCRATCH];
+    let mut out = vec![X::from_f32(7.0); m * n];
+    matmul_forward::<X, X>(
+        &mut out,
+        &[],
+        &[],
+        Some(&bias),
+        Layout::KN,
+        (m, 0, n),
+        &mut scratch,
+    );
+    assert!(out.chunks(n).all(|row| row == bias), "bias rows");
+    matmul_forward::<X, X>(
+        &mut out,
+        &[],
+        &[],
+        None,
+        Layout::NK,
+        (m, 0, n),
+        &mut scratch,
+    );
+    assert!(out.iter().all(|&x| x == X::ZERO), "zeros");
+}
+
 per_dtype! {
+    matmul_without_depth_agrees_with_its_init => matmul_without_depth_is_its_init;
     gqa_attention_agrees_with_reference => gqa_attention_matches;
     rmsnorm_agrees_with_reference => rmsnorm_matches;
     rope_agrees_with_reference => rope_matches;

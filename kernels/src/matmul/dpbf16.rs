@@ -84,11 +84,8 @@ impl Engine {
 /// Scratch (f32) that holds one B panel and one row block of packs for a depth of `k`, on
 /// either engine: a scratch this long keeps [`product`]'s packs off the heap.
 pub(super) fn packs_len(k: usize) -> usize {
-    [Engine::Vector, Engine::Tiles]
-        .map(|e| e.pairs(k) * (e.rows() + NC))
-        .into_iter()
-        .max()
-        .unwrap_or(0)
+    let need = |e: Engine| e.pairs(k) * (e.rows() + NC);
+    need(Engine::Vector).max(need(Engine::Tiles))
 }
 
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major; see the module notes.
@@ -96,7 +93,7 @@ pub(super) fn packs_len(k: usize) -> usize {
 /// one row block of A, then as many row blocks of A as fit in the rest, a pass of rows at a
 /// time. Only a scratch too short for one slot and one row block ([`packs_len`]; the
 /// trainer's is sized for its deepest product) sends the packs to the heap. Callers check
-/// [`available`].
+/// [`available`] and pass a depth `k > 0`.
 pub(super) fn product<C: Float, I: Float>(
     c: &mut [C],
     a: Operand<'_, bf16>,
@@ -118,14 +115,6 @@ fn product_on<C: Float, I: Float>(
     init: Init<'_, I>,
     scratch: &mut [f32],
 ) {
-    if k == 0 {
-        for row in c.chunks_exact_mut(n) {
-            for (j, part) in row.chunks_mut(NC).enumerate() {
-                store(part, &[0.0; NC][..part.len()], &init, j * NC);
-            }
-        }
-        return;
-    }
     let (mr, kp) = (engine.rows(), engine.pairs(k));
     let blocks = m.div_ceil(mr);
     let (a_block, b_len) = (kp * mr, kp * NC);

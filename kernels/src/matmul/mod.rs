@@ -303,8 +303,10 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
     if m == 0 || n == 0 {
         return;
     }
+    // A product without depth is its `init`, which the widening path writes.
     #[cfg(target_arch = "x86_64")]
     if let (Some(ab), Some(bb)) = (A::as_bf16(a.data), B::as_bf16(b.data))
+        && k > 0
         && dpbf16::available()
     {
         // Same contract as the widening path, whichever kernel the CPU gets.
