@@ -280,6 +280,7 @@ pub fn run_ranks(
                 let setup = &setup;
                 scope.spawn(move || {
                     kernels::cpu::flush_denormals();
+                    let _gemm_buffer = kernels::matmul::Workspace::keep();
                     let job = RankJob {
                         spec,
                         plan,

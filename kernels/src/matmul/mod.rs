@@ -15,11 +15,14 @@
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
+mod workspace;
 
 use crate::Float;
 use crate::math::BLOCK;
 use gemm::Parallelism;
 use rayon::prelude::*;
+
+pub use workspace::{Allocator, Workspace};
 
 /// How a weight matrix is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -391,7 +394,7 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
                 };
                 // SAFETY: every pointer/stride pair addresses an in-bounds r×d, d×w or r×w
                 // block; the C tile is not aliased by the operands.
-                unsafe {
+                workspace::in_gemm(|| unsafe {
                     gemm::gemm(
                         r,
                         w,
@@ -413,7 +416,7 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
                         false,
                         Parallelism::Rayon(0),
                     );
-                }
+                });
                 read = true;
             }
             if direct.is_none() {
@@ -492,7 +495,8 @@ pub struct GemmWorkspace {
     /// Per thread that runs gemm's kernels: its thread-local slab, one L2 cache (`gemm`'s own
     /// reading of this CPU's caches).
     pub per_thread: u64,
-    /// Per product in flight (one per rank thread): the packed operand, at most a depth block
+    /// Per product in flight (one per rank thread, which keeps it for its run in a
+    /// [`Workspace`]): the packed operand, at most a depth block
     /// of [`TILE`]'s rows rounded up to gemm's panels, and the other operand's prepacked
     /// panels, at most two L2-sized macro panels and a panel's rounding.
     pub per_call: u64,
