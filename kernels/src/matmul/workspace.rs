@@ -10,6 +10,11 @@
 //! model counts per rank for that buffer) and lends it to every gemm call it makes; the pages
 //! gemm touches stay resident until the workspace is dropped. Every other allocation, and
 //! every thread without a workspace, goes to the system allocator as before.
+//!
+//! gemm also keeps one buffer for the life of the thread (`gemm_common::gemm::L2_SLAB`, first
+//! allocated inside a call); [`Workspace::keep`] allocates it first, from the system, so that
+//! it never takes the block. Should anything else keep the block past its call, the block
+//! stays with its holder until freed, and is freed then if the workspace is gone.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -23,10 +28,12 @@ const ALIGN: usize = 4096;
 /// This thread's block and what it is doing.
 #[derive(Clone, Copy)]
 struct Slot {
-    /// Bytes a [`Workspace`] lets the block have; 0 without one.
+    /// Bytes a [`Workspace`] lets the block have; 0 before the first.
     cap: usize,
     /// The block (allocated at its first loan, `cap` bytes), or null.
     block: *mut u8,
+    /// A [`Workspace`] is alive on this thread.
+    kept: bool,
     /// Inside a gemm call of this thread.
     in_gemm: bool,
     /// The block is out on loan.
@@ -37,6 +44,7 @@ impl Slot {
     const NONE: Slot = Slot {
         cap: 0,
         block: std::ptr::null_mut(),
+        kept: false,
         in_gemm: false,
         lent: false,
     };
@@ -62,7 +70,8 @@ static ALLOCATOR: Allocator = Allocator;
 fn lend(layout: Layout) -> Option<*mut u8> {
     SLOT.with(|s| {
         let mut slot = s.get();
-        if !slot.in_gemm
+        if !slot.kept
+            || !slot.in_gemm
             || slot.lent
             || layout.size() < MIN_BYTES
             || layout.size() > slot.cap
@@ -83,13 +92,18 @@ fn lend(layout: Layout) -> Option<*mut u8> {
     })
 }
 
-/// Takes `ptr` back if it is this thread's lent block.
+/// Takes `ptr` back if it is this thread's lent block (freeing it if the workspace is gone).
 fn take_back(ptr: *mut u8) -> bool {
     SLOT.with(|s| {
         let mut slot = s.get();
         let ours = slot.lent && ptr == slot.block;
         if ours {
             slot.lent = false;
+            if !slot.kept {
+                // SAFETY: the block came from the system allocator with this layout.
+                unsafe { System.dealloc(slot.block, slot.layout()) };
+                slot = Slot::NONE;
+            }
             s.set(slot);
         }
         ours
@@ -153,11 +167,15 @@ impl Workspace {
     /// Keep a block of `super::gemm_workspace().per_call` bytes for this thread's gemm calls.
     pub fn keep() -> Self {
         let cap = usize::try_from(super::gemm_workspace().per_call).expect("a block in memory");
+        gemm_common::gemm::L2_SLAB.with(|_| ());
         SLOT.with(|s| {
-            assert!(s.get().cap == 0, "one workspace a thread");
+            let slot = s.get();
+            assert!(!slot.kept, "one workspace a thread");
+            // A block still out from an earlier workspace was allocated at this same size.
             s.set(Slot {
                 cap: cap.max(MIN_BYTES),
-                ..Slot::NONE
+                kept: true,
+                ..slot
             });
         });
         Workspace(PhantomData)
@@ -171,12 +189,22 @@ impl Workspace {
 
 impl Drop for Workspace {
     fn drop(&mut self) {
-        let slot = SLOT.with(|s| s.replace(Slot::NONE));
-        debug_assert!(!slot.lent, "gemm returns its buffer before it returns");
-        if !slot.block.is_null() && !slot.lent {
-            // SAFETY: the block came from the system allocator with this layout.
-            unsafe { System.dealloc(slot.block, slot.layout()) };
-        }
+        SLOT.with(|s| {
+            let slot = s.get();
+            if slot.lent {
+                // Its holder frees it (`take_back`).
+                s.set(Slot {
+                    kept: false,
+                    ..slot
+                });
+                return;
+            }
+            if !slot.block.is_null() {
+                // SAFETY: the block came from the system allocator with this layout.
+                unsafe { System.dealloc(slot.block, slot.layout()) };
+            }
+            s.set(Slot::NONE);
+        });
     }
 }
 
@@ -236,5 +264,53 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    /// A buffer that outlives its gemm call keeps the block: no loan until it is freed, and
+    /// freeing it after the workspace is gone frees the block.
+    #[test]
+    fn a_block_kept_past_its_call_goes_back_when_freed() {
+        std::thread::spawn(|| {
+            let ws = Workspace::keep();
+            let held: Vec<u8> = in_gemm(|| Vec::with_capacity(MIN_BYTES));
+            assert!(lent(), "the vector has the block");
+            assert!(in_gemm(|| lend(Layout::from_size_align(MIN_BYTES, 8).unwrap())).is_none());
+            drop(ws);
+            assert!(Workspace::holds_block(), "still the vector's");
+            drop(held);
+            assert!(!Workspace::holds_block(), "freed with the vector");
+            let _again = Workspace::keep();
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// gemm's own long-lived buffer (its L2 slab, allocated inside the first call on a thread
+    /// that runs a product alone) never takes the block.
+    #[test]
+    fn products_leave_the_block_free() {
+        std::thread::spawn(|| {
+            let _ws = Workspace::keep();
+            for s in [16, 96, 320] {
+                let a: Vec<f32> = (0..s * s).map(|i| (i % 7) as f32).collect();
+                let mut c = vec![0f32; s * s];
+                super::super::product(
+                    &mut c,
+                    // A column-major A is what gemm runs on its slab rather than a pack.
+                    super::super::Operand::new(&a[..], s, true),
+                    super::super::Operand::new(&a[..], s, false),
+                    (s, s, s),
+                    super::super::Init::<f32>::Zero,
+                    &mut [],
+                );
+                assert!(!lent(), "{s}³: the block is back after the call");
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    fn lent() -> bool {
+        SLOT.with(|s| s.get().lent)
     }
 }
