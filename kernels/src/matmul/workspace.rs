@@ -160,7 +160,8 @@ unsafe impl GlobalAlloc for Allocator {
 }
 
 /// While alive, this thread keeps a block for gemm's packing buffer (see the module notes);
-/// dropping it frees the block. Create it on a thread that runs many products, once.
+/// dropping it frees the block, or leaves it to whatever still holds it. Create it on a thread
+/// that runs many products, once.
 pub struct Workspace(PhantomData<*const ()>);
 
 impl Workspace {
@@ -179,11 +180,6 @@ impl Workspace {
             });
         });
         Workspace(PhantomData)
-    }
-
-    /// Whether this thread holds its block now (allocated at the first gemm call that asked).
-    pub fn holds_block() -> bool {
-        SLOT.with(|s| !s.get().block.is_null())
     }
 }
 
@@ -240,17 +236,17 @@ mod tests {
     /// requests outside gemm go to the system.
     #[test]
     fn lends_one_block_to_gemm_calls_only() {
-        std::thread::spawn(|| {
+        on_a_fresh_thread(|| {
             let big = Layout::from_size_align(MIN_BYTES, 128).unwrap();
             let outside = lend(big);
             assert!(outside.is_none(), "no workspace yet");
             let ws = Workspace::keep();
             assert!(lend(big).is_none(), "outside gemm");
             let (first, second) = in_gemm(|| {
-                let a = lend(big).expect("the block");
-                assert!(lend(big).is_none(), "the block is out");
                 let small = Layout::from_size_align(MIN_BYTES - 1, 8).unwrap();
                 assert!(lend(small).is_none(), "small requests stay in the heap");
+                let a = lend(big).expect("the block");
+                assert!(lend(big).is_none(), "the block is out");
                 assert!(take_back(a));
                 let b = lend(big).expect("the block again");
                 assert!(take_back(b));
@@ -258,38 +254,34 @@ mod tests {
                 (a, b)
             });
             assert_eq!(first, second, "the same block, call after call");
-            assert!(Workspace::holds_block());
+            assert!(holds_block());
             drop(ws);
-            assert!(!Workspace::holds_block());
-        })
-        .join()
-        .unwrap();
+            assert!(!holds_block());
+        });
     }
 
     /// A buffer that outlives its gemm call keeps the block: no loan until it is freed, and
     /// freeing it after the workspace is gone frees the block.
     #[test]
     fn a_block_kept_past_its_call_goes_back_when_freed() {
-        std::thread::spawn(|| {
+        on_a_fresh_thread(|| {
             let ws = Workspace::keep();
             let held: Vec<u8> = in_gemm(|| Vec::with_capacity(MIN_BYTES));
             assert!(lent(), "the vector has the block");
             assert!(in_gemm(|| lend(Layout::from_size_align(MIN_BYTES, 8).unwrap())).is_none());
             drop(ws);
-            assert!(Workspace::holds_block(), "still the vector's");
+            assert!(holds_block(), "still the vector's");
             drop(held);
-            assert!(!Workspace::holds_block(), "freed with the vector");
+            assert!(!holds_block(), "freed with the vector");
             let _again = Workspace::keep();
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     /// gemm's own long-lived buffer (its L2 slab, allocated inside the first call on a thread
     /// that runs a product alone) never takes the block.
     #[test]
     fn products_leave_the_block_free() {
-        std::thread::spawn(|| {
+        on_a_fresh_thread(|| {
             let _ws = Workspace::keep();
             for s in [16, 96, 320] {
                 let a: Vec<f32> = (0..s * s).map(|i| (i % 7) as f32).collect();
@@ -305,12 +297,20 @@ mod tests {
                 );
                 assert!(!lent(), "{s}³: the block is back after the call");
             }
-        })
-        .join()
-        .unwrap();
+        });
+    }
+
+    /// A thread of its own: a slot no other test has touched.
+    fn on_a_fresh_thread(f: impl FnOnce() + Send + 'static) {
+        std::thread::spawn(f).join().unwrap();
     }
 
     fn lent() -> bool {
         SLOT.with(|s| s.get().lent)
+    }
+
+    /// Whether this thread has its block (allocated at the first loan).
+    fn holds_block() -> bool {
+        SLOT.with(|s| !s.get().block.is_null())
     }
 }
