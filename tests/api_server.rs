@@ -1,7 +1,7 @@
 //! The server on a bound port: `build` with port 0, the scheduling loop on its own, graceful
 //! shutdown with streams open, and the client commands of the `zerotrain` binary against it.
 
-mod live;
+use crate::live;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! logs a console error. Screenshots go to `target/console-screenshots/`. Without Chromium and
 //! chromedriver this test fails: CI installs them (`.ci/run`).
 
-mod live;
+use crate::live;
 
 use std::net::TcpListener;
 use std::path::PathBuf;

@@ -1,7 +1,8 @@
-//! The documentation stands alone in a clone: every relative link in README.md and docs/*.md
-//! names a file of the repository (and, with `#anchor`, a heading of it), no Markdown file
-//! points at the team's shared folder outside the repository, and README stays a front door
-//! with the two set-up commands.
+//! The documentation stands alone in a clone: every relative link in README.md, docs/*.md and
+//! the crates' and folders' READMEs names a file of the repository (and, with `#anchor`, a
+//! heading of it), no Markdown file points at the team's shared folder outside the repository
+//! or at a folder of the machine it was written on, and README stays a front door with the two
+//! set-up commands.
 
 use std::collections::HashSet;
 use std::fs;
@@ -15,7 +16,8 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// README.md and every docs/*.md, the pages whose links are checked.
+/// README.md, every docs/*.md and the README.md of each top-level folder (the crates',
+/// `openapi/`, `migrations/`): the pages whose links are checked.
 fn pages() -> Vec<PathBuf> {
     let root = root();
     let mut pages = vec![root.join("README.md")];
@@ -27,6 +29,17 @@ fn pages() -> Vec<PathBuf> {
     docs.sort();
     assert!(!docs.is_empty(), "docs/ holds Markdown pages");
     pages.extend(docs);
+    let mut readmes: Vec<PathBuf> = fs::read_dir(&root)
+        .unwrap()
+        .map(|entry| entry.unwrap().path().join("README.md"))
+        .filter(|readme| readme.is_file())
+        .collect();
+    readmes.sort();
+    assert!(
+        readmes.iter().any(|r| r.ends_with("kernels/README.md")),
+        "the crates' READMEs are read"
+    );
+    pages.extend(readmes);
     pages
 }
 
@@ -255,6 +268,29 @@ fn no_markdown_file_points_at_the_shared_folder_outside_the_repository() {
     assert!(
         offenders.is_empty(),
         "these point at ../shared, which a clone does not have: {offenders:?}"
+    );
+}
+
+#[test]
+fn no_page_names_a_folder_of_the_machine_it_was_written_on() {
+    let root = root();
+    let mut found = Vec::new();
+    for page in pages() {
+        let text = fs::read_to_string(&page).unwrap();
+        let shown = page.strip_prefix(&root).unwrap().display().to_string();
+        for (i, line) in text.lines().enumerate() {
+            if ["/work/", "/root/", "/home/"]
+                .iter()
+                .any(|p| line.contains(p))
+            {
+                found.push(format!("{shown}:{}: {line}", i + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "paths a clone elsewhere does not have:\n{}",
+        found.join("\n")
     );
 }
 

@@ -1,8 +1,8 @@
 //! The whole service: a server and runner agents (threads of this test, or `zerotrain agent`
 //! processes) training real jobs end to end.
 
-mod live;
-mod pyenv;
+use crate::live;
+use crate::pyenv;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

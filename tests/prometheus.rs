@@ -4,7 +4,7 @@
 //! rules of `deploy/prometheus/rules.yml` load, pass their `promtool` unit tests and evaluate
 //! without error.
 
-mod live;
+use crate::live;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -235,7 +235,7 @@ async fn prometheus_evaluates_every_dashboard_query_against_a_training_job() {
     let mut evaluated = 0;
     for panel in dashboard["panels"].as_array().unwrap() {
         // The GPU row's series exist only where agents have GPUs (this agent has CPU devices):
-        // `--test dashboard` checks their names, scripts/gpu-check a GPU agent's series.
+        // `--test zerotrain dashboard::` checks their names, scripts/gpu-check a GPU agent's series.
         if panel["type"] == "row" {
             continue;
         }

@@ -3,9 +3,8 @@
 //! failed authentications, non-JSON bodies, huge echoed values, and an admin locked out.
 
 // The API tests' in-process server (tower oneshot), shared with the server crate's tests.
-#[path = "../server/tests/api_helpers/mod.rs"]
-mod api_helpers;
-mod live;
+use crate::api_helpers;
+use crate::live;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::symlink;

@@ -85,7 +85,6 @@ async fn drain(jobs: usize) -> f64 {
             DEVICES
         ],
         gpus: Vec::new(),
-        threads: Some(1),
         data_roots: state.data_roots.clone(),
         work_dir: dir.path().join("agents/bench"),
         export_shard_bytes: runner::checkpoint::EXPORT_SHARD_BYTES,

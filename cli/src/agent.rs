@@ -114,6 +114,7 @@ impl Offer {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    crate::process::for_training(args.threads);
     let metrics = Arc::new(AgentMetrics::new());
     let metrics_url = serve_metrics(args.metrics_addr, metrics.clone())?;
     let cfg = config(args)?;
@@ -170,7 +171,6 @@ fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
         host: args.host,
         devices,
         gpus,
-        threads: args.threads,
         data_roots,
         work_dir,
         export_shard_bytes: args.export.export_shard_bytes,

@@ -7,6 +7,7 @@ mod client;
 mod estimate;
 mod jobs;
 mod logs;
+mod process;
 mod pull;
 mod serve;
 mod spec_file;
@@ -18,6 +19,11 @@ mod up;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+// The process's allocator: the system's, but gemm's packing buffer stays with the rank threads
+// that keep a `kernels::matmul::Workspace` (a process that never trains never lends it).
+#[global_allocator]
+static ALLOCATOR: kernels::matmul::Allocator = kernels::matmul::Allocator;
 
 #[derive(Parser)]
 #[command(

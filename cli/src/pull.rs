@@ -177,7 +177,7 @@ fn part_path(path: &Path) -> PathBuf {
 
 /// What to do with the part file an interrupted pull left.
 #[derive(Debug, PartialEq, Eq)]
-enum Plan {
+enum Transfer {
     /// Nothing usable is there: download from the start.
     Fresh,
     /// Its first bytes are there: ask for the rest, from this offset.
@@ -187,15 +187,15 @@ enum Plan {
 }
 
 /// The plan for a part file of `part_bytes` bytes hashing to `part_sha256`.
-fn plan(part_bytes: u64, part_sha256: &str, want: &Listed) -> Plan {
+fn transfer(part_bytes: u64, part_sha256: &str, want: &Listed) -> Transfer {
     if part_bytes == 0 || part_bytes > want.bytes {
-        Plan::Fresh
+        Transfer::Fresh
     } else if part_bytes < want.bytes {
-        Plan::Resume(part_bytes)
+        Transfer::Resume(part_bytes)
     } else if part_sha256.eq_ignore_ascii_case(&want.sha256) {
-        Plan::Complete
+        Transfer::Complete
     } else {
-        Plan::Fresh
+        Transfer::Fresh
     }
 }
 
@@ -241,10 +241,10 @@ async fn download(client: &Client, id: &str, a: &Listed, path: &Path) -> anyhow:
             .with_context(|| format!("creating {}", parent.display()))?;
     }
     let (mut bytes, mut sha) = hash_part(&part).await?;
-    let mut from = match plan(bytes, &hex::encode(sha.clone().finalize()), a) {
-        Plan::Complete => return finish(a, &part, path, bytes, sha).await,
-        Plan::Resume(from) => from,
-        Plan::Fresh => 0,
+    let mut from = match transfer(bytes, &hex::encode(sha.clone().finalize()), a) {
+        Transfer::Complete => return finish(a, &part, path, bytes, sha).await,
+        Transfer::Resume(from) => from,
+        Transfer::Fresh => 0,
     };
     let mut req = client.request(
         Method::GET,
@@ -425,22 +425,22 @@ mod tests {
     #[test]
     fn a_short_part_resumes_from_its_length() {
         let want = listed("model.safetensors", 100, "ab");
-        assert_eq!(plan(40, "ignored", &want), Plan::Resume(40));
-        assert_eq!(plan(99, "ignored", &want), Plan::Resume(99));
+        assert_eq!(transfer(40, "ignored", &want), Transfer::Resume(40));
+        assert_eq!(transfer(99, "ignored", &want), Transfer::Resume(99));
     }
 
     #[test]
     fn no_part_an_empty_one_or_a_too_long_one_starts_over() {
         let want = listed("model.safetensors", 100, "ab");
-        assert_eq!(plan(0, "", &want), Plan::Fresh);
-        assert_eq!(plan(101, "ab", &want), Plan::Fresh);
+        assert_eq!(transfer(0, "", &want), Transfer::Fresh);
+        assert_eq!(transfer(101, "ab", &want), Transfer::Fresh);
     }
 
     #[test]
     fn a_full_part_is_kept_only_if_its_hash_matches() {
         let want = listed("model.safetensors", 100, "ABCD");
-        assert_eq!(plan(100, "abcd", &want), Plan::Complete);
-        assert_eq!(plan(100, "abce", &want), Plan::Fresh);
+        assert_eq!(transfer(100, "abcd", &want), Transfer::Complete);
+        assert_eq!(transfer(100, "abce", &want), Transfer::Fresh);
     }
 
     #[test]

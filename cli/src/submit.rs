@@ -31,12 +31,12 @@ pub struct Args {
 struct Created {
     id: String,
     state: String,
-    plan: Plan,
+    plan: PlanSummary,
     spec: serde_json::Value,
 }
 
 #[derive(Deserialize)]
-struct Plan {
+struct PlanSummary {
     zero_stage: u8,
     micro_batch_size: u32,
     grad_accum_steps: u32,

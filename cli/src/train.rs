@@ -79,6 +79,7 @@ fn above(bar: &ProgressBar, line: &str) {
 }
 
 pub fn run_cli(args: Args) -> anyhow::Result<()> {
+    crate::process::for_training(args.threads);
     let text = args.spec.text()?;
     let parsed = JobSpec::parse(&text, Purpose::Train)?;
     for key in &parsed.unsupported_keys {
@@ -96,7 +97,6 @@ pub fn run_cli(args: Args) -> anyhow::Result<()> {
     let opts = Options {
         device_memory: args.device_memory,
         device: args.device,
-        threads: args.threads,
         out_dir: args.out,
         export_shard_bytes: Some(args.export.export_shard_bytes),
         comm_timeout: Some(Duration::from_secs(args.comm_timeout)),

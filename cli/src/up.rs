@@ -35,6 +35,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    crate::process::for_training(args.threads);
     let mut settings = args.server.settings();
     settings.expect_local_agent = true;
     serve::init_tracing();
@@ -58,7 +59,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             host: "127.0.0.1".into(),
             devices,
             gpus,
-            threads: args.threads,
             data_roots,
             work_dir: server
                 .state()

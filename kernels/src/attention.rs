@@ -15,6 +15,9 @@ use crate::par::{SharedMut, for_ranges};
 use crate::simd;
 
 /// Largest head size any back end runs (CPU stack rows, CUDA shared memory).
+///
+/// The memory model copies this (`scheduler::kernel_figures`; `tests/figures.rs` holds the two
+/// equal): change both.
 pub const MAX_HEAD_SIZE: usize = 256;
 
 /// Query rows and key rows of one tile: a tile of f32 scores is 16 KiB, and the 5 to 8 tiles

@@ -58,7 +58,7 @@ pub fn has_avx512() -> bool {
 /// A rayon pool of `threads` threads, each with denormals flushed; run kernels inside
 /// `pool.install(..)`.
 pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
-    thread_pool_with(threads, Simd::Detect)
+    pool_builder(threads, Simd::Detect).build()
 }
 
 /// [`thread_pool`] whose threads run the given build of the kernels (gemm chooses its own).
@@ -66,6 +66,15 @@ pub fn thread_pool_with(
     threads: usize,
     simd: Simd,
 ) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
+    pool_builder(threads, simd).build()
+}
+
+/// A pool of `threads` kernel threads, set up as kernels want them (denormals flushed, the
+/// given build of the inner loops), to build: a binary makes it rayon's global pool
+/// (`build_global`) so that kernels called from any thread run there, such as one per
+/// data-parallel rank, which may block on its neighbours without holding a kernel thread.
+/// The kernels themselves never set up a pool: they run on the caller's current one.
+pub fn pool_builder(threads: usize, simd: Simd) -> rayon::ThreadPoolBuilder {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("kernels-{i}"))
@@ -73,20 +82,6 @@ pub fn thread_pool_with(
             flush_denormals();
             crate::simd::set_portable(simd == Simd::Portable);
         })
-        .build()
-}
-
-/// Makes rayon's global pool `threads` threads with denormals flushed, so kernels called from
-/// any thread (such as one per data-parallel rank, which may block on its neighbours without
-/// holding a pool thread) run there. Only the first call in a process takes effect; returns
-/// whether this one did.
-pub fn init_global_pool(threads: usize) -> bool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("kernels-{i}"))
-        .start_handler(|_| flush_denormals())
-        .build_global()
-        .is_ok()
 }
 
 /// Threads of the pool kernels called from this thread run on (the global one outside

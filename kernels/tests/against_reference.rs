@@ -2,7 +2,7 @@
 //! to `X` first and the reference sees the same rounded values, so the only differences are
 //! f32 arithmetic and the final rounding, bounded by `rtol::<X>()`.
 
-mod common;
+use crate::common;
 
 use common::*;
 use kernels::attention::{
@@ -13,7 +13,7 @@ use kernels::matmul::{
     DinpMode, Layout, MIN_SCRATCH, matmul_backward, matmul_forward, scratch_len,
 };
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
-use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, reference, residual};
+use kernels::{Float, crossentropy, encoder, gelu, grad_norm, layernorm, reference, residual};
 use kernels::{rmsnorm, swiglu};
 
 fn plus(a: &[f64], b: &[f64]) -> Vec<f64> {
@@ -312,7 +312,7 @@ fn norm_and_overflow_match<X: Float>() {
     let mut rng = Rng::new(7);
     let x = rounded::<X>(&rng.vec(100_003, 3.0));
     let want: f64 = x.iter().map(|x| x * x).sum();
-    let got = norm::sum_squares(&to_x::<X>(&x));
+    let got = grad_norm::sum_squares(&to_x::<X>(&x));
     assert!(
         (got - want).abs() <= 1e-12 * want,
         "sum_squares {got} vs {want}"
@@ -321,7 +321,7 @@ fn norm_and_overflow_match<X: Float>() {
     let mut xs = to_x::<X>(&x);
     for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
         xs[77_777] = X::from_f32(bad);
-        let n = norm::sum_squares(&xs);
+        let n = grad_norm::sum_squares(&xs);
         assert!(!n.is_finite(), "missed {bad}: {n}");
     }
 }

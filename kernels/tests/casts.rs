@@ -1,7 +1,7 @@
 //! Vectorised casts against `half`'s scalar conversions: every 16-bit pattern, special and
 //! random f32 patterns, with and without FTZ/DAZ.
 
-mod common;
+use crate::common;
 
 use common::Rng;
 use half::{bf16, f16};

@@ -1,7 +1,7 @@
 //! Every CUDA kernel of `kernels/cuda/*.cu`, run on the CPU through the thread-per-CUDA-thread
 //! shim (`kernels/shim/cuda_shim.h`, built by `tests/shim`), against the CPU kernel of the same
 //! name, at the tolerances of the GPU parity tests (`cuda_parity.rs`), with the launch
-//! geometry of the Rust launchers (`kernels::cuda::{layers, norm, optim}`). Outputs the kernels
+//! geometry of the Rust launchers (`kernels::cuda::{layers, grad_norm, optim}`). Outputs the kernels
 //! overwrite start as NaN, so an element a kernel skips fails.
 //!
 //! One test: it prints each kernel it ran with its largest error (as a fraction of the
@@ -9,9 +9,9 @@
 //! Needs a C++20 compiler (`c++`, or `$CXX`); no GPU, no CUDA.
 #![cfg(feature = "cuda")]
 
-mod attention_reference;
-mod common;
-mod shim;
+use crate::attention_reference;
+use crate::common;
+use crate::shim;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -28,7 +28,7 @@ use kernels::cuda::layers;
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, LIMBS, Lion, Momentum};
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
-use kernels::{crossentropy, encoder, gelu, layernorm, norm, residual, rmsnorm, swiglu};
+use kernels::{crossentropy, encoder, gelu, grad_norm, layernorm, residual, rmsnorm, swiglu};
 use shim::{Arg, Shim, inp, null, out, val};
 
 type Bf16 = half::bf16;
@@ -709,7 +709,7 @@ fn norms_match_cpu<X: Float>() {
     let parts_len = 16;
     let (mut total, mut parts) = ([f64::NAN], vec![f64::NAN; parts_len]);
     let chunk = len(n.div_ceil(parts_len).max(1));
-    let (mut parts_cfg, one) = kernels::cuda::norm::sum_squares_configs();
+    let (mut parts_cfg, one) = kernels::cuda::grad_norm::sum_squares_configs();
     parts_cfg.grid_dim.0 = parts_len as u32;
     run(
         &format!("sum_squares_parts_{}", X::NAME),
@@ -721,7 +721,7 @@ fn norms_match_cpu<X: Float>() {
         one,
         &[out(&mut total), inp(&parts), val(parts_len as i32)],
     );
-    let want = norm::sum_squares(&g);
+    let want = grad_norm::sum_squares(&g);
     assert!(
         (total[0] - want).abs() <= 1e-12 * want,
         "sum_squares ({}): {} vs {want}",
@@ -1347,7 +1347,7 @@ fn attention_fits(d: &AttentionDims) {
 /// refuses the same launches.
 #[test]
 fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
-    use kernels::cuda::{Error, check_launch, elementwise, matmul, norm, optim};
+    use kernels::cuda::{Error, check_launch, elementwise, grad_norm, matmul, optim};
     let ok = |kernel: &str, cfg: LaunchConfig, shared: usize| {
         check_launch(kernel, &cfg, shared, 1024).unwrap_or_else(|e| panic!("{e}"))
     };
@@ -1375,7 +1375,7 @@ fn launch_geometries_fit_the_limits_and_what_does_not_is_refused_by_name() {
             8 * 33 * 4,
         );
         ok("elementwise", elementwise(bt * 4 * c), 0);
-        ok("sum_squares", norm::sum_squares_configs().0, 256);
+        ok("sum_squares", grad_norm::sum_squares_configs().0, 256);
         ok(
             "adam8bit",
             optim::adam8bit_config(1_600_000_000, 2048),

@@ -5,8 +5,8 @@
 //! skip silently.
 #![cfg(feature = "cuda")]
 
-mod attention_reference;
-mod common;
+use crate::attention_reference;
+use crate::common;
 
 use std::io::Write;
 use std::sync::OnceLock;
@@ -19,7 +19,9 @@ use kernels::cuda::{self, DeviceFloat, Error, Gpu, layers};
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
-use kernels::{Float, crossentropy, encoder, gelu, layernorm, norm, residual, rmsnorm, swiglu};
+use kernels::{
+    Float, crossentropy, encoder, gelu, grad_norm, layernorm, residual, rmsnorm, swiglu,
+};
 
 /// The GPU, opened once per test binary; `None` (after saying so) without a driver.
 fn device() -> Option<&'static Gpu> {
@@ -698,17 +700,17 @@ fn norms_match_cpu<X: DeviceFloat>() {
     let g = random::<X>(&mut rng, n, 3.0);
     let (mut total, mut parts) = (
         up(d, &[f64::NAN]),
-        up(d, &vec![f64::NAN; cuda::norm::sum_squares_parts_len()]),
+        up(d, &vec![f64::NAN; cuda::grad_norm::sum_squares_parts_len()]),
     );
     let dg = up(d, &g);
-    cuda::norm::sum_squares(
+    cuda::grad_norm::sum_squares(
         d,
         &mut total.as_view_mut(),
         &mut parts.as_view_mut(),
         &dg.as_view(),
     )
     .unwrap();
-    let (got, want) = (down(d, &total)[0], norm::sum_squares(&g));
+    let (got, want) = (down(d, &total)[0], grad_norm::sum_squares(&g));
     assert!(
         (got - want).abs() <= 1e-12 * want,
         "sum_squares ({}): {got} vs {want}",
@@ -716,14 +718,14 @@ fn norms_match_cpu<X: DeviceFloat>() {
     );
 
     let (mut flag, mut dg) = (up(d, &[0i32]), up(d, &g));
-    cuda::norm::unscale(d, &mut dg.as_view_mut(), 0.5, &mut flag.as_view_mut()).unwrap();
+    cuda::grad_norm::unscale(d, &mut dg.as_view_mut(), 0.5, &mut flag.as_view_mut()).unwrap();
     let want: Vec<X> = g.iter().map(|x| X::from_f32(x.to_f32() * 0.5)).collect();
     close("unscale", &down(d, &dg), &want, 0.0);
     assert_eq!(down(d, &flag), [0], "finite gradients raise no flag");
     let mut with_inf = g.clone();
     with_inf[n / 2] = X::from_f32(f32::INFINITY);
     let mut dg = up(d, &with_inf);
-    cuda::norm::unscale(d, &mut dg.as_view_mut(), 0.5, &mut flag.as_view_mut()).unwrap();
+    cuda::grad_norm::unscale(d, &mut dg.as_view_mut(), 0.5, &mut flag.as_view_mut()).unwrap();
     assert_eq!(
         down(d, &flag),
         [1],

@@ -2,7 +2,7 @@
 //! row), at sizes large enough for gemm and rayon to actually split the work, and the same
 //! bits from its baseline build as from its AVX-512 build.
 
-mod common;
+use crate::common;
 
 use common::{Rng, to_x};
 use half::{bf16, f16};
@@ -13,7 +13,7 @@ use kernels::attention::{
 use kernels::matmul::{DinpMode, Layout, matmul_backward, matmul_forward, scratch_len};
 use kernels::optim::*;
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
-use kernels::{Float, cpu, crossentropy, encoder, layernorm, norm, rmsnorm, swiglu};
+use kernels::{Float, cpu, crossentropy, encoder, grad_norm, layernorm, rmsnorm, swiglu};
 
 /// Bits of every output `run` produces.
 type Bits = Vec<Vec<u32>>;
@@ -127,7 +127,7 @@ fn layer_bits<X: Float>() -> Bits {
         1000,
         Some(0.01),
     );
-    let ss = norm::sum_squares(&logits).to_bits();
+    let ss = grad_norm::sum_squares(&logits).to_bits();
     let ss = vec![ss as u32, (ss >> 32) as u32];
     vec![
         bits(&dwte),

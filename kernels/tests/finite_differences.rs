@@ -1,7 +1,7 @@
 //! Every reference backward agrees with central finite differences of its reference forward
 //! (f64, h = 1e-5: truncation ~h² and cancellation ~1e-16/h, both far below the 1e-7 tolerance).
 
-mod common;
+use crate::common;
 
 use common::{Rng, rope_tables, to_f64};
 use kernels::attention::AttentionDims;

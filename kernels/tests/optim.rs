@@ -1,7 +1,7 @@
 //! Optimizer updates: exact hand-computed vectors (dyadic inputs, so every intermediate is
 //! exact in f32), Adafactor sharding invariance and 8-bit Adam tracking fp32 AdamW.
 
-mod common;
+use crate::common;
 
 use common::Rng;
 use half::bf16;

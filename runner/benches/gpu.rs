@@ -69,6 +69,7 @@ fn time(model: &'static str, b: usize, budget: u64) -> Row {
 }
 
 fn main() {
+    common::setup();
     let (peak, total) = match kernels::cuda::Gpu::new(0) {
         Ok(dev) => (
             kernels::cuda::matmul::measure_peak_gflops(&dev).expect("the peak GEMM runs"),

@@ -18,10 +18,10 @@ const WARMUP: usize = 2;
 const MEASURED: usize = 5;
 
 /// zerotrain's median step seconds (and the spread) for `dtype`.
-fn ours(dtype: &str, threads: usize) -> (f64, f64, f64) {
+fn ours(dtype: &str) -> (f64, f64, f64) {
     let model = format!(r#"{{"preset": "{MODEL}"}}"#);
     let spec = common::adamw_job(&model, dtype, (B, T), WARMUP + MEASURED);
-    common::median_min_max(&common::cpu_step_seconds(&spec, threads, WARMUP, dtype))
+    common::median_min_max(&common::cpu_step_seconds(&spec, WARMUP, dtype))
 }
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
@@ -31,6 +31,7 @@ fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
 }
 
 fn main() {
+    common::setup();
     let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
@@ -59,7 +60,7 @@ fn main() {
         if !filters.keeps(dtype) {
             continue;
         }
-        let (step, lo, hi) = ours(dtype, threads);
+        let (step, lo, hi) = ours(dtype);
         let tokens = (B * T) as f64;
         let (torch, torch_mfu, ratio) = match &python {
             Some(py) => {

@@ -42,6 +42,7 @@ fn theirs(python: &str, model: &str, b: usize, t: usize, threads: usize) -> Resu
 }
 
 fn main() {
+    common::setup();
     let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
@@ -56,7 +57,7 @@ fn main() {
         if !filters.keeps(&format!("{model} T={t}")) {
             continue;
         }
-        let seconds = common::cpu_step_seconds(&spec(model, b, t), threads, WARMUP, model);
+        let seconds = common::cpu_step_seconds(&spec(model, b, t), WARMUP, model);
         let (step, _, _) = common::median_min_max(&seconds);
         let tokens = (b * t) as f64;
         let (torch, ratio) = match &python {

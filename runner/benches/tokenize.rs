@@ -67,7 +67,9 @@ fn main() {
         python(&py, &["--make", dir.to_str().unwrap()]);
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    kernels::cpu::init_global_pool(threads);
+    kernels::cpu::pool_builder(threads, kernels::cpu::Simd::Detect)
+        .build_global()
+        .expect("the first pool of the process");
     let theirs = python(&py, &["--encode", dir.to_str().unwrap(), "--repeat", "5"]);
     let mb = theirs["mb"].as_f64().expect("the corpus's size");
     let mut seconds: Vec<f64> = (0..REPEAT).map(|_| ours(&dir)).collect();

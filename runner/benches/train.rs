@@ -58,7 +58,7 @@ struct Timing {
     tokens_per_step: f64,
 }
 
-fn time_case(case: &Case, threads: usize) -> Timing {
+fn time_case(case: &Case) -> Timing {
     let steps = case.warmup + case.measured;
     let json = format!(
         r#"{{"model": {{"preset": "{}"}}, "precision": {{"dtype": "{}"}},
@@ -73,13 +73,14 @@ fn time_case(case: &Case, threads: usize) -> Timing {
     let tokens_per_step = (B * T) as f64;
     let what = format!("{}/{}", case.model, case.dtype);
     Timing {
-        seconds: common::cpu_step_seconds(&spec, threads, case.warmup, &what),
+        seconds: common::cpu_step_seconds(&spec, case.warmup, &what),
         flops_per_step: common::flops_per_token(&model, T) * tokens_per_step,
         tokens_per_step,
     }
 }
 
 fn main() {
+    common::setup();
     let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let llmc: Option<f64> = std::env::var("LLMC_STEP_SECONDS")
@@ -105,7 +106,7 @@ fn main() {
         if !filters.keeps(&name) {
             continue;
         }
-        let t = time_case(case, threads);
+        let t = time_case(case);
         let (step, lo, hi) = common::median_min_max(&t.seconds);
         let gflops = t.flops_per_step / step / 1e9;
         let versus = match llmc {

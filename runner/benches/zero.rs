@@ -79,6 +79,7 @@ fn time(spec: &JobSpec, transport: Transport) -> (Vec<f64>, Summary) {
 }
 
 fn main() {
+    common::setup();
     let args: Vec<String> = std::env::args().collect();
     let measured = args
         .iter()

@@ -1,5 +1,6 @@
 //! zerotrain's runner: the agent that executes assigned ranks, and the sharded mixed-precision
-//! GPT trainer (model, ZeRO engine, precision and loss scaling, optimizers, data, checkpoints).
+//! trainer for GPT-2 and the Llama family (models, ZeRO engine, precision and loss scaling,
+//! optimizers, data, checkpoints).
 
 pub mod accounting;
 pub mod agent;
@@ -15,8 +16,10 @@ pub mod lr_schedule;
 mod model;
 pub mod optimizer;
 pub mod process;
+pub mod state_tensor;
 pub mod tensor_file;
 pub mod train;
+pub mod validation;
 pub mod zero;
 
 pub use error::Error;

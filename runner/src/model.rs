@@ -281,28 +281,6 @@ mod tests {
     use super::*;
     use crate::device::Cpu;
 
-    /// The scratch the memory model counts holds the kernels' widening tiles and their bf16
-    /// packs for the deepest product, also past the 2^21 floor, so nothing goes to the heap.
-    #[test]
-    fn the_counted_scratch_holds_the_deepest_products_packs() {
-        let layer = kernels::matmul::scratch_len(512, 1024, 1024);
-        for depth in [1, 31, 576, 65_536, 65_537, 100_000, 131_072, 1 << 20] {
-            let len = matmul_scratch_f32(depth);
-            let packs = kernels::matmul::packs_len(depth);
-            assert!(len >= packs, "depth {depth}: {len} < packs {packs}");
-            assert!(
-                len >= layer,
-                "depth {depth}: {len} < widening tiles {layer}"
-            );
-        }
-        assert_eq!(
-            matmul_scratch_f32(65_536),
-            1 << 21,
-            "the floor up to 65,536"
-        );
-        assert!(matmul_scratch_f32(65_537) > 1 << 21, "packs past it");
-    }
-
     /// The loss over chunks of 5 rows (the last one 3) against one chunk of all 23: the same
     /// losses and input gradients, and the head's gradient summed in another order.
     #[test]
@@ -350,30 +328,5 @@ mod tests {
             assert!((a - b).abs() <= 1e-6 * a.abs().max(1.0), "{a} vs {b}");
         }
         assert!(whole.3.iter().any(|&g| g != 0.5), "dw was added into");
-    }
-
-    /// Planning's CPU process charges the GEMM workspace the kernels compute for its cores.
-    #[test]
-    fn planning_charges_the_kernels_gemm_workspace() {
-        let planning = scheduler::memory::process::CpuProcess::PLANNING;
-        let gemm = kernels::matmul::gemm_workspace_for(planning.gemm_per_thread);
-        assert_eq!(
-            (gemm.per_thread, gemm.per_call),
-            (planning.gemm_per_thread, planning.gemm_per_call)
-        );
-    }
-
-    /// Admission's limits are the kernels' own: what it admits, they run.
-    #[test]
-    fn admission_limits_are_the_kernels_limits() {
-        assert_eq!(
-            scheduler::model::MAX_HEAD_SIZE,
-            kernels::attention::MAX_HEAD_SIZE
-        );
-        #[cfg(feature = "cuda")]
-        assert_eq!(
-            scheduler::plan::CUDA_MAX_ATTENTION_HEADS,
-            kernels::cuda::MAX_GRID.1 as usize
-        );
     }
 }

@@ -11,9 +11,9 @@ use scheduler::spec::Optimizer;
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
-use crate::checkpoint::StateTensor;
 use crate::comm::Communicator;
 use crate::device::{Adam8bitState, Cpu, Device, Num};
+use crate::state_tensor::StateTensor;
 use safetensors::Dtype;
 
 mod adafactor;

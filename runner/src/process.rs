@@ -1,18 +1,7 @@
 //! The trainer's process as the operating system sees it: its peak resident set, to set beside
-//! the memory model's prediction for every rank it runs plus the process overhead, and the
-//! allocator setting that lets the resident set follow what the accountant frees.
-
-/// Large buffers come from `mmap` and go back to the system when freed. glibc otherwise raises
-/// its mmap threshold after the first large free (up to 32 MiB), after which freed buffers stay
-/// resident in the heap and the process's peak grows past what was ever live at once.
-pub fn return_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tunables; 128 KiB is glibc's initial threshold,
-    // here fixed so it no longer moves.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-    }
-}
+//! the memory model's prediction for every rank it runs plus the process overhead. (The heap
+//! setting that lets the resident set follow what the accountant frees is the binary's:
+//! zerotrain's `cli/src/process.rs`.)
 
 /// The most bytes this process has had resident at once (`VmHWM`), if the system says.
 pub fn peak_rss_bytes() -> Option<u64> {

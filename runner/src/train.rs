@@ -22,6 +22,7 @@ use crate::comm::{Communicator, DeviceCollectives, Op, Summable, TcpConfig, loca
 use crate::data::{BatchLayout, DataLoader, DataRoots, Inputs, Position, Tokenizing};
 use crate::device::{Cpu, Device, Num, Target};
 use crate::loss_scale::LossScaler;
+use crate::validation::ValidationLoss;
 use crate::zero::{Engine, StepReport};
 use crate::{lr_schedule, process};
 
@@ -35,8 +36,6 @@ pub struct Options {
     /// Ranks pinned to devices of their own (an agent puts each rank on the GPU it was placed
     /// on: NCCL refuses two ranks on one GPU).
     pub rank_devices: BTreeMap<usize, Target>,
-    /// Kernel threads (default: all cores); only the first run in a process sets it.
-    pub threads: Option<usize>,
     /// Where checkpoints and the final Hugging Face export go (none: nothing is written).
     pub out_dir: Option<std::path::PathBuf>,
     /// The largest file of the export: a larger one is sharded (default
@@ -127,13 +126,6 @@ pub struct Progress {
     pub validation_loss: Option<f64>,
     /// A checkpoint of this step was written.
     pub checkpointed: bool,
-}
-
-/// The mean loss over the validation batches after a step.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
-pub struct ValidationLoss {
-    pub step: u32,
-    pub loss: f64,
 }
 
 /// Bytes one rank held at its peak, by category, next to the memory model's prediction, and
@@ -236,14 +228,10 @@ pub fn run_ranks(
             });
         }
     }
-    let threads = opts
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    process::return_freed_memory();
-    // Before the pool's threads and any buffer: what the process is before it trains.
+    // Before any buffer: what the process is before it trains. Its allocator, heap and kernel
+    // pool are the binary's (zerotrain's `cli/src/process.rs`); ranks are threads of their own,
+    // so one blocked on a neighbour holds no kernel thread of that pool.
     let resident_at_start = process::rss_bytes().unwrap_or(0);
-    // Ranks are threads of their own: one blocked on a neighbour must not hold a kernel thread.
-    kernels::cpu::init_global_pool(threads);
     let gemm = kernels::matmul::gemm_workspace();
     let cpu_process = memory::process::CpuProcess {
         resident_at_start,

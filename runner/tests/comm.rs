@@ -5,7 +5,7 @@
 //! counts the bytes the memory model does. Where NCCL cannot run the test says why;
 //! `ZEROTRAIN_REQUIRE_GPU=1` (the GPU check) turns that into a failure.
 
-mod rings;
+use crate::rings;
 
 use std::fmt::Debug;
 use std::thread;
@@ -240,7 +240,6 @@ mod nccl {
         let plan = plan_local_on(&spec, None, DeviceKind::Cuda).unwrap();
         let opts = Options {
             device: Target::Cuda(0),
-            threads: Some(1),
             ..Options::default()
         };
         let train = |nccl: bool| {
@@ -303,7 +302,6 @@ mod nccl {
             let opts = Options {
                 device: Target::Cuda(0),
                 rank_devices: (0..world).map(|r| (r, Target::Cuda(r))).collect(),
-                threads: Some(1),
                 ..Options::default()
             };
             let mut comms = local_ring(world, TIMEOUT);

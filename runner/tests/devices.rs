@@ -39,7 +39,6 @@ fn train_in(device: Target, spec: &JobSpec, out: Option<&Path>) -> Result<Summar
     let plan = plan_local_on(spec, None, device.kind()).unwrap();
     let opts = Options {
         device,
-        threads: Some(1),
         out_dir: out.map(Path::to_path_buf),
         ..Options::default()
     };
@@ -175,22 +174,14 @@ fn a_checkpoint_written_on_one_device_resumes_on_every_device() {
     }
 }
 
-#[cfg(feature = "cuda")]
-#[test]
-fn the_model_counts_the_gemm_buffers_cuda_allocates() {
-    assert_eq!(
-        scheduler::memory::CUDA_GEMM_RESIDENT_BYTES,
-        kernels::cuda::matmul::resident_bytes() as u64
-    );
-}
-
 /// The CUDA overhead as the driver sees it: memory in use on GPU 0 before this process opens
 /// it (`nvidia-smi`), and after the context, the NVRTC modules and cuBLASLt. Printed for
 /// docs/gpu.md and checked against the allowance the memory model plans with.
 #[cfg(feature = "cuda")]
 #[test]
 fn the_driver_measured_cuda_overhead_fits_the_models_allowance() {
-    use scheduler::memory::{CUDA_GEMM_RESIDENT_BYTES, CUDA_OVERHEAD_BYTES};
+    use scheduler::kernel_figures::CUDA_GEMM_RESIDENT_BYTES;
+    use scheduler::memory::CUDA_OVERHEAD_BYTES;
     // Read before anything of this process touches the GPU (`gpus` trains a step there), so
     // the baseline holds no context of ours: one left over could only raise the figure.
     let before = std::process::Command::new("nvidia-smi")

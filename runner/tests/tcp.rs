@@ -3,7 +3,7 @@
 //! and as a sequential sum in ring order; a rank that exits, stalls or is configured twice must
 //! make the others fail promptly with an error naming a neighbour.
 
-mod rings;
+use crate::rings;
 
 use std::fmt::Debug;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};

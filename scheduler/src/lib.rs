@@ -6,6 +6,7 @@ pub mod bytes;
 pub mod compare;
 mod error;
 pub mod inventory;
+pub mod kernel_figures;
 pub mod memory;
 pub mod model;
 pub mod placement;

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::bytes::human;
 use crate::error::Error;
 use crate::inventory::{DeviceSlot, Inventory};
+use crate::kernel_figures::CUDA_MAX_ATTENTION_HEADS;
 use crate::memory::{self, Breakdown, Category, Comm, DeviceKind, Setup};
 use crate::spec::{Auto, JobSpec, ZeroStage};
 
@@ -276,10 +277,6 @@ pub fn plan(spec: &JobSpec, inventory: &Inventory) -> Result<Plan, Error> {
     }
     plan_on(spec, inventory, kind)
 }
-
-/// The most query heads (sequences × heads) one attention launch takes on a GPU: attention.cu's
-/// grid runs one y index per head (`kernels::cuda::layers::attention_config`).
-pub const CUDA_MAX_ATTENTION_HEADS: usize = 65_535;
 
 /// The largest micro-batch `kind`'s kernels run for `spec`'s model, if bounded.
 fn micro_batch_limit(spec: &JobSpec, kind: DeviceKind) -> Option<u32> {

@@ -527,11 +527,6 @@ const INVALID: &[Invalid] = &[
         "give train_batch_size or train_micro_batch_size_per_gpu",
     ),
     train(
-        r#"{"deepspeed": {"train_batch_size": 8, "fp16": {"enabled": true}, "bf16": {"enabled": true}}, "model": {"preset": "gpt2-tiny"}}"#,
-        "deepspeed.bf16.enabled",
-        "fp16 and bf16 cannot both be enabled",
-    ),
-    train(
         r#"{"deepspeed": {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4}}}, "model": {"preset": "gpt2-tiny"}}"#,
         "deepspeed.optimizer.type",
         "OneBitAdam is not supported",
@@ -661,6 +656,48 @@ fn a_spec_with_three_independent_mistakes_names_all_three() {
         ["optimizer.betas[1]", "training.seq_len", "world_size"],
         "{fields:?}"
     );
+}
+
+#[test]
+fn a_deepspeed_config_s_mistakes_are_named_together_fp16_and_bf16_at_both_blocks() {
+    // Once the batch-size mistake stopped the translation, and the precision was never read.
+    let fields = refused_fields(
+        r#"{"deepspeed": {"fp16": {"enabled": true}, "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 4}}, "model": {"preset": "gpt2-tiny"}}"#,
+        Purpose::Train,
+    );
+    assert_eq!(
+        fields,
+        [
+            "deepspeed.train_batch_size",
+            "deepspeed.fp16",
+            "deepspeed.bf16",
+            "deepspeed.zero_optimization.stage"
+        ]
+    );
+}
+
+#[test]
+fn a_mistake_inside_an_array_names_the_array_not_its_block() {
+    for (optimizer, field) in [
+        (
+            r#"{"type": "adamw", "betas": [0.9, 0.99, 0.5]}"#,
+            "optimizer.betas",
+        ),
+        (r#"{"betas": [0.9]}"#, "optimizer.betas"),
+        (
+            r#"{"type": "lion", "betas": [0.9, "x"]}"#,
+            "optimizer.betas[1]",
+        ),
+        (r#"{"type": "adamw", "beta": 0.9}"#, "optimizer.beta"),
+    ] {
+        let json = format!(r#"{{"model": {{"preset": "gpt2-tiny"}}, "optimizer": {optimizer}}}"#);
+        assert_eq!(
+            refused_fields(&json, Purpose::Train),
+            [field],
+            "{optimizer}"
+        );
+    }
 }
 
 #[test]

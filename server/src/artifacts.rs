@@ -20,9 +20,9 @@ use object_store::{GetOptions, GetRange, ObjectStore, WriteMultipart};
 use sha2::{Digest, Sha256};
 use wire::artifact::Artifact;
 
-use crate::app::App;
 use crate::domain::{Job, JobId, JobState};
 use crate::settings::S3Options;
+use crate::state::App;
 use crate::store::{ArtifactRecord, CheckpointRecord, StoreError};
 
 #[derive(Debug, thiserror::Error)]

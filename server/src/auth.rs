@@ -10,10 +10,10 @@ use axum::extract::{FromRequestParts, Path as UrlPath};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, header};
 
-use crate::app::AppState;
 use crate::domain::{NodeRecord, Role};
 use crate::error::ApiError;
 use crate::session;
+use crate::state::AppState;
 use crate::store::{Store, StoreError, token_hash};
 
 /// Who is calling: the token's name and role.

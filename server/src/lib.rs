@@ -14,8 +14,10 @@ pub mod routes;
 pub mod scheduling;
 pub mod session;
 pub mod settings;
+pub mod state;
 pub mod store;
 pub mod throttle;
 
-pub use app::{AppState, Server, build, router};
+pub use app::{Server, build, router};
 pub use settings::Settings;
+pub use state::AppState;

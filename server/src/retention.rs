@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use crate::app::AppState;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// How often the scheduling loop collects.
 pub const EVERY: Duration = Duration::from_secs(600);

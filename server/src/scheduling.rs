@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use scheduler::queue::{OwnerQuota, RANKS_PER_PASS, decide};
 
-use crate::app::{AppState, JobEvent};
 use crate::domain::{JobId, JobState, NodeId};
 use crate::retention;
+use crate::state::{AppState, JobEvent};
 use crate::store::{Placement, StoreError};
 
 /// Runs scheduling passes until the server shuts down, then hands the scheduler lease over.

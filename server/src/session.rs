@@ -14,11 +14,11 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, header};
 use cookie::{Cookie, SameSite};
 
-use crate::app::AppState;
 use crate::auth::{Caller, token_caller, unavailable};
 use crate::domain::Role;
 use crate::error::ApiError;
 use crate::settings::Settings;
+use crate::state::AppState;
 
 pub(crate) const COOKIE: &str = "zerotrain_session";
 const SECURE_COOKIE: &str = "__Host-zerotrain_session";

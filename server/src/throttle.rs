@@ -13,8 +13,8 @@ use axum::extract::{ConnectInfo, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::app::AppState;
 use crate::error::{ApiError, AuthFailed};
+use crate::state::AppState;
 
 /// The window failures are counted in.
 const WINDOW: Duration = Duration::from_secs(60);

@@ -1,10 +1,9 @@
 //! The agent protocol with a fake agent: registration, assignments in heartbeat replies,
 //! reports moving jobs, cancellations, lost nodes, and what followers of a job see.
 
-mod api_helpers;
+use crate::api_helpers;
 // The Python environment helper of the end-to-end tests (tests/pyenv).
-#[path = "../../tests/pyenv/mod.rs"]
-mod pyenv;
+use crate::pyenv;
 
 use std::collections::BTreeMap;
 use std::path::Path;

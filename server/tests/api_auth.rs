@@ -3,7 +3,7 @@
 //! cannot skip these tests, and its documented role is the one the server enforces. The
 //! console's session cookie gets exactly its token's access, and only from the server's origin.
 
-mod api_helpers;
+use crate::api_helpers;
 
 use api_helpers::*;
 use axum::http::{Method, StatusCode};

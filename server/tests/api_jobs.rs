@@ -1,6 +1,6 @@
 //! `/v1/jobs` and `/v1/estimate` against the real router over SQLite.
 
-mod api_helpers;
+use crate::api_helpers;
 
 use api_helpers::*;
 use axum::http::{Method, StatusCode};

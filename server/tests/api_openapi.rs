@@ -3,7 +3,7 @@
 //! the bounds it enforces, the fields it requires, the answers every route can give and the
 //! streams it sends.
 
-mod api_helpers;
+use crate::api_helpers;
 
 use std::path::PathBuf;
 
@@ -12,7 +12,7 @@ use axum::http::{Method, StatusCode};
 use serde_json::{Value, json};
 use server::routes::openapi::document;
 
-const REGENERATE: &str = "UPDATE_OPENAPI=1 cargo test -p server --test api_openapi";
+const REGENERATE: &str = "UPDATE_OPENAPI=1 cargo test -p server --test server api_openapi::";
 
 fn committed() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../openapi/openapi.json")

@@ -1,7 +1,7 @@
 //! Every error is an RFC 9457 problem; these snapshots fix their shape. A 5xx says nothing of
 //! its cause.
 
-mod api_helpers;
+use crate::api_helpers;
 
 use api_helpers::*;
 use axum::http::{Method, StatusCode};

@@ -1,7 +1,7 @@
 //! `/v1/session`: the console's cookie — its attributes, logout, expiry, and that revoking the
 //! token ends it at once.
 
-mod api_helpers;
+use crate::api_helpers;
 
 use api_helpers::*;
 use axum::body::Body;

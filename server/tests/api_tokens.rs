@@ -1,6 +1,6 @@
 //! `/v1/tokens`: an admin creates tokens with roles, lists them and revokes them.
 
-mod api_helpers;
+use crate::api_helpers;
 
 use api_helpers::*;
 use axum::http::{Method, StatusCode};

@@ -1,11 +1,15 @@
 //! The console's pages as a browser without JavaScript gets them: server-rendered tables, a
 //! strict Content-Security-Policy, the login redirect, cached assets. (The browser test,
-//! `--test console`, drives them in Chromium.)
+//! `--test zerotrain console::`, drives them in Chromium.)
 
-mod api_helpers;
+use crate::api_helpers;
 
 use api_helpers::*;
 use axum::http::{Method, StatusCode, header};
+use scheduler::bytes::human;
+use scheduler::memory::Breakdown;
+use scheduler::plan::Plan;
+use wire::agent::Report;
 
 async fn page(app: &TestApp, path: &str, cookie: &str) -> Answer {
     let a = app.browser(Method::GET, path, cookie, None, None).await;
@@ -169,4 +173,58 @@ async fn assets_are_embedded_with_an_etag_and_a_long_cache() {
     assert_eq!(again.status, StatusCode::NOT_MODIFIED);
     let none = app.call(Method::GET, "/assets/nope.js", None, None).await;
     assert_eq!(none.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn the_job_page_sets_each_process_s_peak_beside_its_predicted_total_not_per_rank() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 2, 2 * GIB).await;
+    let id = app.submit_ok(&tiny_spec(2)).await;
+    assert_eq!(app.schedule().await, 1);
+    app.beat(&node, vec![], vec![]).await;
+    let measured = Breakdown {
+        params: 1000,
+        grads: 500,
+        optimizer: 3000,
+        activations: 700,
+        buffers: 100,
+        overhead: 0,
+    };
+    let memory = |rank| Report::Memory {
+        job_id: id.clone(),
+        attempt: 1,
+        rank,
+        measured,
+        comm_bytes_sent: Default::default(),
+        process_peak_rss_bytes: Some(123_456_789),
+        device_used_bytes: None,
+    };
+    app.beat(&node, vec![memory(0), memory(1)], vec![(id.clone(), 1)])
+        .await;
+    let plan: Plan = serde_json::from_value(app.job(&id).await["plan"].clone()).unwrap();
+    let per_rank = plan.per_rank_bytes;
+    assert!(
+        per_rank.overhead > 0,
+        "a CPU rank's plan counts the process overhead"
+    );
+
+    let cookie = app.login(VIEWER).await;
+    let page = page(&app, &format!("/jobs/{id}"), &cookie).await.text;
+    let table = |id: &str| {
+        let start = page.find(&format!(r#"<table id="{id}">"#)).expect(id);
+        page[start..start + page[start..].find("</table>").unwrap()].to_string()
+    };
+    // The ranks' table has no overhead row (a rank measures none of it) …
+    let ranks = table("memory");
+    assert!(ranks.contains("<th>optimizer</th>") && !ranks.contains("<th>overhead</th>"));
+    // … the process's table sets its peak beside both ranks' totals and one overhead.
+    let process = table("processes");
+    let predicted = 2 * (per_rank.total() - per_rank.overhead) + per_rank.overhead;
+    let row = format!(
+        "<td>{}</td><td>0, 1</td><td>{}</td><td>{}</td>",
+        node.0,
+        human(123_456_789),
+        human(predicted)
+    );
+    assert!(process.contains(&row), "{row} in {process}");
 }

@@ -154,10 +154,10 @@ where
 macro_rules! suite {
     ($($(#[$attr:meta])* $name:ident),* $(,)?) => {
         mod sqlite {
-            $( $(#[$attr])* async fn $name() { crate::on_sqlite(crate::$name).await } )*
+            $( $(#[$attr])* async fn $name() { super::on_sqlite(super::$name).await } )*
         }
         mod postgres {
-            $( $(#[$attr])* async fn $name() { crate::on_postgres(crate::$name).await } )*
+            $( $(#[$attr])* async fn $name() { super::on_postgres(super::$name).await } )*
         }
     };
 }
@@ -2398,7 +2398,7 @@ async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb
     }
     assert_eq!(state_of(s, &two.id).await, JobState::Scheduled);
     match events.try_recv().unwrap() {
-        server::app::JobEvent::State { job_id, state, .. } => {
+        server::state::JobEvent::State { job_id, state, .. } => {
             assert_eq!((job_id, state), (two.id.clone(), JobState::Scheduled));
         }
         other => panic!("{other:?}"),

@@ -107,7 +107,6 @@ pub fn agent_at(
             devices
         ],
         gpus: Vec::new(),
-        threads: None,
         data_roots: server.state().data_roots.clone(),
         // Its own folder, which neither the server nor another agent reads.
         work_dir: server.state().settings.data_dir.join("agents").join(name),

@@ -1,6 +1,6 @@
 """The client's tests run against a live server with one agent of two or more devices:
-ZEROTRAIN_URL and ZEROTRAIN_TOKEN say where (the Rust test `cargo test -p zerotrain --test e2e
-python` starts both and runs `pytest clients/python/tests` with the interpreter
+ZEROTRAIN_URL and ZEROTRAIN_TOKEN say where (the Rust test `cargo test -p zerotrain --test zerotrain
+e2e::the_python` starts both and runs `pytest clients/python/tests` with the interpreter
 `scripts/pyenv` prints). By hand, against `zerotrain up`:
 
     ZEROTRAIN_URL=http://127.0.0.1:8080 "$(scripts/pyenv)" -m pytest -q clients/python/tests

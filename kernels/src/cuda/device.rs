@@ -141,7 +141,9 @@ pub fn rows(x: usize, y: usize) -> LaunchConfig {
     }
 }
 
-/// The limits of a launch on every GPU the back end runs on (compute capability ≥ 7.0).
+/// The limits of a launch on every GPU the back end runs on (compute capability ≥ 7.0). The
+/// memory model copies `.1`, the most attention heads a launch takes (`scheduler::
+/// kernel_figures`; `tests/figures.rs` holds the two equal).
 pub const MAX_GRID: (u32, u32, u32) = (i32::MAX as u32, 65_535, 65_535);
 pub const MAX_THREADS: u32 = 1024;
 /// Shared memory a block may have without opting in (static + dynamic).

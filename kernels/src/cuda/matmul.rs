@@ -63,7 +63,8 @@ impl Drop for Blas {
 }
 
 /// Device memory the GEMMs hold for the life of a device (workspace and staging), for the
-/// memory model.
+/// memory model, which copies it (`scheduler::kernel_figures`; `tests/figures.rs` holds the
+/// two equal).
 pub const fn resident_bytes() -> usize {
     WORKSPACE_BYTES + STAGING_BYTES
 }

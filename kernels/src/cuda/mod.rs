@@ -4,10 +4,10 @@
 
 mod device;
 pub mod gpus;
+pub mod grad_norm;
 pub mod layers;
 pub mod matmul;
 pub mod nccl;
-pub mod norm;
 pub mod optim;
 mod program;
 

@@ -48,6 +48,9 @@ pub enum DinpMode {
 /// packs our rows into a buffer it allocates per call, as many as the L3 cache holds (26 MB
 /// for GPT-2's LM head weight gradient on a 32 MiB L3), outside every buffer the memory model
 /// counts; tiled, it is bounded ([`GemmWorkspace`]).
+///
+/// The memory model copies the tiles, the slack and the depth block below
+/// (`scheduler::kernel_figures`; `tests/figures.rs` holds them equal): change both.
 const TILE: (usize, usize, usize) = (512, 1024, 1024);
 
 /// Rows beyond a tile that gemm's panel rounding may pack, on either operand (its widest
@@ -279,6 +282,9 @@ pub fn has_bf16_dot_product() -> bool {
 /// scratch, on any CPU: one B panel and one row block (64 dwords per pair on AMX, in steps of
 /// 32 of depth). A shorter scratch than this (and than [`MIN_SCRATCH`]) still works; those
 /// packs then go to the heap.
+///
+/// The memory model copies this (`scheduler::kernel_figures`; `tests/figures.rs` holds the two
+/// equal): change both.
 pub fn packs_len(depth: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     return dpbf16::packs_len(depth);

@@ -11,6 +11,11 @@
 //! gemm touches stay resident until the workspace is dropped. Every other allocation, and
 //! every thread without a workspace, goes to the system allocator as before.
 //!
+//! [`Allocator`] does this only as the process's allocator, which a binary declares (zerotrain's
+//! `cli/src/process.rs`); a library never does. Until a thread first keeps a [`Workspace`], it
+//! sends every request straight to the system, so a process that never trains (`zerotrain
+//! serve`) allocates as if it were not there.
+//!
 //! gemm also keeps one buffer for the life of the thread (`gemm_common::gemm::L2_SLAB`, first
 //! allocated inside a call); [`Workspace::keep`] allocates it first, from the system, so that
 //! it never takes the block. Should anything else keep the block past its call, the block
@@ -19,6 +24,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Smaller requests stay in glibc's heap anyway.
 const MIN_BYTES: usize = 128 << 10;
@@ -54,20 +60,23 @@ impl Slot {
     }
 }
 
+/// Whether any thread has kept a [`Workspace`]: until then every request goes to the system.
+static LENDING: AtomicBool = AtomicBool::new(false);
+
 thread_local! {
     // Const-initialised and without a destructor: safe to reach from inside the allocator.
     static SLOT: Cell<Slot> = const { Cell::new(Slot::NONE) };
 }
 
-/// The process's allocator: the system's, but for gemm's packing buffer on threads with a
-/// [`Workspace`].
+/// An allocator for a binary to declare (`#[global_allocator]`): the system's, but for gemm's
+/// packing buffer on threads with a [`Workspace`].
 pub struct Allocator;
-
-#[global_allocator]
-static ALLOCATOR: Allocator = Allocator;
 
 /// The thread's block for a request of `layout`, if the request is gemm's and the block free.
 fn lend(layout: Layout) -> Option<*mut u8> {
+    if !LENDING.load(Ordering::Relaxed) {
+        return None;
+    }
     SLOT.with(|s| {
         let mut slot = s.get();
         if !slot.kept
@@ -94,6 +103,9 @@ fn lend(layout: Layout) -> Option<*mut u8> {
 
 /// Takes `ptr` back if it is this thread's lent block (freeing it if the workspace is gone).
 fn take_back(ptr: *mut u8) -> bool {
+    if !LENDING.load(Ordering::Relaxed) {
+        return false;
+    }
     SLOT.with(|s| {
         let mut slot = s.get();
         let ours = slot.lent && ptr == slot.block;
@@ -139,10 +151,12 @@ unsafe impl GlobalAlloc for Allocator {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if !SLOT.with(|s| {
-            let slot = s.get();
-            slot.lent && ptr == slot.block
-        }) {
+        if !LENDING.load(Ordering::Relaxed)
+            || !SLOT.with(|s| {
+                let slot = s.get();
+                slot.lent && ptr == slot.block
+            })
+        {
             // SAFETY: not the block, so the system allocated it with this layout.
             return unsafe { System.realloc(ptr, layout, new_size) };
         }
@@ -169,6 +183,7 @@ impl Workspace {
     pub fn keep() -> Self {
         let cap = usize::try_from(super::gemm_workspace().per_call).expect("a block in memory");
         gemm_common::gemm::L2_SLAB.with(|_| ());
+        LENDING.store(true, Ordering::Relaxed);
         SLOT.with(|s| {
             let slot = s.get();
             assert!(!slot.kept, "one workspace a thread");
@@ -230,6 +245,11 @@ pub(super) fn in_gemm<R>(f: impl FnOnce() -> R) -> R {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // This test binary's allocator, as zerotrain's binary declares it: the loans below go
+    // through it.
+    #[global_allocator]
+    static ALLOCATOR: Allocator = Allocator;
 
     /// Inside gemm, a thread with a workspace lends its one block to each large request in
     /// turn and takes it back; small requests, a second request while the block is out, and

@@ -20,6 +20,9 @@ use rayon::prelude::*;
 
 /// f64 limbs per exact sum. Limb j holds a multiple of `2^(24j - 149)`; every f32 term adds
 /// less than 2^24 to at most two limbs, so sums of up to 2^29 terms stay exact.
+///
+/// The memory model copies this (`scheduler::kernel_figures`; `tests/figures.rs` holds the two
+/// equal): change both.
 pub const LIMBS: usize = 12;
 const CHUNK: usize = 1 << 14;
 

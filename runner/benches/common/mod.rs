@@ -7,6 +7,19 @@ use scheduler::model::ModelShape;
 use scheduler::plan::{Plan, plan_local};
 use scheduler::spec::{JobSpec, Purpose};
 
+// The benches run as the `zerotrain` binary does: its allocator, and its start-up's heap setting
+// and kernel pool (`setup`).
+#[global_allocator]
+static ALLOCATOR: kernels::matmul::Allocator = kernels::matmul::Allocator;
+
+#[path = "../../../cli/src/process.rs"]
+mod process;
+
+/// Sets this bench's process up as `zerotrain train` sets itself up (all cores); first thing.
+pub fn setup() {
+    process::for_training(None);
+}
+
 /// Training FLOPs per token as llm.c counts them: 6 per parameter (forward and backward) and
 /// 6·L·H·D·T for the attention scores and their weighted sum at sequence length `t`.
 pub fn flops_per_token(model: &ModelShape, t: usize) -> f64 {
@@ -51,14 +64,10 @@ pub fn adamw_job(model: &str, dtype: &str, (b, t): (usize, usize), steps: usize)
         .spec
 }
 
-/// [`step_seconds`] of `spec` planned on this machine's CPU and run on `threads` threads.
-pub fn cpu_step_seconds(spec: &JobSpec, threads: usize, warmup: usize, what: &str) -> Vec<f64> {
-    let opts = Options {
-        threads: Some(threads),
-        ..Options::default()
-    };
+/// [`step_seconds`] of `spec` planned on this machine's CPU and run on the kernel pool.
+pub fn cpu_step_seconds(spec: &JobSpec, warmup: usize, what: &str) -> Vec<f64> {
     let plan = plan_local(spec, None).expect("the bench's specs fit");
-    step_seconds(spec, &plan, &opts, warmup, what)
+    step_seconds(spec, &plan, &Options::default(), warmup, what)
 }
 
 /// The row filters given on the command line (`cargo bench … -- FILTER…`): a row runs when

@@ -15,7 +15,7 @@ use scheduler::spec::{InitFrom, JobSpec};
 
 use super::AgentConfig;
 use super::client::Files;
-use super::session::Outbox;
+use super::registration::Outbox;
 use crate::Error;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpConfig, local_ring, tcp_ring, tcp_ring_with_master};
@@ -165,7 +165,6 @@ fn train(
             .iter()
             .map(|r| (r.rank, cfg.target(r.device)))
             .collect(),
-        threads: cfg.threads,
         out_dir: Some(dir.to_path_buf()),
         export_shard_bytes: Some(cfg.export_shard_bytes),
         comm_timeout: Some(COMM_TIMEOUT),

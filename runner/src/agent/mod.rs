@@ -9,7 +9,7 @@ mod client;
 pub mod gpus;
 mod job;
 mod metrics;
-mod session;
+mod registration;
 
 pub use metrics::AgentMetrics;
 
@@ -24,7 +24,7 @@ use crate::data::DataRoots;
 use crate::device::Target;
 use client::Client;
 use gpus::Gpu;
-use session::{Ended, Session};
+use registration::{Ended, Registration};
 use wire::agent::RegisterRequest;
 
 /// Where to find the server and what this node offers.
@@ -42,8 +42,6 @@ pub struct AgentConfig {
     pub devices: Vec<DeviceSlot>,
     /// The GPUs offered; a rank placed on device `i < gpus.len()` trains on `gpus[i]`.
     pub gpus: Vec<Gpu>,
-    /// Kernel threads (default: all cores).
-    pub threads: Option<usize>,
     /// The only directories jobs may read their inputs from.
     pub data_roots: DataRoots,
     /// Where attempts write their files before uploading them (each attempt's folder is
@@ -126,7 +124,7 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Resu
             return Ok(());
         };
         metrics.series.registrations_total.inc();
-        match Session::new(cfg, &client, metrics, registered).run(stop) {
+        match Registration::new(cfg, &client, metrics, registered).run(stop) {
             Ended::Stopped => return Ok(()),
             Ended::Lost => eprintln!(
                 "agent {}: the server no longer knows this node; its ranks stopped, registering again",

@@ -47,7 +47,7 @@ pub struct Tokenizing<'a> {
     pub vocab_size: usize,
     /// The model config's `eos_token_id`, used when the tokenizer's files name none.
     pub eos_token_id: Option<u32>,
-    /// Progress lines.
+    /// ProgressLines lines.
     pub log: &'a (dyn Fn(&str) + Sync),
 }
 
@@ -75,7 +75,7 @@ pub(super) enum Holdout<'a> {
 
 /// The shards of a tokenization.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct Manifest {
+pub(super) struct TokenShards {
     pub(super) documents: u64,
     pub(super) tokens: u64,
     pub(super) train: Vec<String>,
@@ -89,7 +89,7 @@ pub(super) struct Manifest {
 
 /// The cache folder of `job`'s tokens and its manifest, tokenizing first if no complete one
 /// exists.
-pub(super) fn tokenize(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<(PathBuf, Manifest), Error> {
+pub(super) fn tokenize(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<(PathBuf, TokenShards), Error> {
     let encoder = Encoder::new(job, t)?;
     let key = key(job, t, &encoder)?;
     let root = t.cache.join("tokens");
@@ -133,7 +133,7 @@ pub(super) fn tokenize(job: &Job<'_>, t: &Tokenizing<'_>) -> Result<(PathBuf, Ma
 
 const MANIFEST: &str = "manifest.json";
 
-fn read_manifest(dir: &Path) -> Result<Option<Manifest>, Error> {
+fn read_manifest(dir: &Path) -> Result<Option<TokenShards>, Error> {
     let file = dir.join(MANIFEST);
     match std::fs::read(&file) {
         Ok(bytes) => serde_json::from_slice(&bytes)
@@ -385,7 +385,7 @@ fn write_shards(
     t: &Tokenizing<'_>,
     encoder: &Encoder,
     dir: &Path,
-) -> Result<Manifest, Error> {
+) -> Result<TokenShards, Error> {
     let separate: &[DocFile] = match job.validation {
         Some(Holdout::Files(v)) => v,
         _ => &[],
@@ -397,7 +397,7 @@ fn write_shards(
         .filter_map(|f| f.path.metadata().ok())
         .map(|m| m.len())
         .sum();
-    let mut progress = Progress::new(job.what, total, t.log);
+    let mut progress = ProgressLines::new(job.what, total, t.log);
     let mut train = ShardWriter::new(dir, "train");
     let mut validation = ShardWriter::new(dir, "validation");
     let split = match job.validation {
@@ -448,7 +448,7 @@ fn write_shards(
         ));
     }
     progress.done(index, train.tokens + validation.tokens);
-    Ok(Manifest {
+    Ok(TokenShards {
         documents: train.documents,
         tokens: train.tokens,
         train: train.finish()?,
@@ -551,8 +551,8 @@ impl ShardWriter {
     }
 }
 
-/// Progress lines, at most one every few seconds, and one at the end.
-struct Progress<'a> {
+/// ProgressLines lines, at most one every few seconds, and one at the end.
+struct ProgressLines<'a> {
     what: &'a str,
     total_bytes: u64,
     log: &'a (dyn Fn(&str) + Sync),
@@ -561,14 +561,14 @@ struct Progress<'a> {
     bytes: u64,
 }
 
-impl<'a> Progress<'a> {
+impl<'a> ProgressLines<'a> {
     fn new(what: &'a str, total_bytes: u64, log: &'a (dyn Fn(&str) + Sync)) -> Self {
         let now = Instant::now();
         log(&format!(
             "{what}: tokenizing {:.1} MB",
             total_bytes as f64 / 1e6
         ));
-        Progress {
+        ProgressLines {
             what,
             total_bytes,
             log,

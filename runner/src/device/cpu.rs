@@ -8,7 +8,7 @@ use kernels::attention::AttentionDims;
 use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{self as k, Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::RopeDims;
-use kernels::{attention, crossentropy, encoder, gelu, layernorm, matmul, norm, residual};
+use kernels::{attention, crossentropy, encoder, gelu, grad_norm, layernorm, matmul, residual};
 use kernels::{rmsnorm, rope, swiglu};
 
 use super::{Adam8bitState, Device, Elem, Moment, Num};
@@ -295,7 +295,7 @@ impl Device for Cpu {
 
     #[inline]
     fn sum_squares<X: Num>(&self, x: &[X]) -> Result<f64, Error> {
-        Ok(norm::sum_squares(x))
+        Ok(grad_norm::sum_squares(x))
     }
 
     #[inline]

@@ -41,7 +41,7 @@ impl Cuda {
         let dev = k::Gpu::new(ordinal)?;
         let scratch = Scratch {
             total: dev.zeros(1)?,
-            parts: dev.zeros(k::norm::sum_squares_parts_len())?,
+            parts: dev.zeros(k::grad_norm::sum_squares_parts_len())?,
             row_mean: dev.zeros(1)?,
         };
         Ok(Cuda {
@@ -486,7 +486,7 @@ impl Device for Cuda {
     fn sum_squares<X: Num>(&self, x: CudaView<'_, X>) -> Result<f64, Error> {
         let mut s = self.scratch();
         let Scratch { total, parts, .. } = &mut *s;
-        k::norm::sum_squares(
+        k::grad_norm::sum_squares(
             &self.dev,
             &mut total.as_view_mut(),
             &mut parts.as_view_mut(),

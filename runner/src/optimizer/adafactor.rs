@@ -12,9 +12,9 @@ use scheduler::spec::AdaFactor;
 use super::{Slices, Step, f32s, pieces};
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
-use crate::checkpoint::StateTensor;
 use crate::comm::Communicator;
 use crate::device::{Device, Moment, Num};
+use crate::state_tensor::StateTensor;
 
 pub(super) struct Adafactor<D: Device> {
     hp: AdaFactor,

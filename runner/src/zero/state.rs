@@ -9,9 +9,10 @@ use scheduler::spec::ZeroStage;
 use super::Engine;
 use super::layout::{Part, ShardLayout};
 use crate::Error;
-use crate::checkpoint::{self, StateTensor};
+use crate::checkpoint;
 use crate::comm::{DeviceCollectives, Summable};
 use crate::device::Num;
+use crate::state_tensor::{self, StateTensor};
 use wire::artifact::Artifact;
 
 impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
@@ -31,7 +32,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
         self.comm.barrier()?;
         let (dev, state) = self.state();
-        let file = checkpoint::on_host(dev, state, |t| checkpoint::write_rank(&tmp, rank, t))??;
+        let file = state_tensor::on_host(dev, state, |t| checkpoint::write_rank(&tmp, rank, t))??;
         if let Some(up) = upload {
             up.upload(Artifact::Rank { step, rank }, &file)?;
         }
@@ -50,7 +51,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     pub fn load_rank(&mut self, dir: &std::path::Path) -> Result<(), Error> {
         let rank = self.comm.rank();
         let (dev, state) = self.state();
-        checkpoint::on_host(dev, state, |t| checkpoint::load_rank(dir, rank, t))?
+        state_tensor::on_host(dev, state, |t| checkpoint::load_rank(dir, rank, t))?
     }
 
     /// This rank's persistent buffers, named for checkpoints: parameters, master weights and
@@ -105,7 +106,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             .iter()
             .map(|t| placement(&t.name, &units, &layout).map_err(&fail))
             .collect::<Result<Vec<_>, _>>()?;
-        checkpoint::on_host(dev, tensors, |tensors| {
+        state_tensor::on_host(dev, tensors, |tensors| {
             reshard(dir, tensors, &targets, &old_units, &old_layouts)
         })?
     }

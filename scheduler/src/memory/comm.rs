@@ -15,7 +15,7 @@
 use serde::Serialize;
 
 use super::Setup;
-use super::optimizer::ADAFACTOR_SUM_LIMBS;
+use crate::kernel_figures::ADAFACTOR_SUM_LIMBS;
 use crate::model::Units;
 use crate::spec::{Optimizer, ZeroStage};
 

@@ -14,6 +14,7 @@ use serde::ser::SerializeStruct;
 use serde::{Deserialize, Serialize, Serializer};
 use strum::{EnumString, IntoStaticStr, VariantArray};
 
+use crate::kernel_figures::CUDA_GEMM_RESIDENT_BYTES;
 use crate::model::ModelShape;
 use crate::spec::{Architecture, Dtype, JobSpec, MAX_SYNTHETIC_VOCAB, Optimizer, ZeroStage};
 
@@ -82,11 +83,6 @@ pub enum DeviceKind {
     Cpu,
     Cuda,
 }
-
-/// What the CUDA back end's GEMMs hold per GPU for its life: cuBLASLt's 32 MiB workspace and
-/// the 32 MiB staging buffer f32 gradients are rounded in (`kernels::cuda::matmul::
-/// resident_bytes`, which runner's device tests compare with this).
-pub const CUDA_GEMM_RESIDENT_BYTES: u64 = 64 << 20;
 
 /// CUDA context, loaded kernel modules, NCCL channel buffers and a few KiB of reduction
 /// scratch per GPU: an allowance until it is measured on the GPU machines.

@@ -1,5 +1,6 @@
 //! Optimizer state bytes beyond the fp32 master weights.
 
+use crate::kernel_figures::ADAFACTOR_SUM_LIMBS;
 use crate::model::{TensorDims, Unit, Units};
 use crate::spec::{Adam8bit, Optimizer};
 
@@ -16,10 +17,6 @@ pub(super) fn per_element_bytes(opt: &Optimizer) -> u64 {
         Optimizer::Adam8bit(_) => 2,
     }
 }
-
-/// f64 limbs per exact Adafactor sum (`kernels::optim::LIMBS`): partial sums of g² taken over
-/// any split of a matrix add up to the same bits, so sharded and whole steps agree exactly.
-pub const ADAFACTOR_SUM_LIMBS: usize = 12;
 
 /// Optimizer state bytes of rank `rank` for a model laid out as `units`. Adafactor keeps its
 /// factored statistics (rows + cols of every matrix, `Units::factored_len`) on every rank (they

@@ -11,6 +11,8 @@
 //! Constants: the growth after start and each thread's stack. Planning, before a node is
 //! known, uses [`CpuProcess::PLANNING`].
 
+use crate::kernel_figures::gemm_workspace;
+
 /// Resident bytes a process gains after it starts that no buffer accounts for: code pages
 /// first touched by training, the allocator's per-thread arenas, the ranks' and the agent's
 /// small allocations. Measured: gpt2-124M fp32 on one rank peaked 16.7 MB over its accounted
@@ -45,11 +47,8 @@ impl CpuProcess {
         resident_at_start: 16 << 20,
         threads: 16,
         ranks: 1,
-        gemm_per_thread: 2 << 20,
-        // `kernels::matmul::gemm_workspace_for` such cores (a runner test holds them equal):
-        // a depth block of 512 of 512 rows and a panel's rounding (64) in f32, and two
-        // L2-sized panels of the other operand.
-        gemm_per_call: 4 * 512 * (512 + 64) + 2 * (2 << 20),
+        gemm_per_thread: gemm_workspace(2 << 20).0,
+        gemm_per_call: gemm_workspace(2 << 20).1,
     };
 
     /// Resident bytes outside the accounted buffers.

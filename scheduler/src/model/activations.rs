@@ -4,64 +4,8 @@
 
 use serde::Serialize;
 
-use super::GptShape;
-
-/// Every tensor the trainer allocates per micro-batch, named for its role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ActivationTensor {
-    // Saved by each block's forward for its backward.
-    /// (B, T, C) first LayerNorm output.
-    Ln1,
-    /// (B, T) fp32 statistics of the first LayerNorm.
-    Ln1Mean,
-    Ln1Rstd,
-    /// (B, T, 3C) query, key, value.
-    Qkv,
-    /// (B, NH, T) fp32 log-sum-exp of each query row's scores: all the attention backward
-    /// needs of the probabilities, which it recomputes tile by tile.
-    AttLse,
-    /// (B, T, C) attention output before its projection.
-    AttY,
-    /// (B, T, C) residual stream after attention.
-    Res2,
-    /// (B, T, C) second LayerNorm output.
-    Ln2,
-    Ln2Mean,
-    Ln2Rstd,
-    /// (B, T, 4C) MLP pre-activation.
-    Fch,
-    /// (B, T, 4C) MLP GELU output.
-    FchGelu,
-    /// (B, T, C) block output: the next block's input. The only per-block tensor kept under
-    /// activation checkpointing.
-    Res3,
-    // Saved once.
-    /// (B, T, C) token + position embedding: block 0's input.
-    Encoded,
-    /// (B, T, C) final LayerNorm output and its fp32 statistics.
-    Lnf,
-    LnfMean,
-    LnfRstd,
-    // Backward scratch, reused by every block.
-    /// (B, T, C) gradient of the residual stream.
-    DResidual,
-    /// (B, T, C) gradient of a LayerNorm output or of the attention output.
-    DChannels,
-    /// (B, T, 4C) gradient of the MLP hidden layer, then of qkv.
-    DWide,
-    /// (B, NH, T) fp32 `rowsum(dout ∘ out)` of each query row, the attention backward's scratch.
-    AttDelta,
-    // Buffers.
-    /// (rows, V) fp32 logits of one chunk of [`loss_chunk_rows`] tokens, overwritten in place
-    /// by their gradient.
-    Logits,
-    /// (B, T) fp32 per-token losses.
-    Losses,
-    /// (B, T) input token ids.
-    Inputs,
-    /// (B, T) target token ids.
-    Targets,
-}
+use super::{ActivationTensor, GptShape};
+use crate::kernel_figures::{MATMUL_SCRATCH_F32, matmul_packs_f32};
 
 /// How an activation tensor's elements are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,100 +22,6 @@ impl Element {
             Element::Compute => compute_bytes,
             Element::F32 | Element::U32 => 4,
         }
-    }
-}
-
-impl ActivationTensor {
-    /// Tensors saved per block (all of them unless activation checkpointing is on).
-    pub const BLOCK: [ActivationTensor; 13] = [
-        Self::Ln1,
-        Self::Ln1Mean,
-        Self::Ln1Rstd,
-        Self::Qkv,
-        Self::AttLse,
-        Self::AttY,
-        Self::Res2,
-        Self::Ln2,
-        Self::Ln2Mean,
-        Self::Ln2Rstd,
-        Self::Fch,
-        Self::FchGelu,
-        Self::Res3,
-    ];
-    /// Tensors held once per step.
-    pub const ONCE: [ActivationTensor; 12] = [
-        Self::Encoded,
-        Self::Lnf,
-        Self::LnfMean,
-        Self::LnfRstd,
-        Self::DResidual,
-        Self::DChannels,
-        Self::DWide,
-        Self::AttDelta,
-        Self::Logits,
-        Self::Losses,
-        Self::Inputs,
-        Self::Targets,
-    ];
-
-    /// Number of elements for a micro-batch of `b` sequences of `t` tokens.
-    pub fn len(self, s: &GptShape, b: usize, t: usize) -> usize {
-        let (c, tokens) = (s.n_embd, b * t);
-        match self {
-            Self::Ln1Mean
-            | Self::Ln1Rstd
-            | Self::Ln2Mean
-            | Self::Ln2Rstd
-            | Self::LnfMean
-            | Self::LnfRstd
-            | Self::Losses
-            | Self::Inputs
-            | Self::Targets => tokens,
-            Self::AttLse | Self::AttDelta => tokens * s.n_head,
-            Self::Ln1
-            | Self::AttY
-            | Self::Res2
-            | Self::Ln2
-            | Self::Res3
-            | Self::Encoded
-            | Self::Lnf
-            | Self::DResidual
-            | Self::DChannels => tokens * c,
-            Self::Qkv => tokens * 3 * c,
-            Self::Fch | Self::FchGelu | Self::DWide => tokens * 4 * c,
-            Self::Logits => loss_chunk_rows(tokens, s.vocab_size) * s.vocab_size,
-        }
-    }
-
-    pub fn element(self) -> Element {
-        match self {
-            Self::Ln1Mean
-            | Self::Ln1Rstd
-            | Self::Ln2Mean
-            | Self::Ln2Rstd
-            | Self::LnfMean
-            | Self::LnfRstd
-            | Self::AttLse
-            | Self::AttDelta
-            | Self::Logits
-            | Self::Losses => Element::F32,
-            Self::Inputs | Self::Targets => Element::U32,
-            _ => Element::Compute,
-        }
-    }
-
-    /// Logits and token ids count as buffers; everything else as activations.
-    pub fn is_buffer(self) -> bool {
-        matches!(
-            self,
-            Self::Logits | Self::Losses | Self::Inputs | Self::Targets
-        )
-    }
-
-    /// How many copies a step holds: per-block tensors once per layer, or, under activation
-    /// checkpointing, block outputs once per layer plus one block's worth to recompute into.
-    pub fn copies(self, s: &GptShape, checkpointing: bool) -> usize {
-        copies(self, s, checkpointing)
     }
 }
 
@@ -196,30 +46,6 @@ pub trait StepTensors: Copy + PartialEq + 'static {
     /// The widest input or output of a block's matmuls: with the micro-batch's tokens, the
     /// deepest product of a step ([`matmul_depth`]).
     fn widest(s: &Self::Shape) -> usize;
-}
-
-impl StepTensors for ActivationTensor {
-    type Shape = GptShape;
-    const PER_BLOCK: &'static [Self] = &Self::BLOCK;
-    const PER_STEP: &'static [Self] = &Self::ONCE;
-    const BLOCK_OUTPUT: Self = Self::Res3;
-    const ATTENTION: [Self; 2] = [Self::AttLse, Self::AttDelta];
-    const LOGITS: Self = Self::Logits;
-    fn elements(self, s: &GptShape, b: usize, t: usize) -> usize {
-        self.len(s, b, t)
-    }
-    fn stored_as(self) -> Element {
-        self.element()
-    }
-    fn buffer(self) -> bool {
-        self.is_buffer()
-    }
-    fn layers(s: &GptShape) -> usize {
-        s.n_layer
-    }
-    fn widest(s: &GptShape) -> usize {
-        4 * s.n_embd
-    }
 }
 
 /// Copies of `tensor` a step holds (see `ActivationTensor::copies`).
@@ -295,10 +121,6 @@ pub fn loss_chunk_rows(tokens: usize, v: usize) -> usize {
     (LOSS_CHUNK_BYTES / (4 * v.max(1))).max(64).min(tokens)
 }
 
-/// f32 scratch the matrix multiplications widen fp16/bf16 tiles into: enough for the kernels'
-/// full tiles (512×1024 inputs, 1024×1024 weights, 512×1024 outputs). fp32 needs none.
-pub const MATMUL_SCRATCH_F32: usize = 1 << 21;
-
 /// The deepest product of a step of `b` × `t` tokens: the weight gradients' (depth: the
 /// tokens), or a block's widest layer's.
 pub fn matmul_depth<A: StepTensors>(s: &A::Shape, b: usize, t: usize) -> usize {
@@ -306,11 +128,10 @@ pub fn matmul_depth<A: StepTensors>(s: &A::Shape, b: usize, t: usize) -> usize {
 }
 
 /// f32 scratch of the CPU matmuls when no product is deeper than `depth`: the widening tiles
-/// ([`MATMUL_SCRATCH_F32`]), or the bf16 dot-product kernels' packs of one B panel and one
-/// row block where those are larger (past 65,536 of depth): 64 dwords per pair on AMX, the
-/// larger of its two engines, for whole steps of 32 (`kernels::matmul::packs_len`).
+/// ([`MATMUL_SCRATCH_F32`]), or the bf16 dot-product kernels' packs where those are larger
+/// (past 65,536 of depth).
 pub fn matmul_scratch_f32(depth: usize) -> usize {
-    MATMUL_SCRATCH_F32.max(1024 * depth.div_ceil(32))
+    MATMUL_SCRATCH_F32.max(matmul_packs_f32(depth))
 }
 
 /// Bytes of the CPU matmuls' scratch for a compute dtype of `compute_bytes` and products up

@@ -6,101 +6,21 @@
 //! drift apart; `ModelShape` is the one place a family is told from another.
 
 mod activations;
+mod gpt;
 mod llama;
 mod params;
 
 pub use activations::{
-    ActivationTensor, Activations, Element, LOSS_CHUNK_BYTES, MATMUL_SCRATCH_F32, StepScratch,
-    StepTensors, loss_chunk_rows, matmul_depth, matmul_scratch_bytes, matmul_scratch_f32,
+    Activations, Element, LOSS_CHUNK_BYTES, StepScratch, StepTensors, loss_chunk_rows,
+    matmul_depth, matmul_scratch_bytes, matmul_scratch_f32,
 };
+pub use gpt::{ActivationTensor, GptShape, Preset, TensorKind};
 pub use llama::{
     Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
 };
-pub use params::{
-    ParamTensor, SHARD_ALIGN, TensorDims, TensorInit, TensorKind, Unit, UnitKind, Units,
-};
+pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorInit, Unit, UnitKind, Units};
 
-use serde::{Deserialize, Serialize};
-
-/// Hyper-parameters of a GPT-2 model (Hugging Face `GPT2Config` names).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GptShape {
-    /// V: vocabulary size (50257 for GPT-2's BPE; not padded).
-    pub vocab_size: usize,
-    /// maxT: number of learned positions.
-    pub context_length: usize,
-    /// L: transformer blocks.
-    pub n_layer: usize,
-    /// NH: attention heads; must divide `n_embd`.
-    pub n_head: usize,
-    /// C: channels.
-    pub n_embd: usize,
-}
-
-impl GptShape {
-    /// Exact number of trainable parameters (LM head tied to the token embedding).
-    pub fn parameter_count(&self) -> u64 {
-        Units::new(self, 1).iter().map(|u| u.len as u64).sum()
-    }
-
-    /// Channels per attention head.
-    pub fn head_size(&self) -> usize {
-        self.n_embd / self.n_head
-    }
-}
-
-/// The most channels per attention head the trainer runs (`kernels::attention::MAX_HEAD_SIZE`,
-/// which a runner test compares with this): admission refuses a wider head for training.
-pub const MAX_HEAD_SIZE: usize = 256;
-
-/// Named model sizes, following the GPT-2 family (`gpt2-tiny` is a test-sized model).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Preset {
-    #[serde(rename = "gpt2-tiny")]
-    Tiny,
-    #[serde(rename = "gpt2-124M")]
-    Gpt2Small,
-    #[serde(rename = "gpt2-350M")]
-    Gpt2Medium,
-    #[serde(rename = "gpt2-774M")]
-    Gpt2Large,
-    #[serde(rename = "gpt2-1558M")]
-    Gpt2Xl,
-}
-
-impl Preset {
-    pub const ALL: [Preset; 5] = [
-        Preset::Tiny,
-        Preset::Gpt2Small,
-        Preset::Gpt2Medium,
-        Preset::Gpt2Large,
-        Preset::Gpt2Xl,
-    ];
-
-    pub fn shape(self) -> GptShape {
-        let gpt2 = |n_layer, n_head, n_embd| GptShape {
-            vocab_size: 50257,
-            context_length: 1024,
-            n_layer,
-            n_head,
-            n_embd,
-        };
-        match self {
-            Preset::Tiny => GptShape {
-                vocab_size: 512,
-                context_length: 128,
-                n_layer: 2,
-                n_head: 4,
-                n_embd: 64,
-            },
-            Preset::Gpt2Small => gpt2(12, 12, 768),
-            Preset::Gpt2Medium => gpt2(24, 16, 1024),
-            Preset::Gpt2Large => gpt2(36, 20, 1280),
-            Preset::Gpt2Xl => gpt2(48, 25, 1600),
-        }
-    }
-}
+use serde::Serialize;
 
 /// A model of a family zerotrain describes exactly: the family and its shape.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,38 +5,11 @@
 
 use std::ops::Range;
 
-use super::GptShape;
+use super::TensorKind;
 
 /// Shards start on multiples of this many elements (64 bytes of fp32), so every shard of every
 /// dtype is SIMD-aligned relative to its buffer.
 pub const SHARD_ALIGN: usize = 16;
-
-/// The kinds of parameter tensors of GPT-2, in Hugging Face state-dict order within a unit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TensorKind {
-    /// (V, C) token embedding, also the LM head (tied).
-    Wte,
-    /// (maxT, C) position embedding.
-    Wpe,
-    Ln1Weight,
-    Ln1Bias,
-    /// (C, 3C) query/key/value projection, used as x·W + b.
-    AttnWeight,
-    AttnBias,
-    /// (C, C) attention output projection.
-    AttnProjWeight,
-    AttnProjBias,
-    Ln2Weight,
-    Ln2Bias,
-    /// (C, 4C) MLP expansion.
-    FcWeight,
-    FcBias,
-    /// (4C, C) MLP contraction.
-    FcProjWeight,
-    FcProjBias,
-    LnfWeight,
-    LnfBias,
-}
 
 /// Dimensions of a parameter tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,95 +33,6 @@ impl TensorDims {
             TensorDims::Vector(n) => vec![n],
             TensorDims::Matrix(r, c) => vec![r, c],
         }
-    }
-}
-
-impl TensorKind {
-    pub const EMBEDDINGS: [TensorKind; 2] = [TensorKind::Wte, TensorKind::Wpe];
-    pub const BLOCK: [TensorKind; 12] = [
-        TensorKind::Ln1Weight,
-        TensorKind::Ln1Bias,
-        TensorKind::AttnWeight,
-        TensorKind::AttnBias,
-        TensorKind::AttnProjWeight,
-        TensorKind::AttnProjBias,
-        TensorKind::Ln2Weight,
-        TensorKind::Ln2Bias,
-        TensorKind::FcWeight,
-        TensorKind::FcBias,
-        TensorKind::FcProjWeight,
-        TensorKind::FcProjBias,
-    ];
-    pub const FINAL_NORM: [TensorKind; 2] = [TensorKind::LnfWeight, TensorKind::LnfBias];
-
-    pub fn dims(self, s: &GptShape) -> TensorDims {
-        let c = s.n_embd;
-        match self {
-            TensorKind::Wte => TensorDims::Matrix(s.vocab_size, c),
-            TensorKind::Wpe => TensorDims::Matrix(s.context_length, c),
-            TensorKind::AttnWeight => TensorDims::Matrix(c, 3 * c),
-            TensorKind::AttnBias => TensorDims::Vector(3 * c),
-            TensorKind::AttnProjWeight => TensorDims::Matrix(c, c),
-            TensorKind::FcWeight => TensorDims::Matrix(c, 4 * c),
-            TensorKind::FcBias => TensorDims::Vector(4 * c),
-            TensorKind::FcProjWeight => TensorDims::Matrix(4 * c, c),
-            TensorKind::Ln1Weight
-            | TensorKind::Ln1Bias
-            | TensorKind::AttnProjBias
-            | TensorKind::Ln2Weight
-            | TensorKind::Ln2Bias
-            | TensorKind::FcProjBias
-            | TensorKind::LnfWeight
-            | TensorKind::LnfBias => TensorDims::Vector(c),
-        }
-    }
-
-    /// Weight decay applies to matrices (embeddings and linear weights), not to biases or
-    /// LayerNorm parameters: the nanoGPT / llm.c rule.
-    pub fn decayed(self, s: &GptShape) -> bool {
-        matches!(self.dims(s), TensorDims::Matrix(..))
-    }
-
-    /// GPT-2's initialisation: weights N(0, 0.02), the residual projections N(0, 0.02/√(2L)),
-    /// biases 0, LayerNorm weights 1.
-    pub fn init(self, s: &GptShape) -> TensorInit {
-        let std = 0.02;
-        match self {
-            TensorKind::Ln1Weight | TensorKind::Ln2Weight | TensorKind::LnfWeight => {
-                TensorInit::Ones
-            }
-            k if !k.decayed(s) => TensorInit::Zeros,
-            TensorKind::AttnProjWeight | TensorKind::FcProjWeight => TensorInit::Normal {
-                std: std / (2.0 * s.n_layer as f64).sqrt(),
-            },
-            _ => TensorInit::Normal { std },
-        }
-    }
-
-    /// The Hugging Face `GPT2LMHeadModel` state-dict name, without the `transformer.` prefix.
-    pub fn hf_name(self, layer: Option<usize>) -> String {
-        let local = match self {
-            TensorKind::Wte => return "wte.weight".into(),
-            TensorKind::Wpe => return "wpe.weight".into(),
-            TensorKind::LnfWeight => return "ln_f.weight".into(),
-            TensorKind::LnfBias => return "ln_f.bias".into(),
-            TensorKind::Ln1Weight => "ln_1.weight",
-            TensorKind::Ln1Bias => "ln_1.bias",
-            TensorKind::AttnWeight => "attn.c_attn.weight",
-            TensorKind::AttnBias => "attn.c_attn.bias",
-            TensorKind::AttnProjWeight => "attn.c_proj.weight",
-            TensorKind::AttnProjBias => "attn.c_proj.bias",
-            TensorKind::Ln2Weight => "ln_2.weight",
-            TensorKind::Ln2Bias => "ln_2.bias",
-            TensorKind::FcWeight => "mlp.c_fc.weight",
-            TensorKind::FcBias => "mlp.c_fc.bias",
-            TensorKind::FcProjWeight => "mlp.c_proj.weight",
-            TensorKind::FcProjBias => "mlp.c_proj.bias",
-        };
-        format!(
-            "h.{}.{local}",
-            layer.expect("block tensors belong to a layer")
-        )
     }
 }
 
@@ -249,18 +133,6 @@ pub struct Units<K = TensorKind> {
     units: Vec<Unit<K>>,
     /// The LM head is the token embedding: the embeddings unit is used at both ends of a step.
     tied: bool,
-}
-
-impl Units {
-    pub fn new(shape: &GptShape, world_size: usize) -> Units {
-        let with_dims = |kinds: &[TensorKind]| kinds.iter().map(|&k| (k, k.dims(shape))).collect();
-        let mut units = vec![(UnitKind::Embeddings, with_dims(&TensorKind::EMBEDDINGS))];
-        units.extend(
-            (0..shape.n_layer).map(|l| (UnitKind::Block(l), with_dims(&TensorKind::BLOCK))),
-        );
-        units.push((UnitKind::FinalNorm, with_dims(&TensorKind::FINAL_NORM)));
-        Units::lay_out(units, true, world_size)
-    }
 }
 
 impl<K> Units<K> {
@@ -417,22 +289,5 @@ mod tests {
                 assert_eq!(last.range().end, u.len);
             }
         }
-    }
-
-    #[test]
-    fn hugging_face_names_follow_gpt2_state_dict() {
-        assert_eq!(
-            TensorKind::AttnWeight.hf_name(Some(3)),
-            "h.3.attn.c_attn.weight"
-        );
-        assert_eq!(TensorKind::Wte.hf_name(None), "wte.weight");
-        assert_eq!(TensorKind::LnfBias.hf_name(None), "ln_f.bias");
-    }
-
-    #[test]
-    fn only_matrices_are_decayed() {
-        let s = Preset::Tiny.shape();
-        assert!(TensorKind::Wte.decayed(&s) && TensorKind::FcProjWeight.decayed(&s));
-        assert!(!TensorKind::AttnBias.decayed(&s) && !TensorKind::Ln1Weight.decayed(&s));
     }
 }

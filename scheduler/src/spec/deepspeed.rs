@@ -13,7 +13,7 @@ use super::{
     LrSchedule, ModelSpec, Momentum, Optimizer, Parsed, Precision, Sgd, Training, WarmupType, Zero,
     ZeroStage, from_value,
 };
-use crate::error::Error;
+use crate::error::{Error, FieldError, Problems};
 use crate::memory::DeviceKind;
 use crate::spec::Dtype;
 
@@ -62,36 +62,34 @@ impl Default for Extra {
 }
 
 /// The job, and its `resume_from` as given: validation reads the checkpoint it names into the
-/// spec.
+/// spec. Each section's mistakes are reported together with the others'.
 pub(super) fn translate(value: Value) -> Result<(Parsed, Option<JobArtifact>), Error> {
     let job: DeepSpeedJob = from_value(value)?;
     let mut unsupported = Vec::new();
     let mut ds = Section::new("deepspeed".into(), job.deepspeed);
     let world = job.world_size;
 
+    let mut p = Problems::default();
     let mut training = Training {
         steps: job.training.steps,
         seq_len: job.training.seq_len,
         seed: job.training.seed,
-        grad_clip: ds.take("gradient_clipping")?.unwrap_or(0.0),
+        grad_clip: p
+            .note(ds.take::<f64>("gradient_clipping"))
+            .flatten()
+            .unwrap_or(0.0),
         lr_schedule: LrSchedule::Constant,
         ..Training::default()
     };
-    batch(&mut ds, world, &mut training)?;
-    let precision = precision(&mut ds, &mut unsupported)?;
-    let stage = match ds.section("zero_optimization")? {
-        Some(mut z) => {
-            let stage = z.take::<u64>("stage")?.unwrap_or(0);
-            let stage = ZeroStage::from_index(stage).ok_or_else(|| {
-                Error::spec(z.field("stage"), format!("stage {stage} does not exist"))
-            })?;
-            z.finish(&mut unsupported);
-            stage
-        }
-        None => ZeroStage::Ddp,
+    p.note(batch(&mut ds, world, &mut training));
+    let precision = p.note(precision(&mut ds, &mut unsupported));
+    let stage = p.note(zero_stage(&mut ds, &mut unsupported));
+    let optimizer = p.note(optimizer(&mut ds, &mut training, &mut unsupported));
+    p.note(scheduler(&mut ds, &mut training, &mut unsupported));
+    p.finish()?;
+    let (Some(precision), Some(stage), Some(optimizer)) = (precision, stage, optimizer) else {
+        unreachable!("a section that failed recorded its mistakes");
     };
-    let optimizer = optimizer(&mut ds, &mut training, &mut unsupported)?;
-    scheduler(&mut ds, &mut training, &mut unsupported)?;
     ds.finish(&mut unsupported);
 
     let parsed = Parsed {
@@ -114,6 +112,18 @@ pub(super) fn translate(value: Value) -> Result<(Parsed, Option<JobArtifact>), E
         unsupported_keys: unsupported,
     };
     Ok((parsed, job.resume_from))
+}
+
+/// `zero_optimization.stage` (0 without the section).
+fn zero_stage(ds: &mut Section, unsupported: &mut Vec<String>) -> Result<ZeroStage, Error> {
+    let Some(mut z) = ds.section("zero_optimization")? else {
+        return Ok(ZeroStage::Ddp);
+    };
+    let stage = z.take::<u64>("stage")?.unwrap_or(0);
+    let stage = ZeroStage::from_index(stage)
+        .ok_or_else(|| Error::spec(z.field("stage"), format!("stage {stage} does not exist")))?;
+    z.finish(unsupported);
+    Ok(stage)
 }
 
 /// DeepSpeed's batch rule: train_batch_size = micro × accumulation × world size; any two
@@ -219,9 +229,12 @@ fn precision(ds: &mut Section, unsupported: &mut Vec<String>) -> Result<Precisio
     }
     let dtype = match (fp16, bf16) {
         (true, true) => {
-            return Err(Error::spec(
-                "deepspeed.bf16.enabled",
-                "fp16 and bf16 cannot both be enabled",
+            let both = |(this, other)| FieldError {
+                field: format!("deepspeed.{this}"),
+                reason: format!("cannot be enabled together with deepspeed.{other}"),
+            };
+            return Err(Error::InvalidSpec(
+                [("fp16", "bf16"), ("bf16", "fp16")].map(both).into(),
             ));
         }
         (true, false) => Dtype::Fp16,

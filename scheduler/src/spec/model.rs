@@ -8,7 +8,8 @@ use serde_json::{Map, Value};
 
 use super::Purpose;
 use crate::error::{Error, Problems};
-use crate::model::{GptShape, LlamaPreset, LlamaShape, MAX_HEAD_SIZE, ModelShape, Preset};
+use crate::kernel_figures::MAX_HEAD_SIZE;
+use crate::model::{GptShape, LlamaPreset, LlamaShape, ModelShape, Preset};
 
 pub use hf_config::MODEL_TYPES;
 

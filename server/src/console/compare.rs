@@ -10,9 +10,9 @@ use serde_json::Value;
 
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
-use crate::app::AppState;
 use crate::domain::JobId;
 use crate::routes::jobs::find;
+use crate::state::AppState;
 
 /// Jobs one comparison shows at most.
 const MAX_JOBS: usize = 8;

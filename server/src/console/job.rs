@@ -8,15 +8,17 @@ use askama::Template;
 use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use scheduler::memory::Category;
+use std::collections::BTreeMap;
+
+use scheduler::memory::{Category, DeviceKind};
 
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
-use crate::app::AppState;
-use crate::domain::{JobId, LogLine, Role};
+use crate::domain::{JobId, LogLine, RankMemoryRecord, Role};
 use crate::error::ApiError;
 use crate::routes::jobs::get::detail;
-use crate::routes::jobs::metrics::job_metrics;
+use crate::routes::jobs::metrics::{JobMetrics, job_metrics};
+use crate::state::AppState;
 use wire::artifact::url_segment;
 
 /// Log lines a page shows before following.
@@ -33,6 +35,15 @@ struct HistoryRow {
 struct MemoryRow {
     category: &'static str,
     cells: Vec<(String, String)>,
+}
+
+/// The process that ran some of the job's ranks on a node: its peak resident set beside the
+/// memory model's total for those ranks with the process overhead counted once.
+struct ProcessRow {
+    node: String,
+    ranks: String,
+    measured: String,
+    predicted: String,
 }
 
 /// One file of the job: its name, where it downloads, size, step and SHA-256.
@@ -68,6 +79,7 @@ struct JobPage {
     history: Vec<HistoryRow>,
     ranks: Vec<u32>,
     memory: Vec<MemoryRow>,
+    processes: Vec<ProcessRow>,
     budgets: Vec<String>,
     comm: Vec<CommRow>,
     spec: String,
@@ -109,8 +121,11 @@ async fn load(
         })
         .collect();
     let (chosen, per_rank) = (&job.plan.chosen, &job.plan.per_rank_bytes);
+    // The process overhead is the process's, not a rank's: it is set beside the process's own
+    // peak (`processes`), not beside each rank's measured bytes.
     let memory = Category::ALL
         .iter()
+        .filter(|&&c| c != Category::Overhead)
         .map(|c| MemoryRow {
             category: c.name(),
             cells: metrics
@@ -179,6 +194,7 @@ async fn load(
             })
             .collect(),
         ranks: metrics.ranks.iter().map(|r| r.rank).collect(),
+        processes: process_rows(job.plan.device, &metrics),
         memory,
         budgets: metrics
             .ranks
@@ -199,6 +215,46 @@ async fn load(
         can_submit: caller.role.allows(Role::Submitter),
         id: job.id,
     })
+}
+
+/// A row per node that ran ranks on CPU devices (where the process's memory is the devices'),
+/// from the ranks' reports: the process's peak resident set against their predicted totals
+/// without overhead, plus the overhead once.
+fn process_rows(device: DeviceKind, metrics: &JobMetrics) -> Vec<ProcessRow> {
+    if device != DeviceKind::Cpu {
+        return Vec::new();
+    }
+    let mut nodes: BTreeMap<&str, Vec<&RankMemoryRecord>> = BTreeMap::new();
+    for r in &metrics.ranks {
+        let node = metrics
+            .devices
+            .iter()
+            .find(|d| d.rank == r.rank)
+            .map_or("—", |d| d.node_id.as_str());
+        nodes.entry(node).or_default().push(r);
+    }
+    nodes
+        .into_iter()
+        .map(|(node, ranks)| {
+            let overhead = ranks.iter().map(|r| r.predicted.overhead).max();
+            let predicted = ranks
+                .iter()
+                .map(|r| r.predicted.total() - r.predicted.overhead)
+                .sum::<u64>()
+                + overhead.unwrap_or(0);
+            let measured = ranks.iter().filter_map(|r| r.process_peak_rss_bytes).max();
+            ProcessRow {
+                node: node.to_string(),
+                ranks: ranks
+                    .iter()
+                    .map(|r| r.rank.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                measured: measured.map_or("—".into(), view::bytes),
+                predicted: view::bytes(predicted),
+            }
+        })
+        .collect()
 }
 
 /// `/jobs/{id}/log.txt`: every line, `seq<TAB>time<TAB>line`.

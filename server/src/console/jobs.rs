@@ -9,9 +9,9 @@ use serde::Deserialize;
 
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
-use crate::app::AppState;
 use crate::domain::{JobId, JobState};
 use crate::routes::jobs::list::{ListParams, page as list_page};
+use crate::state::AppState;
 use crate::store::JobSort;
 
 /// The page's query string: what `GET /v1/jobs` takes, empty fields meaning "any".

@@ -23,9 +23,9 @@ use axum::middleware;
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::get;
 
-use crate::app::AppState;
 use crate::auth::{Caller, Viewer};
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// The console's pages and assets (none of them in the OpenAPI document).
 pub fn routes() -> Router<AppState> {

@@ -7,9 +7,9 @@ use axum::response::Response;
 
 use super::view::{self, Layout};
 use super::{Signed, error_page, render};
-use crate::app::AppState;
 use crate::domain::{JobId, NodeId};
 use crate::error::ApiError;
+use crate::state::AppState;
 
 struct DeviceRow {
     index: usize,

@@ -10,9 +10,9 @@ use serde::Deserialize;
 
 use super::view::Layout;
 use super::{Signed, error_page, render};
-use crate::app::AppState;
 use crate::domain::{JobId, Role};
 use crate::routes::jobs::find;
+use crate::state::AppState;
 
 /// What a fresh editor holds: the smallest model, a few steps.
 const STARTER: &str = r#"{

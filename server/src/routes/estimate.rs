@@ -12,13 +12,13 @@ use scheduler::spec::{self, Auto, JobSpec, Purpose};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::{NodeId, NodeRecord};
 use crate::error::{ApiError, Problem};
 use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
 use crate::settings::Settings;
+use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Estimate {

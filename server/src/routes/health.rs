@@ -3,9 +3,9 @@
 
 use axum::extract::State;
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 use crate::store::StoreError;
 
 /// Liveness: the process serves requests.

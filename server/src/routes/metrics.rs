@@ -4,9 +4,9 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// Prometheus metrics: jobs by state, scheduling, HTTP requests, and running jobs' training
 /// series.

@@ -16,9 +16,9 @@ use utoipa::openapi::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::app::AppState;
 use crate::domain::NodeRecord;
 use crate::settings::Settings;
+use crate::state::AppState;
 use scheduler::inventory::{DeviceSlot, Inventory, Node};
 
 /// Every endpoint, and the OpenAPI document of exactly these. Each is registered through

@@ -5,10 +5,10 @@ use axum::extract::State;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::NodeRecord;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct NodeList {

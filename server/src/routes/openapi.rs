@@ -18,9 +18,9 @@ use utoipa::openapi::{
 };
 use utoipa::{Modify, OpenApi, PartialSchema, ToSchema};
 
-use crate::app::JobEvent;
 use crate::auth::Viewer;
 use crate::error::{PROBLEM_JSON, Problem};
+use crate::state::JobEvent;
 
 /// The document's frame: what `routes!` does not add.
 #[derive(OpenApi)]

@@ -11,11 +11,11 @@ use axum::response::{IntoResponse, Redirect, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::auth::bearer;
 use crate::domain::Role;
 use crate::error::{ApiError, Problem};
 use crate::session;
+use crate::state::AppState;
 
 /// The login page's form (`application/x-www-form-urlencoded`); other fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]

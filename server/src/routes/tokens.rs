@@ -8,10 +8,10 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::auth::{Admin, new_token};
 use crate::domain::{Role, TokenRecord};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 use crate::store::Revoked;
 
 /// Longest token name accepted.

@@ -17,10 +17,10 @@ use wire::agent::RefusalReason;
 use wire::artifact::Artifact;
 
 use super::reports::View;
-use crate::app::AppState;
 use crate::auth::AgentNode;
 use crate::domain::{Job, JobId, NodeId, NodeRecord};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 use crate::store::ArtifactRecord;
 
 /// One stored file of a job, as listed.

@@ -16,10 +16,10 @@ use wire::agent::{
 };
 use wire::artifact::Artifact;
 
-use crate::app::AppState;
 use crate::auth::AgentNode;
 use crate::domain::{Job, JobId, JobState, NodeId, NodeRecord};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 
 /// Heartbeat of a registered agent (its agent token).
 #[utoipa::path(

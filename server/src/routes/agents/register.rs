@@ -9,9 +9,9 @@ use axum::extract::rejection::JsonRejection;
 use axum::http::StatusCode;
 use wire::agent::{RegisterRequest, RegisterResponse};
 
-use crate::app::AppState;
 use crate::auth::{AgentJoin, new_token};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 use crate::store::token_hash;
 
 /// Register a runner agent (agent join token).

@@ -8,10 +8,10 @@ use std::collections::HashMap;
 
 use wire::agent::{Refusal, RefusalReason, Report};
 
-use crate::app::{App, JobEvent};
 use crate::artifacts;
 use crate::domain::{Job, JobId, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord};
 use crate::error::ApiError;
+use crate::state::{App, JobEvent};
 
 const LIVE: [JobState; 2] = [JobState::Scheduled, JobState::Running];
 

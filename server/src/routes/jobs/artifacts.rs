@@ -13,12 +13,12 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::artifacts;
 use crate::auth::Viewer;
 use crate::domain::JobId;
 use crate::error::{ApiError, Problem};
 use crate::routes::agents::artifacts::ArtifactView;
+use crate::state::AppState;
 use crate::store::ArtifactRecord;
 
 #[derive(Debug, Serialize, ToSchema)]

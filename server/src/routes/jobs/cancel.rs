@@ -4,10 +4,10 @@
 use axum::Json;
 use axum::extract::{Path, State};
 
-use crate::app::AppState;
 use crate::auth::Submitter;
 use crate::domain::{Job, JobId, JobState, Role};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 
 /// Cancel a job (its owner, or an admin).
 #[utoipa::path(

@@ -13,7 +13,6 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use wire::artifact::Artifact;
 
-use crate::app::AppState;
 use crate::artifacts;
 use crate::auth::Submitter;
 use crate::domain::{Job, JobId, JobState};
@@ -21,6 +20,7 @@ use crate::error::{ApiError, Problem};
 use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
 use crate::settings::Limits;
+use crate::state::AppState;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]

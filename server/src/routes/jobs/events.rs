@@ -8,10 +8,10 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::Stream;
 use utoipa::ToSchema;
 
-use crate::app::{AppState, JobEvent};
 use crate::auth::Viewer;
 use crate::domain::{Job, JobId, JobState};
 use crate::error::{ApiError, Problem};
+use crate::state::{AppState, JobEvent};
 
 /// One server-sent event of the stream (axum's `Event`s write it).
 #[derive(Debug, ToSchema)]

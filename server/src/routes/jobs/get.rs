@@ -5,10 +5,10 @@ use axum::extract::{Path, State};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::{Job, JobId, Transition};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobDetail {

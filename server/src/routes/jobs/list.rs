@@ -7,10 +7,10 @@ use axum::extract::{Query, State};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::{Job, JobId, JobState};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 use crate::store::{JobFilter, JobSort};
 
 const DEFAULT_LIMIT: u32 = 50;

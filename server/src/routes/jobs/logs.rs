@@ -17,10 +17,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 use utoipa::{IntoParams, ToSchema};
 
-use crate::app::{AppState, JobEvent};
 use crate::auth::Viewer;
 use crate::domain::{JobId, LogLine};
 use crate::error::{ApiError, Problem};
+use crate::state::{AppState, JobEvent};
 
 const PAGE: u32 = 1000;
 /// How often a follower looks at the store when nothing was announced (another replica may

@@ -7,10 +7,10 @@ use scheduler::memory::Breakdown;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::auth::Viewer;
 use crate::domain::{Job, JobId, JobState, NodeId, RankMemoryRecord, StepRecord};
 use crate::error::{ApiError, Problem};
+use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobMetrics {

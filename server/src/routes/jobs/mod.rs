@@ -11,9 +11,9 @@ pub mod logs;
 pub mod metrics;
 pub mod spec;
 
-use crate::app::App;
 use crate::domain::{Job, JobId};
 use crate::error::ApiError;
+use crate::state::App;
 
 /// The job `id`, or a 404.
 pub(crate) async fn find(app: &App, id: &JobId) -> Result<Job, ApiError> {

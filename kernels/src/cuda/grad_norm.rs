@@ -6,7 +6,7 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 use super::device::{THREADS, elementwise, launch};
 use super::{DeviceFloat, Error, Gpu};
 
-/// Partial sums of [`sum_squares`], as the CPU's `norm::sum_squares`.
+/// Partial sums of [`sum_squares`], as the CPU's `grad_norm::sum_squares`.
 const PARTS: usize = 256;
 
 /// `grad *= inv_scale` in place; sets `found_inf[0] = 1` when any result is inf or NaN (it is

@@ -74,7 +74,7 @@ enum Run {
     Ended(Instant),
 }
 
-pub(super) struct Session<'a> {
+pub(super) struct Registration<'a> {
     cfg: &'a AgentConfig,
     client: &'a Client,
     metrics: &'a AgentMetrics,
@@ -94,15 +94,15 @@ pub(super) struct Session<'a> {
     backoff: Option<ExponentialBackoff>,
 }
 
-impl<'a> Session<'a> {
+impl<'a> Registration<'a> {
     pub(super) fn new(
         cfg: &'a AgentConfig,
         client: &'a Client,
         metrics: &'a AgentMetrics,
         node: RegisterResponse,
-    ) -> Session<'a> {
+    ) -> Registration<'a> {
         let (tx, rx) = mpsc::channel();
-        Session {
+        Registration {
             cfg,
             client,
             metrics,
