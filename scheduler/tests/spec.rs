@@ -215,7 +215,7 @@ const INVALID: &[Invalid] = &[
     ),
     train(
         r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"type": "sgd", "momentum": 0.9}}"#,
-        "optimizer",
+        "optimizer.momentum",
         "unknown field `momentum`",
     ),
     train(
@@ -690,6 +690,10 @@ fn a_mistake_inside_an_array_names_the_array_not_its_block() {
             "optimizer.betas[1]",
         ),
         (r#"{"type": "adamw", "beta": 0.9}"#, "optimizer.beta"),
+        (
+            r#"{"type": "momentum", "nesterov": "yes"}"#,
+            "optimizer.nesterov",
+        ),
     ] {
         let json = format!(r#"{{"model": {{"preset": "gpt2-tiny"}}, "optimizer": {optimizer}}}"#);
         assert_eq!(
@@ -851,7 +855,7 @@ fn an_optimizer_without_type_is_adamw_with_the_fields_given() {
         r#"{"model": {"preset": "gpt2-tiny"}, "optimizer": {"momentum": 0.9}}"#,
         Purpose::Train,
     );
-    assert_eq!(fields, ["optimizer"]);
+    assert_eq!(fields, ["optimizer.momentum"]);
 }
 
 #[test]

@@ -331,7 +331,7 @@ pub fn read_json(json: &str) -> Result<serde_json::Value, Error> {
 
 /// Deserializes `value` as `T`, reporting the path of the first offending field.
 pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, Error> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
+    serde_path_to_error::deserialize(&value).map_err(|e| {
         let path = e.path().to_string();
         let reason = e.into_inner().to_string();
         // serde reports a missing field at its parent; name the field itself.
@@ -347,6 +347,14 @@ pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Resul
             None if path == "." => "spec".to_string(),
             None => path,
         };
+        // An internally tagged block is read whole before its variant is chosen, so serde names
+        // the block; read as its variant alone, the mistake is named at its field.
+        if field == "optimizer" || field.ends_with(".optimizer") {
+            let block = field.split('.').try_fold(&value, |v, key| v.get(key));
+            if let Some(inside) = block.and_then(|b| Optimizer::mistake_inside(b, &field)) {
+                return inside;
+            }
+        }
         Error::spec(field, reason)
     })
 }

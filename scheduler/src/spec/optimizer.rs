@@ -5,7 +5,10 @@
 use serde::{Deserialize, Serialize};
 use strum::{EnumDiscriminants, IntoStaticStr};
 
-use crate::error::Problems;
+use serde_json::Value;
+
+use super::from_value;
+use crate::error::{Error, Problems};
 
 #[derive(
     Debug, Clone, Copy, PartialEq, Serialize, Deserialize, IntoStaticStr, EnumDiscriminants,
@@ -26,6 +29,34 @@ pub enum Optimizer {
     Lion(Lion),
     Adafactor(AdaFactor),
     Adam8bit(Adam8bit),
+}
+
+impl Optimizer {
+    /// The mistakes of the `optimizer` block `block` (at `path`) read as the variant its `type`
+    /// names, each at its own field; `None` when the type is unknown or the variant reads.
+    pub(super) fn mistake_inside(block: &Value, path: &str) -> Option<Error> {
+        let mut fields = block.as_object()?.clone();
+        let kind: OptimizerKind = serde_json::from_value(fields.remove("type")?).ok()?;
+        let fields = Value::Object(fields);
+        let inside = match kind {
+            OptimizerKind::Sgd => from_value::<Sgd>(fields).err(),
+            OptimizerKind::Momentum => from_value::<Momentum>(fields).err(),
+            OptimizerKind::Adamw => from_value::<AdamW>(fields).err(),
+            OptimizerKind::Lion => from_value::<Lion>(fields).err(),
+            OptimizerKind::Adafactor => from_value::<AdaFactor>(fields).err(),
+            OptimizerKind::Adam8bit => from_value::<Adam8bit>(fields).err(),
+        }?;
+        let Error::InvalidSpec(mut errors) = inside else {
+            return None;
+        };
+        for e in &mut errors {
+            e.field = match e.field.as_str() {
+                "spec" => path.to_string(),
+                inner => format!("{path}.{inner}"),
+            };
+        }
+        Some(Error::InvalidSpec(errors))
+    }
 }
 
 impl Default for Optimizer {
