@@ -19,6 +19,227 @@ use scheduler::memory::DeviceKind;
 
 use crate::Error;
 
+/// The kernels every device runs with the shapes and semantics of the `kernels` function of
+/// the same name, one entry each (`module::name<generics>(arguments);`, typed as [`Device`]'s
+/// views): [`Device`] declares a method per entry and [`Cpu`] forwards each to that function,
+/// so a new kernel is its CPU function, its CUDA function (`Cuda`'s method) and one entry here.
+macro_rules! kernels {
+    ($then:ident) => {
+        $then! {
+            encoder::encoder_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                tokens: Self::View<'_, u32>,
+                wte: Self::View<'_, X>,
+                wpe: Option<Self::View<'_, X>>,
+                t: usize,
+                c: usize,
+            );
+            encoder::encoder_backward<X: Num>(
+                dwte: Self::ViewMut<'_, X>,
+                dwpe: Option<Self::ViewMut<'_, X>>,
+                dout: Self::View<'_, X>,
+                tokens: Self::View<'_, u32>,
+                t: usize,
+                c: usize,
+            );
+            layernorm::layernorm_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                mean: Self::ViewMut<'_, f32>,
+                rstd: Self::ViewMut<'_, f32>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                bias: Self::View<'_, X>,
+            );
+            layernorm::layernorm_backward<X: Num>(
+                dinp: Self::ViewMut<'_, X>,
+                dweight: Self::ViewMut<'_, X>,
+                dbias: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, X>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                mean: Self::View<'_, f32>,
+                rstd: Self::View<'_, f32>,
+            );
+            /// `scratch` is the CPU's f32 widening buffer (`kernels::matmul::scratch_len`).
+            matmul::matmul_forward<X: Num, Y: Num>(
+                out: Self::ViewMut<'_, Y>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                bias: Option<Self::View<'_, X>>,
+                layout: Layout,
+                mkn: (usize, usize, usize),
+                scratch: Self::ViewMut<'_, f32>,
+            );
+            matmul::matmul_backward<X: Num, G: Num>(
+                dinp: Self::ViewMut<'_, X>,
+                dweight: Self::ViewMut<'_, X>,
+                dbias: Option<Self::ViewMut<'_, X>>,
+                dout: Self::View<'_, G>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                layout: Layout,
+                mkn: (usize, usize, usize),
+                dinp_mode: DinpMode,
+                scratch: Self::ViewMut<'_, f32>,
+            );
+            attention::attention_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                lse: Self::ViewMut<'_, f32>,
+                qkv: Self::View<'_, X>,
+                d: AttentionDims,
+            );
+            attention::attention_backward<X: Num>(
+                dqkv: Self::ViewMut<'_, X>,
+                delta: Self::ViewMut<'_, f32>,
+                dout: Self::View<'_, X>,
+                qkv: Self::View<'_, X>,
+                out: Self::View<'_, X>,
+                lse: Self::View<'_, f32>,
+                d: AttentionDims,
+            );
+            attention::gqa_attention_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                lse: Self::ViewMut<'_, f32>,
+                q: Self::View<'_, X>,
+                k: Self::View<'_, X>,
+                v: Self::View<'_, X>,
+                d: AttentionDims,
+            );
+            attention::gqa_attention_backward<X: Num>(
+                dq: Self::ViewMut<'_, X>,
+                dk: Self::ViewMut<'_, X>,
+                dv: Self::ViewMut<'_, X>,
+                delta: Self::ViewMut<'_, f32>,
+                dout: Self::View<'_, X>,
+                q: Self::View<'_, X>,
+                k: Self::View<'_, X>,
+                v: Self::View<'_, X>,
+                out: Self::View<'_, X>,
+                lse: Self::View<'_, f32>,
+                d: AttentionDims,
+            );
+            rmsnorm::rmsnorm_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                rstd: Self::ViewMut<'_, f32>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                eps: f32,
+            );
+            rmsnorm::rmsnorm_backward<X: Num>(
+                dinp: Self::ViewMut<'_, X>,
+                dweight: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, X>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                rstd: Self::View<'_, f32>,
+            );
+            rope::rope_forward<X: Num>(
+                x: Self::ViewMut<'_, X>,
+                cos: Self::View<'_, f32>,
+                sin: Self::View<'_, f32>,
+                d: RopeDims,
+            );
+            rope::rope_backward<X: Num>(
+                dx: Self::ViewMut<'_, X>,
+                cos: Self::View<'_, f32>,
+                sin: Self::View<'_, f32>,
+                d: RopeDims,
+            );
+            swiglu::swiglu_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                gate: Self::View<'_, X>,
+                up: Self::View<'_, X>,
+            );
+            /// In place: `dup` holds ∂loss/∂out on entry.
+            swiglu::swiglu_backward<X: Num>(
+                dgate: Self::ViewMut<'_, X>,
+                dup: Self::ViewMut<'_, X>,
+                gate: Self::View<'_, X>,
+                up: Self::View<'_, X>,
+            );
+            gelu::gelu_forward<X: Num>(out: Self::ViewMut<'_, X>, inp: Self::View<'_, X>);
+            gelu::gelu_backward<X: Num>(grad: Self::ViewMut<'_, X>, inp: Self::View<'_, X>);
+            residual::residual_accumulate<X: Num>(acc: Self::ViewMut<'_, X>, x: Self::View<'_, X>);
+            crossentropy::crossentropy_forward(
+                losses: Self::ViewMut<'_, f32>,
+                logits: Self::ViewMut<'_, f32>,
+                targets: Self::View<'_, u32>,
+                v: usize,
+                dloss: Option<f32>,
+            );
+            k::decay(master: Self::ViewMut<'_, f32>, factor: f32);
+            k::sgd_step<X: Num>(
+                master: Self::ViewMut<'_, f32>,
+                grad: Self::View<'_, X>,
+                param_out: Option<Self::ViewMut<'_, X>>,
+                lr: f32,
+                grad_scale: f32,
+            );
+            k::momentum_step<X: Num>(
+                master: Self::ViewMut<'_, f32>,
+                grad: Self::View<'_, X>,
+                buf: Self::ViewMut<'_, f32>,
+                param_out: Option<Self::ViewMut<'_, X>>,
+                hp: &Momentum,
+                grad_scale: f32,
+            );
+            k::lion_step<X: Num>(
+                master: Self::ViewMut<'_, f32>,
+                grad: Self::View<'_, X>,
+                m: Self::ViewMut<'_, f32>,
+                param_out: Option<Self::ViewMut<'_, X>>,
+                hp: &Lion,
+                grad_scale: f32,
+            );
+            k::adamw_step<X: Num>(
+                master: Self::ViewMut<'_, f32>,
+                grad: Self::View<'_, X>,
+                m: Self::ViewMut<'_, f32>,
+                v: Self::ViewMut<'_, f32>,
+                param_out: Option<Self::ViewMut<'_, X>>,
+                hp: &AdamW,
+                step: u64,
+                grad_scale: f32,
+            );
+            k::adafactor_sq_sums<X: Num>(
+                grad: Self::View<'_, X>,
+                start: usize,
+                grad_scale: f32,
+                hp: &Adafactor,
+                row_sums: Self::ViewMut<'_, f64>,
+                col_sums: Self::ViewMut<'_, f64>,
+            );
+            k::adafactor_update_stats(
+                row: Self::ViewMut<'_, f32>,
+                col: Self::ViewMut<'_, f32>,
+                row_sums: Self::View<'_, f64>,
+                col_sums: Self::View<'_, f64>,
+                hp: &Adafactor,
+                step: u64,
+            );
+            k::adafactor_vector_ema<X: Num>(
+                v: Self::ViewMut<'_, f32>,
+                grad: Self::View<'_, X>,
+                grad_scale: f32,
+                hp: &Adafactor,
+                step: u64,
+                rms_sum: Self::ViewMut<'_, f64>,
+            );
+        }
+    };
+}
+
+/// A [`Device`] method declaration per entry of [`kernels!`].
+macro_rules! declare {
+    ($($(#[$attr:meta])* $module:ident::$name:ident $(<$($g:ident: $bound:ident),+>)? ($($arg:ident: $ty:ty),* $(,)?);)+) => {
+        $(
+            $(#[$attr])*
+            #[allow(clippy::too_many_arguments)]
+            fn $name $(<$($g: $bound),+>)? (&self, $($arg: $ty),*) -> Result<(), Error>;
+        )+
+    };
+}
+
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -106,222 +327,10 @@ pub trait Device: Sized + 'static {
     fn copy<T: Elem>(&self, dst: Self::ViewMut<'_, T>, src: Self::View<'_, T>)
     -> Result<(), Error>;
 
-    fn encoder_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        tokens: Self::View<'_, u32>,
-        wte: Self::View<'_, X>,
-        wpe: Option<Self::View<'_, X>>,
-        t: usize,
-        c: usize,
-    ) -> Result<(), Error>;
-    fn encoder_backward<X: Num>(
-        &self,
-        dwte: Self::ViewMut<'_, X>,
-        dwpe: Option<Self::ViewMut<'_, X>>,
-        dout: Self::View<'_, X>,
-        tokens: Self::View<'_, u32>,
-        t: usize,
-        c: usize,
-    ) -> Result<(), Error>;
-    fn layernorm_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        mean: Self::ViewMut<'_, f32>,
-        rstd: Self::ViewMut<'_, f32>,
-        inp: Self::View<'_, X>,
-        weight: Self::View<'_, X>,
-        bias: Self::View<'_, X>,
-    ) -> Result<(), Error>;
-    fn layernorm_backward<X: Num>(
-        &self,
-        dinp: Self::ViewMut<'_, X>,
-        dweight: Self::ViewMut<'_, X>,
-        dbias: Self::ViewMut<'_, X>,
-        dout: Self::View<'_, X>,
-        inp: Self::View<'_, X>,
-        weight: Self::View<'_, X>,
-        mean: Self::View<'_, f32>,
-        rstd: Self::View<'_, f32>,
-    ) -> Result<(), Error>;
-    /// `scratch` is the CPU's f32 widening buffer (`kernels::matmul::scratch_len`).
-    fn matmul_forward<X: Num, Y: Num>(
-        &self,
-        out: Self::ViewMut<'_, Y>,
-        inp: Self::View<'_, X>,
-        weight: Self::View<'_, X>,
-        bias: Option<Self::View<'_, X>>,
-        layout: Layout,
-        mkn: (usize, usize, usize),
-        scratch: Self::ViewMut<'_, f32>,
-    ) -> Result<(), Error>;
-    fn matmul_backward<X: Num, G: Num>(
-        &self,
-        dinp: Self::ViewMut<'_, X>,
-        dweight: Self::ViewMut<'_, X>,
-        dbias: Option<Self::ViewMut<'_, X>>,
-        dout: Self::View<'_, G>,
-        inp: Self::View<'_, X>,
-        weight: Self::View<'_, X>,
-        layout: Layout,
-        mkn: (usize, usize, usize),
-        dinp_mode: DinpMode,
-        scratch: Self::ViewMut<'_, f32>,
-    ) -> Result<(), Error>;
-    fn attention_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        lse: Self::ViewMut<'_, f32>,
-        qkv: Self::View<'_, X>,
-        d: AttentionDims,
-    ) -> Result<(), Error>;
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward<X: Num>(
-        &self,
-        dqkv: Self::ViewMut<'_, X>,
-        delta: Self::ViewMut<'_, f32>,
-        dout: Self::View<'_, X>,
-        qkv: Self::View<'_, X>,
-        out: Self::View<'_, X>,
-        lse: Self::View<'_, f32>,
-        d: AttentionDims,
-    ) -> Result<(), Error>;
-    #[allow(clippy::too_many_arguments)]
-    fn gqa_attention_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        lse: Self::ViewMut<'_, f32>,
-        q: Self::View<'_, X>,
-        k: Self::View<'_, X>,
-        v: Self::View<'_, X>,
-        d: AttentionDims,
-    ) -> Result<(), Error>;
-    #[allow(clippy::too_many_arguments)]
-    fn gqa_attention_backward<X: Num>(
-        &self,
-        dq: Self::ViewMut<'_, X>,
-        dk: Self::ViewMut<'_, X>,
-        dv: Self::ViewMut<'_, X>,
-        delta: Self::ViewMut<'_, f32>,
-        dout: Self::View<'_, X>,
-        q: Self::View<'_, X>,
-        k: Self::View<'_, X>,
-        v: Self::View<'_, X>,
-        out: Self::View<'_, X>,
-        lse: Self::View<'_, f32>,
-        d: AttentionDims,
-    ) -> Result<(), Error>;
-    fn rmsnorm_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        rstd: Self::ViewMut<'_, f32>,
-        inp: Self::View<'_, X>,
-        weight: Self::View<'_, X>,
-        eps: f32,
-    ) -> Result<(), Error>;
-    fn rmsnorm_backward<X: Num>(
-        &self,
-        dinp: Self::ViewMut<'_, X>,
-        dweight: Self::ViewMut<'_, X>,
-        dout: Self::View<'_, X>,
-        inp: Self::View<'_, X>,
-        weight: Self::View<'_, X>,
-        rstd: Self::View<'_, f32>,
-    ) -> Result<(), Error>;
-    fn rope_forward<X: Num>(
-        &self,
-        x: Self::ViewMut<'_, X>,
-        cos: Self::View<'_, f32>,
-        sin: Self::View<'_, f32>,
-        d: RopeDims,
-    ) -> Result<(), Error>;
-    fn rope_backward<X: Num>(
-        &self,
-        dx: Self::ViewMut<'_, X>,
-        cos: Self::View<'_, f32>,
-        sin: Self::View<'_, f32>,
-        d: RopeDims,
-    ) -> Result<(), Error>;
-    fn swiglu_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        gate: Self::View<'_, X>,
-        up: Self::View<'_, X>,
-    ) -> Result<(), Error>;
-    /// In place: `dup` holds ∂loss/∂out on entry.
-    fn swiglu_backward<X: Num>(
-        &self,
-        dgate: Self::ViewMut<'_, X>,
-        dup: Self::ViewMut<'_, X>,
-        gate: Self::View<'_, X>,
-        up: Self::View<'_, X>,
-    ) -> Result<(), Error>;
-    fn gelu_forward<X: Num>(
-        &self,
-        out: Self::ViewMut<'_, X>,
-        inp: Self::View<'_, X>,
-    ) -> Result<(), Error>;
-    fn gelu_backward<X: Num>(
-        &self,
-        grad: Self::ViewMut<'_, X>,
-        inp: Self::View<'_, X>,
-    ) -> Result<(), Error>;
-    fn residual_accumulate<X: Num>(
-        &self,
-        acc: Self::ViewMut<'_, X>,
-        x: Self::View<'_, X>,
-    ) -> Result<(), Error>;
-    fn crossentropy_forward(
-        &self,
-        losses: Self::ViewMut<'_, f32>,
-        logits: Self::ViewMut<'_, f32>,
-        targets: Self::View<'_, u32>,
-        v: usize,
-        dloss: Option<f32>,
-    ) -> Result<(), Error>;
-
     /// `Σ x²` in f64, on the host (the global norm's share of one buffer).
     fn sum_squares<X: Num>(&self, x: Self::View<'_, X>) -> Result<f64, Error>;
 
     // The optimizer updates of `kernels::optim`, gradients in the parameters' dtype.
-    fn decay(&self, master: Self::ViewMut<'_, f32>, factor: f32) -> Result<(), Error>;
-    fn sgd_step<X: Num>(
-        &self,
-        master: Self::ViewMut<'_, f32>,
-        grad: Self::View<'_, X>,
-        param_out: Option<Self::ViewMut<'_, X>>,
-        lr: f32,
-        grad_scale: f32,
-    ) -> Result<(), Error>;
-    fn momentum_step<X: Num>(
-        &self,
-        master: Self::ViewMut<'_, f32>,
-        grad: Self::View<'_, X>,
-        buf: Self::ViewMut<'_, f32>,
-        param_out: Option<Self::ViewMut<'_, X>>,
-        hp: &Momentum,
-        grad_scale: f32,
-    ) -> Result<(), Error>;
-    fn lion_step<X: Num>(
-        &self,
-        master: Self::ViewMut<'_, f32>,
-        grad: Self::View<'_, X>,
-        m: Self::ViewMut<'_, f32>,
-        param_out: Option<Self::ViewMut<'_, X>>,
-        hp: &Lion,
-        grad_scale: f32,
-    ) -> Result<(), Error>;
-    fn adamw_step<X: Num>(
-        &self,
-        master: Self::ViewMut<'_, f32>,
-        grad: Self::View<'_, X>,
-        m: Self::ViewMut<'_, f32>,
-        v: Self::ViewMut<'_, f32>,
-        param_out: Option<Self::ViewMut<'_, X>>,
-        hp: &AdamW,
-        step: u64,
-        grad_scale: f32,
-    ) -> Result<(), Error>;
     fn adam8bit_step<X: Num>(
         &self,
         master: Self::ViewMut<'_, f32>,
@@ -332,33 +341,6 @@ pub trait Device: Sized + 'static {
         step: u64,
         grad_scale: f32,
         block: usize,
-    ) -> Result<(), Error>;
-    fn adafactor_sq_sums<X: Num>(
-        &self,
-        grad: Self::View<'_, X>,
-        start: usize,
-        grad_scale: f32,
-        hp: &Adafactor,
-        row_sums: Self::ViewMut<'_, f64>,
-        col_sums: Self::ViewMut<'_, f64>,
-    ) -> Result<(), Error>;
-    fn adafactor_update_stats(
-        &self,
-        row: Self::ViewMut<'_, f32>,
-        col: Self::ViewMut<'_, f32>,
-        row_sums: Self::View<'_, f64>,
-        col_sums: Self::View<'_, f64>,
-        hp: &Adafactor,
-        step: u64,
-    ) -> Result<(), Error>;
-    fn adafactor_vector_ema<X: Num>(
-        &self,
-        v: Self::ViewMut<'_, f32>,
-        grad: Self::View<'_, X>,
-        grad_scale: f32,
-        hp: &Adafactor,
-        step: u64,
-        rms_sum: Self::ViewMut<'_, f64>,
     ) -> Result<(), Error>;
     fn adafactor_rms_sum<X: Num>(
         &self,
@@ -378,6 +360,8 @@ pub trait Device: Sized + 'static {
         hp: &Adafactor,
         grad_scale: f32,
     ) -> Result<(), Error>;
+
+    kernels!(declare);
 }
 
 /// 8-bit Adam's quantised moments and their per-block scales.
