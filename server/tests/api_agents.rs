@@ -5,7 +5,6 @@ use crate::api_helpers;
 // The Python environment helper of the end-to-end tests (tests/pyenv).
 use crate::pyenv;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,13 +12,11 @@ use api_helpers::*;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use futures::StreamExt;
-use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
 use scheduler::spec::{Auto, ZeroStage};
 use serde_json::json;
 use server::domain::{JobId, JobState};
 use tower::ServiceExt;
-use wire::Op;
 use wire::agent::{Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report};
 
 fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
@@ -45,27 +42,6 @@ fn validated(mut report: Report, loss: f64) -> Report {
         *validation_loss = Some(loss);
     }
     report
-}
-
-fn memory(job: &str, rank: usize) -> Report {
-    let b = Breakdown {
-        params: 1000,
-        grads: 500,
-        optimizer: 3000,
-        activations: 700,
-        buffers: 100,
-        overhead: 0,
-    };
-    Report::Memory {
-        job_id: job.into(),
-        attempt: 1,
-        rank,
-        measured: b,
-        comm_bytes_sent: BTreeMap::from([(Op::ReduceScatter, 4096), (Op::AllGather, 2048)]),
-        process_peak_rss_bytes: Some(123_456_789),
-        // What a rank on a GPU adds: the driver's figure for its device.
-        device_used_bytes: Some(9_000_000_000 + rank as u64),
-    }
 }
 
 #[tokio::test]
@@ -122,7 +98,7 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
     app.beat(&node, reports, running.clone()).await;
     assert_eq!(app.job(&id).await["state"], "running");
 
-    let reports = (0..4).map(|r| memory(&id, r)).collect();
+    let reports = (0..4).map(|r| memory_report(&id, r)).collect();
     app.beat(&node, reports, running.clone()).await;
 
     let m = app.get(&format!("/v1/jobs/{id}/metrics")).await.json();
@@ -579,7 +555,7 @@ async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_coun
             attempt: 1,
             step: 1,
         },
-        memory(&id, 0),
+        memory_report(&id, 0),
         Report::Failed {
             job_id: id.clone(),
             attempt: 1,
@@ -642,7 +618,7 @@ async fn a_node_without_rank_0_cannot_report_for_the_whole_job() {
             resumed_from: None,
         },
         step(&id, 1, 1, 0.5),
-        memory(&id, 1),
+        memory_report(&id, 1),
     ];
     let reply = app.beat(&follower, whole_job, vec![]).await;
     let not_rank_0 = RefusalReason::NotRank0;

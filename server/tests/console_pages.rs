@@ -7,9 +7,7 @@ use crate::api_helpers;
 use api_helpers::*;
 use axum::http::{Method, StatusCode, header};
 use scheduler::bytes::human;
-use scheduler::memory::Breakdown;
 use scheduler::plan::Plan;
-use wire::agent::Report;
 
 async fn page(app: &TestApp, path: &str, cookie: &str) -> Answer {
     let a = app.browser(Method::GET, path, cookie, None, None).await;
@@ -182,25 +180,8 @@ async fn the_job_page_sets_each_process_s_peak_beside_its_predicted_total_not_pe
     let id = app.submit_ok(&tiny_spec(2)).await;
     assert_eq!(app.schedule().await, 1);
     app.beat(&node, vec![], vec![]).await;
-    let measured = Breakdown {
-        params: 1000,
-        grads: 500,
-        optimizer: 3000,
-        activations: 700,
-        buffers: 100,
-        overhead: 0,
-    };
-    let memory = |rank| Report::Memory {
-        job_id: id.clone(),
-        attempt: 1,
-        rank,
-        measured,
-        comm_bytes_sent: Default::default(),
-        process_peak_rss_bytes: Some(123_456_789),
-        device_used_bytes: None,
-    };
-    app.beat(&node, vec![memory(0), memory(1)], vec![(id.clone(), 1)])
-        .await;
+    let reports = vec![memory_report(&id, 0), memory_report(&id, 1)];
+    app.beat(&node, reports, vec![(id.clone(), 1)]).await;
     let plan: Plan = serde_json::from_value(app.job(&id).await["plan"].clone()).unwrap();
     let per_rank = plan.per_rank_bytes;
     assert!(

@@ -7,15 +7,17 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Method, Request, StatusCode, header};
 use scheduler::inventory::DeviceSlot;
-use scheduler::memory::DeviceKind;
+use scheduler::memory::{Breakdown, DeviceKind};
 use serde_json::{Value, json};
 use server::clock::Clock;
 use server::domain::Role;
 use server::settings::Settings;
 use server::store::Store;
 use server::{AppState, router};
+use std::collections::BTreeMap;
 use tempfile::TempDir;
 use tower::ServiceExt;
+use wire::Op;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, Report};
 
 pub const GIB: u64 = 1 << 30;
@@ -307,5 +309,28 @@ impl TestApp {
         let a = self.get(&format!("/v1/jobs/{id}")).await;
         assert_eq!(a.status, StatusCode::OK, "{}", a.text);
         a.json()
+    }
+}
+
+/// What an agent reports of rank `rank` of `job` when it ends: fixed measured bytes, bytes sent
+/// by two collectives, its process's peak resident set (123,456,789) and a GPU's used bytes.
+pub fn memory_report(job: &str, rank: usize) -> Report {
+    let b = Breakdown {
+        params: 1000,
+        grads: 500,
+        optimizer: 3000,
+        activations: 700,
+        buffers: 100,
+        overhead: 0,
+    };
+    Report::Memory {
+        job_id: job.into(),
+        attempt: 1,
+        rank,
+        measured: b,
+        comm_bytes_sent: BTreeMap::from([(Op::ReduceScatter, 4096), (Op::AllGather, 2048)]),
+        process_peak_rss_bytes: Some(123_456_789),
+        // What a rank on a GPU adds: the driver's figure for its device.
+        device_used_bytes: Some(9_000_000_000 + rank as u64),
     }
 }
