@@ -90,6 +90,16 @@ fn table(r: &Report, device_memory: u64) -> String {
     if let Some(m) = &r.model {
         let _ = writeln!(out, "model: {}", m.line());
     }
+    if r.trainable_parameters != r.parameters {
+        // PEFT's `print_trainable_parameters` line.
+        let _ = writeln!(
+            out,
+            "trainable params: {} || all params: {} || trainable%: {:.4}",
+            group_digits(r.trainable_parameters),
+            group_digits(r.parameters),
+            100.0 * r.trainable_parameters as f64 / r.parameters as f64,
+        );
+    }
     let _ = writeln!(out, "\nper rank:");
     let mut header = format!("{:<6}", "stage");
     for &c in Category::ALL {

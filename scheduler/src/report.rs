@@ -16,8 +16,11 @@ pub struct Report {
     /// The model's family and shape; absent for a bare parameter count.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelSummary>,
-    /// Trainable parameters Ψ.
+    /// The model's parameters, a LoRA job's adapters included.
     pub parameters: u64,
+    /// Parameters the optimizer updates (PEFT's `print_trainable_parameters`): Ψ, or a LoRA
+    /// job's adapters.
+    pub trainable_parameters: u64,
     pub world_size: u32,
     pub micro_batch_size: u32,
     pub grad_accum_steps: u32,
@@ -75,10 +78,12 @@ impl Report {
             None => (t.sequences_per_rank(spec.world_size), 1),
         };
         let ckpt = spec.activation_checkpointing.fixed().unwrap_or(false);
+        let setup = |stage| Setup::new(spec, stage, ckpt, micro, accum);
+        let counted = memory::estimate(&setup(ZeroStage::Ddp), device_kind);
         let stages = ZeroStage::ALL
             .iter()
             .map(|&stage| {
-                let e = memory::estimate(&Setup::new(spec, stage, ckpt, micro, accum), device_kind);
+                let e = memory::estimate(&setup(stage), device_kind);
                 StageRow {
                     stage: stage.index(),
                     per_rank_bytes: e.per_rank,
@@ -102,7 +107,8 @@ impl Report {
         };
         Ok(Report {
             model: spec.architecture().model().map(|m| m.summary()),
-            parameters: spec.architecture().parameter_count(),
+            parameters: counted.parameters,
+            trainable_parameters: counted.trainable_parameters,
             world_size: spec.world_size.get(),
             micro_batch_size: micro,
             grad_accum_steps: accum,

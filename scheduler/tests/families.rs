@@ -370,6 +370,7 @@ fn setup(shape: LlamaShape, dtype: Dtype, stage: ZeroStage, n: usize) -> Setup {
         reduces_norm: false,
         token_width: 0,
         validates: false,
+        lora: None,
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod estimators;
 mod families;
+mod lora;
 mod memory;
 mod plan;
 mod spec;

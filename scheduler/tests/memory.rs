@@ -21,6 +21,7 @@ fn setup(arch: Architecture, dtype: Dtype, opt: Optimizer, stage: ZeroStage, n: 
         reduces_norm: false,
         token_width: 0,
         validates: false,
+        lora: None,
     }
 }
 

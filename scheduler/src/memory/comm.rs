@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::Setup;
 use crate::kernel_figures::ADAFACTOR_SUM_LIMBS;
-use crate::model::Units;
+use crate::model::{LoraLayout, Units};
 use crate::spec::{Optimizer, ZeroStage};
 
 /// Bytes one rank sends, by collective.
@@ -51,23 +51,45 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
     let x = setup.dtype.bytes();
     // The final norm's backward (and an untied LM head's) follows its forward at once (in the
     // loss head), and an untied embedding's backward reads no weights, so stage 3 gathers
-    // those once per micro-batch rather than twice.
-    let (model_elems, once_gathered, factored, tensors) = match setup.arch.model() {
-        Some(model) => {
+    // those once per micro-batch rather than twice. A LoRA job reduces and updates only its
+    // adapters; stage 3 gathers the frozen base (its NF4 bytes as they are) beside them.
+    let moved = match (setup.arch.model(), setup.lora) {
+        (Some(model), None) => {
             let units = model.units(setup.world_size);
-            (
-                units.padded_len() as u64,
-                units.gathered_once_padded_len() as u64,
-                units.factored_len() as u64,
-                units.tensor_count() as u64,
-            )
+            let bytes = x * units.padded_len() as u64;
+            Moved {
+                trained: bytes,
+                gathered: bytes,
+                gathered_once: x * units.gathered_once_padded_len() as u64,
+                factored: units.factored_len() as u64,
+                tensors: units.tensor_count() as u64,
+            }
         }
-        None => {
+        (Some(model), Some(adapters)) => {
+            let layout = adapters.layout(&model, setup.world_size);
+            let trained = x * layout.adapters.padded_len() as u64;
+            Moved {
+                trained,
+                gathered: trained
+                    + x * layout.base.padded_len() as u64
+                    + layout.nf4.padded_len() as u64,
+                gathered_once: x * layout.base.gathered_once_padded_len() as u64,
+                factored: layout.adapters.factored_len() as u64,
+                tensors: layout.adapters.tensor_count() as u64,
+            }
+        }
+        (None, _) => {
             let psi = setup.arch.parameter_count();
-            (psi, 0, 2 * psi.isqrt().max(1), 1)
+            Moved {
+                trained: x * psi,
+                gathered: x * psi,
+                gathered_once: 0,
+                factored: 2 * psi.isqrt().max(1),
+                tensors: 1,
+            }
         }
     };
-    let pass = ring(x * model_elems, n);
+    let pass = ring(moved.trained, n);
     let micro = setup.grad_accum as u64;
     let mut c = match setup.stage {
         ZeroStage::Ddp => Comm {
@@ -86,7 +108,7 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         },
         ZeroStage::Parameters => Comm {
             reduce_scatter: micro * pass,
-            all_gather: micro * (2 * pass - ring(x * once_gathered, n)),
+            all_gather: micro * (2 * ring(moved.gathered, n) - ring(moved.gathered_once, n)),
             ..Comm::default()
         },
     };
@@ -98,9 +120,36 @@ pub(super) fn per_step(setup: &Setup) -> Comm {
         && let Optimizer::Adafactor(_) = setup.optimizer
     {
         let limbs = ADAFACTOR_SUM_LIMBS as u64;
-        c.all_reduce += all_reduce(8, factored * limbs) + all_reduce(8, tensors * limbs);
+        c.all_reduce +=
+            all_reduce(8, moved.factored * limbs) + all_reduce(8, moved.tensors * limbs);
     }
     c
+}
+
+/// Bytes a step's collectives move, by what they move.
+struct Moved {
+    /// The trained parameters (their gradients reduced, their updates gathered).
+    trained: u64,
+    /// Everything stage 3 gathers: every parameter, trained or frozen.
+    gathered: u64,
+    /// What stage 3 gathers once per micro-batch rather than twice.
+    gathered_once: u64,
+    /// Adafactor's factored statistics and tensors, over the trained parameters.
+    factored: u64,
+    tensors: u64,
+}
+
+/// [`scratch_bytes`] for a LoRA job: the adapters' collectives and, at stage 3, the frozen
+/// base's gathers (in the compute dtype, NF4 as bytes).
+pub(super) fn lora_scratch_bytes(setup: &Setup, layout: &LoraLayout) -> u64 {
+    let adapters = scratch_bytes(setup, &layout.adapters);
+    if !setup.stage.shards_params() || setup.world_size == 1 {
+        return adapters;
+    }
+    let base = setup.dtype.bytes() * layout.base.largest_shard_len() as u64;
+    adapters
+        .max(base)
+        .max(layout.nf4.largest_shard_len() as u64)
 }
 
 /// The receive buffer of the ring: one chunk of the largest buffer any collective moves.

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use strum::{EnumString, IntoStaticStr, VariantArray};
 
 use crate::kernel_figures::CUDA_GEMM_RESIDENT_BYTES;
-use crate::model::ModelShape;
+use crate::model::{Adapters, ModelShape};
 use crate::spec::{Architecture, Dtype, JobSpec, MAX_SYNTHETIC_VOCAB, Optimizer, ZeroStage};
 
 /// What a byte is held for. The trainer's accounting allocator uses the same categories.
@@ -186,6 +186,8 @@ pub struct Setup {
     pub token_width: usize,
     /// Whether a second loader reads validation data (`data.validation`).
     pub validates: bool,
+    /// The adapters of a LoRA job: only they are trained, the base is frozen.
+    pub lora: Option<Adapters>,
 }
 
 impl Setup {
@@ -210,6 +212,11 @@ impl Setup {
             reduces_norm: spec.precision.dtype == Dtype::Fp16 || spec.training.grad_clip > 0.0,
             token_width: spec.data.token_width(),
             validates: spec.data.validation().is_some(),
+            lora: spec
+                .lora
+                .as_ref()
+                .zip(spec.architecture().model())
+                .map(|(lora, model)| lora.adapters(&model)),
         }
     }
 }
@@ -217,8 +224,10 @@ impl Setup {
 /// The memory model's answer for one setup on one kind of device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Estimate {
-    /// Trainable parameters Ψ (unpadded).
+    /// The model's parameters (unpadded), adapters included.
     pub parameters: u64,
+    /// Parameters the optimizer updates: all of them, or a LoRA job's adapters.
+    pub trainable_parameters: u64,
     /// The rank with the largest total (ranks differ only by Adafactor's per-tensor state).
     pub per_rank: Breakdown,
     /// Bytes each rank sends per optimizer step, by collective.
@@ -230,8 +239,18 @@ pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
         .into_iter()
         .max_by_key(Breakdown::total)
         .unwrap_or_default();
+    let model = setup.arch.model();
+    let adapters = setup
+        .lora
+        .zip(model)
+        .map_or(0, |(a, m)| a.parameter_count(&m));
     Estimate {
-        parameters: setup.arch.parameter_count(),
+        parameters: setup.arch.parameter_count() + adapters,
+        trainable_parameters: if setup.lora.is_some() {
+            adapters
+        } else {
+            setup.arch.parameter_count()
+        },
         per_rank: Breakdown {
             overhead: device.overhead_bytes(),
             ..per_rank
@@ -255,9 +274,12 @@ pub fn distinct_ranks(setup: &Setup, device: DeviceKind) -> Vec<Breakdown> {
 /// Bytes of the receive buffer of the ring collectives (one chunk of the largest buffer any
 /// of them moves); 0 for a single rank.
 pub fn ring_scratch_bytes(setup: &Setup) -> u64 {
-    match setup.arch.model() {
-        Some(model) => comm::scratch_bytes(setup, &model.units(setup.world_size)),
-        None => 0,
+    match (setup.arch.model(), setup.lora) {
+        (Some(model), None) => comm::scratch_bytes(setup, &model.units(setup.world_size)),
+        (Some(model), Some(adapters)) => {
+            comm::lora_scratch_bytes(setup, &adapters.layout(&model, setup.world_size))
+        }
+        (None, _) => 0,
     }
 }
 
@@ -271,7 +293,10 @@ pub fn rank_breakdown(setup: &Setup, rank: usize) -> Breakdown {
 pub fn rank_breakdown_on(setup: &Setup, rank: usize, device: DeviceKind) -> Breakdown {
     match setup.arch.model() {
         Some(model) => {
-            let mut b = exact(setup, &model, rank);
+            let mut b = match setup.lora {
+                None => exact(setup, &model, rank),
+                Some(adapters) => exact_lora(setup, &model, &adapters, rank),
+            };
             if device == DeviceKind::Cuda {
                 let depth = model.matmul_depth(setup.micro_batch, setup.seq_len);
                 b.buffers -= crate::model::matmul_scratch_bytes(setup.dtype.bytes(), depth);
@@ -323,6 +348,68 @@ fn exact(setup: &Setup, model: &ModelShape, rank: usize) -> Breakdown {
         grads: x * held(stage.shards_grads()),
         optimizer: master + optimizer::state_bytes(setup, &units, rank),
         activations: acts.activations,
+        buffers,
+        overhead: 0,
+    }
+}
+
+/// A LoRA job's bytes: the frozen base as weights only (sharded at stage 3, like any
+/// parameter, and gathered a unit at a time), the adapters as the trainable units whose
+/// gradients and optimizer states the stages shard, and the adapters' activations beside
+/// full fine-tuning's (whose saved projection inputs are the adapters' inputs too).
+fn exact_lora(setup: &Setup, model: &ModelShape, adapters: &Adapters, rank: usize) -> Breakdown {
+    let n = setup.world_size;
+    let layout = adapters.layout(model, n);
+    let (base, trained, nf4) = (&layout.base, &layout.adapters, &layout.nf4);
+    let x = setup.dtype.bytes();
+    let stage = setup.stage;
+    let held =
+        |whole: usize, shard: usize, sharded: bool| (if sharded { shard } else { whole }) as u64;
+    let (b, t) = (setup.micro_batch, setup.seq_len);
+
+    let acts = model.activations(b, t, setup.checkpointing, x);
+    let mut buffers = acts.buffers
+        + comm::lora_scratch_bytes(setup, &layout)
+        + loader_bytes(setup, model.vocab_size())
+        + adapters.dequantize_scratch_bytes(model, x);
+    if stage.shards_grads() {
+        // Whole gradients of the block whose backward runs; adapters have no pinned unit.
+        buffers += x * trained.largest_streamed_padded_len() as u64;
+    }
+    if stage.shards_params() {
+        // As for full fine-tuning (pinned embeddings, two streamed slots), for the base, its
+        // NF4 bytes and the adapters alike.
+        buffers += x * (base.pinned_padded_len() + 2 * base.largest_streamed_padded_len()) as u64
+            + 2 * nf4.largest_streamed_padded_len() as u64
+            + x * 2 * trained.largest_streamed_padded_len() as u64;
+    }
+    let opt_elems = held(
+        trained.padded_len(),
+        trained.shard_len(),
+        stage.shards_optimizer(),
+    );
+    let master = if setup.dtype.has_master_weights() {
+        4 * opt_elems
+    } else {
+        0
+    };
+    let frozen = x * held(base.padded_len(), base.shard_len(), stage.shards_params())
+        + held(nf4.padded_len(), nf4.shard_len(), stage.shards_params());
+    Breakdown {
+        params: frozen
+            + x * held(
+                trained.padded_len(),
+                trained.shard_len(),
+                stage.shards_params(),
+            ),
+        grads: x * held(
+            trained.padded_len(),
+            trained.shard_len(),
+            stage.shards_grads(),
+        ),
+        optimizer: master + optimizer::state_bytes(setup, trained, rank),
+        activations: acts.activations
+            + adapters.activation_bytes(model, (b, t), setup.checkpointing, x),
         buffers,
         overhead: 0,
     }

@@ -1,13 +1,15 @@
 //! The model families zerotrain describes exactly: for each, its shape, its parameter layout
 //! in flat per-unit buffers (tensors with their Hugging Face names and shapes), and the
 //! activations one training step keeps. GPT-2 (`GptShape`, `TensorKind`, `ActivationTensor`)
-//! and the Llama family (`llama`: Llama, Mistral, Qwen2, Qwen3). The trainer allocates exactly
+//! and the Llama family (`llama`: Llama, Mistral, Qwen2, Qwen3); LoRA adapters on either
+//! (`lora`). The trainer allocates exactly
 //! what this module describes and the memory model counts exactly the same, so the two cannot
 //! drift apart; `ModelShape` is the one place a family is told from another.
 
 mod activations;
 mod gpt;
 mod llama;
+mod lora;
 mod params;
 
 pub use activations::{
@@ -17,6 +19,10 @@ pub use activations::{
 pub use gpt::{ActivationTensor, GptShape, Preset, TensorKind};
 pub use llama::{
     Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
+};
+pub use lora::{
+    AdapterPart, AdapterTensor, Adapters, BaseStorage, LoraLayout, NF4_BLOCK, Nf4Part, Projection,
+    Targets, nf4_bytes,
 };
 pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorInit, Unit, UnitKind, Units};
 

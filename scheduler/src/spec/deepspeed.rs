@@ -108,6 +108,7 @@ pub(super) fn translate(value: Value) -> Result<(Parsed, Option<JobArtifact>), E
             checkpoint: job.checkpoint,
             device: job.device,
             resume_from: None,
+            lora: None,
         },
         unsupported_keys: unsupported,
     };

@@ -5,6 +5,7 @@
 mod blocks;
 mod data;
 mod deepspeed;
+mod lora;
 mod model;
 mod optimizer;
 mod precision;
@@ -14,6 +15,7 @@ pub use data::{
     Data, Fields, MAX_SYNTHETIC_VOCAB, MIN_SYNTHETIC_VOCAB, TOKENIZER_FILE, TokenizerSource,
     Validation,
 };
+pub use lora::{Lora, MAX_LORA_RANK, Quantization, TargetModules};
 pub use model::{
     Architecture, CheckpointRef, HfConfig, InitFrom, JobArtifact, MODEL_TYPES, ModelSource,
     ModelSpec, PRESET_NAMES,
@@ -189,6 +191,10 @@ pub struct JobSpec {
     /// weights, optimizer state, loss scale and data position, at any world size and stage.
     #[serde(default)]
     pub resume_from: Option<CheckpointRef>,
+    /// Train low-rank adapters on a frozen base (LoRA; QLoRA with `quantize_base`) instead of
+    /// every weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<Lora>,
 }
 
 /// The folder of the checkpoint of `step` among a job's artifacts.
@@ -291,6 +297,14 @@ impl JobSpec {
         }
         if read("optimizer") {
             self.optimizer.validate(p);
+        }
+        if let (Some(lora), Some(arch)) = (self.lora.as_ref().filter(|_| read("lora")), &arch) {
+            lora.validate(arch, p);
+            // The memory model counts LoRA jobs exactly; the trainer does not run them yet.
+            p.ensure(purpose == Purpose::Estimate, "lora", || {
+                "LoRA training is not built yet; `zerotrain estimate` and POST /v1/estimate take it"
+                    .into()
+            });
         }
         if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
             p.note(self.data.validate(arch, self.model.init_from.as_ref()));

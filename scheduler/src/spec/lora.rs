@@ -1,0 +1,160 @@
+//! `lora`: fine-tune low-rank adapters on a frozen base, with PEFT's meanings and defaults
+//! (`LoraConfig`: `r` here `rank`, `lora_alpha` here `alpha`, `lora_dropout` here `dropout`).
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::Architecture;
+use crate::error::Problems;
+use crate::model::{Adapters, BaseStorage, ModelShape, Targets};
+
+/// The largest rank a spec may ask for: far beyond any useful adapter, small enough that
+/// every byte count stays exact.
+pub const MAX_LORA_RANK: u32 = 1 << 16;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lora {
+    /// The adapters' rank r. Default 8.
+    #[serde(default = "eight")]
+    pub rank: u32,
+    /// The update is scaled by `alpha / rank`. Default 8.
+    #[serde(default = "eight_f64")]
+    pub alpha: f64,
+    /// Dropout on the adapters' input, in [0, 1). Default 0.
+    #[serde(default)]
+    pub dropout: f64,
+    /// The projections that get adapters; default PEFT's for the model type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_modules: Option<TargetModules>,
+    /// `"nf4"` stores the adapted projections' frozen weights as bitsandbytes' 4-bit NormalFloat
+    /// (QLoRA); default: the compute dtype.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize_base: Option<Quantization>,
+}
+
+/// `target_modules`: module names as PEFT matches them (a module whose path ends with the
+/// name), or `"all-linear"`: every linear projection but the LM head.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TargetModules {
+    AllLinear,
+    Names(Vec<String>),
+}
+
+impl Serialize for TargetModules {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            TargetModules::AllLinear => s.serialize_str("all-linear"),
+            TargetModules::Names(names) => names.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TargetModules {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            One(String),
+            Names(Vec<String>),
+        }
+        let wrong = || D::Error::custom("must be a list of module names or \"all-linear\"");
+        match Given::deserialize(d).map_err(|_| wrong())? {
+            Given::One(s) if s == "all-linear" => Ok(TargetModules::AllLinear),
+            Given::One(_) => Err(wrong()),
+            Given::Names(names) => Ok(TargetModules::Names(names)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantization {
+    /// 4-bit NormalFloat in blocks of 64 with an fp32 absmax each, as
+    /// `bitsandbytes.functional.quantize_4bit(quant_type="nf4")` stores it.
+    Nf4,
+}
+
+fn eight() -> u32 {
+    8
+}
+
+fn eight_f64() -> f64 {
+    8.0
+}
+
+impl Lora {
+    /// What the layout and the memory model need of this block, for `model`. Entries that
+    /// match nothing select nothing: [`Lora::validate`] reports them.
+    pub fn adapters(&self, model: &ModelShape) -> Adapters {
+        let targets = match &self.target_modules {
+            Some(TargetModules::AllLinear) => Targets::all(model),
+            Some(TargetModules::Names(names)) => names
+                .iter()
+                .map(String::as_str)
+                .fold(Targets::default(), |t, name| {
+                    t.union(Targets::matching(model, name))
+                }),
+            None => model
+                .default_lora_targets()
+                .iter()
+                .fold(Targets::default(), |t, name| {
+                    t.union(Targets::matching(model, name))
+                }),
+        };
+        Adapters {
+            rank: self.rank as usize,
+            targets,
+            dropout: self.dropout > 0.0,
+            base: match self.quantize_base {
+                None => BaseStorage::Compute,
+                Some(Quantization::Nf4) => BaseStorage::Nf4,
+            },
+        }
+    }
+
+    pub(super) fn validate(&self, arch: &Architecture, p: &mut Problems) {
+        p.ensure(
+            (1..=MAX_LORA_RANK).contains(&self.rank),
+            "lora.rank",
+            || format!("{} must be from 1 to {MAX_LORA_RANK}", self.rank),
+        );
+        p.ensure(self.alpha.is_finite(), "lora.alpha", || {
+            format!("{} must be a finite number", self.alpha)
+        });
+        p.ensure((0.0..1.0).contains(&self.dropout), "lora.dropout", || {
+            format!("{} must be in [0, 1)", self.dropout)
+        });
+        let Some(model) = arch.model() else {
+            p.ensure(false, "lora", || {
+                "adapters need a model whose modules are known: a preset, a config or a model directory, not a bare parameter count".into()
+            });
+            return;
+        };
+        let Some(TargetModules::Names(names)) = &self.target_modules else {
+            return;
+        };
+        p.ensure(!names.is_empty(), "lora.target_modules", || {
+            "must name at least one module (or be \"all-linear\")".into()
+        });
+        for (i, name) in names.iter().enumerate() {
+            p.ensure(
+                !Targets::matching(&model, name).is_empty(),
+                &format!("lora.target_modules[{i}]"),
+                || {
+                    let mut known: Vec<&str> = Vec::new();
+                    for p in model.projections() {
+                        if !known.contains(&p.name) {
+                            known.push(p.name);
+                        }
+                    }
+                    format!(
+                        "{name:?} matches no linear module of this {} model; it has {}",
+                        model.summary().model_type,
+                        known.join(", ")
+                    )
+                },
+            );
+        }
+    }
+}
