@@ -33,6 +33,7 @@ pub mod grad_norm;
 pub mod layernorm;
 mod math;
 pub mod matmul;
+pub mod nf4;
 mod normalization;
 pub mod optim;
 mod par;

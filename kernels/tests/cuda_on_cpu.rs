@@ -28,7 +28,7 @@ use kernels::cuda::layers;
 use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, LIMBS, Lion, Momentum};
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
-use kernels::{crossentropy, encoder, gelu, grad_norm, layernorm, residual, rmsnorm, swiglu};
+use kernels::{crossentropy, encoder, gelu, grad_norm, layernorm, nf4, residual, rmsnorm, swiglu};
 use shim::{Arg, Shim, inp, null, out, val};
 
 type Bf16 = half::bf16;
@@ -591,6 +591,37 @@ fn elementwise_layers_match_cpu<X: Float>() {
     swiglu::swiglu_backward(&mut wg, &mut wu, &a, &b);
     close("swiglu_backward dgate", &dg, &wg, rtol::<X>());
     close("swiglu_backward dup", &du, &wu, rtol::<X>());
+}
+
+/// NF4 quantization is exact on both back ends (bitsandbytes' bits), so the shim must match the
+/// CPU bit for bit: codes, absmax (a zero block and a short odd last block included) and the
+/// dequantized values.
+fn nf4_matches_cpu<X: Float>() {
+    let n = 64 * 40 + 37;
+    let mut rng = Rng::new(12);
+    let mut x = random::<X>(&mut rng, n, 0.05);
+    x[64..128].fill(X::ZERO);
+    let (bytes, blocks) = (nf4::code_bytes(n), nf4::blocks(n));
+    let (mut codes, mut absmax) = (vec![0xa5u8; bytes], vec![f32::NAN; blocks]);
+    run(
+        &format!("nf4_quantize_{}", X::NAME),
+        kernels::cuda::nf4::quantize_config(n),
+        &[out(&mut codes), out(&mut absmax), inp(&x), val(len(n))],
+    );
+    let (mut want_codes, mut want_absmax) = (vec![0u8; bytes], vec![0f32; blocks]);
+    nf4::quantize(&x, &mut want_codes, &mut want_absmax);
+    assert_eq!(codes, want_codes, "nf4_quantize codes");
+    let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&absmax), bits(&want_absmax), "nf4_quantize absmax");
+    let mut back = nan::<X>(n);
+    run(
+        &format!("nf4_dequantize_{}", X::NAME),
+        kernels::cuda::elementwise(n),
+        &[out(&mut back), inp(&codes), inp(&absmax), val(len(n))],
+    );
+    let mut want = vec![X::ZERO; n];
+    nf4::dequantize(&want_codes, &want_absmax, &mut want);
+    close("nf4_dequantize", &back, &want, 0.0);
 }
 
 fn crossentropy_matches_cpu() {
@@ -1264,6 +1295,7 @@ fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
     cases.extend(every_dtype!(rope_matches_cpu));
     cases.extend(every_dtype!(elementwise_layers_match_cpu));
     cases.extend(every_dtype!(norms_match_cpu));
+    cases.extend(every_dtype!(nf4_matches_cpu));
     cases.extend(every_dtype!(adafactor_phases_match_cpu));
     cases.extend(every_pair!(elementwise_optimizers_match_cpu));
     cases.extend(every_pair!(adam8bit_matches_cpu));

@@ -20,7 +20,7 @@ use kernels::matmul::{self, DinpMode, Layout};
 use kernels::optim::{self, Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::{RopeDims, rope_backward, rope_forward};
 use kernels::{
-    Float, crossentropy, encoder, gelu, grad_norm, layernorm, residual, rmsnorm, swiglu,
+    Float, crossentropy, encoder, gelu, grad_norm, layernorm, nf4, residual, rmsnorm, swiglu,
 };
 
 /// The GPU, opened once per test binary; `None` (after saying so) without a driver.
@@ -657,6 +657,46 @@ fn elementwise_layers_match_cpu<X: DeviceFloat>() {
     close("swiglu_backward dup", &down(d, &du), &wu, rtol::<X>());
 }
 
+/// NF4 is bitsandbytes' format on both back ends: codes, absmax and values bit for bit.
+fn nf4_matches_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    let n = 64 * 4096 + 37;
+    let mut rng = Rng::new(12);
+    let mut x = random::<X>(&mut rng, n, 0.05);
+    x[64..128].fill(X::ZERO);
+    let (bytes, blocks) = (nf4::code_bytes(n), nf4::blocks(n));
+    let (mut codes, mut absmax) = (up(d, &vec![0xa5u8; bytes]), up(d, &vec![f32::NAN; blocks]));
+    let dx = up(d, &x);
+    cuda::nf4::quantize(
+        d,
+        &mut codes.as_view_mut(),
+        &mut absmax.as_view_mut(),
+        &dx.as_view(),
+    )
+    .unwrap();
+    let (mut want_codes, mut want_absmax) = (vec![0u8; bytes], vec![0f32; blocks]);
+    nf4::quantize(&x, &mut want_codes, &mut want_absmax);
+    assert_eq!(down(d, &codes), want_codes, "nf4 codes ({})", X::NAME);
+    let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&down(d, &absmax)),
+        bits(&want_absmax),
+        "nf4 absmax ({})",
+        X::NAME
+    );
+    let mut back = up(d, &nan::<X>(n));
+    cuda::nf4::dequantize(
+        d,
+        &mut back.as_view_mut(),
+        &codes.as_view(),
+        &absmax.as_view(),
+    )
+    .unwrap();
+    let mut want = vec![X::ZERO; n];
+    nf4::dequantize(&want_codes, &want_absmax, &mut want);
+    close("nf4_dequantize", &down(d, &back), &want, 0.0);
+}
+
 #[test]
 fn crossentropy_matches_cpu_with_and_without_dlogits() {
     let Some(d) = device() else { return };
@@ -1098,4 +1138,5 @@ per_dtype! {
     elementwise_optimizer_parity => elementwise_optimizers_match_cpu;
     adam8bit_parity => adam8bit_matches_cpu;
     adafactor_parity => adafactor_matches_cpu;
+    nf4_parity => nf4_matches_cpu;
 }

@@ -48,6 +48,18 @@ fn the_schedulers_kernel_figures_are_the_kernels_own() {
         );
         same(&format!("gemm_workspace({l2}).1"), per_call, gemm.per_call);
     }
+    same(
+        "NF4_BLOCK",
+        figures::NF4_BLOCK as u64,
+        kernels::nf4::BLOCK as u64,
+    );
+    for n in [1, 2, 63, 64, 65, 4096 * 14336] {
+        same(
+            &format!("nf4_bytes({n})"),
+            figures::nf4_bytes(n) as u64,
+            (kernels::nf4::code_bytes(n) + 4 * kernels::nf4::blocks(n)) as u64,
+        );
+    }
     #[cfg(feature = "cuda")]
     {
         same(

@@ -17,5 +17,6 @@ mod cuda_parity;
 mod determinism;
 mod figures;
 mod finite_differences;
+mod nf4;
 mod nvrtc;
 mod optim;

@@ -40,3 +40,13 @@ pub fn matmul_packs_f32(depth: usize) -> usize {
 pub const fn gemm_workspace(l2: u64) -> (u64, u64) {
     (l2, 4 * 512 * (512 + 64) + 2 * l2)
 }
+
+/// `kernels::nf4::BLOCK`: values per fp32 absmax of NF4-stored weights (bitsandbytes'
+/// `blocksize=64`).
+pub const NF4_BLOCK: usize = 64;
+
+/// `kernels::nf4::code_bytes(n) + 4·kernels::nf4::blocks(n)`: bytes of `numel` values stored as
+/// NF4, two codes a byte and an fp32 absmax per [`NF4_BLOCK`].
+pub fn nf4_bytes(numel: usize) -> usize {
+    numel.div_ceil(2) + 4 * numel.div_ceil(NF4_BLOCK)
+}

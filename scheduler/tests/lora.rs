@@ -3,8 +3,9 @@
 //! trained adapters (NF4 bytes as bitsandbytes stores them) per ZeRO stage.
 
 use scheduler::inventory::Inventory;
+use scheduler::kernel_figures::nf4_bytes;
 use scheduler::memory::{self, DeviceKind, Setup};
-use scheduler::model::{BaseStorage, ModelShape, nf4_bytes};
+use scheduler::model::{BaseStorage, ModelShape};
 use scheduler::report::{PlanOutcome, Report};
 use scheduler::spec::{JobSpec, Purpose, ZeroStage};
 use scheduler::{Error, FieldError};

@@ -8,6 +8,7 @@ pub mod grad_norm;
 pub mod layers;
 pub mod matmul;
 pub mod nccl;
+pub mod nf4;
 pub mod optim;
 mod program;
 

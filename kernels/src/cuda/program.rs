@@ -55,6 +55,7 @@ pub const PROGRAMS: &[Program] = &[
     program!("gelu.cu"),
     program!("layernorm.cu"),
     program!("matmul.cu"),
+    program!("nf4.cu"),
     program!("norm.cu"),
     program!("optim.cu"),
     program!("residual.cu"),

@@ -13,16 +13,8 @@
 
 use super::params::{TensorDims, UnitKind, Units};
 use super::{ModelShape, ModelTensor};
+use crate::kernel_figures::NF4_BLOCK;
 use crate::model::{LlamaTensor, TensorKind};
-
-/// Values of one NF4 block: bitsandbytes' `blocksize=64`, one fp32 absmax each.
-pub const NF4_BLOCK: usize = 64;
-
-/// Bytes of a tensor of `numel` values quantized to NF4: two codes a byte and an fp32 absmax
-/// per block, as `bitsandbytes.functional.quantize_4bit` stores it.
-pub fn nf4_bytes(numel: usize) -> usize {
-    numel.div_ceil(2) + 4 * numel.div_ceil(NF4_BLOCK)
-}
 
 /// A linear projection of a block that an adapter can attach to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,7 +138,7 @@ impl Targets {
 pub enum BaseStorage {
     /// In the compute dtype, as the rest of the base.
     Compute,
-    /// bitsandbytes' NF4 ([`nf4_bytes`]).
+    /// bitsandbytes' NF4 (`kernel_figures::nf4_bytes`).
     Nf4,
 }
 
@@ -333,6 +325,7 @@ impl Projection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel_figures::nf4_bytes;
     use crate::model::LlamaPreset;
 
     #[test]

@@ -21,8 +21,7 @@ pub use llama::{
     Llama3Rope, LlamaActivation, LlamaPreset, LlamaShape, LlamaTensor, LlamaType, Rope,
 };
 pub use lora::{
-    AdapterPart, AdapterTensor, Adapters, BaseStorage, LoraLayout, NF4_BLOCK, Nf4Part, Projection,
-    Targets, nf4_bytes,
+    AdapterPart, AdapterTensor, Adapters, BaseStorage, LoraLayout, Nf4Part, Projection, Targets,
 };
 pub use params::{ParamTensor, SHARD_ALIGN, TensorDims, TensorInit, Unit, UnitKind, Units};
 
