@@ -102,6 +102,44 @@ fn trainable_counts_are_peft_print_trainable_parameters() {
     );
 }
 
+fn reference(path: &str) -> Value {
+    let path = format!("{}/../tests/reference/{path}", env!("CARGO_MANIFEST_DIR"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+#[test]
+fn every_peft_count_of_the_reference_models_is_reproduced() {
+    // `tests/reference/peft/make_counts.py`: PEFT's own counts for LoraConfigs on the
+    // reference configs; `r`, `lora_alpha` and `target_modules` are the spec's `rank`,
+    // `alpha` and `target_modules`.
+    let counts = reference("peft/counts.json");
+    let rows = counts["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 10);
+    for row in rows {
+        let given = &row["lora"];
+        let mut lora = json!({});
+        for (peft, ours) in [
+            ("r", "rank"),
+            ("lora_alpha", "alpha"),
+            ("target_modules", "target_modules"),
+        ] {
+            if let Some(v) = given.get(peft) {
+                lora[ours] = v.clone();
+            }
+        }
+        let config = reference(&format!("hf_configs/{}", row["config"].as_str().unwrap()));
+        let r = report(
+            &spec(json!({"model": {"config": config}, "lora": lora})),
+            1 << 50,
+        );
+        let want = (
+            row["trainable"].as_u64().unwrap(),
+            row["all"].as_u64().unwrap(),
+        );
+        assert_eq!((r.trainable_parameters, r.parameters), want, "{row}");
+    }
+}
+
 #[test]
 fn mistakes_in_the_lora_block_are_named_at_their_fields_together() {
     let errors = refusal(
