@@ -49,6 +49,40 @@ fn estimate_json_has_bytes_per_category_for_every_stage_and_the_plan() {
     insta::assert_json_snapshot!(report);
 }
 
+/// README's QLoRA row: Llama-3.1-8B, r 16 on seven projections, NF4 base, on one 24 GB GPU.
+#[test]
+fn estimate_counts_a_qlora_job_as_peft_and_fits_it_on_one_24_gb_gpu() {
+    let out = stdout(&zerotrain(&[
+        "estimate",
+        "llama-8b-qlora.json",
+        "--device-memory",
+        "24GB",
+    ]));
+    assert!(
+        out.contains(
+            "trainable params: 41,943,040 || all params: 8,072,204,288 || trainable%: 0.5196"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("plan: stage 0, activation checkpointing on, micro-batch 1 × 1 accumulation steps: 8.9 GB per rank"),
+        "{out}"
+    );
+    let json = stdout(&zerotrain(&[
+        "estimate",
+        "llama-8b-qlora.json",
+        "--device-memory",
+        "24GB",
+        "--json",
+    ]));
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(report["trainable_parameters"], 41_943_040);
+    let stage0 = &report["stages"][0]["per_rank_bytes"];
+    // Embeddings, LM head and norms in bf16, the seven projections as NF4, the adapters in bf16.
+    assert_eq!(stage0["params"], 6_111_633_408u64);
+    assert_eq!(stage0["total"], 8_948_738_052u64);
+}
+
 #[test]
 fn estimate_refuses_a_bad_spec_naming_the_field() {
     let out = zerotrain(&["estimate", "bad-seq-len.json"]);
