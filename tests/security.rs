@@ -279,7 +279,7 @@ async fn an_owner_holds_at_most_its_running_ranks_while_others_start() {
 async fn a_job_past_its_wall_time_fails_with_that_reason_and_its_agent_is_told_to_stop() {
     let app = TestApp::with(|s| s.limits.max_wall_time = Duration::from_secs(3600)).await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     let beat = app.beat(&node, vec![], vec![]).await;
     assert_eq!(beat.assignments.len(), 1);
@@ -288,7 +288,7 @@ async fn a_job_past_its_wall_time_fails_with_that_reason_and_its_agent_is_told_t
     let within = server::scheduling::end_overdue(&app.state, app.state.now_ms() + 3_500_000).await;
     assert_eq!(within.unwrap(), Vec::<JobId>::new());
     let past = server::scheduling::end_overdue(&app.state, app.state.now_ms() + 3_700_000).await;
-    assert_eq!(past.unwrap(), [JobId::from(id.as_str())]);
+    assert_eq!(past.unwrap(), vec![id.clone()]);
     let job = app.job(&id).await;
     assert_eq!(job["state"], "failed");
     assert_eq!(job["reason"], "exceeded max_wall_time of 1h");

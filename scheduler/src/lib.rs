@@ -5,6 +5,7 @@
 pub mod bytes;
 pub mod compare;
 mod error;
+pub mod ids;
 pub mod inventory;
 pub mod kernel_figures;
 pub mod memory;

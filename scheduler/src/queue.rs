@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::ids::{JobId, NodeId};
 use crate::inventory::DeviceSlot;
 use crate::memory::DeviceKind;
 use crate::plan::Plan;
@@ -21,14 +22,14 @@ pub type HeldRanks = HashMap<String, u32>;
 /// order, the node id and device index.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
-    pub job_id: String,
-    pub slots: Vec<(String, u32)>,
+    pub job_id: JobId,
+    pub slots: Vec<(NodeId, u32)>,
 }
 
 /// A queued job as the scheduler needs it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueuedJob {
-    pub id: String,
+    pub id: JobId,
     pub owner: String,
     pub priority: i32,
     pub attempt: u32,
@@ -42,7 +43,7 @@ pub struct QueuedJob {
 /// A live node and its devices, by index.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BoardNode {
-    pub id: String,
+    pub id: NodeId,
     pub name: String,
     pub devices: Vec<BoardDevice>,
 }
@@ -143,7 +144,7 @@ pub fn decide<'a>(
 /// the node id and device index each pool slot stands for.
 struct Free<'a> {
     pool: Pool,
-    slots: Vec<(&'a str, Vec<u32>)>,
+    slots: Vec<(&'a NodeId, Vec<u32>)>,
 }
 
 impl<'a> Free<'a> {
@@ -158,13 +159,13 @@ impl<'a> Free<'a> {
         for node in order {
             let free = || node.devices.iter().filter(|d| !d.held);
             pool.add_node(free().map(|d| d.spec));
-            slots.push((node.id.as_str(), free().map(|d| d.index).collect()));
+            slots.push((&node.id, free().map(|d| d.index).collect()));
         }
         Free { pool, slots }
     }
 
     /// Places every rank or none, taking the devices used out of the pool.
-    fn place(&mut self, ranks: usize, margin: f64, plan: &Plan) -> Option<Vec<(String, u32)>> {
+    fn place(&mut self, ranks: usize, margin: f64, plan: &Plan) -> Option<Vec<(NodeId, u32)>> {
         let slots = self
             .pool
             .place(ranks, margin, plan.device, plan.need_on(plan.device))?;
@@ -173,7 +174,7 @@ impl<'a> Free<'a> {
                 .iter()
                 .map(|s| {
                     let (node, devices) = &self.slots[s.node];
-                    (node.to_string(), devices[s.device])
+                    ((*node).clone(), devices[s.device])
                 })
                 .collect(),
         )
@@ -251,6 +252,10 @@ mod tests {
         decisions.iter().map(|d| d.job_id.as_str()).collect()
     }
 
+    fn slots(slots: &[(&str, u32)]) -> Vec<(NodeId, u32)> {
+        slots.iter().map(|&(n, i)| (NodeId::from(n), i)).collect()
+    }
+
     #[test]
     fn the_queue_is_served_in_order_until_the_devices_run_out() {
         let queue = [job("urgent", 1, 10), job("old", 1, 10), job("new", 1, 10)];
@@ -264,10 +269,7 @@ mod tests {
         assert!(decide(&queue, &[node("n", &[16, 16, 16])], 0.0).is_empty());
         let nodes = [node("a", &[16, 16]), node("b", &[16, 16])];
         let d = decide(&queue, &nodes, 0.0);
-        assert_eq!(
-            d[0].slots,
-            [("a", 0), ("a", 1), ("b", 0), ("b", 1)].map(|(n, i)| (n.to_string(), i))
-        );
+        assert_eq!(d[0].slots, slots(&[("a", 0), ("a", 1), ("b", 0), ("b", 1)]));
     }
 
     #[test]
@@ -276,17 +278,14 @@ mod tests {
         nodes[0].devices[0].held = true;
         nodes[1].devices[1].held = true;
         let d = decide(&[job("two", 2, 10)], &nodes, 0.0);
-        assert_eq!(
-            d[0].slots,
-            [("a", 1), ("b", 0)].map(|(n, i)| (n.to_string(), i))
-        );
+        assert_eq!(d[0].slots, slots(&[("a", 1), ("b", 0)]));
     }
 
     #[test]
     fn nodes_are_tried_in_id_order_whatever_order_they_come_in() {
         let nodes = [node("b", &[16]), node("a", &[16])];
         let d = decide(&[job("one", 1, 10)], &nodes, 0.0);
-        assert_eq!(d[0].slots, [("a".to_string(), 0)]);
+        assert_eq!(d[0].slots, slots(&[("a", 0)]));
     }
 
     #[test]
@@ -361,8 +360,11 @@ mod tests {
         let nodes = [node("cpu", &[16, 16, 16]), gpu_node("gpu", &[80, 80])];
         let d = decide(&queue, &nodes, 0.0);
         assert_eq!(placed(&d), ["gpu-small", "cpu-wide"]);
-        assert_eq!(d[0].slots, [("gpu".to_string(), 0)]);
-        assert!(d[1].slots.iter().all(|(node, _)| node == "cpu"), "{d:?}");
+        assert_eq!(d[0].slots, slots(&[("gpu", 0)]));
+        assert!(
+            d[1].slots.iter().all(|(node, _)| node.as_str() == "cpu"),
+            "{d:?}"
+        );
     }
 
     #[test]

@@ -2,7 +2,6 @@
 //! Timestamps are Unix milliseconds.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use scheduler::inventory::DeviceSlot;
 use scheduler::memory::Breakdown;
@@ -13,71 +12,15 @@ use strum::{EnumString, IntoStaticStr, VariantArray};
 use utoipa::ToSchema;
 use wire::Op;
 
-/// Ids the service mints (UUIDv7s, so they sort by creation time) and clients and agents echo
-/// back as plain strings. A type each, so a job's id cannot be passed where a node's is meant;
-/// any string converts, since an id that names nothing is a 404 at lookup, not a parse error.
-/// The JSON and SQL forms are the string itself; in OpenAPI schemas a field of either type is
-/// declared `value_type = String`, so the documents show plain strings.
-macro_rules! id_type {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type)]
-        #[serde(transparent)]
-        #[sqlx(transparent)]
-        pub struct $name(String);
+// The ids are the scheduler's, as the queue and the agent protocol carry them. In OpenAPI
+// schemas a field of either type is declared `value_type = String`, so the documents show
+// plain strings; the store binds and reads them as text.
+pub use scheduler::ids::{JobId, NodeId};
 
-        impl $name {
-            /// A fresh id.
-            pub fn mint() -> $name {
-                $name(uuid::Uuid::now_v7().to_string())
-            }
-
-            pub fn as_str(&self) -> &str {
-                &self.0
-            }
-        }
-
-        // As the string's, so messages and logs read as they did with plain strings.
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                fmt::Debug::fmt(&self.0, f)
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
-            }
-        }
-
-        impl From<String> for $name {
-            fn from(id: String) -> $name {
-                $name(id)
-            }
-        }
-
-        impl From<&str> for $name {
-            fn from(id: &str) -> $name {
-                $name(id.to_string())
-            }
-        }
-
-        impl From<$name> for String {
-            fn from(id: $name) -> String {
-                id.0
-            }
-        }
-    };
+/// A fresh id of either type: a UUIDv7, so ids sort by creation time.
+pub fn mint<Id: From<String>>() -> Id {
+    Id::from(uuid::Uuid::now_v7().to_string())
 }
-
-id_type!(
-    /// A job's id.
-    JobId
-);
-id_type!(
-    /// A node's (a registered agent's) id.
-    NodeId
-);
 
 /// queued → scheduled → running → succeeded | failed | cancelled; a job whose node is lost goes
 /// back to queued with its attempt raised.

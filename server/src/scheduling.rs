@@ -93,21 +93,21 @@ pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
         let waited = (p.at - p.queued_at).max(0) as f64 / 1000.0;
         state.metrics.server.queue_wait_seconds.observe(waited);
         state.publish(JobEvent::State {
-            job_id: JobId::from(p.job_id.as_str()),
+            job_id: p.job_id.clone(),
             state: JobState::Scheduled,
             attempt: p.attempt,
             reason: p.reason.clone(),
             at: p.at,
         });
     }
-    let mut nodes: Vec<&str> = placed
+    let mut nodes: Vec<&NodeId> = placed
         .iter()
-        .flat_map(|p| p.slots.iter().map(|(node, _)| node.as_str()))
+        .flat_map(|p| p.slots.iter().map(|(node, _)| node))
         .collect();
     nodes.sort_unstable();
     nodes.dedup();
     for node in nodes {
-        state.wake_agents(Some(&NodeId::from(node)));
+        state.wake_agents(Some(node));
     }
     housekeeping(state).await?;
     state

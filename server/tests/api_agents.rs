@@ -19,9 +19,9 @@ use server::domain::{JobId, JobState};
 use tower::ServiceExt;
 use wire::agent::{Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report};
 
-fn step(job: &str, attempt: u32, step: u32, loss: f64) -> Report {
+fn step(job: &JobId, attempt: u32, step: u32, loss: f64) -> Report {
     Report::Step {
-        job_id: job.into(),
+        job_id: job.clone(),
         attempt,
         step,
         loss,
@@ -51,7 +51,7 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
     let mut spec = tiny_spec(4);
     spec["zero"]["stage"] = json!("auto");
     spec["activation_checkpointing"] = json!("auto");
-    let id = app.submit_ok(&spec).await;
+    let id: JobId = app.submit_ok(&spec).await.into();
 
     // Nothing is assigned before the scheduler places the job.
     assert!(app.beat(&node, vec![], vec![]).await.assignments.is_empty());
@@ -180,7 +180,7 @@ async fn a_fake_agent_runs_a_job_from_assignment_to_success() {
 async fn a_steps_validation_loss_reaches_the_job_metrics_and_its_gauge() {
     let app = TestApp::new().await;
     let node = app.register("n1", 4, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(4)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(4)).await.into();
     assert_eq!(app.schedule().await, 1);
     assert_eq!(app.beat(&node, vec![], vec![]).await.assignments.len(), 1);
     let started = Report::Started {
@@ -219,7 +219,7 @@ async fn a_job_across_two_nodes_runs_over_tcp_with_the_master_rank_0_reported() 
     let app = TestApp::new().await;
     let a = app.register("a", 2, 2 * GIB).await;
     let b = app.register("b", 2, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(4)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(4)).await.into();
     assert_eq!(app.schedule().await, 1);
 
     let (first, second) = {
@@ -281,7 +281,7 @@ async fn a_job_across_two_nodes_runs_over_tcp_with_the_master_rank_0_reported() 
 async fn a_failed_report_fails_the_job_with_the_error_as_its_reason() {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     app.beat(&node, vec![], vec![]).await;
     let failed = Report::Failed {
@@ -302,12 +302,16 @@ async fn a_failed_report_fails_the_job_with_the_error_as_its_reason() {
 async fn a_cancelled_job_is_stopped_at_the_agents_next_heartbeat() {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     app.beat(&node, vec![], vec![]).await;
-    let running = vec![(id.clone(), 1), ("gone".to_string(), 3)];
+    let running = vec![(id.clone(), 1), (JobId::from("gone"), 3)];
     let reply = app.beat(&node, vec![], running.clone()).await;
-    assert_eq!(reply.cancel, [("gone".to_string(), 3)], "unknown jobs stop");
+    assert_eq!(
+        reply.cancel,
+        [(JobId::from("gone"), 3)],
+        "unknown jobs stop"
+    );
     let a = app
         .call(
             Method::POST,
@@ -325,7 +329,7 @@ async fn a_cancelled_job_is_stopped_at_the_agents_next_heartbeat() {
 async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() {
     let app = TestApp::with(|s| s.heartbeat_timeout = Duration::from_millis(200)).await;
     let lost = app.register("lost", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     app.beat(&lost, vec![], vec![]).await;
     app.clock.advance(Duration::from_millis(300));
@@ -359,7 +363,7 @@ async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() 
 async fn a_server_that_just_started_gives_silent_nodes_one_timeout_to_come_back() {
     let app = TestApp::with(|s| s.heartbeat_timeout = Duration::from_secs(600)).await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     // Silent for twice the timeout, as across a long server restart.
     let long_ago = app.state.now_ms() - 1_200_000;
@@ -451,7 +455,7 @@ impl Events {
 async fn events_stream_state_changes_and_steps_and_end_with_the_job() {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     let mut follower = follow(&app, &format!("/v1/jobs/{id}/events")).await;
     // The current state first: the follower has read the job and is listening.
     let mut events = follower.take(1).await;
@@ -492,7 +496,7 @@ async fn events_stream_state_changes_and_steps_and_end_with_the_job() {
 async fn following_logs_streams_every_line_then_ends_with_the_job() {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     app.beat(&node, vec![], vec![]).await;
     let log = |line: &str| Report::Log {
@@ -530,7 +534,7 @@ fn refusals(reply: &HeartbeatResponse) -> Vec<(usize, RefusalReason)> {
 async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_counted() {
     let app = TestApp::new().await;
     let owner = app.register("owner", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     assert_eq!(app.schedule().await, 1);
     // A second node, registered with the same join token, holds nothing of the job.
     let intruder = app.register("intruder", 1, 2 * GIB).await;
@@ -607,7 +611,7 @@ async fn a_node_without_rank_0_cannot_report_for_the_whole_job() {
     let app = TestApp::new().await;
     let a = app.register("a", 1, 2 * GIB).await;
     let b = app.register("b", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(2)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(2)).await.into();
     assert_eq!(app.schedule().await, 1);
     let lead_is_a = !app.beat(&a, vec![], vec![]).await.assignments.is_empty();
     let follower = if lead_is_a { b } else { a };
@@ -631,7 +635,7 @@ async fn reports_of_an_attempt_that_is_over_are_refused_and_the_next_resumes_fro
  {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     let a = app.beat(&node, vec![], vec![]).await.assignments.remove(0);
     assert_eq!(a.resume_from, None);
@@ -772,7 +776,7 @@ async fn a_node_uploads_only_its_own_ranks_files_and_only_artifact_names() {
     let app = TestApp::new().await;
     let first = app.register("n1", 1, 2 * GIB).await;
     let second = app.register("n2", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(2)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(2)).await.into();
     app.schedule().await;
     let a = app.beat(&first, vec![], vec![]).await.assignments;
     let (rank0, rank1) = if a.is_empty() {
@@ -849,17 +853,17 @@ async fn a_job_started_from_a_sharded_export_is_assigned_its_files_and_only_its_
         app.register("n2", 1, 2 * GIB).await,
     ];
     // The node a job is assigned to (its assignment) and the other one.
-    let placed = async |id: &str| {
+    let placed = async |id: &JobId| {
         app.schedule().await;
         for (k, node) in nodes.iter().enumerate() {
             let mine = app.beat(node, vec![], vec![]).await.assignments;
-            if let Some(a) = mine.into_iter().find(|a| a.job_id == id) {
+            if let Some(a) = mine.into_iter().find(|a| a.job_id == *id) {
                 return (&nodes[k], &nodes[1 - k], a);
             }
         }
         panic!("job {id} was not assigned");
     };
-    let from = app.submit_ok(&tiny_spec(1)).await;
+    let from: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     let (holder, _, _) = placed(&from).await;
     let index = "model.safetensors.index.json";
     let files = [
@@ -882,7 +886,7 @@ async fn a_job_started_from_a_sharded_export_is_assigned_its_files_and_only_its_
     // Its index counts as a model to start from.
     let mut spec = tiny_spec(1);
     spec["model"]["init_from"] = json!({"job": from, "artifact": "model"});
-    let id = app.submit_ok(&spec).await;
+    let id: JobId = app.submit_ok(&spec).await.into();
     let (runner, idle, a) = placed(&id).await;
     assert_eq!(a.init_from, [files[1].0, files[2].0, index]);
     let fetch = async |(node, token): &(String, String), name: &str| {
@@ -1066,7 +1070,7 @@ fn holds_files(dir: &Path) -> bool {
 /// the job's id.
 async fn downloads_serve_byte_ranges(app: &TestApp) -> String {
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     app.beat(&node, vec![], vec![]).await;
     for (name, text) in [("model.safetensors", "0123456789"), ("config.json", "{}")] {
@@ -1145,7 +1149,7 @@ async fn downloads_serve_byte_ranges(app: &TestApp) -> String {
         .get(&format!("/v1/jobs/{id}/artifacts/checkpoints%2Fnope"))
         .await;
     assert_eq!(none.status, StatusCode::NOT_FOUND);
-    id
+    id.into()
 }
 
 /// Returns once a heartbeat is waiting at the server (after it looked for work and found none).
@@ -1174,7 +1178,7 @@ async fn a_waiting_heartbeat_returns_as_soon_as_a_job_is_placed_on_its_node() {
     let limit = Duration::from_secs(60);
     let place = async {
         until_a_heartbeat_waits(&app).await;
-        let id = app.submit_ok(&tiny_spec(1)).await;
+        let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
         assert_eq!(app.schedule().await, 1);
         id
     };

@@ -8,6 +8,7 @@ use api_helpers::*;
 use axum::http::{Method, StatusCode, header};
 use scheduler::bytes::human;
 use scheduler::plan::Plan;
+use server::domain::JobId;
 
 async fn page(app: &TestApp, path: &str, cookie: &str) -> Answer {
     let a = app.browser(Method::GET, path, cookie, None, None).await;
@@ -114,7 +115,7 @@ async fn the_jobs_and_job_pages_render_their_tables_without_javascript() {
 async fn a_finished_job_s_page_links_its_files_which_download_with_the_session() {
     let app = TestApp::new().await;
     let node = app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
     app.schedule().await;
     app.beat(&node, vec![], vec![]).await;
     let cookie = app.login(VIEWER).await;
@@ -177,7 +178,7 @@ async fn assets_are_embedded_with_an_etag_and_a_long_cache() {
 async fn the_job_page_sets_each_process_s_peak_beside_its_predicted_total_not_per_rank() {
     let app = TestApp::new().await;
     let node = app.register("n1", 2, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(2)).await;
+    let id: JobId = app.submit_ok(&tiny_spec(2)).await.into();
     assert_eq!(app.schedule().await, 1);
     app.beat(&node, vec![], vec![]).await;
     let reports = vec![memory_report(&id, 0), memory_report(&id, 1)];

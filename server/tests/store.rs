@@ -289,7 +289,7 @@ const LEASE: Duration = Duration::from_secs(60);
 /// A device no job holds, as a pass saw it.
 #[derive(Debug, Clone, PartialEq)]
 struct FreeDevice {
-    node_id: String,
+    node_id: NodeId,
     device: u32,
     spec: DeviceSlot,
 }
@@ -329,7 +329,7 @@ fn first_fit<'a>(
             taken[i] = true;
         }
         decisions.push(Decision {
-            job_id: job.id.to_string(),
+            job_id: job.id.clone(),
             slots: picks
                 .iter()
                 .map(|&i| (free[i].node_id.clone(), free[i].device))
@@ -995,25 +995,25 @@ async fn reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices(db: T
     let on_alive = submit(s, "on-alive", 1, 1).await;
     let waiting = submit(s, "waiting", 0, 4).await;
     let applied = pass_with(s, |_, free, _| {
-        let slot = |node: &str, d: u32| {
+        let slot = |node: &NodeId, d: u32| {
             let f = free
                 .iter()
-                .find(|f| f.node_id == node && f.device == d)
+                .find(|f| f.node_id == *node && f.device == d)
                 .unwrap();
             (f.node_id.clone(), f.device)
         };
         vec![
             Decision {
-                job_id: on_quiet.id.to_string(),
-                slots: vec![slot(quiet.id.as_str(), 0)],
+                job_id: on_quiet.id.clone(),
+                slots: vec![slot(&quiet.id, 0)],
             },
             Decision {
-                job_id: across.id.to_string(),
-                slots: vec![slot(quiet.id.as_str(), 1), slot(alive.id.as_str(), 0)],
+                job_id: across.id.clone(),
+                slots: vec![slot(&quiet.id, 1), slot(&alive.id, 0)],
             },
             Decision {
-                job_id: on_alive.id.to_string(),
-                slots: vec![slot(alive.id.as_str(), 1)],
+                job_id: on_alive.id.clone(),
+                slots: vec![slot(&alive.id, 1)],
             },
         ]
     })
@@ -1061,9 +1061,9 @@ async fn reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices(db: T
     assert!(!nodes.iter().find(|n| n.id == alive.id).unwrap().lost);
     // `across` released its device on `alive`; nothing on `quiet` is offered.
     let (free, _) = schedule_first_fit(s).await;
-    let free_slots: Vec<(String, u32)> =
+    let free_slots: Vec<(NodeId, u32)> =
         free.iter().map(|f| (f.node_id.clone(), f.device)).collect();
-    assert_eq!(free_slots, vec![(alive.id.to_string(), 0)]);
+    assert_eq!(free_slots, vec![(alive.id.clone(), 0)]);
     // Reaping again finds nothing new.
     assert!(s.reap_lost_nodes(t - 1).await.unwrap().is_empty());
 }
@@ -1130,20 +1130,17 @@ async fn schedule_shows_the_queue_by_priority_then_age_and_the_free_devices(db: 
     .await;
     assert!(applied.is_empty());
     let (queue, free) = seen;
-    assert_eq!(
-        queue,
-        [high.id, mid.id, low_old.id.clone(), low_new.id].map(String::from)
-    );
-    let slots: Vec<(String, u32, u64)> = free
+    assert_eq!(queue, [high.id, mid.id, low_old.id.clone(), low_new.id]);
+    let slots: Vec<(NodeId, u32, u64)> = free
         .iter()
         .map(|f| (f.node_id.clone(), f.device, f.spec.memory_bytes))
         .collect();
     assert_eq!(
         slots,
         vec![
-            (n1.id.to_string(), 0, 16 * GB),
-            (n1.id.to_string(), 1, 16 * GB),
-            (n2.id.to_string(), 0, 16 * GB)
+            (n1.id.clone(), 0, 16 * GB),
+            (n1.id.clone(), 1, 16 * GB),
+            (n2.id, 0, 16 * GB)
         ]
     );
     // Nothing was decided, so nothing moved.
@@ -1164,7 +1161,7 @@ async fn schedule_never_hands_out_a_held_device(db: TestDb) {
     assert_eq!(free.len(), 8);
     assert_eq!(
         applied.iter().map(|d| d.job_id.clone()).collect::<Vec<_>>(),
-        vec![big.id.to_string(), small.id.to_string()]
+        vec![big.id.clone(), small.id.clone()]
     );
     let reasons = [&big, &small].map(|j| j.id.clone());
     let mut got = Vec::new();
@@ -1186,12 +1183,12 @@ async fn schedule_never_hands_out_a_held_device(db: TestDb) {
         JobState::Queued
     );
     // The small job finishes: exactly its two devices come back, and the waiting job gets them.
-    let small_devices: Vec<(String, u32)> = s
+    let small_devices: Vec<(NodeId, u32)> = s
         .assignments_for_job(&small.id)
         .await
         .unwrap()
         .into_iter()
-        .map(|a| (a.node_id.to_string(), a.device))
+        .map(|a| (a.node_id, a.device))
         .collect();
     s.transition(
         &small.id,
@@ -1203,10 +1200,10 @@ async fn schedule_never_hands_out_a_held_device(db: TestDb) {
     .unwrap()
     .unwrap();
     let (free, applied) = schedule_first_fit(s).await;
-    let free: Vec<(String, u32)> = free.into_iter().map(|f| (f.node_id, f.device)).collect();
+    let free: Vec<(NodeId, u32)> = free.into_iter().map(|f| (f.node_id, f.device)).collect();
     assert_eq!(free, small_devices);
     assert_eq!(applied.len(), 1);
-    assert_eq!(applied[0].job_id, too_big.id.as_str());
+    assert_eq!(applied[0].job_id, too_big.id);
     assert_eq!(applied[0].slots, small_devices);
 }
 
@@ -1219,21 +1216,21 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
     let b = submit(s, "b", 0, 2).await;
     let c = submit(s, "c", 0, 1).await;
     let d = submit(s, "d", 0, 1).await;
-    let slot = |device: u32| (n.id.to_string(), device);
+    let slot = |device: u32| (n.id.clone(), device);
     let decisions = vec![
         // A held device.
         Decision {
-            job_id: a.id.to_string(),
+            job_id: a.id.clone(),
             slots: vec![slot(0)],
         },
         // Too few slots for the world size.
         Decision {
-            job_id: b.id.to_string(),
+            job_id: b.id.clone(),
             slots: vec![slot(1)],
         },
         // A job that is not queued, and one that does not exist.
         Decision {
-            job_id: holder.id.to_string(),
+            job_id: holder.id.clone(),
             slots: vec![slot(1)],
         },
         Decision {
@@ -1242,26 +1239,26 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
         },
         // A device that does not exist.
         Decision {
-            job_id: c.id.to_string(),
+            job_id: c.id.clone(),
             slots: vec![slot(7)],
         },
         // Valid.
         Decision {
-            job_id: d.id.to_string(),
+            job_id: d.id.clone(),
             slots: vec![slot(1)],
         },
         // The same job again, and a device already given in this pass.
         Decision {
-            job_id: d.id.to_string(),
+            job_id: d.id.clone(),
             slots: vec![slot(2)],
         },
         Decision {
-            job_id: c.id.to_string(),
+            job_id: c.id.clone(),
             slots: vec![slot(1)],
         },
         // The same device twice in one job.
         Decision {
-            job_id: b.id.to_string(),
+            job_id: b.id.clone(),
             slots: vec![slot(2), slot(2)],
         },
     ];
@@ -1269,7 +1266,7 @@ async fn schedule_drops_invalid_decisions(db: TestDb) {
     assert_eq!(
         self::decisions(&applied),
         vec![Decision {
-            job_id: d.id.to_string(),
+            job_id: d.id.clone(),
             slots: vec![slot(1)]
         }]
     );
@@ -1300,15 +1297,11 @@ async fn schedule_ignores_devices_of_lost_nodes(db: TestDb) {
     let one = submit(s, "one", 0, 1).await;
     let (free, applied) = schedule_first_fit(s).await;
     assert!(
-        free.iter().all(|f| f.node_id == live.id.as_str()),
+        free.iter().all(|f| f.node_id == live.id),
         "{free:?} {gone:?}"
     );
     assert_eq!(applied.len(), 1);
-    assert_eq!(
-        applied[0].job_id,
-        one.id.as_str(),
-        "the small job backfills"
-    );
+    assert_eq!(applied[0].job_id, one.id, "the small job backfills");
 }
 
 async fn assignments_are_listed_per_node_and_per_job(db: TestDb) {
@@ -1900,7 +1893,7 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
         "decisions applied = attempts scheduled"
     );
     assert!(placed > JOBS, "some jobs ran twice after node-2 was lost");
-    let ranks: Vec<(JobId, i64, i64, i64)> = raw!(db, pool => {
+    let ranks: Vec<(String, i64, i64, i64)> = raw!(db, pool => {
         sqlx::query_as(
             "SELECT job_id, attempt, COUNT(*), MAX(rank) FROM assignments GROUP BY job_id, attempt",
         )
@@ -1910,7 +1903,7 @@ async fn two_replicas_never_place_a_job_or_a_device_twice(db: TestDb) {
     });
     assert_eq!(ranks.len(), placed);
     for (job, _, count, max_rank) in &ranks {
-        let ws = i64::from(world_sizes[job]);
+        let ws = i64::from(world_sizes[&JobId::from(job.as_str())]);
         assert_eq!((*count, *max_rank), (ws, ws - 1), "job {job}");
     }
 
@@ -2191,8 +2184,8 @@ async fn kept_pass(store: &Store, board: &mut Board) -> server::store::Schedulin
 }
 
 /// The ids of the jobs placed, in order.
-fn placed_ids(pass: &server::store::SchedulingPass) -> Vec<String> {
-    pass.placed.iter().map(|p| p.job_id.clone()).collect()
+fn placed_ids(pass: &server::store::SchedulingPass) -> Vec<&JobId> {
+    pass.placed.iter().map(|p| &p.job_id).collect()
 }
 
 /// A replica's board, kept between passes, shows what one loaded from the tables shows after
@@ -2213,7 +2206,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     let c = submit(s, "c", 0, 4).await;
     let first = kept_pass(s, &mut board).await;
     assert!(first.loaded);
-    assert_eq!(placed_ids(&first), [a.id.to_string(), b.id.to_string()]);
+    assert_eq!(placed_ids(&first), [&a.id, &b.id]);
     assert_eq!(board.held_ranks()["bob"], 2);
     let idle = kept_pass(s, &mut board).await;
     assert!(!idle.loaded && idle.placed.is_empty());
@@ -2237,7 +2230,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     let d = submit(&other, "d", 0, 1).await;
     let pass = kept_pass(s, &mut board).await;
     assert!(!pass.loaded);
-    assert_eq!(placed_ids(&pass), [d.id.as_str()]);
+    assert_eq!(placed_ids(&pass), [&d.id]);
 
     // A new node: `e` fits only once its devices are known.
     let e = submit(&other, "e", 0, 3).await;
@@ -2245,7 +2238,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     let n3 = node(&other, "n3", 4).await;
     let pass = kept_pass(s, &mut board).await;
     assert!(!pass.loaded);
-    assert_eq!(placed_ids(&pass), [e.id.as_str()]);
+    assert_eq!(placed_ids(&pass), [&e.id]);
 
     // n1 (holding `b` or `d`) is lost, n2 registers again with fewer devices: their jobs go
     // back to the queue at a new attempt.
@@ -2262,10 +2255,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
         .unwrap();
     let pass = kept_pass(s, &mut board).await;
     assert!(!pass.loaded);
-    assert!(
-        board.nodes().iter().all(|n| n.id != n1.id.as_str()),
-        "n1 is lost"
-    );
+    assert!(board.nodes().iter().all(|n| n.id != n1.id), "n1 is lost");
 
     // An agent's report sends a running job back to the queue.
     let scheduled: Vec<Job> = s
@@ -2312,7 +2302,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
 
     let one = submit(a, "one", 0, 1).await;
     let pass = try_pass(a, &mut board_a, LEASE).await.unwrap();
-    assert_eq!(placed_ids(&pass), [one.id.as_str()]);
+    assert_eq!(placed_ids(&pass), [&one.id]);
     let two = submit(&b, "two", 0, 1).await;
     assert!(
         try_pass(&b, &mut board_b, LEASE).await.is_none(),
@@ -2323,7 +2313,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
     let pass = try_pass(a, &mut board_a, Duration::from_millis(200))
         .await
         .unwrap();
-    assert_eq!(placed_ids(&pass), [two.id.as_str()]);
+    assert_eq!(placed_ids(&pass), [&two.id]);
 
     let three = submit(&b, "three", 0, 1).await;
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -2336,7 +2326,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(taken.loaded, "a new holder loads its board");
-    assert_eq!(placed_ids(&taken), [three.id.as_str()]);
+    assert_eq!(placed_ids(&taken), [&three.id]);
 
     // a comes back: b holds the lease, so a places nothing, and forgets its board.
     let four = submit(a, "four", 0, 1).await;
@@ -2350,7 +2340,7 @@ async fn only_the_lease_holder_schedules_and_another_takes_over_when_it_stops(db
         .await
         .expect("a handed-over lease is free");
     assert!(pass.loaded);
-    assert_eq!(placed_ids(&pass), [four.id.as_str()]);
+    assert_eq!(placed_ids(&pass), [&four.id]);
     assert!(board_a.nodes()[0].devices.iter().all(|d| d.held));
     b.close().await;
 }
@@ -2386,7 +2376,7 @@ async fn two_servers_schedule_one_at_a_time_and_the_second_takes_over(db: TestDb
     loop {
         let placed = server::scheduling::pass(&second).await.unwrap();
         if !placed.is_empty() {
-            assert_eq!(placed[0].job_id, two.id.as_str());
+            assert_eq!(placed[0].job_id, two.id);
             break;
         }
         assert!(
@@ -2428,13 +2418,13 @@ async fn a_pass_at_its_rank_budget_wakes_the_next(db: TestDb) {
 
     let placed = server::scheduling::pass(&state).await.unwrap();
     assert_eq!(placed.len(), 1);
-    assert_eq!(placed[0].job_id, wide.id.as_str());
+    assert_eq!(placed[0].job_id, wide.id);
     assert!(woken(), "a capped pass wakes the loop");
     assert_eq!(state_of(s, &one.id).await, JobState::Queued);
 
     let placed = server::scheduling::pass(&state).await.unwrap();
     assert_eq!(placed.len(), 1);
-    assert_eq!(placed[0].job_id, one.id.as_str());
+    assert_eq!(placed[0].job_id, one.id);
     assert!(
         !woken(),
         "a pass that placed all it could leaves no wake-up"
@@ -2457,25 +2447,25 @@ async fn a_change_committed_after_a_later_one_still_reaches_the_board() {
         // Cancel `wide` in a transaction left open while a later job is submitted and placed.
         let mut slow = pool.begin().await.unwrap();
         sqlx::query("UPDATE jobs SET state = 'cancelled' WHERE id = $1")
-            .bind(&wide.id)
+            .bind(wide.id.as_str())
             .execute(&mut *slow)
             .await
             .unwrap();
         sqlx::query(
             "INSERT INTO transitions (job_id, attempt, from_state, to_state, reason, at)              VALUES ($1, 1, 'queued', 'cancelled', 'test', 0)",
         )
-        .bind(&wide.id)
+        .bind(wide.id.as_str())
         .execute(&mut *slow)
         .await
         .unwrap();
         let narrow = submit(s, "narrow", 0, 1).await;
         let pass = kept_pass(s, &mut board).await;
-        assert_eq!(placed_ids(&pass), [narrow.id.as_str()]);
-        assert!(board.queued(wide.id.as_str()).is_some());
+        assert_eq!(placed_ids(&pass), [&narrow.id]);
+        assert!(board.queued(&wide.id).is_some());
         slow.commit().await.unwrap();
         let pass = kept_pass(s, &mut board).await;
         assert!(!pass.loaded);
-        assert!(board.queued(wide.id.as_str()).is_none(), "the cancellation arrived");
+        assert!(board.queued(&wide.id).is_none(), "the cancellation arrived");
     })
     .await;
 }

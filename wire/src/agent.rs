@@ -33,7 +33,7 @@ use scheduler::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 use strum::{IntoStaticStr, VariantArray};
 
-use crate::Op;
+use crate::{JobId, NodeId, Op};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegisterRequest {
@@ -46,7 +46,7 @@ pub struct RegisterRequest {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegisterResponse {
-    pub node_id: String,
+    pub node_id: NodeId,
     /// Bearer token for this node's heartbeats.
     pub agent_token: String,
     pub heartbeat_interval_ms: u64,
@@ -55,7 +55,7 @@ pub struct RegisterResponse {
 /// One attempt of one job, as much of it as runs on this node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Assignment {
-    pub job_id: String,
+    pub job_id: JobId,
     /// Starts at 1; a job requeued after losing its node runs again with the next attempt.
     pub attempt: u32,
     /// The normalised job spec, as admitted (its `"auto"` fields unresolved).
@@ -108,19 +108,19 @@ pub struct RankSlot {
 pub enum Report {
     /// Rank 0 of a job spanning nodes listens for its peers at `master` (`host:port`).
     Rendezvous {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         master: String,
     },
     /// The job's ranks started (sent once per attempt, by the node running rank 0).
     Started {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         resumed_from: Option<u32>,
     },
     /// A finished optimizer step (rank 0's view: the loss all ranks agreed on).
     Step {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         step: u32,
         loss: f64,
@@ -134,7 +134,7 @@ pub enum Report {
     },
     /// A rank's measured peak bytes (the server sets the plan's beside them), and what it sent.
     Memory {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         rank: usize,
         measured: Breakdown,
@@ -148,34 +148,34 @@ pub enum Report {
         device_used_bytes: Option<u64>,
     },
     Log {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         line: String,
     },
     /// A checkpoint of `step`, every file of it uploaded (sent only once it is published).
     Checkpoint {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         step: u32,
     },
     /// Every rank of the job on this node finished; from rank 0's node: the job succeeded.
     Finished {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         final_loss: f64,
     },
     Failed {
-        job_id: String,
+        job_id: JobId,
         attempt: u32,
         error: String,
     },
     /// Ranks stopped on a cancellation.
-    Cancelled { job_id: String, attempt: u32 },
+    Cancelled { job_id: JobId, attempt: u32 },
 }
 
 impl Report {
     /// The (job, attempt) the report speaks for.
-    pub fn key(&self) -> (&str, u32) {
+    pub fn key(&self) -> (&JobId, u32) {
         match self {
             Report::Rendezvous {
                 job_id, attempt, ..
@@ -232,7 +232,7 @@ pub struct Heartbeat {
     pub reports: Vec<Report>,
     /// Jobs (id, attempt) with ranks running here now (and any the server offered again that
     /// this node has already run, so it stops offering them).
-    pub running: Vec<(String, u32)>,
+    pub running: Vec<(JobId, u32)>,
     /// Hold the reply up to this many milliseconds until there is an assignment or a fence for
     /// this node; 0 (the default) answers at once. The server caps it.
     #[serde(default)]
@@ -244,7 +244,7 @@ pub struct HeartbeatResponse {
     pub assignments: Vec<Assignment>,
     /// Attempts (job id, attempt) of `running` that are over (the job was cancelled, ended, or
     /// requeued to a later attempt): their ranks here must stop at once.
-    pub cancel: Vec<(String, u32)>,
+    pub cancel: Vec<(JobId, u32)>,
     /// The reports of the beat the server did not apply.
     #[serde(default)]
     pub refused: Vec<Refusal>,
@@ -286,5 +286,29 @@ impl RefusalReason {
     /// The name on the wire (and the `reason` label of the refused-reports counter).
     pub fn as_str(self) -> &'static str {
         self.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_plain_strings_on_the_wire() {
+        let beat = Heartbeat {
+            reports: vec![Report::Cancelled {
+                job_id: "j".into(),
+                attempt: 2,
+            }],
+            running: vec![("j".into(), 2)],
+            wait_ms: 0,
+        };
+        let json = serde_json::json!({
+            "reports": [{"kind": "cancelled", "job_id": "j", "attempt": 2}],
+            "running": [["j", 2]],
+            "wait_ms": 0,
+        });
+        assert_eq!(serde_json::to_value(&beat).unwrap(), json);
+        assert_eq!(serde_json::from_value::<Heartbeat>(json).unwrap(), beat);
     }
 }

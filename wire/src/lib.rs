@@ -11,3 +11,5 @@ pub mod metrics;
 mod op;
 
 pub use op::Op;
+/// The ids the protocol carries; the scheduler defines them, since its queue names both.
+pub use scheduler::ids::{JobId, NodeId};

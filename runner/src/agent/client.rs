@@ -13,6 +13,7 @@ use crate::Error;
 use crate::checkpoint::Upload;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse};
 use wire::artifact::{Artifact, url_segment};
+use wire::{JobId, NodeId};
 
 /// Longest pause between two tries before jitter, which adds up to as much again: well inside
 /// the server's heartbeat timeout (30 s by default), so a node cut off for a while, or a
@@ -96,7 +97,7 @@ impl Client {
     /// One heartbeat of node `node`.
     pub fn beat(
         &self,
-        node: &str,
+        node: &NodeId,
         token: &str,
         beat: &Heartbeat,
     ) -> Result<HeartbeatResponse, CallError> {
@@ -155,7 +156,7 @@ pub struct Files {
 }
 
 impl Files {
-    pub fn new(server: &str, node: &str, token: &str, job_id: &str, attempt: u32) -> Files {
+    pub fn new(server: &str, node: &NodeId, token: &str, job_id: &JobId, attempt: u32) -> Files {
         Files {
             http: ureq::Agent::config_builder()
                 .timeout_connect(Some(FILE_CONNECT_TIMEOUT))

@@ -43,7 +43,7 @@ pub(super) fn start(
         let dir = cfg
             .work_dir
             .join("jobs")
-            .join(&a.job_id)
+            .join(a.job_id.as_str())
             .join("attempts")
             .join(a.attempt.to_string());
         let (job_id, attempt) = (a.job_id.clone(), a.attempt);

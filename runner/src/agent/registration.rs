@@ -16,10 +16,11 @@ use backon::{BackoffBuilder, ExponentialBackoff};
 
 use super::client::{CallError, Client, Files, backoff};
 use super::{AgentConfig, AgentMetrics, job};
+use wire::JobId;
 use wire::agent::{Heartbeat, HeartbeatResponse, RegisterResponse, Report};
 
 /// A job's attempt: (job id, attempt).
-pub(super) type Key = (String, u32);
+pub(super) type Key = (JobId, u32);
 
 /// How often the loop looks at `stop` while nothing happens.
 const TICK: Duration = Duration::from_millis(50);

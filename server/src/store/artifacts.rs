@@ -18,7 +18,7 @@ pub(super) async fn add_artifact(
              ON CONFLICT (job_id, attempt, name) DO UPDATE SET step = excluded.step, \
              bytes = excluded.bytes, sha256 = excluded.sha256, at = excluded.at",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .bind(i64::from(a.attempt))
         .bind(&a.name)
         .bind(i64::from(a.step))
@@ -42,7 +42,7 @@ pub(super) async fn artifacts(
             "SELECT attempt, name, step, bytes, sha256, at FROM artifacts WHERE job_id = $1 \
              ORDER BY name, attempt",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .fetch_all(&mut **c)
         .await?
     });
@@ -74,16 +74,16 @@ pub(super) async fn remove_artifacts(
         "DELETE FROM artifacts WHERE job_id = $1"
     };
     let removed = on!(c, c => {
-        sqlx::query(sql).bind(job_id).execute(&mut **c).await?.rows_affected()
+        sqlx::query(sql).bind(job_id.as_str()).execute(&mut **c).await?.rows_affected()
     });
     Ok(removed)
 }
 
 pub(super) async fn jobs_with_artifacts(c: &mut Conn<'_>) -> Result<Vec<JobId>, StoreError> {
     let ids = on!(c, c => {
-        sqlx::query_scalar::<_, JobId>("SELECT DISTINCT job_id FROM artifacts ORDER BY job_id")
+        sqlx::query_scalar::<_, String>("SELECT DISTINCT job_id FROM artifacts ORDER BY job_id")
             .fetch_all(&mut **c)
             .await?
     });
-    Ok(ids)
+    Ok(ids.into_iter().map(JobId::from).collect())
 }

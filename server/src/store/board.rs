@@ -25,7 +25,7 @@ use super::StoreError;
 use super::backend::{Conn, on};
 use super::lease::Held;
 use super::rows::{json, kind, state, to_u32};
-use crate::domain::JobState;
+use crate::domain::{JobId, JobState, NodeId};
 
 /// How often the board is rebuilt from the tables even though nothing seemed to be missed.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(300);
@@ -48,11 +48,11 @@ struct Hold {
     world_size: u32,
     /// Whether its ranks count towards its owner's (the job is scheduled or running).
     counted: bool,
-    slots: Vec<(String, u32)>,
+    slots: Vec<(NodeId, u32)>,
 }
 
 /// Priority descending, then oldest, then id.
-type QueueKey = (Reverse<i32>, i64, String);
+type QueueKey = (Reverse<i32>, i64, JobId);
 
 /// Where in `transitions` the board has read to.
 #[derive(Debug, Clone, Default)]
@@ -95,11 +95,11 @@ pub struct Board {
     loaded_at: Option<Instant>,
     cursor: Cursor,
     queue: BTreeMap<QueueKey, QueuedJob>,
-    queued: HashMap<String, QueueKey>,
+    queued: HashMap<JobId, QueueKey>,
     /// Live nodes in registration order.
     nodes: Vec<BoardNode>,
-    node_at: HashMap<String, usize>,
-    holds: HashMap<String, Hold>,
+    node_at: HashMap<NodeId, usize>,
+    holds: HashMap<JobId, Hold>,
     held_ranks: HeldRanks,
 }
 
@@ -118,7 +118,7 @@ impl Board {
         self.queue.values()
     }
 
-    pub fn queued(&self, id: &str) -> Option<&QueuedJob> {
+    pub fn queued(&self, id: &JobId) -> Option<&QueuedJob> {
         self.queue.get(self.queued.get(id)?)
     }
 
@@ -133,13 +133,13 @@ impl Board {
     }
 
     /// Device `index` of node `node_id` as (node position, index) if it is live and free.
-    pub(super) fn free_slot(&self, node_id: &str, index: u32) -> Option<(usize, u32)> {
+    pub(super) fn free_slot(&self, node_id: &NodeId, index: u32) -> Option<(usize, u32)> {
         let at = *self.node_at.get(node_id)?;
         let device = self.nodes[at].devices.iter().find(|d| d.index == index)?;
         (!device.held).then_some((at, index))
     }
 
-    pub(super) fn node_name(&self, node_id: &str) -> Option<&str> {
+    pub(super) fn node_name(&self, node_id: &NodeId) -> Option<&str> {
         Some(&self.nodes[*self.node_at.get(node_id)?].name)
     }
 
@@ -172,7 +172,7 @@ impl Board {
     }
 
     /// Records a placement the pass committed: `job` at `attempt` on `slots`.
-    pub(super) fn placed(&mut self, job_id: &str, attempt: u32, slots: &[(String, u32)]) {
+    pub(super) fn placed(&mut self, job_id: &JobId, attempt: u32, slots: &[(NodeId, u32)]) {
         let Some(job) = self.dequeue(job_id) else {
             return;
         };
@@ -194,7 +194,7 @@ impl Board {
         );
     }
 
-    fn device_mut(&mut self, node_id: &str, index: u32) -> Option<&mut BoardDevice> {
+    fn device_mut(&mut self, node_id: &NodeId, index: u32) -> Option<&mut BoardDevice> {
         let node = &mut self.nodes[*self.node_at.get(node_id)?];
         node.devices.iter_mut().find(|d| d.index == index)
     }
@@ -206,13 +206,13 @@ impl Board {
         self.queue.insert(key, job);
     }
 
-    fn dequeue(&mut self, id: &str) -> Option<QueuedJob> {
+    fn dequeue(&mut self, id: &JobId) -> Option<QueuedJob> {
         let key = self.queued.remove(id)?;
         self.queue.remove(&key)
     }
 
     /// Frees the devices job `id` held.
-    fn release(&mut self, id: &str) {
+    fn release(&mut self, id: &JobId) {
         let Some(hold) = self.holds.remove(id) else {
             return;
         };
@@ -276,7 +276,8 @@ impl Board {
 /// The columns of a job the board reads; `plan` only for queued jobs.
 #[derive(sqlx::FromRow)]
 struct JobRow {
-    id: String,
+    #[sqlx(try_from = "String")]
+    id: JobId,
     state: String,
     attempt: i64,
     owner: String,
@@ -329,6 +330,7 @@ pub(super) async fn load(
         .await?
     });
     for (job_id, attempt, node, device, owner, world_size, job_state) in held {
+        let (job_id, node) = (JobId::from(job_id), NodeId::from(node));
         let device = to_u32(device, "device index")?;
         if let Some(hold) = board.holds.get_mut(&job_id) {
             hold.slots.push((node, device));
@@ -424,6 +426,7 @@ async fn load_nodes(c: &mut Conn<'_>, board: &mut Board) -> Result<(), StoreErro
     board.nodes.clear();
     board.node_at.clear();
     for (node_id, name, index, kind_name, bytes) in rows {
+        let node_id = NodeId::from(node_id);
         if board.nodes.last().is_none_or(|n| n.id != node_id) {
             board.node_at.insert(node_id.clone(), board.nodes.len());
             board.nodes.push(BoardNode {
@@ -446,7 +449,7 @@ async fn load_nodes(c: &mut Conn<'_>, board: &mut Board) -> Result<(), StoreErro
                 held: false,
             });
     }
-    let held: Vec<(String, u32)> = board
+    let held: Vec<(NodeId, u32)> = board
         .holds
         .values()
         .flat_map(|h| h.slots.iter().cloned())

@@ -4,7 +4,7 @@
 use super::backend::{Arg, Conn, bind_args, on};
 use super::rows::{JOB_COLUMNS, JobRow, TransitionRow, state, to_json, to_u32};
 use super::{JobFilter, SortKey, StoreError};
-use crate::domain::{Job, JobId, JobState, Transition};
+use crate::domain::{Job, JobId, JobState, Transition, mint};
 
 /// The page size when a filter asks for 0 jobs.
 pub const DEFAULT_PAGE: u32 = 100;
@@ -29,7 +29,7 @@ pub(super) async fn insert(
         }
     }
     let id = if job.id.as_str().is_empty() {
-        JobId::mint()
+        mint()
     } else {
         job.id.clone()
     };
@@ -51,7 +51,7 @@ pub(super) async fn insert(
              VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL, $12, $12) \
              ON CONFLICT (owner, idempotency_key) DO NOTHING",
         )
-        .bind(&id)
+        .bind(id.as_str())
         .bind(&job.name)
         .bind(i64::from(job.priority))
         .bind(i64::from(attempt))
@@ -132,7 +132,7 @@ pub(super) async fn placed_before(
     before: i64,
 ) -> Result<Vec<(JobId, u32)>, StoreError> {
     let rows = on!(c, c => {
-        sqlx::query_as::<_, (JobId, i64)>(
+        sqlx::query_as::<_, (String, i64)>(
             "SELECT j.id, j.attempt FROM jobs j WHERE j.state IN ('scheduled', 'running') \
              AND EXISTS (SELECT 1 FROM assignments a WHERE a.job_id = j.id \
                  AND a.attempt = j.attempt AND a.assigned_at < $1)",
@@ -142,14 +142,14 @@ pub(super) async fn placed_before(
         .await?
     });
     rows.into_iter()
-        .map(|(id, attempt)| Ok((id, to_u32(attempt, "attempt")?)))
+        .map(|(id, attempt)| Ok((JobId::from(id), to_u32(attempt, "attempt")?)))
         .collect()
 }
 
 pub(super) async fn get(c: &mut Conn<'_>, id: &JobId) -> Result<Option<Job>, StoreError> {
     let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
     let row = on!(c, c => {
-        sqlx::query_as::<_, JobRow>(&sql).bind(id).fetch_optional(&mut **c).await?
+        sqlx::query_as::<_, JobRow>(&sql).bind(id.as_str()).fetch_optional(&mut **c).await?
     });
     row.map(Job::try_from).transpose()
 }
@@ -225,7 +225,7 @@ pub(super) async fn transition(
 ) -> Result<Option<Job>, StoreError> {
     let current = on!(c, c => {
         sqlx::query_as::<_, (String, i64)>("SELECT state, attempt FROM jobs WHERE id = $1")
-            .bind(id)
+            .bind(id.as_str())
             .fetch_optional(&mut **c)
             .await?
     });
@@ -251,7 +251,7 @@ pub(super) async fn transition(
             .bind(reason)
             .bind(now)
             .bind(new_attempt)
-            .bind(id)
+            .bind(id.as_str())
             .bind(current_state.as_str())
             .bind(current_attempt)
             .fetch_optional(&mut **c)
@@ -275,7 +275,7 @@ async fn release(c: &mut Conn<'_>, id: &JobId, now: i64) -> Result<(), StoreErro
             "UPDATE assignments SET released_at = $1 WHERE job_id = $2 AND released_at IS NULL",
         )
         .bind(now)
-        .bind(id)
+        .bind(id.as_str())
         .execute(&mut **c)
         .await?;
     });
@@ -297,7 +297,7 @@ pub(super) async fn record(
             "INSERT INTO transitions (job_id, attempt, from_state, to_state, reason, at) \
              VALUES ($1, $2, $3, $4, $5, $6)",
         )
-        .bind(id)
+        .bind(id.as_str())
         .bind(i64::from(attempt))
         .bind(from.map(JobState::as_str))
         .bind(to.as_str())
@@ -317,7 +317,7 @@ pub(super) async fn transitions(
         sqlx::query_as::<_, TransitionRow>(
             "SELECT at, from_state, to_state, reason FROM transitions WHERE job_id = $1 ORDER BY id",
         )
-        .bind(id)
+        .bind(id.as_str())
         .fetch_all(&mut **c)
         .await?
     });

@@ -10,7 +10,7 @@ use super::rows::{
     nodes_from_rows, to_u32,
 };
 use super::{jobs, lease};
-use crate::domain::{AssignmentRecord, Job, JobId, JobState, NodeId, NodeRecord};
+use crate::domain::{AssignmentRecord, Job, JobId, JobState, NodeId, NodeRecord, mint};
 
 pub(super) async fn register(
     c: &mut Conn<'_>,
@@ -23,12 +23,12 @@ pub(super) async fn register(
     // Devices change: no scheduling pass may be placing on them meanwhile.
     lock_scheduling(c).await?;
     let existing = on!(c, c => {
-        sqlx::query_scalar::<_, NodeId>("SELECT id FROM nodes WHERE token_hash = $1")
+        sqlx::query_scalar::<_, String>("SELECT id FROM nodes WHERE token_hash = $1")
             .bind(token_hash)
             .fetch_optional(&mut **c)
             .await?
     });
-    let id = match existing {
+    let id: NodeId = match existing.map(NodeId::from) {
         Some(id) => {
             // The same agent again (restarted): the ranks it ran are gone.
             let reason = format!("node {name} registered again");
@@ -41,24 +41,24 @@ pub(super) async fn register(
                 .bind(name)
                 .bind(host)
                 .bind(now)
-                .bind(&id)
+                .bind(id.as_str())
                 .execute(&mut **c)
                 .await?;
                 sqlx::query("DELETE FROM devices WHERE node_id = $1")
-                    .bind(&id)
+                    .bind(id.as_str())
                     .execute(&mut **c)
                     .await?;
             });
             id
         }
         None => {
-            let id = NodeId::mint();
+            let id: NodeId = mint();
             on!(c, c => {
                 sqlx::query(
                     "INSERT INTO nodes (id, name, host, token_hash, registered_at, \
                      last_heartbeat, lost) VALUES ($1, $2, $3, $4, $5, $5, FALSE)",
                 )
-                .bind(&id)
+                .bind(id.as_str())
                 .bind(name)
                 .bind(host)
                 .bind(token_hash)
@@ -122,7 +122,7 @@ pub(super) async fn heartbeat(
     let updated = on!(c, c => {
         sqlx::query("UPDATE nodes SET last_heartbeat = $1 WHERE id = $2 AND NOT lost")
             .bind(at)
-            .bind(node_id)
+            .bind(node_id.as_str())
             .execute(&mut **c)
             .await?
             .rows_affected()
@@ -166,7 +166,7 @@ async fn requeue_jobs_on(
          ORDER BY a.job_id, n.name"
     );
     let held = on!(c, c => {
-        let mut q = sqlx::query_as::<_, (JobId, String)>(&sql);
+        let mut q = sqlx::query_as::<_, (String, String)>(&sql);
         if let Some(arg) = arg {
             q = q.bind(arg);
         }
@@ -174,6 +174,7 @@ async fn requeue_jobs_on(
     });
     let mut requeued: Vec<JobId> = Vec::new();
     for (job_id, node) in held {
+        let job_id = JobId::from(job_id);
         if requeued.last() == Some(&job_id) {
             continue;
         }
@@ -210,7 +211,7 @@ pub(super) async fn assignments_for_node(
          ORDER BY j.priority DESC, j.created_at, j.id, a.rank"
     );
     let rows = on!(c, c => {
-        sqlx::query_as::<_, Row>(&sql).bind(node_id).fetch_all(&mut **c).await?
+        sqlx::query_as::<_, Row>(&sql).bind(node_id.as_str()).fetch_all(&mut **c).await?
     });
     let mut out: Vec<(Job, Vec<AssignmentRecord>)> = Vec::new();
     for r in rows {
@@ -240,7 +241,7 @@ pub(super) async fn assignments_for_job(
          WHERE a.job_id = $1 ORDER BY a.rank"
     );
     let rows = on!(c, c => {
-        sqlx::query_as::<_, AssignmentRow>(&sql).bind(job_id).fetch_all(&mut **c).await?
+        sqlx::query_as::<_, AssignmentRow>(&sql).bind(job_id.as_str()).fetch_all(&mut **c).await?
     });
     rows.into_iter().map(AssignmentRecord::try_from).collect()
 }
@@ -255,8 +256,8 @@ pub(super) async fn node_ranks(
             "SELECT attempt, rank FROM assignments WHERE job_id = $1 AND node_id = $2 \
              ORDER BY attempt, rank",
         )
-        .bind(job_id)
-        .bind(node_id)
+        .bind(job_id.as_str())
+        .bind(node_id.as_str())
         .fetch_all(&mut **c)
         .await?
     });
@@ -274,7 +275,7 @@ pub(super) async fn set_master(
     on!(c, c => {
         sqlx::query("UPDATE jobs SET master = $1 WHERE id = $2 AND attempt = $3")
             .bind(master)
-            .bind(job_id)
+            .bind(job_id.as_str())
             .bind(i64::from(attempt))
             .execute(&mut **c)
             .await?;

@@ -57,7 +57,7 @@ pub(super) async fn steps(c: &mut Conn<'_>, job_id: &JobId) -> Result<Vec<StepRe
             "SELECT attempt, step, loss, loss_scale, tokens_per_second, skipped, step_seconds, at, \
              validation_loss FROM steps WHERE job_id = $1 ORDER BY attempt, step",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .fetch_all(&mut **c)
         .await?
     });
@@ -96,7 +96,7 @@ pub(super) async fn set_rank_memory(
              process_peak_rss_bytes = excluded.process_peak_rss_bytes, \
              updated_at = excluded.updated_at",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .bind(i64::from(m.rank))
         .bind(to_json(&m.measured))
         .bind(to_json(&m.predicted))
@@ -120,7 +120,7 @@ pub(super) async fn rank_memory(
             "SELECT rank, measured, predicted, comm_bytes_sent, process_peak_rss_bytes \
              FROM rank_memory WHERE job_id = $1 ORDER BY rank",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .fetch_all(&mut **c)
         .await?
     });
@@ -149,7 +149,7 @@ pub(super) async fn append_logs(
             "UPDATE jobs SET log_seq = log_seq + $1 WHERE id = $2 RETURNING log_seq",
         )
         .bind(lines.len() as i64)
-        .bind(job_id)
+        .bind(job_id.as_str())
         .fetch_optional(&mut **c)
         .await?
     });
@@ -181,7 +181,7 @@ pub(super) async fn logs(
         sqlx::query_as::<_, (i64, i64, String)>(
             "SELECT seq, at, line FROM logs WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .bind(after)
         .bind(i64::from(limit))
         .fetch_all(&mut **c)
@@ -208,7 +208,7 @@ pub(super) async fn add_checkpoint(
              SELECT id, attempt, $3, $4 FROM jobs WHERE id = $1 AND attempt = $2 \
              ON CONFLICT (job_id, attempt, step) DO UPDATE SET at = excluded.at",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .bind(i64::from(attempt))
         .bind(i64::from(step))
         .bind(now)
@@ -229,7 +229,7 @@ pub(super) async fn checkpoints(
             "SELECT attempt, step, at FROM checkpoints WHERE job_id = $1 \
              ORDER BY step, attempt",
         )
-        .bind(job_id)
+        .bind(job_id.as_str())
         .fetch_all(&mut **c)
         .await?
     });

@@ -1,5 +1,7 @@
 //! Rows as the databases return them (integers as i64, JSON as text) and their conversion to
-//! the domain records, which is where stored values are checked.
+//! the domain records, which is where stored values are checked. Ids are text: they are
+//! `scheduler`'s types, which this crate cannot teach sqlx, so queries bind `as_str()` and rows
+//! read a `String` (`#[sqlx(try_from = "String")]`).
 
 use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
@@ -52,6 +54,7 @@ pub(super) fn real(v: f64) -> Option<f64> {
 
 #[derive(sqlx::FromRow)]
 pub(super) struct JobRow {
+    #[sqlx(try_from = "String")]
     id: JobId,
     name: Option<String>,
     state: String,
@@ -114,9 +117,11 @@ impl TryFrom<TransitionRow> for Transition {
 
 #[derive(sqlx::FromRow)]
 pub(super) struct AssignmentRow {
+    #[sqlx(try_from = "String")]
     pub(super) job_id: JobId,
     pub(super) attempt: i64,
     pub(super) rank: i64,
+    #[sqlx(try_from = "String")]
     pub(super) node_id: NodeId,
     pub(super) device: i64,
 }
@@ -141,6 +146,7 @@ impl TryFrom<AssignmentRow> for AssignmentRecord {
 /// A node joined with one of its devices (none for a node without devices).
 #[derive(sqlx::FromRow)]
 pub(super) struct NodeDeviceRow {
+    #[sqlx(try_from = "String")]
     id: NodeId,
     name: String,
     host: String,

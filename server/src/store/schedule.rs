@@ -13,7 +13,7 @@ use super::backend::{
 use super::board::{self, Board};
 use super::rows::to_u32;
 use super::{StoreError, lease};
-use crate::domain::JobState;
+use crate::domain::{JobId, JobState, NodeId};
 
 /// Jobs moved per UPDATE statement on SQLite.
 const DECISIONS_PER_UPDATE: usize = 500;
@@ -36,9 +36,9 @@ pub struct SchedulingPass {
 /// the reason recorded, and since when it had been queued.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Placement {
-    pub job_id: String,
+    pub job_id: JobId,
     pub attempt: u32,
-    pub slots: Vec<(String, u32)>,
+    pub slots: Vec<(NodeId, u32)>,
     pub reason: String,
     pub at: i64,
     pub queued_at: i64,
@@ -119,7 +119,7 @@ pub(super) fn committed(
 /// logged and dropped, so they never reach the database.
 fn validate(decisions: Vec<Decision>, board: &Board) -> Vec<Decision> {
     let mut taken: HashSet<(usize, u32)> = HashSet::new();
-    let mut placed: HashSet<String> = HashSet::new();
+    let mut placed: HashSet<JobId> = HashSet::new();
     let mut valid = Vec::with_capacity(decisions.len());
     for d in decisions {
         let problem = match board.queued(&d.job_id) {
@@ -182,7 +182,9 @@ async fn write(
     let attempts = move_to_scheduled(c, &decisions, &reasons, now).await?;
     let mut placed = Vec::with_capacity(attempts.len());
     for (d, reason) in decisions.into_iter().zip(reasons) {
-        let (Some(&attempt), Some(job)) = (attempts.get(&d.job_id), board.queued(&d.job_id)) else {
+        let (Some(&attempt), Some(job)) =
+            (attempts.get(d.job_id.as_str()), board.queued(&d.job_id))
+        else {
             continue;
         };
         placed.push(Placement {
@@ -198,7 +200,7 @@ async fn write(
         .iter()
         .map(|p| {
             vec![
-                Arg::Text(p.job_id.clone()),
+                Arg::Text(p.job_id.to_string()),
                 Arg::Int(i64::from(p.attempt)),
                 Arg::Text(JobState::Queued.as_str().to_string()),
                 Arg::Text(JobState::Scheduled.as_str().to_string()),
@@ -219,10 +221,10 @@ async fn write(
         .flat_map(|p| {
             p.slots.iter().enumerate().map(|(rank, (node, device))| {
                 vec![
-                    Arg::Text(p.job_id.clone()),
+                    Arg::Text(p.job_id.to_string()),
                     Arg::Int(i64::from(p.attempt)),
                     Arg::Int(rank as i64),
-                    Arg::Text(node.clone()),
+                    Arg::Text(node.to_string()),
                     Arg::Int(i64::from(*device)),
                     Arg::Int(now),
                 ]
@@ -277,10 +279,10 @@ async fn move_to_scheduled(
                 let mut cases = String::new();
                 for (d, reason) in batch.iter().zip(reasons) {
                     cases.push_str(" WHEN ? THEN ?");
-                    args.push(Arg::Text(d.job_id.clone()));
+                    args.push(Arg::Text(d.job_id.to_string()));
                     args.push(Arg::Text(reason.clone()));
                 }
-                args.extend(batch.iter().map(|d| Arg::Text(d.job_id.clone())));
+                args.extend(batch.iter().map(|d| Arg::Text(d.job_id.to_string())));
                 let sql = format!(
                     "UPDATE jobs SET state = 'scheduled', updated_at = ?, reason = CASE id{cases} \
                      END WHERE id IN ({}) AND state = 'queued' RETURNING id, attempt",
@@ -300,7 +302,7 @@ async fn move_to_scheduled(
 fn reason(d: &Decision, board: &Board) -> String {
     let mut parts: Vec<(&str, Vec<String>)> = Vec::new();
     for (node, device) in &d.slots {
-        let name = board.node_name(node).unwrap_or(node);
+        let name = board.node_name(node).unwrap_or(node.as_str());
         match parts.last_mut() {
             Some((last, devices)) if *last == name => devices.push(device.to_string()),
             _ => parts.push((name, vec![device.to_string()])),

@@ -10,11 +10,12 @@ use scheduler::inventory::DeviceSlot;
 use scheduler::memory::{Breakdown, DeviceKind};
 use serde_json::{Value, json};
 use server::clock::Clock;
-use server::domain::Role;
+use server::domain::{JobId, Role};
 use server::settings::Settings;
 use server::store::Store;
 use server::{AppState, router};
 use std::collections::BTreeMap;
+use std::fmt;
 use tempfile::TempDir;
 use tower::ServiceExt;
 use wire::Op;
@@ -208,7 +209,7 @@ impl TestApp {
         &self,
         node: &(String, String),
         reports: Vec<Report>,
-        running: Vec<(String, u32)>,
+        running: Vec<(JobId, u32)>,
     ) -> HeartbeatResponse {
         let a = self.beat_raw(node, reports, running).await;
         assert_eq!(a.status, StatusCode::OK, "{}", a.text);
@@ -219,7 +220,7 @@ impl TestApp {
         &self,
         node: &(String, String),
         reports: Vec<Report>,
-        running: Vec<(String, u32)>,
+        running: Vec<(JobId, u32)>,
     ) -> Answer {
         let beat = Heartbeat {
             reports,
@@ -244,7 +245,7 @@ impl TestApp {
     pub async fn upload(
         &self,
         (node, token): &(String, String),
-        job: &str,
+        job: impl fmt::Display,
         attempt: u32,
         name: &str,
         text: &str,
@@ -305,7 +306,7 @@ impl TestApp {
         self.call_with(method, path, None, body, &headers).await
     }
 
-    pub async fn job(&self, id: &str) -> Value {
+    pub async fn job(&self, id: impl fmt::Display) -> Value {
         let a = self.get(&format!("/v1/jobs/{id}")).await;
         assert_eq!(a.status, StatusCode::OK, "{}", a.text);
         a.json()
@@ -314,7 +315,7 @@ impl TestApp {
 
 /// What an agent reports of rank `rank` of `job` when it ends: fixed measured bytes, bytes sent
 /// by two collectives, its process's peak resident set (123,456,789) and a GPU's used bytes.
-pub fn memory_report(job: &str, rank: usize) -> Report {
+pub fn memory_report(job: &JobId, rank: usize) -> Report {
     let b = Breakdown {
         params: 1000,
         grads: 500,
@@ -324,7 +325,7 @@ pub fn memory_report(job: &str, rank: usize) -> Report {
         overhead: 0,
     };
     Report::Memory {
-        job_id: job.into(),
+        job_id: job.clone(),
         attempt: 1,
         rank,
         measured: b,

@@ -119,10 +119,10 @@ async fn woken(wake: &mut tokio::sync::broadcast::Receiver<Option<NodeId>>, node
 
 /// The attempts of `running` that are over: the job is gone, ended, back in the queue, or at
 /// a later attempt.
-async fn over(state: &AppState, running: &[(String, u32)]) -> Result<Vec<(String, u32)>, ApiError> {
+async fn over(state: &AppState, running: &[(JobId, u32)]) -> Result<Vec<(JobId, u32)>, ApiError> {
     let mut cancel = Vec::new();
     for (id, attempt) in running {
-        let stop = match state.store.get_job(&JobId::from(id.as_str())).await? {
+        let stop = match state.store.get_job(id).await? {
             None => true,
             Some(job) => {
                 job.attempt != *attempt || job.state.is_terminal() || job.state == JobState::Queued
@@ -141,11 +141,11 @@ async fn over(state: &AppState, running: &[(String, u32)]) -> Result<Vec<(String
 async fn assignments(
     state: &AppState,
     node: &NodeRecord,
-    running: &[(String, u32)],
+    running: &[(JobId, u32)],
 ) -> Result<Vec<Assignment>, ApiError> {
     let mut out = Vec::new();
     for (job, records) in state.store.assignments_for_node(&node.id).await? {
-        let key = (job.id.to_string(), job.attempt);
+        let key = (job.id.clone(), job.attempt);
         if job.state != JobState::Scheduled || running.contains(&key) {
             continue;
         }
@@ -181,7 +181,7 @@ async fn assignments(
         let resume_from = resume_from(state, &job).await?;
         let init_from = init_from(state, &job).await?;
         out.push(Assignment {
-            job_id: job.id.to_string(),
+            job_id: job.id,
             attempt: job.attempt,
             ranks,
             transport,

@@ -60,7 +60,7 @@ pub async fn register(
     Ok((
         StatusCode::CREATED,
         Json(RegisterResponse {
-            node_id: node.id.into(),
+            node_id: node.id,
             agent_token: token,
             heartbeat_interval_ms: u64::try_from(interval).unwrap_or(u64::MAX),
         }),

@@ -98,12 +98,11 @@ pub(super) async fn apply(
     let mut refused = Vec::new();
     for (index, report) in reports.into_iter().enumerate() {
         let (job_id, attempt) = report.key();
-        let job_id = JobId::from(job_id);
-        if !views.contains_key(&job_id) {
-            let view = View::load(app, &job_id, node).await?;
+        if !views.contains_key(job_id) {
+            let view = View::load(app, job_id, node).await?;
             views.insert(job_id.clone(), view);
         }
-        let view = &views[&job_id];
+        let view = &views[job_id];
         let job = match view.admits(attempt, &report) {
             Ok(job) => job.clone(),
             Err(reason) => {

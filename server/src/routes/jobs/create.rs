@@ -15,7 +15,7 @@ use wire::artifact::Artifact;
 
 use crate::artifacts;
 use crate::auth::Submitter;
-use crate::domain::{Job, JobId, JobState};
+use crate::domain::{Job, JobId, JobState, mint};
 use crate::error::{ApiError, Problem};
 use crate::routes::jobs::spec::JobSpecBody;
 use crate::routes::planning_inventory;
@@ -127,7 +127,7 @@ pub async fn create(
     };
     let now = state.now_ms();
     let job = Job {
-        id: JobId::mint(),
+        id: mint(),
         name: parsed.spec.name.clone(),
         state: JobState::Queued,
         priority: params.priority,
