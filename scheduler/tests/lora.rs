@@ -141,6 +141,26 @@ fn every_peft_count_of_the_reference_models_is_reproduced() {
 }
 
 #[test]
+fn the_lora_parity_models_count_as_peft_counted_them() {
+    // `tests/reference/lora_parity`: tiny Llama, Qwen3 and GPT-2 with r 4 on every linear
+    // projection, counted by PEFT while it trained them.
+    for (name, config) in [
+        ("llama", "llama_parity/llama/config.json"),
+        ("qwen3", "llama_parity/qwen3/config.json"),
+        ("gpt2", "lora_parity/gpt2/config.json"),
+    ] {
+        let expected = reference(&format!("lora_parity/{name}/expected.json"));
+        let spec = spec(json!({"model": {"config": reference(config)}, "lora": expected["lora"]}));
+        let r = report(&spec, 1 << 40);
+        let want = (
+            expected["trainable_parameters"].as_u64().unwrap(),
+            expected["all_parameters"].as_u64().unwrap(),
+        );
+        assert_eq!((r.trainable_parameters, r.parameters), want, "{name}");
+    }
+}
+
+#[test]
 fn mistakes_in_the_lora_block_are_named_at_their_fields_together() {
     let errors = refusal(
         json!({
