@@ -150,14 +150,46 @@ fn the_lora_parity_models_count_as_peft_counted_them() {
         ("gpt2", "lora_parity/gpt2/config.json"),
     ] {
         let expected = reference(&format!("lora_parity/{name}/expected.json"));
-        let spec = spec(json!({"model": {"config": reference(config)}, "lora": expected["lora"]}));
-        let r = report(&spec, 1 << 40);
+        let given = spec(json!({"model": {"config": reference(config)}, "lora": expected["lora"]}));
+        let r = report(&given, 1 << 40);
         let want = (
             expected["trainable_parameters"].as_u64().unwrap(),
             expected["all_parameters"].as_u64().unwrap(),
         );
         assert_eq!((r.trainable_parameters, r.parameters), want, "{name}");
+        // The same adapters as PEFT saved their config: "all-linear" expanded to every
+        // layer's module by its full name.
+        let saved = reference(&format!("lora_parity/{name}/adapter/adapter_config.json"));
+        let modules = saved["target_modules"].clone();
+        let lora =
+            json!({"rank": saved["r"], "alpha": saved["lora_alpha"], "target_modules": modules});
+        let spec = spec(json!({"model": {"config": reference(config)}, "lora": lora}));
+        assert_eq!(
+            report(&spec, 1 << 40).trainable_parameters,
+            want.0,
+            "{name} as saved"
+        );
     }
+}
+
+#[test]
+fn a_module_named_for_some_layers_only_is_refused_naming_them() {
+    let errors = refusal(
+        json!({
+            "model": {"preset": "llama-tiny"},
+            "lora": {"target_modules": ["v_proj", "model.layers.1.self_attn.q_proj"]},
+        }),
+        Purpose::Estimate,
+    );
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].field, "lora.target_modules");
+    assert!(
+        errors[0]
+            .reason
+            .contains("self_attn.q_proj in layers [1] only"),
+        "{}",
+        errors[0].reason
+    );
 }
 
 #[test]

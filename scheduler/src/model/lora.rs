@@ -101,14 +101,35 @@ impl Targets {
         Targets((1u8 << model.projections().len()) - 1)
     }
 
-    /// The projections a PEFT `target_modules` entry selects: PEFT matches a module whose
-    /// path ends with the entry, so `c_proj` is both of GPT-2's and `mlp.c_proj` one of them.
+    /// The projections a PEFT `target_modules` entry selects in some layer: PEFT targets a
+    /// module whose full name is the entry or ends with `.` and the entry, so `c_proj` is both
+    /// of GPT-2's, `mlp.c_proj` one of them, and `model.layers.0.self_attn.q_proj` (as PEFT
+    /// saves an expanded `"all-linear"`) layer 0's queries.
     pub fn matching(model: &ModelShape, entry: &str) -> Targets {
+        Targets::of_entries(model, &[entry], |layers| layers.iter().any(|&hit| hit))
+    }
+
+    /// The projections that `entries` together select in some layers but not in all (an
+    /// adapter is held for every layer or none), with the layers they do select.
+    pub fn partial(model: &ModelShape, entries: &[&str]) -> Vec<(&'static str, Vec<usize>)> {
+        model
+            .projections()
+            .iter()
+            .filter_map(|p| {
+                let hits = p.layers_matching(model, entries);
+                let some: Vec<usize> = (0..hits.len()).filter(|&l| hits[l]).collect();
+                (!some.is_empty() && some.len() < hits.len()).then_some((p.path, some))
+            })
+            .collect()
+    }
+
+    /// The projections whose per-layer matches by `entries` satisfy `keep`.
+    fn of_entries(model: &ModelShape, entries: &[&str], keep: impl Fn(&[bool]) -> bool) -> Targets {
         let bits = model
             .projections()
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.path == entry || p.path.ends_with(&format!(".{entry}")))
+            .filter(|(_, p)| keep(&p.layers_matching(model, entries)))
             .fold(0u8, |bits, (i, _)| bits | 1 << i);
         Targets(bits)
     }
@@ -320,6 +341,28 @@ impl Projection {
     pub fn numel(&self) -> usize {
         self.in_features * self.out_features
     }
+
+    /// The module's full name in layer `layer` (`model.layers.3.self_attn.q_proj`,
+    /// `transformer.h.3.attn.c_attn`), as PEFT matches `target_modules` against it.
+    pub fn module_name(&self, layer: usize) -> String {
+        let weight = self.weight.state_dict_name(Some(layer));
+        weight
+            .strip_suffix(".weight")
+            .expect("a projection's weight ends in .weight")
+            .to_string()
+    }
+
+    /// Per layer, whether any of `entries` targets this projection there (PEFT's rule).
+    fn layers_matching(&self, model: &ModelShape, entries: &[&str]) -> Vec<bool> {
+        (0..model.summary().layers)
+            .map(|l| {
+                let module = self.module_name(l);
+                entries
+                    .iter()
+                    .any(|e| module == *e || module.ends_with(&format!(".{e}")))
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -392,5 +435,17 @@ mod tests {
         );
         assert!(Targets::matching(&model, "q_proj").is_empty());
         assert!(Targets::matching(&model, "proj").is_empty());
+        // PEFT's saved form of "all-linear": every layer's module by its full name.
+        let layer0 = "transformer.h.0.attn.c_attn";
+        assert_eq!(paths(Targets::matching(&model, layer0)), ["attn.c_attn"]);
+        assert_eq!(
+            Targets::partial(&model, &[layer0]),
+            [("attn.c_attn", vec![0])]
+        );
+        let every: Vec<String> = (0..model.summary().layers)
+            .map(|l| format!("transformer.h.{l}.attn.c_attn"))
+            .collect();
+        let every: Vec<&str> = every.iter().map(String::as_str).collect();
+        assert!(Targets::partial(&model, &every).is_empty());
     }
 }

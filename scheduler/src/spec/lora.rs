@@ -137,6 +137,7 @@ impl Lora {
         p.ensure(!names.is_empty(), "lora.target_modules", || {
             "must name at least one module (or be \"all-linear\")".into()
         });
+        let before = p.count();
         for (i, name) in names.iter().enumerate() {
             p.ensure(
                 !Targets::matching(&model, name).is_empty(),
@@ -155,6 +156,17 @@ impl Lora {
                     )
                 },
             );
+        }
+        if p.count() > before {
+            return;
+        }
+        let entries: Vec<&str> = names.iter().map(String::as_str).collect();
+        for (path, layers) in Targets::partial(&model, &entries) {
+            p.ensure(false, "lora.target_modules", || {
+                format!(
+                    "names {path} in layers {layers:?} only; an adapter is held for every layer or none (name the module without its layer)"
+                )
+            });
         }
     }
 }
