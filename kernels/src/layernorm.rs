@@ -34,7 +34,7 @@ pub fn layernorm_backward<X: Float>(
 ) {
     normalization::backward(
         dinp,
-        dweight,
+        Some(dweight),
         Some(dbias),
         dout,
         inp,
@@ -42,4 +42,16 @@ pub fn layernorm_backward<X: Float>(
         Some(mean),
         rstd,
     );
+}
+
+/// [`layernorm_backward`] through a frozen weight and bias: `dinp += ∂L/∂inp` only.
+pub fn layernorm_backward_input<X: Float>(
+    dinp: &mut [X],
+    dout: &[X],
+    inp: &[X],
+    weight: &[X],
+    mean: &[f32],
+    rstd: &[f32],
+) {
+    normalization::backward(dinp, None, None, dout, inp, weight, Some(mean), rstd);
 }

@@ -80,12 +80,13 @@ pub(crate) fn forward<X: Float>(
         });
 }
 
-/// Backward: `dinp += ∂L/∂inp`, `dweight += Σ_rows dout · norm` and, when given,
-/// `dbias += Σ_rows dout`; centred when `mean` is given (as in the forward).
+/// Backward: `dinp += ∂L/∂inp` and, unless the weight is frozen (`None`), `dweight += Σ_rows
+/// dout · norm` and, when given, `dbias += Σ_rows dout`; centred when `mean` is given (as in
+/// the forward).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<X: Float>(
     dinp: &mut [X],
-    dweight: &mut [X],
+    dweight: Option<&mut [X]>,
     dbias: Option<&mut [X]>,
     dout: &[X],
     inp: &[X],
@@ -103,7 +104,9 @@ pub(crate) fn backward<X: Float>(
         dinp.len() == inp.len() && dout.len() == inp.len(),
         "dinp, dout must be (N, C)"
     );
-    assert_eq!(dweight.len(), c, "dweight must be (C)");
+    if let Some(dw) = &dweight {
+        assert_eq!(dw.len(), c, "dweight must be (C)");
+    }
     if let Some(db) = &dbias {
         assert_eq!(db.len(), c, "dbias must be (C)");
     }
@@ -151,6 +154,9 @@ pub(crate) fn backward<X: Float>(
             )
         });
     // Columns: each block of C sums over all rows in row order, then adds once.
+    let Some(dweight) = dweight else {
+        return;
+    };
     let dbias = dbias.map(SharedMut::new);
     dweight
         .par_chunks_mut(BLOCK)

@@ -27,5 +27,16 @@ pub fn rmsnorm_backward<X: Float>(
     weight: &[X],
     rstd: &[f32],
 ) {
-    normalization::backward(dinp, dweight, None, dout, inp, weight, None, rstd);
+    normalization::backward(dinp, Some(dweight), None, dout, inp, weight, None, rstd);
+}
+
+/// [`rmsnorm_backward`] through a frozen weight: `dinp += ∂L/∂inp` only.
+pub fn rmsnorm_backward_input<X: Float>(
+    dinp: &mut [X],
+    dout: &[X],
+    inp: &[X],
+    weight: &[X],
+    rstd: &[f32],
+) {
+    normalization::backward(dinp, None, None, dout, inp, weight, None, rstd);
 }

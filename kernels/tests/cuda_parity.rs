@@ -182,6 +182,17 @@ fn layernorm_matches_cpu<X: DeviceFloat>() {
         random::<X>(&mut rng, c, 1.0),
     );
     let (mut dinp, mut dw, mut db) = (up(d, &dinp0), up(d, &dw0), up(d, &db0));
+    let mut frozen = up(d, &dinp0);
+    layers::layernorm_backward_input(
+        d,
+        &mut frozen.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &di.as_view(),
+        &dw_.as_view(),
+        &mean.as_view(),
+        &rstd.as_view(),
+    )
+    .unwrap();
     layers::layernorm_backward(
         d,
         &mut dinp.as_view_mut(),
@@ -197,6 +208,12 @@ fn layernorm_matches_cpu<X: DeviceFloat>() {
     let (mut wi, mut ww, mut wb) = (dinp0, dw0, db0);
     layernorm::layernorm_backward(&mut wi, &mut ww, &mut wb, &dout, &inp, &w, &m, &r);
     close("layernorm_backward dinp", &down(d, &dinp), &wi, rtol::<X>());
+    close(
+        "layernorm_backward_input dinp",
+        &down(d, &frozen),
+        &wi,
+        rtol::<X>(),
+    );
     close(
         "layernorm_backward dweight",
         &down(d, &dw),
@@ -311,6 +328,24 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
     } else {
         assert_eq!(to_f64(&db), to_f64(&db0), "dbias untouched without a bias");
     }
+    // Through a frozen weight: dinp alone, as the full backward's.
+    let mut frozen = up(d, &nan::<X>(m * k));
+    cuda::matmul::matmul_backward_input(
+        d,
+        &mut frozen.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &w_dev.as_view(),
+        layout,
+        (m, k, n),
+        DinpMode::Overwrite,
+    )
+    .unwrap();
+    close(
+        &format!("matmul_backward_input {what}"),
+        &down(d, &frozen),
+        &want_dx,
+        rtol::<X>(),
+    );
 
     // dinp added to (cuBLASLt's beta = 1), as a second layer reading the same input does.
     let dinp0 = random::<X>(&mut rng, m * k, 1.0);
@@ -555,8 +590,25 @@ fn rmsnorm_matches_cpu<X: DeviceFloat>() {
             &up(d, &wr).as_view(),
         )
         .unwrap();
+        // Through a frozen weight: the same dinp, no weight gradient.
+        let mut frozen = up(d, &dinp0);
+        layers::rmsnorm_backward_input(
+            d,
+            &mut frozen.as_view_mut(),
+            &up(d, &dout).as_view(),
+            &dx.as_view(),
+            &dw_.as_view(),
+            &up(d, &wr).as_view(),
+        )
+        .unwrap();
         let (mut wi, mut ww) = (dinp0, dweight0);
         rmsnorm::rmsnorm_backward(&mut wi, &mut ww, &dout, &x, &w, &wr);
+        close(
+            &format!("rmsnorm_backward_input dinp C {c}"),
+            &down(d, &frozen),
+            &wi,
+            rtol::<X>(),
+        );
         close(
             &format!("rmsnorm_backward dinp C {c}"),
             &down(d, &dinp),

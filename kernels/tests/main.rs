@@ -17,6 +17,7 @@ mod cuda_parity;
 mod determinism;
 mod figures;
 mod finite_differences;
+mod frozen;
 mod nf4;
 mod nvrtc;
 mod optim;

@@ -223,9 +223,8 @@ pub fn layernorm_backward<X: DeviceFloat>(
         dweight.len() == c && dbias.len() == c,
         "dweight, dbias must be (C)"
     );
+    layernorm_backward_input(dev, dinp, dout, inp, weight, mean, rstd)?;
     let (nl, cl) = (len(n), len(c));
-    launch!(dev, "layernorm.cu", format!("layernorm_backward_rows_{}", X::NAME), layernorm_rows_config(n);
-        dinp, dout, inp, weight, mean, rstd, &cl, &nl);
     let cols = ColumnSums::new(n, c, 2);
     let mut parts = dev.zeros::<f32>(cols.scratch)?;
     let chunk = len(cols.chunk);
@@ -273,9 +272,8 @@ pub fn rmsnorm_backward<X: DeviceFloat>(
         "dinp, dout must be (N, C)"
     );
     assert_eq!(dweight.len(), c, "dweight must be (C)");
+    rmsnorm_backward_input(dev, dinp, dout, inp, weight, rstd)?;
     let (nl, cl) = (len(n), len(c));
-    launch!(dev, "layernorm.cu", format!("rmsnorm_backward_rows_{}", X::NAME), layernorm_rows_config(n);
-        dinp, dout, inp, weight, rstd, &cl, &nl);
     let cols = ColumnSums::new(n, c, 1);
     let mut parts = dev.zeros::<f32>(cols.scratch)?;
     let chunk = len(cols.chunk);
@@ -283,6 +281,49 @@ pub fn rmsnorm_backward<X: DeviceFloat>(
         &mut parts, dout, inp, rstd, &nl, &cl, &chunk);
     launch!(dev, "layernorm.cu", format!("rmsnorm_backward_column_sums_{}", X::NAME), cols.sums;
         dweight, &parts, &nl, &cl, &chunk);
+    Ok(())
+}
+
+/// [`rmsnorm_backward`] through a frozen weight: `dinp += ∂L/∂inp` only.
+pub fn rmsnorm_backward_input<X: DeviceFloat>(
+    dev: &Gpu,
+    dinp: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, X>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    rstd: &CudaView<'_, f32>,
+) -> Result<(), Error> {
+    let c = weight.len();
+    let n = check_rows(inp.len(), c, &[rstd.len()]);
+    assert!(
+        dinp.len() == inp.len() && dout.len() == inp.len(),
+        "dinp, dout must be (N, C)"
+    );
+    let (nl, cl) = (len(n), len(c));
+    launch!(dev, "layernorm.cu", format!("rmsnorm_backward_rows_{}", X::NAME), layernorm_rows_config(n);
+        dinp, dout, inp, weight, rstd, &cl, &nl);
+    Ok(())
+}
+
+/// [`layernorm_backward`] through a frozen weight and bias: `dinp += ∂L/∂inp` only.
+pub fn layernorm_backward_input<X: DeviceFloat>(
+    dev: &Gpu,
+    dinp: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, X>,
+    inp: &CudaView<'_, X>,
+    weight: &CudaView<'_, X>,
+    mean: &CudaView<'_, f32>,
+    rstd: &CudaView<'_, f32>,
+) -> Result<(), Error> {
+    let c = weight.len();
+    let n = check_rows(inp.len(), c, &[mean.len(), rstd.len()]);
+    assert!(
+        dinp.len() == inp.len() && dout.len() == inp.len(),
+        "dinp, dout must be (N, C)"
+    );
+    let (nl, cl) = (len(n), len(c));
+    launch!(dev, "layernorm.cu", format!("layernorm_backward_rows_{}", X::NAME), layernorm_rows_config(n);
+        dinp, dout, inp, weight, mean, rstd, &cl, &nl);
     Ok(())
 }
 

@@ -127,13 +127,47 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
     inp: &CudaView<'_, X>,
     weight: &CudaView<'_, X>,
     layout: Layout,
+    mkn: (usize, usize, usize),
+    dinp_mode: DinpMode,
+) -> Result<(), Error> {
+    let trained = Some((dweight, inp));
+    backward(
+        dev, dinp, trained, dbias, dout, weight, layout, mkn, dinp_mode,
+    )
+}
+
+/// [`matmul_backward`] through a frozen weight (LoRA's base): `dinp` only.
+pub fn matmul_backward_input<X: DeviceFloat, G: DeviceFloat>(
+    dev: &Gpu,
+    dinp: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, G>,
+    weight: &CudaView<'_, X>,
+    layout: Layout,
+    mkn: (usize, usize, usize),
+    dinp_mode: DinpMode,
+) -> Result<(), Error> {
+    backward(dev, dinp, None, None, dout, weight, layout, mkn, dinp_mode)
+}
+
+/// [`matmul_backward`], with the weight gradient and its input only for a trained weight.
+#[allow(clippy::too_many_arguments)]
+fn backward<X: DeviceFloat, G: DeviceFloat>(
+    dev: &Gpu,
+    dinp: &mut CudaViewMut<'_, X>,
+    trained: Option<(&mut CudaViewMut<'_, X>, &CudaView<'_, X>)>,
+    dbias: Option<&mut CudaViewMut<'_, X>>,
+    dout: &CudaView<'_, G>,
+    weight: &CudaView<'_, X>,
+    layout: Layout,
     (m, k, n): (usize, usize, usize),
     dinp_mode: DinpMode,
 ) -> Result<(), Error> {
     assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
-    assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
+    if let Some((dweight, inp)) = &trained {
+        assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
+        assert_eq!(inp.len(), m * k, "inp must be (M, K)");
+    }
     assert_eq!(dout.len(), m * n, "dout must be (M, N)");
-    assert_eq!(inp.len(), m * k, "inp must be (M, K)");
     assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
     assert!(
         G::NAME == X::NAME || G::NAME == "f32",
@@ -159,13 +193,12 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
     }
     let (s, blas) = (dev.stream(), dev.blas());
     let (dx, _dx) = dinp.device_ptr_mut(s);
-    let (dw, _dw) = dweight.device_ptr_mut(s);
-    let (x, _x) = inp.device_ptr(s);
+    let trained = trained.map(|(dweight, inp)| (dweight.device_ptr_mut(s), inp.device_ptr(s)));
     let (w, _w) = weight.device_ptr(s);
     let size = size_of::<X>() as u64;
     // dinp and dweight from rows `i0..i0 + r` of dout (at `dy`, of dtype X).
     let rows = |i0: usize, r: usize, dy: u64| -> Result<(), Error> {
-        let (dx, x) = (dx + (i0 * k) as u64 * size, x + (i0 * k) as u64 * size);
+        let dx = dx + (i0 * k) as u64 * size;
         let dy = Mat::new::<X>(dy, n, r);
         // dinpᵀ (K, r) = W (K, N) · doutᵀ (N, r).
         let w = match layout {
@@ -177,6 +210,10 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
             DinpMode::Accumulate => Accumulate::Yes,
         };
         blas.product(s, Mat::new::<X>(dx, k, r), w, dy, acc, None)?;
+        let Some(((dw, _), (x, _))) = &trained else {
+            return Ok(());
+        };
+        let (dw, x) = (*dw, *x + (i0 * k) as u64 * size);
         // KN: dweightᵀ (N, K) += doutᵀ (N, r) · inp (r, K);
         // NK: dweightᵀ (K, N) += inpᵀ (K, r) · dout (r, N).
         let x = Mat::new::<X>(x, k, r);

@@ -141,32 +141,16 @@ pub fn matmul_backward<X: Float, G: Float>(
     dinp_mode: DinpMode,
     scratch: &mut [f32],
 ) {
-    assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
     assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
-    assert_eq!(dout.len(), m * n, "dout must be (M, N)");
     assert_eq!(inp.len(), m * k, "inp must be (M, K)");
-    assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
+    matmul_backward_input(dinp, dout, weight, layout, (m, k, n), dinp_mode, scratch);
     let dy = Operand::new(dout, n, false);
-    let dinp_init = match dinp_mode {
-        DinpMode::Overwrite => Init::<X>::Zero,
-        DinpMode::Accumulate => Init::Read,
-    };
     match layout {
         Layout::KN => {
-            let wt = Operand::new(weight, n, true);
-            product(dinp, dy, wt, (m, n, k), dinp_init, scratch);
             let xt = Operand::new(inp, k, true);
             product(dweight, xt, dy, (k, m, n), Init::<X>::Read, scratch);
         }
         Layout::NK => {
-            product(
-                dinp,
-                dy,
-                Operand::new(weight, k, false),
-                (m, n, k),
-                dinp_init,
-                scratch,
-            );
             let dyt = Operand::new(dout, n, true);
             let x = Operand::new(inp, k, false);
             product(dweight, dyt, x, (n, m, k), Init::<X>::Read, scratch);
@@ -176,6 +160,32 @@ pub fn matmul_backward<X: Float, G: Float>(
         assert_eq!(db.len(), n, "dbias must be (N)");
         column_sums(db, dout, n);
     }
+}
+
+/// Backward of [`matmul_forward`] through a frozen weight (LoRA's base): `dinp (M, K) = dout · Wᵀ`
+/// only, as [`matmul_backward`] computes it, and no weight or bias gradient.
+pub fn matmul_backward_input<X: Float, G: Float>(
+    dinp: &mut [X],
+    dout: &[G],
+    weight: &[X],
+    layout: Layout,
+    (m, k, n): (usize, usize, usize),
+    dinp_mode: DinpMode,
+    scratch: &mut [f32],
+) {
+    assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
+    assert_eq!(dout.len(), m * n, "dout must be (M, N)");
+    assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
+    let dy = Operand::new(dout, n, false);
+    let init = match dinp_mode {
+        DinpMode::Overwrite => Init::<X>::Zero,
+        DinpMode::Accumulate => Init::Read,
+    };
+    let w = match layout {
+        Layout::KN => Operand::new(weight, n, true),
+        Layout::NK => Operand::new(weight, k, false),
+    };
+    product(dinp, dy, w, (m, n, k), init, scratch);
 }
 
 /// `db[j] += Σ_i dout[i, j]`, each column summed in row order on one thread.

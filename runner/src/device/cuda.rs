@@ -320,6 +320,20 @@ impl Device for Cuda {
             dinp_mode,
         )?)
     }
+    fn matmul_backward_input<X: Num, G: Num>(
+        &self,
+        mut dinp: CudaViewMut<'_, X>,
+        dout: CudaView<'_, G>,
+        weight: CudaView<'_, X>,
+        layout: Layout,
+        mkn: (usize, usize, usize),
+        dinp_mode: DinpMode,
+        _scratch: CudaViewMut<'_, f32>,
+    ) -> Result<(), Error> {
+        Ok(k::matmul::matmul_backward_input(
+            &self.dev, &mut dinp, &dout, &weight, layout, mkn, dinp_mode,
+        )?)
+    }
     fn attention_forward<X: Num>(
         &self,
         mut out: CudaViewMut<'_, X>,
@@ -376,6 +390,19 @@ impl Device for Cuda {
             &self.dev, &mut dq, &mut dk, &mut dv, &mut delta, &dout, &q, &k, &v, &out, &lse, d,
         )?)
     }
+    fn layernorm_backward_input<X: Num>(
+        &self,
+        mut dinp: CudaViewMut<'_, X>,
+        dout: CudaView<'_, X>,
+        inp: CudaView<'_, X>,
+        weight: CudaView<'_, X>,
+        mean: CudaView<'_, f32>,
+        rstd: CudaView<'_, f32>,
+    ) -> Result<(), Error> {
+        Ok(k::layers::layernorm_backward_input(
+            &self.dev, &mut dinp, &dout, &inp, &weight, &mean, &rstd,
+        )?)
+    }
     fn rmsnorm_forward<X: Num>(
         &self,
         mut out: CudaViewMut<'_, X>,
@@ -405,6 +432,18 @@ impl Device for Cuda {
             &inp,
             &weight,
             &rstd,
+        )?)
+    }
+    fn rmsnorm_backward_input<X: Num>(
+        &self,
+        mut dinp: CudaViewMut<'_, X>,
+        dout: CudaView<'_, X>,
+        inp: CudaView<'_, X>,
+        weight: CudaView<'_, X>,
+        rstd: CudaView<'_, f32>,
+    ) -> Result<(), Error> {
+        Ok(k::layers::rmsnorm_backward_input(
+            &self.dev, &mut dinp, &dout, &inp, &weight, &rstd,
         )?)
     }
     fn rope_forward<X: Num>(

@@ -60,6 +60,14 @@ macro_rules! kernels {
                 mean: Self::View<'_, f32>,
                 rstd: Self::View<'_, f32>,
             );
+            layernorm::layernorm_backward_input<X: Num>(
+                dinp: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, X>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                mean: Self::View<'_, f32>,
+                rstd: Self::View<'_, f32>,
+            );
             /// `scratch` is the CPU's f32 widening buffer (`kernels::matmul::scratch_len`).
             matmul::matmul_forward<X: Num, Y: Num>(
                 out: Self::ViewMut<'_, Y>,
@@ -76,6 +84,15 @@ macro_rules! kernels {
                 dbias: Option<Self::ViewMut<'_, X>>,
                 dout: Self::View<'_, G>,
                 inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                layout: Layout,
+                mkn: (usize, usize, usize),
+                dinp_mode: DinpMode,
+                scratch: Self::ViewMut<'_, f32>,
+            );
+            matmul::matmul_backward_input<X: Num, G: Num>(
+                dinp: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, G>,
                 weight: Self::View<'_, X>,
                 layout: Layout,
                 mkn: (usize, usize, usize),
@@ -128,6 +145,13 @@ macro_rules! kernels {
             rmsnorm::rmsnorm_backward<X: Num>(
                 dinp: Self::ViewMut<'_, X>,
                 dweight: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, X>,
+                inp: Self::View<'_, X>,
+                weight: Self::View<'_, X>,
+                rstd: Self::View<'_, f32>,
+            );
+            rmsnorm::rmsnorm_backward_input<X: Num>(
+                dinp: Self::ViewMut<'_, X>,
                 dout: Self::View<'_, X>,
                 inp: Self::View<'_, X>,
                 weight: Self::View<'_, X>,
