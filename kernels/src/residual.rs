@@ -1,4 +1,4 @@
-//! Residual additions.
+//! Residual additions, and scaling by a constant (a LoRA adapter's alpha/rank).
 
 use crate::Float;
 use crate::math::BLOCK;
@@ -34,6 +34,23 @@ pub fn residual_accumulate<X: Float>(a: &mut [X], b: &[X]) {
             X::cast_to_f32(b, &mut y[..n]);
             x[..n].iter_mut().zip(&y[..n]).for_each(|(x, y)| *x += y);
             X::cast_from_f32(&x[..n], a);
+        }
+    });
+}
+
+/// `x *= s`, any shape, rounded once per element.
+pub fn scale<X: Float>(x: &mut [X], s: f32) {
+    let len = x.len();
+    let x = SharedMut::new(x);
+    for_ranges(len, CHUNK, |r| {
+        // SAFETY: ranges are disjoint.
+        let x = unsafe { x.slice(r) };
+        let mut v = [0f32; BLOCK];
+        for x in x.chunks_mut(BLOCK) {
+            let n = x.len();
+            X::cast_to_f32(x, &mut v[..n]);
+            v[..n].iter_mut().for_each(|v| *v *= s);
+            X::cast_from_f32(&v[..n], x);
         }
     });
 }

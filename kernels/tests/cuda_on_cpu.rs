@@ -570,6 +570,15 @@ fn elementwise_layers_match_cpu<X: Float>() {
     let mut want = a.clone();
     residual::residual_accumulate(&mut want, &b);
     close("residual_accumulate", &acc, &want, rtol::<X>());
+    let mut scaled = a.clone();
+    run(
+        &name("scale"),
+        cfg,
+        &[out(&mut scaled), val(0.375f32), val(len(n))],
+    );
+    let mut want = a.clone();
+    residual::scale(&mut want, 0.375);
+    close("scale", &scaled, &want, 0.0);
 
     let mut o = nan::<X>(n);
     run(

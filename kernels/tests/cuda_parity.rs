@@ -687,6 +687,11 @@ fn elementwise_layers_match_cpu<X: DeviceFloat>() {
     let mut want = a.clone();
     residual::residual_accumulate(&mut want, &b);
     close("residual_accumulate", &down(d, &acc), &want, rtol::<X>());
+    let mut scaled = up(d, &a);
+    layers::scale(d, &mut scaled.as_view_mut(), 0.375).unwrap();
+    let mut want = a.clone();
+    residual::scale(&mut want, 0.375);
+    close("scale", &down(d, &scaled), &want, 0.0);
 
     let mut out = up(d, &nan::<X>(n));
     layers::swiglu_forward(d, &mut out.as_view_mut(), &da.as_view(), &db.as_view()).unwrap();

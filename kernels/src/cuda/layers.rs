@@ -655,6 +655,13 @@ pub fn residual_accumulate<X: DeviceFloat>(
     Ok(())
 }
 
+/// `x *= s`.
+pub fn scale<X: DeviceFloat>(dev: &Gpu, x: &mut CudaViewMut<'_, X>, s: f32) -> Result<(), Error> {
+    let n = len(x.len());
+    launch!(dev, "residual.cu", format!("scale_{}", X::NAME), elementwise(x.len()); x, &s, &n);
+    Ok(())
+}
+
 /// `losses (N) = logsumexp(logits[i]) - logits[i, targets[i]]` for `logits (N, V)`; with
 /// `dloss = Some(s)` the logits become `(softmax - onehot)·s`. One block of 1024 per row.
 pub fn crossentropy_forward(

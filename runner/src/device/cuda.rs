@@ -504,6 +504,9 @@ impl Device for Cuda {
     ) -> Result<(), Error> {
         Ok(k::layers::residual_accumulate(&self.dev, &mut acc, &x)?)
     }
+    fn scale<X: Num>(&self, mut x: CudaViewMut<'_, X>, s: f32) -> Result<(), Error> {
+        Ok(k::layers::scale(&self.dev, &mut x, s)?)
+    }
     fn crossentropy_forward(
         &self,
         mut losses: CudaViewMut<'_, f32>,

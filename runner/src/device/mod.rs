@@ -184,6 +184,7 @@ macro_rules! kernels {
             gelu::gelu_forward<X: Num>(out: Self::ViewMut<'_, X>, inp: Self::View<'_, X>);
             gelu::gelu_backward<X: Num>(grad: Self::ViewMut<'_, X>, inp: Self::View<'_, X>);
             residual::residual_accumulate<X: Num>(acc: Self::ViewMut<'_, X>, x: Self::View<'_, X>);
+            residual::scale<X: Num>(x: Self::ViewMut<'_, X>, s: f32);
             crossentropy::crossentropy_forward(
                 losses: Self::ViewMut<'_, f32>,
                 logits: Self::ViewMut<'_, f32>,
