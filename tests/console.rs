@@ -259,6 +259,23 @@ async fn the_console_in_chromium_plans_runs_cancels_and_compares_jobs() {
 
     // Plan & submit: the estimate shows, then the job goes in.
     c.goto(&format!("{base}/plan")).await.unwrap();
+    // A LoRA spec first: its estimate counts the adapters as PEFT does (gpt2-tiny, c_attn,
+    // r 8: 2 layers · 8 · (64 + 192)).
+    let lora = json!({"model": {"preset": "gpt2-tiny"}, "lora": {"rank": 8}});
+    c.execute(
+        "const t = document.querySelector('#spec'); t.value = arguments[0]; \
+         t.dispatchEvent(new Event('input'));",
+        vec![json!(lora.to_string())],
+    )
+    .await
+    .unwrap();
+    until(
+        &c,
+        "the LoRA estimate's trainable count",
+        "const p = document.querySelector('#estimate-parameters'); \
+         return p !== null && p.textContent.startsWith('4,096 trainable of 145,152 parameters')",
+    )
+    .await;
     let spec = json!({
         "name": "console-a",
         "model": {"preset": "gpt2-tiny"},

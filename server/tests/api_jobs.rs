@@ -334,6 +334,35 @@ async fn estimate_takes_a_bare_parameter_count() {
 }
 
 #[tokio::test]
+async fn a_lora_job_is_estimated_with_peft_s_count_and_refused_for_training_at_its_block() {
+    let app = TestApp::new().await;
+    app.register("n", 2, 8 * GIB).await;
+    let spec = json!({"model": {"preset": "gpt2-124M"}, "lora": {"rank": 8}});
+    let a = app
+        .call(Method::POST, "/v1/estimate", Some(VIEWER), Some(&spec))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    // PEFT's `print_trainable_parameters` for GPT-2 with its default c_attn targets.
+    assert_eq!(a.json()["trainable_parameters"], 294_912);
+    assert_eq!(a.json()["parameters"], 124_734_720u64);
+    let refused = app.submit(&spec).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        refused.text
+    );
+    assert_eq!(refused.json()["field"], "lora");
+    assert!(refused.text.contains("not built yet"), "{}", refused.text);
+    let jobs = app.get("/v1/jobs").await.json();
+    assert_eq!(
+        jobs["jobs"].as_array().map(Vec::len),
+        Some(0),
+        "nothing half-written: {jobs}"
+    );
+}
+
+#[tokio::test]
 async fn estimate_with_compare_adds_the_other_estimators_and_why_they_differ() {
     let app = TestApp::new().await;
     app.register("n", 8, 80 * GIB).await;

@@ -442,7 +442,11 @@ function planPage() {
       ? el('p', { class: 'fits', id: 'plan-verdict' }, `Fits on ${report.world_size} device(s): ZeRO stage ${p.zero_stage}, micro-batch ${p.micro_batch_size} × ${p.grad_accum_steps} accumulation, checkpointing ${p.activation_checkpointing ? 'on' : 'off'}, ${human(p.per_rank_bytes.total)} per rank; ${p.devices_that_fit} registered device(s) can hold a rank.`)
       : el('p', { class: 'needs', id: 'plan-verdict' }, 'Does not fit the registered devices: ' + p.reason);
     const nodes = el('ul', {}, ...report.nodes.map((n) => el('li', {}, `${n.name}: ${n.devices_that_fit} device(s) can hold a rank` + (n.holds_job ? '; holds the whole job' : ''))));
-    const parts = [el('p', {}, `${report.parameters.toLocaleString('en')} parameters, ${report.world_size} rank(s), micro-batch ${report.micro_batch_size}:`), table, plan, nodes];
+    // A LoRA job trains its adapters only: PEFT's `print_trainable_parameters` figures.
+    const trained = report.trainable_parameters === report.parameters
+      ? `${report.parameters.toLocaleString('en')} parameters`
+      : `${report.trainable_parameters.toLocaleString('en')} trainable of ${report.parameters.toLocaleString('en')} parameters`;
+    const parts = [el('p', { id: 'estimate-parameters' }, `${trained}, ${report.world_size} rank(s), micro-batch ${report.micro_batch_size}:`), table, plan, nodes];
     if (report.unsupported_keys && report.unsupported_keys.length) parts.push(el('p', { class: 'needs' }, 'Ignored DeepSpeed keys: ' + report.unsupported_keys.join(', ')));
     out.replaceChildren(...parts);
     out.dataset.ready = 'true';
