@@ -54,6 +54,12 @@ pub fn blocks(n: usize) -> usize {
     n.div_ceil(BLOCK)
 }
 
+/// Panics unless `codes` and `absmax` hold `n` values' NF4 form.
+pub(crate) fn check_lens(n: usize, codes: usize, absmax: usize) {
+    assert_eq!(codes, code_bytes(n), "codes must hold two values a byte");
+    assert_eq!(absmax, blocks(n), "absmax must hold one value a block");
+}
+
 /// The code index of a value already scaled into [-1, 1]: how many midpoints between adjacent
 /// codes lie strictly below it (`torch.bucketize`, `right=False`).
 fn index(scaled: f32) -> u8 {
@@ -68,16 +74,7 @@ fn index(scaled: f32) -> u8 {
 /// (`blocks(src.len())`).
 pub fn quantize<X: Float>(src: &[X], codes: &mut [u8], absmax: &mut [f32]) {
     let n = src.len();
-    assert_eq!(
-        codes.len(),
-        code_bytes(n),
-        "codes must hold two values a byte"
-    );
-    assert_eq!(
-        absmax.len(),
-        blocks(n),
-        "absmax must hold one value a block"
-    );
+    check_lens(n, codes.len(), absmax.len());
     let count = absmax.len();
     let (codes, absmax) = (SharedMut::new(codes), SharedMut::new(absmax));
     for_ranges(count, BLOCKS_PER_TASK, |blocks| {
@@ -126,16 +123,7 @@ fn quantize_block(x: &mut [f32], codes: &mut [u8]) -> f32 {
 /// `out[i] = CODE[q_i]·absmax[i / BLOCK]`, rounded once to `X`.
 pub fn dequantize<X: Float>(codes: &[u8], absmax: &[f32], out: &mut [X]) {
     let n = out.len();
-    assert_eq!(
-        codes.len(),
-        code_bytes(n),
-        "codes must hold two values a byte"
-    );
-    assert_eq!(
-        absmax.len(),
-        blocks(n),
-        "absmax must hold one value a block"
-    );
+    check_lens(n, codes.len(), absmax.len());
     let out = SharedMut::new(out);
     for_ranges(absmax.len(), BLOCKS_PER_TASK, |blocks| {
         let values = blocks.start * BLOCK..(blocks.end * BLOCK).min(n);

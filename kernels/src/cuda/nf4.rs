@@ -5,7 +5,7 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::device::{elementwise, launch};
 use super::{DeviceFloat, Error, Gpu};
-use crate::nf4::{BLOCK, blocks, code_bytes};
+use crate::nf4::{BLOCK, check_lens};
 
 /// `codes` and `absmax` of `src`, as `nf4::quantize`.
 pub fn quantize<X: DeviceFloat>(
@@ -15,16 +15,7 @@ pub fn quantize<X: DeviceFloat>(
     src: &CudaView<'_, X>,
 ) -> Result<(), Error> {
     let n = src.len();
-    assert_eq!(
-        codes.len(),
-        code_bytes(n),
-        "codes must hold two values a byte"
-    );
-    assert_eq!(
-        absmax.len(),
-        blocks(n),
-        "absmax must hold one value a block"
-    );
+    check_lens(n, codes.len(), absmax.len());
     let len = n as i64;
     launch!(dev, "nf4.cu", format!("nf4_quantize_{}", X::NAME), quantize_config(n); codes, absmax, src, &len);
     Ok(())
@@ -38,16 +29,7 @@ pub fn dequantize<X: DeviceFloat>(
     absmax: &CudaView<'_, f32>,
 ) -> Result<(), Error> {
     let n = out.len();
-    assert_eq!(
-        codes.len(),
-        code_bytes(n),
-        "codes must hold two values a byte"
-    );
-    assert_eq!(
-        absmax.len(),
-        blocks(n),
-        "absmax must hold one value a block"
-    );
+    check_lens(n, codes.len(), absmax.len());
     let len = n as i64;
     launch!(dev, "nf4.cu", format!("nf4_dequantize_{}", X::NAME), elementwise(n); out, codes, absmax, &len);
     Ok(())
