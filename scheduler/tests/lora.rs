@@ -172,6 +172,64 @@ fn the_lora_parity_models_count_as_peft_counted_them() {
     }
 }
 
+/// The (name, shape) of every tensor in a safetensors file, from its JSON header.
+fn safetensors_tensors(path: &str) -> Vec<(String, Vec<u64>)> {
+    let path = format!("{}/../tests/reference/{path}", env!("CARGO_MANIFEST_DIR"));
+    let bytes = std::fs::read(&path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    let mut tensors: Vec<_> = header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, t)| {
+            let shape = t["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap());
+            (name, shape.collect())
+        })
+        .collect();
+    tensors.sort();
+    tensors
+}
+
+#[test]
+fn the_adapter_layout_is_the_tensors_peft_saves_by_name_and_shape() {
+    for (name, config) in [
+        ("llama", "llama_parity/llama/config.json"),
+        ("qwen3", "llama_parity/qwen3/config.json"),
+        ("gpt2", "lora_parity/gpt2/config.json"),
+    ] {
+        let lora = reference(&format!("lora_parity/{name}/expected.json"))["lora"].clone();
+        let spec = spec(json!({"model": {"config": reference(config)}, "lora": lora}));
+        let model = spec.architecture().model().unwrap();
+        let layout = spec
+            .lora
+            .as_ref()
+            .unwrap()
+            .adapters(&model)
+            .layout(&model, 1);
+        let mut ours: Vec<(String, Vec<u64>)> = layout
+            .adapters
+            .iter()
+            .flat_map(|unit| {
+                let layer = unit.layer().unwrap();
+                unit.tensors.iter().map(move |t| {
+                    let dims = t.dims.to_vec().into_iter().map(|d| d as u64).collect();
+                    (t.kind.peft_name(layer), dims)
+                })
+            })
+            .collect();
+        ours.sort();
+        let peft = safetensors_tensors(&format!(
+            "lora_parity/{name}/adapter/adapter_model.safetensors"
+        ));
+        assert_eq!(ours, peft, "{name}");
+    }
+}
+
 #[test]
 fn a_module_named_for_some_layers_only_is_refused_naming_them() {
     let errors = refusal(

@@ -187,6 +187,18 @@ pub enum AdapterPart {
     B,
 }
 
+impl AdapterTensor {
+    /// The tensor's name in PEFT's `adapter_model.safetensors` for layer `layer`
+    /// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`).
+    pub fn peft_name(self, layer: usize) -> String {
+        let weight = self.weight.state_dict_name(Some(layer));
+        let module = weight
+            .strip_suffix(".weight")
+            .expect("a projection's weight ends in .weight");
+        format!("base_model.model.{module}.{}.weight", self.part.peft_name())
+    }
+}
+
 impl AdapterPart {
     /// PEFT's name of the matrix (`lora_A`, `lora_B`).
     pub fn peft_name(self) -> &'static str {
