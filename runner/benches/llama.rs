@@ -2,11 +2,17 @@
 //! model (30 layers, C 576, 9 heads over 3 KV heads, MLP 1536, tied 49,152-token head), AdamW,
 //! micro-batch 4, seq 128, fp32 and bf16, on all cores; median step time and tokens/s.
 //!
+//! Each row also times the step's products alone (`common::roofline`: every linear layer and
+//! the LM head's chunks, forward and backward, in the row's dtype) and sets the step beside
+//! them: the time they take at the rate this machine gives those shapes, and what the step
+//! spends beyond them.
+//!
 //! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows).
 //! With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers, each row
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
 //! the same shape, batch and thread count) in the same run and prints the ratio.
 
+use common::roofline;
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -35,9 +41,9 @@ fn main() {
     let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
-    let peak = kernels::cpu::thread_pool(threads)
-        .expect("a thread pool")
-        .install(kernels::matmul::measure_peak_gflops);
+    let pool = kernels::cpu::thread_pool(threads).expect("a thread pool");
+    let peak = pool.install(kernels::matmul::measure_peak_gflops);
+    let bf16_peak = pool.install(roofline::square_gflops::<half::bf16>);
     let json = format!(r#"{{"model": {{"preset": "{MODEL}"}}}}"#);
     let spec = JobSpec::parse(&json, Purpose::Train).expect("the preset is valid");
     let model = spec
@@ -46,37 +52,47 @@ fn main() {
         .model()
         .expect("a preset has a shape");
     let per_token = common::flops_per_token(&model, T);
-    let mfu = |step: f64| 100.0 * per_token * (B * T) as f64 / step / 1e9 / peak;
+    // Against the dtype's own 2048³ rate: a bf16 step's limit is the bf16 products'.
+    let mfu = |step: f64, peak: f64| 100.0 * per_token * (B * T) as f64 / step / 1e9 / peak;
+    let products = roofline::products(&model, B, T);
     println!(
         "{MODEL}, B {B}, T {T}, AdamW, {threads} threads, median of {MEASURED} steps after \
-         {WARMUP}; peak (2048³ sgemm, median of 5): {peak:.0} GFLOP/s"
+         {WARMUP}; peak (2048³ sgemm, median of 5): {peak:.0} GFLOP/s; 2048³ bf16 ({}): \
+         {bf16_peak:.0} GFLOP/s",
+        roofline::bf16_engine()
     );
     println!();
     println!(
-        "| dtype | zerotrain s/step | min–max s | tokens/s | MFU | transformers tokens/s | MFU | × transformers |"
+        "| dtype | zerotrain s/step | min–max s | tokens/s | MFU | products s | products GFLOP/s | step ÷ products | transformers tokens/s | MFU | × transformers |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for dtype in ["fp32", "bf16"] {
         if !filters.keeps(dtype) {
             continue;
         }
         let (step, lo, hi) = ours(dtype);
+        let peak = if dtype == "bf16" { bf16_peak } else { peak };
+        let (gemm, rate) = pool.install(|| match dtype {
+            "bf16" => roofline::seconds::<half::bf16>(&products, 3),
+            _ => roofline::seconds::<f32>(&products, 3),
+        });
         let tokens = (B * T) as f64;
         let (torch, torch_mfu, ratio) = match &python {
             Some(py) => {
                 let t = theirs(py, dtype, threads);
                 (
                     format!("{:.1}", tokens / t),
-                    format!("{:.1}%", mfu(t)),
+                    format!("{:.1}%", mfu(t, peak)),
                     format!("{:.2}×", t / step),
                 )
             }
             None => ("—".into(), "—".into(), "—".into()),
         };
         println!(
-            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {:.1}% | {torch} | {torch_mfu} | {ratio} |",
+            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {:.1}% | {gemm:.3} | {rate:.0} | {:.2}× | {torch} | {torch_mfu} | {ratio} |",
             tokens / step,
-            mfu(step)
+            mfu(step, peak),
+            step / gemm
         );
     }
 }

@@ -1,5 +1,6 @@
 //! What the runner's benchmarks share: llm.c's FLOP count, the AdamW job they time, a timed
-//! training run, order statistics of step times, PyTorch's side, and row filters.
+//! training run, order statistics of step times, PyTorch's side, row filters, and the roofline
+//! of a step's products (`roofline`).
 #![allow(dead_code)] // each bench uses its own part
 
 use runner::train::{Options, Progress, run};
@@ -14,6 +15,7 @@ static ALLOCATOR: kernels::matmul::Allocator = kernels::matmul::Allocator;
 
 #[path = "../../../cli/src/process.rs"]
 mod process;
+pub mod roofline;
 
 /// Sets this bench's process up as `zerotrain train` sets itself up (all cores); first thing.
 pub fn setup() {
