@@ -290,6 +290,11 @@ fn mistakes_in_the_lora_block_are_named_at_their_fields_together() {
         Purpose::Estimate,
     );
     assert_eq!(shapes[0].field, "lora.target_modules");
+    let wrong = refusal(
+        json!({"model": {"preset": "llama-tiny"}, "lora": {"target_modules": ["q_proj", 3]}}),
+        Purpose::Estimate,
+    );
+    assert_eq!(wrong[0].field, "lora.target_modules[1]", "{wrong:?}");
     let none = refusal(
         json!({"model": {"preset": "llama-tiny"}, "lora": {"target_modules": []}}),
         Purpose::Estimate,

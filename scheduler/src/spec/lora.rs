@@ -1,7 +1,7 @@
 //! `lora`: fine-tune low-rank adapters on a frozen base, with PEFT's meanings and defaults
 //! (`LoraConfig`: `r` here `rank`, `lora_alpha` here `alpha`, `lora_dropout` here `dropout`).
 
-use serde::de::Error as _;
+use serde::de::{SeqAccess, Unexpected, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::Architecture;
@@ -52,18 +52,29 @@ impl Serialize for TargetModules {
 
 impl<'de> Deserialize<'de> for TargetModules {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Given {
-            One(String),
-            Names(Vec<String>),
+        // A visitor rather than an untagged enum, so that a wrong element is named at its
+        // index (`lora.target_modules[1]`).
+        struct Modules;
+        impl<'de> Visitor<'de> for Modules {
+            type Value = TargetModules;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of module names or \"all-linear\"")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<TargetModules, E> {
+                match s {
+                    "all-linear" => Ok(TargetModules::AllLinear),
+                    _ => Err(E::invalid_value(Unexpected::Str(s), &self)),
+                }
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<TargetModules, A::Error> {
+                let mut names = Vec::new();
+                while let Some(name) = seq.next_element::<String>()? {
+                    names.push(name);
+                }
+                Ok(TargetModules::Names(names))
+            }
         }
-        let wrong = || D::Error::custom("must be a list of module names or \"all-linear\"");
-        match Given::deserialize(d).map_err(|_| wrong())? {
-            Given::One(s) if s == "all-linear" => Ok(TargetModules::AllLinear),
-            Given::One(_) => Err(wrong()),
-            Given::Names(names) => Ok(TargetModules::Names(names)),
-        }
+        d.deserialize_any(Modules)
     }
 }
 
