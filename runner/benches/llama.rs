@@ -7,12 +7,17 @@
 //! them: the time they take at the rate this machine gives those shapes, and what the step
 //! spends beyond them.
 //!
+//! A second table splits each step by kernel group (`runner::step_timers`: products,
+//! attention, norms and activations, loss, optimizer, collectives) and what ran outside
+//! kernels.
+//!
 //! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows).
 //! With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers, each row
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
 //! the same shape, batch and thread count) in the same run and prints the ratio.
 
 use common::roofline;
+use runner::step_timers::{self, Group};
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -23,11 +28,17 @@ const MODEL: &str = "smollm2-135M";
 const WARMUP: usize = 2;
 const MEASURED: usize = 5;
 
-/// zerotrain's median step seconds (and the spread) for `dtype`.
-fn ours(dtype: &str) -> (f64, f64, f64) {
+/// A mean step: its seconds, and those in each kernel group.
+type MeanStep = (f64, Vec<(Group, f64)>);
+
+/// zerotrain's median step seconds (and the spread) for `dtype`, and its mean step.
+fn ours(dtype: &str) -> ((f64, f64, f64), MeanStep) {
     let model = format!(r#"{{"preset": "{MODEL}"}}"#);
     let spec = common::adamw_job(&model, dtype, (B, T), WARMUP + MEASURED);
-    common::median_min_max(&common::cpu_step_seconds(&spec, WARMUP, dtype))
+    let seconds = common::cpu_step_seconds(&spec, WARMUP, dtype);
+    let mean = seconds.iter().sum::<f64>() / seconds.len() as f64;
+    let groups = common::kernel_groups(MEASURED);
+    (common::median_min_max(&seconds), (mean, groups))
 }
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
@@ -38,6 +49,7 @@ fn theirs(python: &str, dtype: &str, threads: usize) -> f64 {
 
 fn main() {
     common::setup();
+    step_timers::enable();
     let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
@@ -66,11 +78,13 @@ fn main() {
         "| dtype | zerotrain s/step | min–max s | tokens/s | MFU | products s | products GFLOP/s | step ÷ products | transformers tokens/s | MFU | × transformers |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut breakdown = Vec::new();
     for dtype in ["fp32", "bf16"] {
         if !filters.keeps(dtype) {
             continue;
         }
-        let (step, lo, hi) = ours(dtype);
+        let ((step, lo, hi), mean_step) = ours(dtype);
+        breakdown.push((dtype, mean_step));
         let peak = if dtype == "bf16" { bf16_peak } else { peak };
         let (gemm, rate) = pool.install(|| match dtype {
             "bf16" => roofline::seconds::<half::bf16>(&products, 3),
@@ -93,6 +107,23 @@ fn main() {
             tokens / step,
             mfu(step, peak),
             step / gemm
+        );
+    }
+    println!();
+    let names: Vec<&str> = Group::ALL.iter().map(|g| g.name()).collect();
+    println!(
+        "| dtype | mean s/step | {} | outside kernels |",
+        names.join(" | ")
+    );
+    println!("|---|---|{}---|", "---|".repeat(names.len()));
+    for (dtype, (mean, groups)) in breakdown {
+        let cell = |s: f64| format!("{s:.3} ({:.0}%)", 100.0 * s / mean);
+        let cells: Vec<String> = groups.iter().map(|&(_, s)| cell(s)).collect();
+        let outside = mean - groups.iter().map(|&(_, s)| s).sum::<f64>();
+        println!(
+            "| {dtype} | {mean:.3} | {} | {} |",
+            cells.join(" | "),
+            cell(outside)
         );
     }
 }

@@ -17,6 +17,7 @@ mod model;
 pub mod optimizer;
 pub mod process;
 pub mod state_tensor;
+pub mod step_timers;
 pub mod tensor_file;
 pub mod train;
 pub mod validation;

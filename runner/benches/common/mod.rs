@@ -3,6 +3,7 @@
 //! of a step's products (`roofline`).
 #![allow(dead_code)] // each bench uses its own part
 
+use runner::step_timers;
 use runner::train::{Options, Progress, run};
 use scheduler::model::ModelShape;
 use scheduler::plan::{Plan, plan_local};
@@ -40,7 +41,13 @@ pub fn step_seconds(
     what: &str,
 ) -> Vec<f64> {
     let mut seconds = Vec::new();
-    let mut progress = |p: Progress| seconds.push(p.step_seconds);
+    let mut progress = |p: Progress| {
+        seconds.push(p.step_seconds);
+        if seconds.len() == warmup {
+            // The kernel groups' time (when timed) of the measured steps only.
+            step_timers::take();
+        }
+    };
     let summary = run(spec, plan, opts, &mut progress).expect("training runs");
     assert!(
         summary.final_loss.is_finite(),
@@ -49,6 +56,15 @@ pub fn step_seconds(
     );
     seconds.drain(..warmup);
     seconds
+}
+
+/// Seconds a step spent in each kernel group, the mean over the `measured` steps after the
+/// last [`step_seconds`]'s warmup (`runner::step_timers`, enabled by the bench).
+pub fn kernel_groups(measured: usize) -> Vec<(step_timers::Group, f64)> {
+    step_timers::take()
+        .into_iter()
+        .map(|(g, d)| (g, d.as_secs_f64() / measured as f64))
+        .collect()
 }
 
 /// The job the CPU benches compare with PyTorch's: `model` (a spec's model block) in `dtype`,

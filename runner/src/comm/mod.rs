@@ -27,6 +27,7 @@ use half::{bf16, f16};
 use crate::Error;
 use crate::accounting::Buffer;
 use crate::device::{Cpu, Device, Elem};
+use crate::step_timers;
 
 /// Moves bytes between a rank and its ring neighbours.
 pub trait Transport: Send {
@@ -82,7 +83,8 @@ pub trait DeviceCollectives: Device {
         c: Collective,
         v: Self::ViewMut<'_, T>,
     ) -> Result<(), Error> {
-        self.on_host(v, |b| comm.run(c, b))?
+        let run = || self.on_host(v, |b| comm.run(c, b));
+        step_timers::time(|| step_timers::Group::Collectives, run)?
     }
 
     /// Joins `comm`'s ranks in the device's own collectives, for a communicator that asked for

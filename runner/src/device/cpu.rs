@@ -15,6 +15,7 @@ use super::{Adam8bitState, Device, Elem, Moment, Num};
 use scheduler::memory::DeviceKind;
 
 use crate::Error;
+use crate::step_timers::{self, Group};
 
 /// A method per entry of `kernels!` that calls the `kernels` function of the same name with the
 /// same arguments: the CPU's kernels are those functions, so its methods only forward (and
@@ -24,7 +25,8 @@ macro_rules! forward {
         $(
             #[inline]
             fn $name $(<$($g: $bound),+>)? (&self, $($arg: $ty),*) -> Result<(), Error> {
-                $module::$name($($arg),*);
+                let group = || Group::of_module(stringify!($module));
+                step_timers::time(group, || $module::$name($($arg),*));
                 Ok(())
             }
         )+
@@ -117,7 +119,10 @@ impl Device for Cpu {
 
     #[inline]
     fn sum_squares<X: Num>(&self, x: &[X]) -> Result<f64, Error> {
-        Ok(grad_norm::sum_squares(x))
+        Ok(step_timers::time(
+            || Group::Optimizer,
+            || grad_norm::sum_squares(x),
+        ))
     }
 
     #[inline]
@@ -138,8 +143,13 @@ impl Device for Cpu {
             absmax_m,
             absmax_v,
         } = s;
-        k::adam8bit_step(
-            master, grad, m, v, absmax_m, absmax_v, param_out, hp, step, grad_scale, block,
+        step_timers::time(
+            || Group::Optimizer,
+            || {
+                k::adam8bit_step(
+                    master, grad, m, v, absmax_m, absmax_v, param_out, hp, step, grad_scale, block,
+                )
+            },
         );
         Ok(())
     }
@@ -151,7 +161,11 @@ impl Device for Cpu {
         moment: Moment<'_, Self>,
         rms_sum: &mut [f64],
     ) -> Result<(), Error> {
-        k::adafactor_rms_sum(grad, grad_scale, moment.into(), rms_sum);
+        let moment = moment.into();
+        step_timers::time(
+            || Group::Optimizer,
+            || k::adafactor_rms_sum(grad, grad_scale, moment, rms_sum),
+        );
         Ok(())
     }
     #[inline]
@@ -166,15 +180,14 @@ impl Device for Cpu {
         hp: &Adafactor,
         grad_scale: f32,
     ) -> Result<(), Error> {
-        k::adafactor_apply(
-            master,
-            grad,
-            exp_avg,
-            param_out,
-            moment.into(),
-            rms_sum,
-            hp,
-            grad_scale,
+        let moment = moment.into();
+        step_timers::time(
+            || Group::Optimizer,
+            || {
+                k::adafactor_apply(
+                    master, grad, exp_avg, param_out, moment, rms_sum, hp, grad_scale,
+                )
+            },
         );
         Ok(())
     }
