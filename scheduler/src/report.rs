@@ -79,7 +79,7 @@ impl Report {
         };
         let ckpt = spec.activation_checkpointing.fixed().unwrap_or(false);
         let setup = |stage| Setup::new(spec, stage, ckpt, micro, accum);
-        let counted = memory::estimate(&setup(ZeroStage::Ddp), device_kind);
+        let (parameters, trainable_parameters) = setup(ZeroStage::Ddp).parameter_counts();
         let stages = ZeroStage::ALL
             .iter()
             .map(|&stage| {
@@ -107,8 +107,8 @@ impl Report {
         };
         Ok(Report {
             model: spec.architecture().model().map(|m| m.summary()),
-            parameters: counted.parameters,
-            trainable_parameters: counted.trainable_parameters,
+            parameters,
+            trainable_parameters,
             world_size: spec.world_size.get(),
             micro_batch_size: micro,
             grad_accum_steps: accum,

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use strum::{EnumString, IntoStaticStr, VariantArray};
 
 use crate::kernel_figures::CUDA_GEMM_RESIDENT_BYTES;
-use crate::model::{Adapters, ModelShape};
+use crate::model::{Adapters, ModelShape, Units};
 use crate::spec::{Architecture, Dtype, JobSpec, MAX_SYNTHETIC_VOCAB, Optimizer, ZeroStage};
 
 /// What a byte is held for. The trainer's accounting allocator uses the same categories.
@@ -221,6 +221,21 @@ impl Setup {
     }
 }
 
+impl Setup {
+    /// The model's parameters, a LoRA job's adapters included, and those the optimizer
+    /// updates: all of them, or the adapters.
+    pub fn parameter_counts(&self) -> (u64, u64) {
+        let base = self.arch.parameter_count();
+        match self.lora.zip(self.arch.model()) {
+            Some((adapters, model)) => {
+                let trained = adapters.parameter_count(&model);
+                (base + trained, trained)
+            }
+            None => (base, base),
+        }
+    }
+}
+
 /// The memory model's answer for one setup on one kind of device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Estimate {
@@ -239,18 +254,10 @@ pub fn estimate(setup: &Setup, device: DeviceKind) -> Estimate {
         .into_iter()
         .max_by_key(Breakdown::total)
         .unwrap_or_default();
-    let model = setup.arch.model();
-    let adapters = setup
-        .lora
-        .zip(model)
-        .map_or(0, |(a, m)| a.parameter_count(&m));
+    let (parameters, trainable_parameters) = setup.parameter_counts();
     Estimate {
-        parameters: setup.arch.parameter_count() + adapters,
-        trainable_parameters: if setup.lora.is_some() {
-            adapters
-        } else {
-            setup.arch.parameter_count()
-        },
+        parameters,
+        trainable_parameters,
         per_rank: Breakdown {
             overhead: device.overhead_bytes(),
             ..per_rank
@@ -363,8 +370,6 @@ fn exact_lora(setup: &Setup, model: &ModelShape, adapters: &Adapters, rank: usiz
     let (base, trained, nf4) = (&layout.base, &layout.adapters, &layout.nf4);
     let x = setup.dtype.bytes();
     let stage = setup.stage;
-    let held =
-        |whole: usize, shard: usize, sharded: bool| (if sharded { shard } else { whole }) as u64;
     let (b, t) = (setup.micro_batch, setup.seq_len);
 
     let acts = model.activations(b, t, setup.checkpointing, x);
@@ -383,36 +388,31 @@ fn exact_lora(setup: &Setup, model: &ModelShape, adapters: &Adapters, rank: usiz
             + 2 * nf4.largest_streamed_padded_len() as u64
             + x * 2 * trained.largest_streamed_padded_len() as u64;
     }
-    let opt_elems = held(
-        trained.padded_len(),
-        trained.shard_len(),
-        stage.shards_optimizer(),
-    );
+    let opt_elems = held(trained, stage.shards_optimizer());
     let master = if setup.dtype.has_master_weights() {
         4 * opt_elems
     } else {
         0
     };
-    let frozen = x * held(base.padded_len(), base.shard_len(), stage.shards_params())
-        + held(nf4.padded_len(), nf4.shard_len(), stage.shards_params());
+    let frozen = x * held(base, stage.shards_params()) + held(nf4, stage.shards_params());
     Breakdown {
-        params: frozen
-            + x * held(
-                trained.padded_len(),
-                trained.shard_len(),
-                stage.shards_params(),
-            ),
-        grads: x * held(
-            trained.padded_len(),
-            trained.shard_len(),
-            stage.shards_grads(),
-        ),
+        params: frozen + x * held(trained, stage.shards_params()),
+        grads: x * held(trained, stage.shards_grads()),
         optimizer: master + optimizer::state_bytes(setup, trained, rank),
         activations: acts.activations
             + adapters.activation_bytes(model, (b, t), setup.checkpointing, x),
         buffers,
         overhead: 0,
     }
+}
+
+/// Elements a rank holds of `units`: its shard of each, or each whole.
+fn held<K>(units: &Units<K>, sharded: bool) -> u64 {
+    (if sharded {
+        units.shard_len()
+    } else {
+        units.padded_len()
+    }) as u64
 }
 
 /// The data loaders' buffers: for files, one window of `B·T + 1` tokens (u32) and its raw

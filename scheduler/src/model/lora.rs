@@ -101,12 +101,18 @@ impl Targets {
         Targets((1u8 << model.projections().len()) - 1)
     }
 
-    /// The projections a PEFT `target_modules` entry selects in some layer: PEFT targets a
-    /// module whose full name is the entry or ends with `.` and the entry, so `c_proj` is both
-    /// of GPT-2's, `mlp.c_proj` one of them, and `model.layers.0.self_attn.q_proj` (as PEFT
-    /// saves an expanded `"all-linear"`) layer 0's queries.
-    pub fn matching(model: &ModelShape, entry: &str) -> Targets {
-        Targets::of_entries(model, &[entry], |layers| layers.iter().any(|&hit| hit))
+    /// The projections any of PEFT `target_modules` `entries` selects in some layer: PEFT
+    /// targets a module whose full name is the entry or ends with `.` and the entry, so `c_proj`
+    /// is both of GPT-2's, `mlp.c_proj` one of them, and `model.layers.0.self_attn.q_proj` (as
+    /// PEFT saves an expanded `"all-linear"`) layer 0's queries.
+    pub fn matching(model: &ModelShape, entries: &[&str]) -> Targets {
+        let bits = model
+            .projections()
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.layers_matching(model, entries).contains(&true))
+            .fold(0u8, |bits, (i, _)| bits | 1 << i);
+        Targets(bits)
     }
 
     /// The projections that `entries` together select in some layers but not in all (an
@@ -121,21 +127,6 @@ impl Targets {
                 (!some.is_empty() && some.len() < hits.len()).then_some((p.path, some))
             })
             .collect()
-    }
-
-    /// The projections whose per-layer matches by `entries` satisfy `keep`.
-    fn of_entries(model: &ModelShape, entries: &[&str], keep: impl Fn(&[bool]) -> bool) -> Targets {
-        let bits = model
-            .projections()
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| keep(&p.layers_matching(model, entries)))
-            .fold(0u8, |bits, (i, _)| bits | 1 << i);
-        Targets(bits)
-    }
-
-    pub fn union(self, other: Targets) -> Targets {
-        Targets(self.0 | other.0)
     }
 
     pub fn is_empty(self) -> bool {
@@ -191,10 +182,7 @@ impl AdapterTensor {
     /// The tensor's name in PEFT's `adapter_model.safetensors` for layer `layer`
     /// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`).
     pub fn peft_name(self, layer: usize) -> String {
-        let weight = self.weight.state_dict_name(Some(layer));
-        let module = weight
-            .strip_suffix(".weight")
-            .expect("a projection's weight ends in .weight");
+        let module = module_name(self.weight, layer);
         format!("base_model.model.{module}.{}.weight", self.part.peft_name())
     }
 }
@@ -357,11 +345,7 @@ impl Projection {
     /// The module's full name in layer `layer` (`model.layers.3.self_attn.q_proj`,
     /// `transformer.h.3.attn.c_attn`), as PEFT matches `target_modules` against it.
     pub fn module_name(&self, layer: usize) -> String {
-        let weight = self.weight.state_dict_name(Some(layer));
-        weight
-            .strip_suffix(".weight")
-            .expect("a projection's weight ends in .weight")
-            .to_string()
+        module_name(self.weight, layer)
     }
 
     /// Per layer, whether any of `entries` targets this projection there (PEFT's rule).
@@ -375,6 +359,14 @@ impl Projection {
             })
             .collect()
     }
+}
+
+/// The full name in layer `layer` of the module whose weight is `weight`.
+fn module_name(weight: ModelTensor, layer: usize) -> String {
+    let name = weight.state_dict_name(Some(layer));
+    name.strip_suffix(".weight")
+        .expect("a projection's weight ends in .weight")
+        .to_string()
 }
 
 #[cfg(test)]
@@ -410,8 +402,7 @@ mod tests {
     #[test]
     fn nf4_moves_adapted_weights_out_of_the_base() {
         let model = ModelShape::Llama(LlamaPreset::Tiny.shape());
-        let q_and_v =
-            Targets::matching(&model, "q_proj").union(Targets::matching(&model, "v_proj"));
+        let q_and_v = Targets::matching(&model, &["q_proj", "v_proj"]);
         let adapters = Adapters {
             rank: 8,
             targets: q_and_v,
@@ -438,18 +429,18 @@ mod tests {
         let model = ModelShape::Gpt2(crate::model::Preset::Tiny.shape());
         let paths = |t: Targets| t.of(&model).iter().map(|p| p.path).collect::<Vec<_>>();
         assert_eq!(
-            paths(Targets::matching(&model, "c_proj")),
+            paths(Targets::matching(&model, &["c_proj"])),
             ["attn.c_proj", "mlp.c_proj"]
         );
         assert_eq!(
-            paths(Targets::matching(&model, "mlp.c_proj")),
+            paths(Targets::matching(&model, &["mlp.c_proj"])),
             ["mlp.c_proj"]
         );
-        assert!(Targets::matching(&model, "q_proj").is_empty());
-        assert!(Targets::matching(&model, "proj").is_empty());
+        assert!(Targets::matching(&model, &["q_proj"]).is_empty());
+        assert!(Targets::matching(&model, &["proj"]).is_empty());
         // PEFT's saved form of "all-linear": every layer's module by its full name.
         let layer0 = "transformer.h.0.attn.c_attn";
-        assert_eq!(paths(Targets::matching(&model, layer0)), ["attn.c_attn"]);
+        assert_eq!(paths(Targets::matching(&model, &[layer0])), ["attn.c_attn"]);
         assert_eq!(
             Targets::partial(&model, &[layer0]),
             [("attn.c_attn", vec![0])]

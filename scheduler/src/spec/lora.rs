@@ -100,18 +100,11 @@ impl Lora {
     pub fn adapters(&self, model: &ModelShape) -> Adapters {
         let targets = match &self.target_modules {
             Some(TargetModules::AllLinear) => Targets::all(model),
-            Some(TargetModules::Names(names)) => names
-                .iter()
-                .map(String::as_str)
-                .fold(Targets::default(), |t, name| {
-                    t.union(Targets::matching(model, name))
-                }),
-            None => model
-                .default_lora_targets()
-                .iter()
-                .fold(Targets::default(), |t, name| {
-                    t.union(Targets::matching(model, name))
-                }),
+            Some(TargetModules::Names(names)) => {
+                let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                Targets::matching(model, &names)
+            }
+            None => Targets::matching(model, model.default_lora_targets()),
         };
         Adapters {
             rank: self.rank as usize,
@@ -151,7 +144,7 @@ impl Lora {
         let before = p.count();
         for (i, name) in names.iter().enumerate() {
             p.ensure(
-                !Targets::matching(&model, name).is_empty(),
+                !Targets::matching(&model, &[name.as_str()]).is_empty(),
                 &format!("lora.target_modules[{i}]"),
                 || {
                     let mut known: Vec<&str> = Vec::new();
