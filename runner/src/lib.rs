@@ -11,6 +11,7 @@ pub mod device;
 mod error;
 mod gpt;
 mod llama;
+mod lora;
 pub mod loss_scale;
 pub mod lr_schedule;
 mod model;

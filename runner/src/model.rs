@@ -11,6 +11,7 @@ use scheduler::model::{ModelShape, StepTensors, matmul_depth, matmul_scratch_f32
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::device::{Device, Elem, Num};
+use crate::lora::Adapted;
 use crate::{gpt, llama};
 
 /// Allocates a family's step tensors exactly as `scheduler::model` lists them (sizes, element
@@ -99,14 +100,15 @@ impl<D: Device> Batch<D> {
     /// `scheduler::model::loss_chunk_rows`), so logits never exist for the whole micro-batch:
     /// per chunk, logits = x·Wᵀ for the head weight W (V, C), each token's loss and, in place
     /// of the logits, their gradient (`dloss` per token); then the chunk's rows of
-    /// `dx` = ∂loss/∂x, and ∂loss/∂W added into `dw`. Returns the micro-batch's mean loss.
+    /// `dx` = ∂loss/∂x, and ∂loss/∂W added into `dw` (none for a frozen head). Returns the
+    /// micro-batch's mean loss.
     /// Without `dloss` (validation) only the losses are computed.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lm_head<X: Num>(
         &mut self,
         dev: &D,
         x: D::View<'_, X>,
-        (w, mut dw): (D::View<'_, X>, D::ViewMut<'_, X>),
+        (w, mut dw): (D::View<'_, X>, Option<D::ViewMut<'_, X>>),
         mut dx: D::ViewMut<'_, X>,
         (n, c, v): (usize, usize, usize),
         dloss: Option<f32>,
@@ -137,21 +139,95 @@ impl<D: Device> Batch<D> {
             if dloss.is_none() {
                 continue;
             }
-            dev.matmul_backward(
-                D::slice_mut(D::reborrow(&mut dx), rows.start * c..rows.end * c),
-                D::reborrow(&mut dw),
-                None,
-                D::freeze(logits),
-                x,
-                D::share(&w),
-                Layout::NK,
-                mkn,
-                DinpMode::Overwrite,
-                scratch.view_mut(),
-            )?;
+            let dx = D::slice_mut(D::reborrow(&mut dx), rows.start * c..rows.end * c);
+            let (logits, w) = (D::freeze(logits), D::share(&w));
+            let mode = DinpMode::Overwrite;
+            match dw.as_mut() {
+                Some(dw) => dev.matmul_backward(
+                    dx,
+                    D::reborrow(dw),
+                    None,
+                    logits,
+                    x,
+                    w,
+                    Layout::NK,
+                    mkn,
+                    mode,
+                    scratch.view_mut(),
+                )?,
+                None => dev.matmul_backward_input(
+                    dx,
+                    logits,
+                    w,
+                    Layout::NK,
+                    mkn,
+                    mode,
+                    scratch.view_mut(),
+                )?,
+            }
         }
         let losses = dev.to_host(self.losses.view())?;
         Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
+    }
+}
+
+/// A layer's weight gradient and bias gradient to add into; `None` where the weights are
+/// frozen (LoRA's base), so backward finds only the input's gradient.
+pub(crate) type WeightGrads<'a, X, D> = Option<(
+    <D as Device>::ViewMut<'a, X>,
+    Option<<D as Device>::ViewMut<'a, X>>,
+)>;
+
+/// Backward of `out = inp·W(ᵀ) + b`: `dinp` set or added to (`mode`), and W's and b's
+/// gradients added into `grads` unless the weights are frozen.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_backward<X: Num, D: Device>(
+    dev: &D,
+    dinp: D::ViewMut<'_, X>,
+    grads: WeightGrads<'_, X, D>,
+    dout: D::View<'_, X>,
+    (inp, w): (D::View<'_, X>, D::View<'_, X>),
+    layout: Layout,
+    mkn: (usize, usize, usize),
+    mode: DinpMode,
+    scratch: &mut Buffer<f32, D>,
+) -> Result<(), Error> {
+    let scratch = scratch.view_mut();
+    match grads {
+        Some((dw, db)) => {
+            dev.matmul_backward(dinp, dw, db, dout, inp, w, layout, mkn, mode, scratch)
+        }
+        None => dev.matmul_backward_input(dinp, dout, w, layout, mkn, mode, scratch),
+    }
+}
+
+/// `rmsnorm_backward`, or through a frozen weight (`dweight` none) its input's gradient only.
+pub(crate) fn rmsnorm_backward<X: Num, D: Device>(
+    dev: &D,
+    dinp: D::ViewMut<'_, X>,
+    dweight: Option<D::ViewMut<'_, X>>,
+    dout: D::View<'_, X>,
+    (inp, weight, rstd): (D::View<'_, X>, D::View<'_, X>, D::View<'_, f32>),
+) -> Result<(), Error> {
+    match dweight {
+        Some(dw) => dev.rmsnorm_backward(dinp, dw, dout, inp, weight, rstd),
+        None => dev.rmsnorm_backward_input(dinp, dout, inp, weight, rstd),
+    }
+}
+
+/// `layernorm_backward`, or through a frozen weight and bias (`grads` none) its input's
+/// gradient only.
+pub(crate) fn layernorm_backward<X: Num, D: Device>(
+    dev: &D,
+    dinp: D::ViewMut<'_, X>,
+    grads: Option<[D::ViewMut<'_, X>; 2]>,
+    dout: D::View<'_, X>,
+    (inp, weight): (D::View<'_, X>, D::View<'_, X>),
+    (mean, rstd): (D::View<'_, f32>, D::View<'_, f32>),
+) -> Result<(), Error> {
+    match grads {
+        Some([dw, db]) => dev.layernorm_backward(dinp, dw, db, dout, inp, weight, mean, rstd),
+        None => dev.layernorm_backward_input(dinp, dout, inp, weight, mean, rstd),
     }
 }
 
@@ -205,38 +281,43 @@ impl<X: Num, D: Device> Passes<X, D> {
         }
     }
 
-    /// Block `l` forward, saving what its backward reads in activation slot `slot`.
+    /// Block `l` forward with its adapters, saving what its backward reads in activation
+    /// slot `slot`.
     pub(crate) fn block_forward(
         &mut self,
         dev: &D,
         unit: D::View<'_, X>,
+        adapters: Adapted<'_, X, D>,
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
         match self {
-            Passes::Gpt2(m) => m.block_forward(dev, unit, l, slot),
-            Passes::Llama(m) => m.block_forward(dev, unit, l, slot),
+            Passes::Gpt2(m) => m.block_forward(dev, unit, adapters, l, slot),
+            Passes::Llama(m) => m.block_forward(dev, unit, adapters, l, slot),
         }
     }
 
     /// Block `l` backward: the residual stream's gradient goes from its output to its input,
-    /// the block's parameter gradients are added into `grad`.
+    /// the block's parameter gradients are added into `grad` (none where the block is frozen)
+    /// and its adapters' into theirs.
     pub(crate) fn block_backward(
         &mut self,
         dev: &D,
         unit: D::View<'_, X>,
-        grad: D::ViewMut<'_, X>,
+        grad: Option<D::ViewMut<'_, X>>,
+        adapters: Adapted<'_, X, D>,
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
         match self {
-            Passes::Gpt2(m) => m.block_backward(dev, unit, grad, l, slot),
-            Passes::Llama(m) => m.block_backward(dev, unit, grad, l, slot),
+            Passes::Gpt2(m) => m.block_backward(dev, unit, grad, adapters, l, slot),
+            Passes::Llama(m) => m.block_backward(dev, unit, grad, adapters, l, slot),
         }
     }
 
     /// The final norm forward, the LM head and the cross-entropy, and back through the head:
-    /// returns the micro-batch's mean loss and adds the head's weight gradient into `dhead`.
+    /// returns the micro-batch's mean loss and adds the head's weight gradient into `dhead`
+    /// (none where it is frozen).
     /// `head` is the unit holding the (V, C) head weight first (the embeddings when tied).
     /// `dloss` is the gradient each token's loss contributes; without it nothing is
     /// differentiated (validation).
@@ -245,7 +326,7 @@ impl<X: Num, D: Device> Passes<X, D> {
         dev: &D,
         norm: D::View<'_, X>,
         head: D::View<'_, X>,
-        dhead: D::ViewMut<'_, X>,
+        dhead: Option<D::ViewMut<'_, X>>,
         dloss: Option<f32>,
     ) -> Result<f64, Error> {
         match self {
@@ -255,12 +336,12 @@ impl<X: Num, D: Device> Passes<X, D> {
     }
 
     /// Back through the final norm (after [`Passes::loss`]): the residual stream's gradient at
-    /// the last block's output, and the norm's gradient added into `dnorm`.
+    /// the last block's output, and the norm's gradient added into `dnorm` (none: frozen).
     pub(crate) fn norm_backward(
         &mut self,
         dev: &D,
         norm: D::View<'_, X>,
-        dnorm: D::ViewMut<'_, X>,
+        dnorm: Option<D::ViewMut<'_, X>>,
     ) -> Result<(), Error> {
         match self {
             Passes::Gpt2(m) => m.norm_backward(dev, norm, dnorm),
@@ -311,7 +392,7 @@ mod tests {
                 .lm_head(
                     &Cpu,
                     &x,
-                    (&w, &mut dw),
+                    (&w, Some(&mut dw)),
                     &mut dx,
                     (n, c, v),
                     Some(0.25),

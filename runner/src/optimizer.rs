@@ -21,8 +21,8 @@ mod adafactor;
 use adafactor::Adafactor;
 
 /// What the optimizer updates in one unit: this rank's `held` range of it.
-pub struct Slices<'a, X: 'a, D: Device = Cpu> {
-    pub unit: &'a Unit<ModelTensor>,
+pub struct Slices<'a, X: 'a, D: Device = Cpu, K = ModelTensor> {
+    pub unit: &'a Unit<K>,
     pub held: Range<usize>,
     /// fp32 master weights of `held` (the parameters themselves in fp32 training).
     pub master: D::ViewMut<'a, f32>,
@@ -67,8 +67,8 @@ enum UnitState<D: Device> {
 }
 
 /// The tensors of `unit` intersecting `held`, with the intersection relative to the tensor.
-fn pieces<'u>(
-    unit: &'u Unit<ModelTensor>,
+fn pieces<'u, K>(
+    unit: &'u Unit<K>,
     held: &Range<usize>,
 ) -> impl Iterator<Item = (usize, TensorDims, Range<usize>)> + 'u {
     let held = held.clone();
@@ -88,10 +88,10 @@ fn f32s<D: Device>(name: String, b: &mut Buffer<f32, D>) -> StateTensor<'_, D> {
 }
 
 impl<D: Device> OptimizerState<D> {
-    pub fn new(
+    pub fn new<K>(
         dev: &D,
         spec: Optimizer,
-        held: &[(&Unit<ModelTensor>, Range<usize>)],
+        held: &[(&Unit<K>, Range<usize>)],
         acct: &Accountant,
     ) -> Result<OptimizerState<D>, Error> {
         let f32s = |n: usize| acct.alloc_on::<D, f32>(dev, Category::Optimizer, n);
@@ -170,10 +170,10 @@ impl<D: Device> OptimizerState<D> {
 
     /// Applies one update to every unit's held range. `shards` holds the other ranks when the
     /// held ranges are shards: Adafactor sums its statistics over every shard through it.
-    pub fn step<X: Num>(
+    pub fn step<X: Num, K>(
         &mut self,
         dev: &D,
-        slices: &mut [Slices<'_, X, D>],
+        slices: &mut [Slices<'_, X, D, K>],
         s: Step,
         shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {

@@ -552,9 +552,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
     fn init(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
         let model = &job.model;
         let weights = match (&job.opts.init_weights, &job.spec.model.init_from) {
-            (Some(file), _) => checkpoint::load_hf_file(file, model)?,
+            (Some(file), _) => Some(checkpoint::load_hf_file(file, model)?),
             (None, Some(InitFrom::Path(path))) => {
-                checkpoint::load_hf(&job.opts.data_roots, path, model)?
+                Some(checkpoint::load_hf(&job.opts.data_roots, path, model)?)
             }
             (None, Some(InitFrom::Artifact(a))) => {
                 return Err(Error::Untrainable {
@@ -564,9 +564,20 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
                     ),
                 });
             }
-            (None, None) => return Ok(()),
+            (None, None) => None,
         };
-        self.engine.load_weights(&weights)
+        if let Some(weights) = weights {
+            self.engine.load_weights(&weights)?;
+        }
+        let lora = job.spec.lora.as_ref();
+        if let (Some(lora), Some(adapters)) = (lora, &job.setup.lora)
+            && let Some(dir) = &lora.init_from
+        {
+            let roots = &job.opts.data_roots;
+            let weights = checkpoint::load_peft(roots, dir, &job.model, lora, adapters)?;
+            self.engine.load_adapters(&weights)?;
+        }
+        Ok(())
     }
 
     /// Optimizer step `step` (from 0) at its scheduled learning rate; returns it and its

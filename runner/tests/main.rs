@@ -15,6 +15,7 @@ mod data;
 mod devices;
 mod extremes;
 mod llama_parity;
+mod lora_parity;
 mod loss_scale;
 mod roots;
 mod tcp;

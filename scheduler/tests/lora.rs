@@ -300,17 +300,18 @@ fn mistakes_in_the_lora_block_are_named_at_their_fields_together() {
         Purpose::Estimate,
     );
     assert_eq!(none[0].field, "lora.target_modules");
-    // Estimated, not yet trained: a job is refused at the block, not accepted and left to fail.
+    // Estimated, not yet trained: dropout and a quantized base are refused at their fields
+    // for training, not accepted and left to fail; plain adapters are taken.
     let train = refusal(
-        json!({"model": {"preset": "llama-tiny"}, "lora": {}}),
+        json!({"model": {"preset": "llama-tiny"},
+               "lora": {"dropout": 0.1, "quantize_base": "nf4"}}),
         Purpose::Train,
     );
-    assert_eq!(train[0].field, "lora");
-    assert!(
-        train[0].reason.contains("not built yet"),
-        "{}",
-        train[0].reason
-    );
+    let fields: Vec<&str> = train.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, ["lora.dropout", "lora.quantize_base"], "{train:?}");
+    assert!(train.iter().all(|p| p.reason.contains("not built yet")));
+    let plain = json!({"model": {"preset": "llama-tiny"}, "lora": {}});
+    JobSpec::parse(&plain.to_string(), Purpose::Train).unwrap();
 }
 
 fn setup(spec: &JobSpec, stage: ZeroStage, world: usize) -> Setup {

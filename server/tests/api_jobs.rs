@@ -334,7 +334,7 @@ async fn estimate_takes_a_bare_parameter_count() {
 }
 
 #[tokio::test]
-async fn a_lora_job_is_estimated_with_peft_s_count_and_refused_for_training_at_its_block() {
+async fn a_lora_job_is_estimated_with_peft_s_count_and_taken_unless_it_asks_what_is_not_built() {
     let app = TestApp::new().await;
     app.register("n", 2, 8 * GIB).await;
     let spec = json!({"model": {"preset": "gpt2-124M"}, "lora": {"rank": 8}});
@@ -345,14 +345,15 @@ async fn a_lora_job_is_estimated_with_peft_s_count_and_refused_for_training_at_i
     // PEFT's `print_trainable_parameters` for GPT-2 with its default c_attn targets.
     assert_eq!(a.json()["trainable_parameters"], 294_912);
     assert_eq!(a.json()["parameters"], 124_734_720u64);
-    let refused = app.submit(&spec).await;
+    let dropout = json!({"model": {"preset": "gpt2-124M"}, "lora": {"rank": 8, "dropout": 0.1}});
+    let refused = app.submit(&dropout).await;
     assert_eq!(
         refused.status,
         StatusCode::UNPROCESSABLE_ENTITY,
         "{}",
         refused.text
     );
-    assert_eq!(refused.json()["field"], "lora");
+    assert_eq!(refused.json()["field"], "lora.dropout");
     assert!(refused.text.contains("not built yet"), "{}", refused.text);
     let jobs = app.get("/v1/jobs").await.json();
     assert_eq!(
@@ -360,6 +361,8 @@ async fn a_lora_job_is_estimated_with_peft_s_count_and_refused_for_training_at_i
         Some(0),
         "nothing half-written: {jobs}"
     );
+    let taken = app.submit(&spec).await;
+    assert_eq!(taken.status, StatusCode::CREATED, "{}", taken.text);
 }
 
 #[tokio::test]

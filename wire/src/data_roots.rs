@@ -71,6 +71,9 @@ fn spec_inputs(spec: &JobSpec) -> Vec<(&'static str, &str)> {
     if let Some(path) = spec.model.init_from.as_ref().and_then(InitFrom::path) {
         inputs.push(("model.init_from", path));
     }
+    if let Some(path) = spec.lora.as_ref().and_then(|l| l.init_from.as_deref()) {
+        inputs.push(("lora.init_from", path));
+    }
     inputs
 }
 

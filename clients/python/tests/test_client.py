@@ -51,14 +51,20 @@ def test_estimate_and_nodes(zt: Client) -> None:
     assert len(zt.nodes()) == 1
 
 
-def test_a_lora_spec_is_estimated_with_peft_s_counts_and_refused_for_training(zt: Client) -> None:
+def test_a_lora_spec_is_estimated_with_peft_s_counts_and_its_adapter_must_be_in_the_data_roots(
+    zt: Client, tmp_path: Path
+) -> None:
     est = zt.estimate(model="gpt2-124M", lora={"rank": 8})
     # PEFT's print_trainable_parameters for GPT-2 with its default target, c_attn.
     assert (est["trainable_parameters"], est["parameters"]) == (294912, 124734720)
     with pytest.raises(ZerotrainError) as e:
-        zt.submit(model="gpt2-124M", lora={"rank": 8})
+        zt.submit(model="gpt2-124M", lora={"rank": 8, "init_from": str(tmp_path)})
     assert e.value.status == 422
-    assert e.value.problem["field"] == "lora"
+    assert e.value.field == "lora.init_from"
+    with pytest.raises(ZerotrainError) as e:
+        zt.submit(model="gpt2-124M", lora={"rank": 8, "dropout": 0.1})
+    assert e.value.status == 422
+    assert e.value.field == "lora.dropout"
 
 
 def test_a_model_dir_is_estimated_and_its_weights_must_be_in_the_data_roots(

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use safetensors::tensor::Dtype;
 use scheduler::bytes::human;
-use scheduler::model::{ModelShape, ModelTensor, ParamTensor, Units};
+use scheduler::model::{ModelShape, ModelTensor, TensorDims};
 
 use crate::Error;
 use crate::data::{DataRoots, describe};
@@ -38,9 +38,23 @@ pub struct HfWeights {
     files: Vec<TensorFile>,
     /// The weights, as errors name them.
     what: String,
-    layout: Units<ModelTensor>,
-    /// Per unit, per tensor: the file holding it and its name there.
-    names: Vec<Vec<(usize, String)>>,
+    /// Per unit, per tensor in unit order: where its values are.
+    sources: Vec<Vec<Source>>,
+}
+
+/// Where one tensor's values are: the file holding it, its name there and its element count.
+#[derive(Debug)]
+struct Source {
+    file: usize,
+    name: String,
+    numel: usize,
+}
+
+/// A tensor [`HfWeights`] must find: its names, as a file may call it (the first is the one
+/// errors use), and its dimensions.
+pub(super) struct Wanted {
+    pub names: Vec<String>,
+    pub dims: TensorDims,
 }
 
 /// Largest index read (Llama-3.1-405B's is under 100 KiB).
@@ -175,25 +189,49 @@ impl HfWeights {
             .map(TensorFile::new)
             .collect::<Result<Vec<_>, _>>()
             .map_err(fail)?;
-        let layout = model.units(1);
         // Each tensor by its full state-dict name, or (GPT-2) without the model's prefix.
         let candidates = |kind: ModelTensor, layer| {
             let full = kind.state_dict_name(layer);
             let local = kind.hf_name(layer);
             if full == local {
-                vec![full]
+                vec![local]
             } else {
-                vec![full, local]
+                vec![local, full]
             }
         };
-        let known: Vec<String> = layout
+        let wanted = model
+            .units(1)
             .iter()
-            .flat_map(|u| u.tensors.iter().flat_map(|t| candidates(t.kind, u.layer())))
+            .map(|u| {
+                u.tensors
+                    .iter()
+                    .map(|t| Wanted {
+                        names: candidates(t.kind, u.layer()),
+                        dims: t.dims,
+                    })
+                    .collect()
+            })
             .collect();
+        HfWeights::locate(files, what, wanted, |n| model.ignores_hf_tensor(n))
+    }
+
+    /// The weights `wanted` (per unit, per tensor) in `files`, each found under one of its
+    /// names with its shape and a dtype this reads; any other tensor but those `ignored` is
+    /// refused.
+    pub(super) fn locate(
+        files: Vec<TensorFile>,
+        what: String,
+        wanted: Vec<Vec<Wanted>>,
+        ignored: impl Fn(&str) -> bool,
+    ) -> Result<HfWeights, Error> {
+        let fail = |reason: String| Error::Data {
+            what: what.clone(),
+            reason,
+        };
         let unexpected = files
             .iter()
             .flat_map(TensorFile::names)
-            .filter(|n| !model.ignores_hf_tensor(n) && !known.iter().any(|k| k == n))
+            .filter(|n| !ignored(n) && !wanted.iter().flatten().any(|w| w.names.contains(n)))
             .count();
         if unexpected > 0 {
             // Their names are the file's content: count them only.
@@ -201,22 +239,25 @@ impl HfWeights {
                 "has {unexpected} tensor(s) this model does not have"
             )));
         }
-        let mut names = Vec::new();
-        for unit in layout.iter() {
-            let mut unit_names = Vec::new();
-            for t in &unit.tensors {
-                let name = t.kind.hf_name(unit.layer());
-                let (in_file, info) = candidates(t.kind, unit.layer())
-                    .into_iter()
+        let mut sources = Vec::new();
+        for unit in wanted {
+            let mut unit_sources = Vec::new();
+            for w in unit {
+                let name = &w.names[0];
+                let (source, info) = w
+                    .names
+                    .iter()
                     .find_map(|n| {
-                        let (f, info) = files
+                        let (file, info) = files
                             .iter()
                             .enumerate()
-                            .find_map(|(f, file)| Some((f, file.info(&n)?.clone())))?;
-                        Some(((f, n), info))
+                            .find_map(|(f, file)| Some((f, file.info(n)?.clone())))?;
+                        let numel = w.dims.numel();
+                        let name = n.clone();
+                        Some((Source { file, name, numel }, info))
                     })
                     .ok_or_else(|| fail(format!("missing tensor {name}")))?;
-                let want = t.dims.to_vec();
+                let want = w.dims.to_vec();
                 if info.shape != want {
                     return Err(fail(format!(
                         "{name} has shape {:?}; the model needs {want:?}",
@@ -229,26 +270,23 @@ impl HfWeights {
                         info.dtype
                     )));
                 }
-                unit_names.push(in_file);
+                unit_sources.push(source);
             }
-            names.push(unit_names);
+            sources.push(unit_sources);
         }
         Ok(HfWeights {
             files,
             what,
-            layout,
-            names,
+            sources,
         })
     }
 
     /// Unit `u`'s values in order (`len` of them, no padding), read a chunk at a time; a read
     /// that fails ends them early, and [`UnitValues::result`] says why.
     pub fn unit(&self, u: usize) -> UnitValues<'_> {
-        let unit = self.layout.iter().nth(u).expect("a unit of the layout");
         UnitValues {
             weights: self,
-            tensors: &unit.tensors,
-            names: &self.names[u],
+            sources: &self.sources[u],
             tensor: 0,
             at: 0,
             bytes: Vec::new(),
@@ -269,9 +307,7 @@ impl HfWeights {
 /// The values of one unit of [`HfWeights`], as an iterator.
 pub struct UnitValues<'a> {
     weights: &'a HfWeights,
-    tensors: &'a [ParamTensor<ModelTensor>],
-    /// Each tensor's file and name there.
-    names: &'a [(usize, String)],
+    sources: &'a [Source],
     tensor: usize,
     /// Elements of the tensor read so far.
     at: usize,
@@ -296,14 +332,13 @@ impl UnitValues<'_> {
 
     /// Reads the next chunk of the unit's values; false at its end or on an error.
     fn refill(&mut self) -> bool {
-        while let Some(t) = self.tensors.get(self.tensor) {
-            let numel = t.range().len();
+        while let Some(t) = self.sources.get(self.tensor) {
+            let (numel, name) = (t.numel, &t.name);
             if self.at == numel {
                 (self.tensor, self.at) = (self.tensor + 1, 0);
                 continue;
             }
-            let (f, name) = &self.names[self.tensor];
-            let file = &self.weights.files[*f];
+            let file = &self.weights.files[t.file];
             let dtype = file.info(name).expect("checked on opening").dtype;
             let width = dtype.bitsize() / 8;
             let n = READ_CHUNK.min(numel - self.at);

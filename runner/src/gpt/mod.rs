@@ -129,12 +129,15 @@ pub fn block<'a, D: Device, X>(unit: D::View<'a, X>, shape: &GptShape) -> Block<
     Block::from_parts(split::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)))
 }
 
-/// Block `unit`'s tensors, to write (its gradient).
+/// Block `unit`'s tensors, to write (its gradient); every one `None` without one (frozen).
 pub fn block_mut<'a, D: Device, X>(
-    unit: D::ViewMut<'a, X>,
+    unit: Option<D::ViewMut<'a, X>>,
     shape: &GptShape,
-) -> Block<D::ViewMut<'a, X>> {
-    Block::from_parts(split_mut::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)))
+) -> Block<Option<D::ViewMut<'a, X>>> {
+    Block::from_parts(match unit {
+        Some(unit) => split_mut::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)).map(Some),
+        None => [(); 12].map(|()| None),
+    })
 }
 
 /// `(wte (V, C), wpe (maxT, C))` of the embeddings unit.

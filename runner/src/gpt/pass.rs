@@ -4,12 +4,19 @@
 //! the blocks.
 
 use kernels::matmul::{DinpMode, Layout};
+use scheduler::model::{ModelTensor, TensorKind as T};
 
 use super::{
     BlockActs, Model, block, block_mut, embeddings, embeddings_mut, final_norm, final_norm_mut,
 };
-use crate::Error;
 use crate::device::{Device, Num};
+use crate::lora::Adapted;
+use crate::{Error, model};
+
+/// The model tensor of a GPT-2 projection weight, as adapters are keyed.
+fn proj(t: T) -> ModelTensor {
+    ModelTensor::Gpt2(t)
+}
 
 impl<X: Num, D: Device> Model<X, D> {
     /// `encoded = wte[inputs] + wpe[0..T]`.
@@ -29,11 +36,12 @@ impl<X: Num, D: Device> Model<X, D> {
     }
 
     /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`, saving
-    /// what backward needs in `acts.blocks[slot]`.
+    /// what backward needs in `acts.blocks[slot]` (and the adapters' in theirs).
     pub fn block_forward(
         &mut self,
         dev: &D,
         unit: D::View<'_, X>,
+        mut ad: Adapted<'_, X, D>,
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
@@ -65,6 +73,14 @@ impl<X: Num, D: Device> Model<X, D> {
             (n, c, 3 * c),
             mm.view_mut(),
         )?;
+        ad.forward(
+            dev,
+            proj(T::AttnWeight),
+            a.qkv.view_mut(),
+            a.ln1.view(),
+            n,
+            mm,
+        )?;
         dev.attention_forward(
             a.atty.view_mut(),
             a.lse.view_mut(),
@@ -79,6 +95,14 @@ impl<X: Num, D: Device> Model<X, D> {
             Layout::KN,
             (n, c, c),
             mm.view_mut(),
+        )?;
+        ad.forward(
+            dev,
+            proj(T::AttnProjWeight),
+            a.res2.view_mut(),
+            a.atty.view(),
+            n,
+            mm,
         )?;
         dev.residual_accumulate(a.res2.view_mut(), D::share(&input))?;
         dev.layernorm_forward(
@@ -98,6 +122,14 @@ impl<X: Num, D: Device> Model<X, D> {
             (n, c, 4 * c),
             mm.view_mut(),
         )?;
+        ad.forward(
+            dev,
+            proj(T::FcWeight),
+            a.fch.view_mut(),
+            a.ln2.view(),
+            n,
+            mm,
+        )?;
         dev.gelu_forward(a.fch_gelu.view_mut(), a.fch.view())?;
         dev.matmul_forward(
             out.view_mut(),
@@ -108,19 +140,24 @@ impl<X: Num, D: Device> Model<X, D> {
             (n, 4 * c, c),
             mm.view_mut(),
         )?;
+        let fc_out = a.fch_gelu.view();
+        ad.forward(dev, proj(T::FcProjWeight), out.view_mut(), fc_out, n, mm)?;
         dev.residual_accumulate(out.view_mut(), a.res2.view())
     }
 
     /// Backward of block `l`: `dres` holds ∂loss/∂res3[l] on entry and ∂loss/∂(block input) on
-    /// exit; the block's parameter gradients are added into `g`.
+    /// exit; the block's parameter gradients are added into `grad` (none: frozen) and its
+    /// adapters' into theirs.
     pub fn block_backward(
         &mut self,
         dev: &D,
         unit: D::View<'_, X>,
-        grad: D::ViewMut<'_, X>,
+        grad: Option<D::ViewMut<'_, X>>,
+        mut ad: Adapted<'_, X, D>,
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
+        use DinpMode::Overwrite;
         let (p, g) = (
             block::<D, X>(unit, &self.shape),
             block_mut::<D, X>(grad, &self.shape),
@@ -135,54 +172,80 @@ impl<X: Num, D: Device> Model<X, D> {
         let a: &BlockActs<X, D> = &acts.blocks[slot];
         let (dres, dchan, dwide) = (&mut acts.dres, &mut acts.dchan, &mut acts.dwide);
         let mm = &mut acts.matmul_scratch;
+        let grads = |w: Option<_>, b: Option<_>| w.zip(b).map(|(w, b)| (w, Some(b)));
+        let kn = |inp, w| (inp, D::share(w));
         // MLP.
-        dev.matmul_backward(
+        model::linear_backward(
+            dev,
             dwide.view_mut(),
-            g.fcproj_w,
-            Some(g.fcproj_b),
+            grads(g.fcproj_w, g.fcproj_b),
             dres.view(),
-            a.fch_gelu.view(),
-            D::share(&p.fcproj_w),
+            kn(a.fch_gelu.view(), &p.fcproj_w),
             Layout::KN,
             (n, 4 * c, c),
-            DinpMode::Overwrite,
-            mm.view_mut(),
+            Overwrite,
+            mm,
+        )?;
+        let fc_out = a.fch_gelu.view();
+        ad.backward(
+            dev,
+            proj(T::FcProjWeight),
+            dwide.view_mut(),
+            dres.view(),
+            fc_out,
+            n,
+            mm,
         )?;
         dev.gelu_backward(dwide.view_mut(), a.fch.view())?;
-        dev.matmul_backward(
+        model::linear_backward(
+            dev,
             dchan.view_mut(),
-            g.fc_w,
-            Some(g.fc_b),
+            grads(g.fc_w, g.fc_b),
             dwide.view(),
-            a.ln2.view(),
-            D::share(&p.fc_w),
+            kn(a.ln2.view(), &p.fc_w),
             Layout::KN,
             (n, c, 4 * c),
-            DinpMode::Overwrite,
-            mm.view_mut(),
+            Overwrite,
+            mm,
         )?;
-        dev.layernorm_backward(
+        ad.backward(
+            dev,
+            proj(T::FcWeight),
+            dchan.view_mut(),
+            dwide.view(),
+            a.ln2.view(),
+            n,
+            mm,
+        )?;
+        model::layernorm_backward(
+            dev,
             dres.view_mut(),
-            g.ln2_w,
-            g.ln2_b,
+            g.ln2_w.zip(g.ln2_b).map(<[_; 2]>::from),
             dchan.view(),
-            a.res2.view(),
-            D::share(&p.ln2_w),
-            a.ln2_mean.view(),
-            a.ln2_rstd.view(),
+            (a.res2.view(), D::share(&p.ln2_w)),
+            (a.ln2_mean.view(), a.ln2_rstd.view()),
         )?;
         // Attention; dres now holds ∂loss/∂res2.
-        dev.matmul_backward(
+        model::linear_backward(
+            dev,
             dchan.view_mut(),
-            g.proj_w,
-            Some(g.proj_b),
+            grads(g.proj_w, g.proj_b),
             dres.view(),
-            a.atty.view(),
-            D::share(&p.proj_w),
+            kn(a.atty.view(), &p.proj_w),
             Layout::KN,
             (n, c, c),
-            DinpMode::Overwrite,
-            mm.view_mut(),
+            Overwrite,
+            mm,
+        )?;
+        let atty = a.atty.view();
+        ad.backward(
+            dev,
+            proj(T::AttnProjWeight),
+            dchan.view_mut(),
+            dres.view(),
+            atty,
+            n,
+            mm,
         )?;
         let dqkv = 0..n * 3 * c;
         dev.attention_backward(
@@ -194,27 +257,34 @@ impl<X: Num, D: Device> Model<X, D> {
             a.lse.view(),
             d.attention(),
         )?;
-        dev.matmul_backward(
+        model::linear_backward(
+            dev,
             dchan.view_mut(),
-            g.attn_w,
-            Some(g.attn_b),
-            dwide.at(dqkv),
-            a.ln1.view(),
-            D::share(&p.attn_w),
+            grads(g.attn_w, g.attn_b),
+            dwide.at(dqkv.clone()),
+            kn(a.ln1.view(), &p.attn_w),
             Layout::KN,
             (n, c, 3 * c),
-            DinpMode::Overwrite,
-            mm.view_mut(),
+            Overwrite,
+            mm,
         )?;
-        dev.layernorm_backward(
+        let (dchan_in, dqkv) = (dchan.view_mut(), dwide.at(dqkv));
+        ad.backward(
+            dev,
+            proj(T::AttnWeight),
+            dchan_in,
+            dqkv,
+            a.ln1.view(),
+            n,
+            mm,
+        )?;
+        model::layernorm_backward(
+            dev,
             dres.view_mut(),
-            g.ln1_w,
-            g.ln1_b,
+            g.ln1_w.zip(g.ln1_b).map(<[_; 2]>::from),
             dchan.view(),
-            input,
-            D::share(&p.ln1_w),
-            a.ln1_mean.view(),
-            a.ln1_rstd.view(),
+            (input, D::share(&p.ln1_w)),
+            (a.ln1_mean.view(), a.ln1_rstd.view()),
         )
     }
 
@@ -227,7 +297,7 @@ impl<X: Num, D: Device> Model<X, D> {
         dev: &D,
         norm: D::View<'_, X>,
         head: D::View<'_, X>,
-        dhead: D::ViewMut<'_, X>,
+        dhead: Option<D::ViewMut<'_, X>>,
         dloss: Option<f32>,
     ) -> Result<f64, Error> {
         let (d, acts) = (&self.dims, &mut self.acts);
@@ -243,7 +313,10 @@ impl<X: Num, D: Device> Model<X, D> {
             w,
             b,
         )?;
-        let [dwte, _] = embeddings_mut::<D, X>(dhead, &self.shape);
+        let dwte = dhead.map(|dh| {
+            let [dwte, _] = embeddings_mut::<D, X>(dh, &self.shape);
+            dwte
+        });
         let mm = &mut acts.matmul_scratch;
         let (x, dx) = (acts.lnf.view(), acts.dchan.view_mut());
         acts.batch
@@ -251,26 +324,24 @@ impl<X: Num, D: Device> Model<X, D> {
     }
 
     /// Back through the final LayerNorm: `dres` becomes ∂loss/∂(last block output) and the norm's
-    /// gradient is added into `dnorm`.
+    /// gradient is added into `dnorm` (none: frozen).
     pub fn norm_backward(
         &mut self,
         dev: &D,
         norm: D::View<'_, X>,
-        dnorm: D::ViewMut<'_, X>,
+        dnorm: Option<D::ViewMut<'_, X>>,
     ) -> Result<(), Error> {
         let (d, acts) = (&self.dims, &mut self.acts);
         let [w, _] = final_norm::<D, X>(norm, &self.shape);
-        let [dw, db] = final_norm_mut::<D, X>(dnorm, &self.shape);
+        let grads = dnorm.map(|dn| final_norm_mut::<D, X>(dn, &self.shape));
         dev.fill_zero(acts.dres.view_mut())?;
-        dev.layernorm_backward(
+        model::layernorm_backward(
+            dev,
             acts.dres.view_mut(),
-            dw,
-            db,
+            grads,
             acts.dchan.view(),
-            acts.res3[d.l - 1].view(),
-            w,
-            acts.lnf_mean.view(),
-            acts.lnf_rstd.view(),
+            (acts.res3[d.l - 1].view(), w),
+            (acts.lnf_mean.view(), acts.lnf_rstd.view()),
         )
     }
 }

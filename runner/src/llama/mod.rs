@@ -156,16 +156,16 @@ pub fn block<'a, D: Device, X>(unit: D::View<'a, X>, shape: &LlamaShape) -> Bloc
     })
 }
 
-/// Block `unit`'s tensors, to write (its gradient).
+/// Block `unit`'s tensors, to write (its gradient); every one `None` without one (frozen).
 pub fn block_mut<'a, D: Device, X>(
-    unit: D::ViewMut<'a, X>,
+    unit: Option<D::ViewMut<'a, X>>,
     shape: &LlamaShape,
-) -> Block<D::ViewMut<'a, X>> {
-    let mut rest = Some(unit);
+) -> Block<Option<D::ViewMut<'a, X>>> {
+    let mut rest = unit;
     Block::cut(shape, |n| {
-        let (head, tail) = D::split_at_mut(rest.take().expect("one view left"), n);
+        let (head, tail) = D::split_at_mut(rest.take()?, n);
         rest = Some(tail);
-        head
+        Some(head)
     })
 }
 

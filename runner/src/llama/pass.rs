@@ -4,10 +4,18 @@
 
 use kernels::matmul::{DinpMode, Layout};
 
+use scheduler::model::{LlamaTensor as T, ModelTensor};
+
 use super::{Model, block, block_mut};
-use crate::Error;
 use crate::accounting::Buffer;
 use crate::device::{Device, Num};
+use crate::lora::Adapted;
+use crate::{Error, model};
+
+/// The model tensor of a Llama-family projection weight, as adapters are keyed.
+fn proj(t: T) -> ModelTensor {
+    ModelTensor::Llama(t)
+}
 
 /// `out (M, N) = inp (M, K) · Wᵀ + b` for an `nn.Linear` weight W (N, K).
 fn linear<D: Device, X: Num>(
@@ -30,12 +38,13 @@ fn linear<D: Device, X: Num>(
     )
 }
 
-/// Backward of [`linear`]: `dinp` set or added to (`mode`), `dw` and `db` added to.
+/// Backward of [`linear`]: `dinp` set or added to (`mode`), `dw` and `db` added to unless
+/// the weights are frozen.
 #[allow(clippy::too_many_arguments)]
 fn linear_backward<D: Device, X: Num>(
     dev: &D,
     dinp: D::ViewMut<'_, X>,
-    (dw, db): (D::ViewMut<'_, X>, Option<D::ViewMut<'_, X>>),
+    grads: model::WeightGrads<'_, X, D>,
     dout: D::View<'_, X>,
     inp: D::View<'_, X>,
     w: &D::View<'_, X>,
@@ -43,18 +52,24 @@ fn linear_backward<D: Device, X: Num>(
     mode: DinpMode,
     scratch: &mut Buffer<f32, D>,
 ) -> Result<(), Error> {
-    dev.matmul_backward(
+    let w = D::share(w);
+    model::linear_backward(
+        dev,
         dinp,
-        dw,
-        db,
+        grads,
         dout,
-        inp,
-        D::share(w),
+        (inp, w),
         Layout::NK,
         mkn,
         mode,
-        scratch.view_mut(),
+        scratch,
     )
+}
+
+/// A projection's weight and bias gradients, as [`block_mut`] cuts them, for
+/// [`linear_backward`]: none where the weight is frozen.
+fn grads<S>(weight: Option<S>, bias: Option<Option<S>>) -> Option<(S, Option<S>)> {
+    weight.map(|w| (w, bias.flatten()))
 }
 
 impl<X: Num, D: Device> Model<X, D> {
@@ -81,11 +96,12 @@ impl<X: Num, D: Device> Model<X, D> {
     }
 
     /// Block `l`: from its input (`encoded` or the previous block's output) to `res3[l]`,
-    /// saving what backward needs in `acts.blocks[slot]`.
+    /// saving what backward needs in `acts.blocks[slot]` (and the adapters' in theirs).
     pub fn block_forward(
         &mut self,
         dev: &D,
         unit: D::View<'_, X>,
+        mut ad: Adapted<'_, X, D>,
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
@@ -122,8 +138,11 @@ impl<X: Num, D: Device> Model<X, D> {
             (&p.v, &p.v_bias),
         );
         linear(dev, q_out.view_mut(), D::share(&x), qw, (n, c, q), mm)?;
+        ad.forward(dev, proj(T::QProj), q_out.view_mut(), D::share(&x), n, mm)?;
         linear(dev, k_out.view_mut(), D::share(&x), kw, (n, c, kv), mm)?;
-        linear(dev, a.v.view_mut(), x, vw, (n, c, kv), mm)?;
+        ad.forward(dev, proj(T::KProj), k_out.view_mut(), D::share(&x), n, mm)?;
+        linear(dev, a.v.view_mut(), D::share(&x), vw, (n, c, kv), mm)?;
+        ad.forward(dev, proj(T::VProj), a.v.view_mut(), x, n, mm)?;
         if let Some((qn, kn)) = qk_norms {
             let (qp, kp) = (a.q_pre_norm.view(), a.k_pre_norm.view());
             let (qr, kr) = (a.q_norm_rstd.view_mut(), a.k_norm_rstd.view_mut());
@@ -142,6 +161,7 @@ impl<X: Num, D: Device> Model<X, D> {
         )?;
         let ow = (&p.o, &p.o_bias);
         linear(dev, a.res2.view_mut(), a.atty.view(), ow, (n, q, c), mm)?;
+        ad.forward(dev, proj(T::OProj), a.res2.view_mut(), a.atty.view(), n, mm)?;
         dev.residual_accumulate(a.res2.view_mut(), input)?;
         dev.rmsnorm_forward(
             a.norm2.view_mut(),
@@ -153,20 +173,39 @@ impl<X: Num, D: Device> Model<X, D> {
         let x = a.norm2.view();
         let (gw, uw) = ((&p.gate, &p.gate_bias), (&p.up, &p.up_bias));
         linear(dev, a.gate.view_mut(), D::share(&x), gw, (n, c, i), mm)?;
-        linear(dev, a.up.view_mut(), x, uw, (n, c, i), mm)?;
+        ad.forward(
+            dev,
+            proj(T::GateProj),
+            a.gate.view_mut(),
+            D::share(&x),
+            n,
+            mm,
+        )?;
+        linear(dev, a.up.view_mut(), D::share(&x), uw, (n, c, i), mm)?;
+        ad.forward(dev, proj(T::UpProj), a.up.view_mut(), x, n, mm)?;
         dev.swiglu_forward(a.product.view_mut(), a.gate.view(), a.up.view())?;
         let dw = (&p.down, &p.down_bias);
         linear(dev, out.view_mut(), a.product.view(), dw, (n, i, c), mm)?;
+        ad.forward(
+            dev,
+            proj(T::DownProj),
+            out.view_mut(),
+            a.product.view(),
+            n,
+            mm,
+        )?;
         dev.residual_accumulate(out.view_mut(), a.res2.view())
     }
 
     /// Backward of block `l`: `dres` holds ∂loss/∂res3[l] on entry and ∂loss/∂(block input)
-    /// on exit; the block's parameter gradients are added into `grad`.
+    /// on exit; the block's parameter gradients are added into `grad` (none: frozen) and its
+    /// adapters' into theirs.
     pub fn block_backward(
         &mut self,
         dev: &D,
         unit: D::View<'_, X>,
-        grad: D::ViewMut<'_, X>,
+        grad: Option<D::ViewMut<'_, X>>,
+        mut ad: Adapted<'_, X, D>,
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
@@ -190,7 +229,7 @@ impl<X: Num, D: Device> Model<X, D> {
         // MLP: ∂loss/∂product into the up projection's half of dwide, which SwiGLU's backward
         // turns, in place, into ∂loss/∂up beside ∂loss/∂gate.
         let (gate_at, up_at) = (0..n * i, n * i..2 * n * i);
-        let down = (g.down, g.down_bias);
+        let down = grads(g.down, g.down_bias);
         let product = a.product.view();
         let up_grad = dwide.at_mut(up_at.clone());
         linear_backward(
@@ -198,49 +237,57 @@ impl<X: Num, D: Device> Model<X, D> {
             up_grad,
             down,
             dres.view(),
-            product,
+            D::share(&product),
             &p.down,
             (n, i, c),
             Overwrite,
             mm,
         )?;
+        let down_in = dwide.at_mut(up_at.clone());
+        ad.backward(dev, proj(T::DownProj), down_in, dres.view(), product, n, mm)?;
         let (dgate, dup) = D::split_at_mut(dwide.at_mut(0..2 * n * i), n * i);
         dev.swiglu_backward(dgate, dup, a.gate.view(), a.up.view())?;
-        let (x, gate, up) = (a.norm2.view(), (g.gate, g.gate_bias), (g.up, g.up_bias));
-        let dgate = dwide.at(gate_at);
+        let (x, gate, up) = (
+            a.norm2.view(),
+            grads(g.gate, g.gate_bias),
+            grads(g.up, g.up_bias),
+        );
         let mkn = (n, c, i);
         linear_backward(
             dev,
             dchan.at_mut(dx.clone()),
             gate,
-            dgate,
+            dwide.at(gate_at.clone()),
             D::share(&x),
             &p.gate,
             mkn,
             Overwrite,
             mm,
         )?;
+        let (dx_of, dgate) = (dchan.at_mut(dx.clone()), dwide.at(gate_at));
+        ad.backward(dev, proj(T::GateProj), dx_of, dgate, D::share(&x), n, mm)?;
         linear_backward(
             dev,
             dchan.at_mut(dx.clone()),
             up,
-            dwide.at(up_at),
-            x,
+            dwide.at(up_at.clone()),
+            D::share(&x),
             &p.up,
             mkn,
             Accumulate,
             mm,
         )?;
-        dev.rmsnorm_backward(
+        let (dx_of, dup) = (dchan.at_mut(dx.clone()), dwide.at(up_at));
+        ad.backward(dev, proj(T::UpProj), dx_of, dup, x, n, mm)?;
+        model::rmsnorm_backward(
+            dev,
             dres.view_mut(),
             g.norm2,
             dchan.at(dx.clone()),
-            a.res2.view(),
-            D::share(&p.norm2),
-            a.norm2_rstd.view(),
+            (a.res2.view(), D::share(&p.norm2), a.norm2_rstd.view()),
         )?;
         // Attention; dres now holds ∂loss/∂res2.
-        let o = (g.o, g.o_bias);
+        let o = grads(g.o, g.o_bias);
         linear_backward(
             dev,
             dchan.at_mut(0..n * q),
@@ -252,6 +299,8 @@ impl<X: Num, D: Device> Model<X, D> {
             Overwrite,
             mm,
         )?;
+        let o_in = dchan.at_mut(0..n * q);
+        ad.backward(dev, proj(T::OProj), o_in, dres.view(), a.atty.view(), n, mm)?;
         let (dq_at, dk_at, dv_at) = (
             0..n * q,
             n * q..n * (q + kv),
@@ -284,8 +333,9 @@ impl<X: Num, D: Device> Model<X, D> {
             sin.view(),
             d.rope(d.kv),
         )?;
-        let (dq_at, dk_at) = match (&p.q_norm, &p.k_norm, g.q_norm, g.k_norm) {
-            (Some(qn), Some(kn), Some(dqn), Some(dkn)) => {
+        let (dq_at, dk_at) = match (&p.q_norm, &p.k_norm) {
+            (Some(qn), Some(kn)) => {
+                let (dqn, dkn) = (g.q_norm.flatten(), g.k_norm.flatten());
                 let dqkv = n * (q + 2 * kv);
                 let q_pre = dqkv..dqkv + n * q;
                 dev.fill_zero(dwide.at_mut(q_pre.clone()))?;
@@ -294,62 +344,42 @@ impl<X: Num, D: Device> Model<X, D> {
                 let dq = D::freeze(D::slice_mut(lo, 0..n * q));
                 let dq_pre = D::slice_mut(hi, 0..n * q);
                 let (qp, qr) = (a.q_pre_norm.view(), a.q_norm_rstd.view());
-                dev.rmsnorm_backward(dq_pre, dqn, dq, qp, D::share(qn), qr)?;
+                model::rmsnorm_backward(dev, dq_pre, dqn, dq, (qp, D::share(qn), qr))?;
                 // Keys: from dwide's k part into the q part, now free.
                 dev.fill_zero(dwide.at_mut(0..n * kv))?;
                 let (lo, hi) = D::split_at_mut(dwide.at_mut(0..n * (q + kv)), n * q);
                 let (dk_pre, dk) = (D::slice_mut(lo, 0..n * kv), D::freeze(hi));
                 let (kp, kr) = (a.k_pre_norm.view(), a.k_norm_rstd.view());
-                dev.rmsnorm_backward(dk_pre, dkn, dk, kp, D::share(kn), kr)?;
+                model::rmsnorm_backward(dev, dk_pre, dkn, dk, (kp, D::share(kn), kr))?;
                 (q_pre, 0..n * kv)
             }
             _ => (dq_at, dk_at),
         };
         let x = a.norm1.view();
-        let (wq, wk, wv) = ((g.q, g.q_bias), (g.k, g.k_bias), (g.v, g.v_bias));
-        let dxq = dchan.at_mut(dx.clone());
-        linear_backward(
+        let (wq, wk, wv) = (
+            grads(g.q, g.q_bias),
+            grads(g.k, g.k_bias),
+            grads(g.v, g.v_bias),
+        );
+        let qkv = [
+            (T::QProj, wq, dq_at, &p.q, q, Overwrite),
+            (T::KProj, wk, dk_at, &p.k, kv, Accumulate),
+            (T::VProj, wv, dv_at, &p.v, kv, Accumulate),
+        ];
+        for (kind, grads, dout_at, w, width, mode) in qkv {
+            let dout = dwide.at(dout_at.clone());
+            let mkn = (n, c, width);
+            let dxw = dchan.at_mut(dx.clone());
+            linear_backward(dev, dxw, grads, dout, D::share(&x), w, mkn, mode, mm)?;
+            let (dxw, dout) = (dchan.at_mut(dx.clone()), dwide.at(dout_at));
+            ad.backward(dev, proj(kind), dxw, dout, D::share(&x), n, mm)?;
+        }
+        model::rmsnorm_backward(
             dev,
-            dxq,
-            wq,
-            dwide.at(dq_at),
-            D::share(&x),
-            &p.q,
-            (n, c, q),
-            Overwrite,
-            mm,
-        )?;
-        let dxk = dchan.at_mut(dx.clone());
-        linear_backward(
-            dev,
-            dxk,
-            wk,
-            dwide.at(dk_at),
-            D::share(&x),
-            &p.k,
-            (n, c, kv),
-            Accumulate,
-            mm,
-        )?;
-        let dxv = dchan.at_mut(dx.clone());
-        linear_backward(
-            dev,
-            dxv,
-            wv,
-            dwide.at(dv_at),
-            x,
-            &p.v,
-            (n, c, kv),
-            Accumulate,
-            mm,
-        )?;
-        dev.rmsnorm_backward(
             dres.view_mut(),
             g.norm1,
             dchan.at(dx),
-            input,
-            D::share(&p.norm1),
-            a.norm1_rstd.view(),
+            (input, D::share(&p.norm1), a.norm1_rstd.view()),
         )
     }
 
@@ -362,7 +392,7 @@ impl<X: Num, D: Device> Model<X, D> {
         dev: &D,
         norm: D::View<'_, X>,
         head: D::View<'_, X>,
-        dhead: D::ViewMut<'_, X>,
+        dhead: Option<D::ViewMut<'_, X>>,
         dloss: Option<f32>,
     ) -> Result<f64, Error> {
         let (d, acts) = (self.dims, &mut self.acts);
@@ -375,29 +405,33 @@ impl<X: Num, D: Device> Model<X, D> {
             D::slice(norm, 0..c),
             d.eps,
         )?;
-        let head = (D::slice(head, 0..v * c), D::slice_mut(dhead, 0..v * c));
+        let dhead = dhead.map(|dh| D::slice_mut(dh, 0..v * c));
+        let head = (D::slice(head, 0..v * c), dhead);
         let (x, dx) = (acts.normf.view(), acts.dchan.at_mut(0..n * c));
         acts.batch.lm_head(dev, x, head, dx, (n, c, v), dloss, mm)
     }
 
     /// Back through the final RMSNorm: `dres` becomes ∂loss/∂(last block output) and the
-    /// norm's gradient is added into `dnorm`.
+    /// norm's gradient is added into `dnorm` (none: frozen).
     pub fn norm_backward(
         &mut self,
         dev: &D,
         norm: D::View<'_, X>,
-        dnorm: D::ViewMut<'_, X>,
+        dnorm: Option<D::ViewMut<'_, X>>,
     ) -> Result<(), Error> {
         let (d, acts) = (self.dims, &mut self.acts);
         let (n, c) = (d.tokens(), d.c);
         dev.fill_zero(acts.dres.view_mut())?;
-        dev.rmsnorm_backward(
+        model::rmsnorm_backward(
+            dev,
             acts.dres.view_mut(),
-            D::slice_mut(dnorm, 0..c),
+            dnorm.map(|dn| D::slice_mut(dn, 0..c)),
             acts.dchan.at(0..n * c),
-            acts.res3[d.l - 1].view(),
-            D::slice(norm, 0..c),
-            acts.normf_rstd.view(),
+            (
+                acts.res3[d.l - 1].view(),
+                D::slice(norm, 0..c),
+                acts.normf_rstd.view(),
+            ),
         )
     }
 }

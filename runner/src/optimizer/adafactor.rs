@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use kernels::optim::{self as k, LIMBS};
 use scheduler::memory::Category;
-use scheduler::model::{ModelTensor, TensorDims, Unit};
+use scheduler::model::{TensorDims, Unit};
 use scheduler::spec::AdaFactor;
 
 use super::{Slices, Step, f32s, pieces};
@@ -40,10 +40,10 @@ struct Factored<D: Device> {
 }
 
 impl<D: Device> Adafactor<D> {
-    pub(super) fn new(
+    pub(super) fn new<K>(
         dev: &D,
         hp: AdaFactor,
-        held: &[(&Unit<ModelTensor>, Range<usize>)],
+        held: &[(&Unit<K>, Range<usize>)],
         acct: &Accountant,
     ) -> Result<Adafactor<D>, Error> {
         let f32s = |n: usize| acct.alloc_on::<D, f32>(dev, Category::Optimizer, n);
@@ -100,10 +100,10 @@ impl<D: Device> Adafactor<D> {
         }
     }
 
-    pub(super) fn step<X: Num>(
+    pub(super) fn step<X: Num, K>(
         &mut self,
         dev: &D,
-        slices: &mut [Slices<'_, X, D>],
+        slices: &mut [Slices<'_, X, D, K>],
         s: Step,
         shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {
@@ -130,11 +130,11 @@ impl<D: Device> Adafactor<D> {
 /// The phases across every held range: exact row/column sums of g² (all-reduced over the
 /// `shards`, when the ranges are shards); the statistics' EMAs; exact per-tensor sums of
 /// squared updates (all-reduced likewise); the update.
-fn phases<X: Num, D: Device>(
+fn phases<X: Num, D: Device, K>(
     dev: &D,
     units: &mut [Moments<D>],
     f: &mut Factored<D>,
-    slices: &mut [Slices<'_, X, D>],
+    slices: &mut [Slices<'_, X, D, K>],
     hp: &k::Adafactor,
     s: Step,
     mut shards: Option<&mut Communicator>,
@@ -243,10 +243,10 @@ enum Piece<'a, X: 'a, D: Device> {
 
 /// Visits the held piece of every tensor, in unit and tensor order (the order the flat
 /// statistics and sums are laid out in).
-fn walk<X: Num, D: Device>(
+fn walk<X: Num, D: Device, K>(
     units: &mut [Moments<D>],
     f: &mut Factored<D>,
-    slices: &mut [Slices<'_, X, D>],
+    slices: &mut [Slices<'_, X, D, K>],
     mut visit: impl FnMut(Piece<'_, X, D>) -> Result<(), Error>,
 ) -> Result<(), Error> {
     let mut rms = Some(f.rms.view_mut());

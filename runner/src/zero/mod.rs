@@ -11,13 +11,15 @@
 //!   before its backward.
 
 use scheduler::memory::{self, Category, Setup};
-use scheduler::model::{ModelShape, ModelTensor, Units};
+use scheduler::model::{AdapterTensor, Adapters, ModelShape, ModelTensor, Units};
+use scheduler::spec::ZeroStage;
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::comm::{Collective, Communicator, DeviceCollectives, Summable};
 use crate::data::DataLoader;
 use crate::device::{Cpu, Device, Elem, Num};
+use crate::lora::{Adapted, Lora};
 use crate::loss_scale::LossScaler;
 use crate::model::Passes;
 use crate::optimizer::{OptimizerState, Slices, Step};
@@ -33,6 +35,29 @@ use layout::{Part, ShardLayout};
 /// an untied LM head unit `L + 2`.
 const EMB: usize = 0;
 
+/// What a trained tensor is: one of the model's (full fine-tuning) or an adapter matrix
+/// (LoRA, where block `l`'s adapters are trained unit `l`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Trainable {
+    Model(ModelTensor),
+    Adapter(AdapterTensor),
+}
+
+/// The units a job trains, laid out for `world_size` ranks: the model's, or its adapters'.
+fn trained_units(
+    model: &ModelShape,
+    adapters: Option<&Adapters>,
+    world_size: usize,
+) -> Units<Trainable> {
+    match adapters {
+        None => model.units(world_size).map_kinds(Trainable::Model),
+        Some(a) => a
+            .layout(model, world_size)
+            .adapters
+            .map_kinds(Trainable::Adapter),
+    }
+}
+
 /// Unit-sized device buffers: one for the pinned embeddings (a tied LM head keeps them from
 /// the first operation of a step to its last) and some taken in turn by the other units.
 struct Slots<X, D: Device> {
@@ -41,12 +66,7 @@ struct Slots<X, D: Device> {
 }
 
 impl<X, D: Device> Slots<X, D> {
-    fn new(
-        dev: &D,
-        acct: &Accountant,
-        units: &Units<ModelTensor>,
-        streamed: usize,
-    ) -> Result<Self, Error>
+    fn new<K>(dev: &D, acct: &Accountant, units: &Units<K>, streamed: usize) -> Result<Self, Error>
     where
         X: Elem,
     {
@@ -85,62 +105,235 @@ impl<X, D: Device> Slots<X, D> {
     }
 }
 
-/// The model's buffers on this rank.
-struct Buffers<X, D: Device> {
+/// The parameters of some units as this rank holds them: whole, or (stage 3) its shard of
+/// each, gathered in turn into two streamed slots (and the pinned embeddings) to compute with.
+struct Held<X, D: Device, K> {
+    units: Units<K>,
+    layout: ShardLayout,
     /// Per unit: the elements the layout holds of `Part::Params`.
     params: Vec<Buffer<X, D>>,
+    gathered: Option<Slots<X, D>>,
+}
+
+impl<X: Num + Summable, D: DeviceCollectives, K> Held<X, D, K> {
+    fn new(
+        dev: &D,
+        acct: &Accountant,
+        units: Units<K>,
+        stage: ZeroStage,
+        rank: usize,
+    ) -> Result<Self, Error> {
+        let layout = ShardLayout::new(stage, &units, rank);
+        let params = alloc_held(dev, acct, &layout, Category::Params, Part::Params)?;
+        let gathered = if layout.sharded(Part::Params) {
+            Some(Slots::new(dev, acct, &units, 2)?)
+        } else {
+            None
+        };
+        Ok(Held {
+            units,
+            layout,
+            params,
+            gathered,
+        })
+    }
+
+    fn unit_len(&self, u: usize) -> usize {
+        self.units.iter().nth(u).expect("unit index").padded_len
+    }
+
+    /// Unit `u`'s whole parameters (gathered first at stage 3).
+    fn view(&self, u: usize) -> D::View<'_, X> {
+        match &self.gathered {
+            Some(g) => g.get(u).at(0..self.unit_len(u)),
+            None => self.params[u].view(),
+        }
+    }
+
+    /// Stage 3: gathers unit `u`'s parameters from every rank's shard.
+    fn fetch(&mut self, dev: &D, comm: &mut Communicator, u: usize) -> Result<(), Error> {
+        let len = self.unit_len(u);
+        let Some(gathered) = &mut self.gathered else {
+            return Ok(());
+        };
+        let buf = gathered.get_mut(u);
+        let held = self.layout.held(Part::Params, u);
+        dev.copy(buf.at_mut(held), self.params[u].view())?;
+        dev.collective(comm, Collective::AllGather, buf.at_mut(0..len))
+    }
+}
+
+/// What the optimizer trains: the held parameters, their gradients, fp32 master weights and
+/// optimizer states.
+struct Trained<X, D: Device> {
+    held: Held<X, D, Trainable>,
     /// Per unit: the elements the layout holds of `Part::Grads`.
     grads: Vec<Buffer<X, D>>,
     /// Stages 2-3: the full gradient of the unit in backward (and of pinned embeddings).
     unit_grads: Option<Slots<X, D>>,
-    /// Stage 3: the gathered units (pinned embeddings, and two slots that alternate so the
-    /// next unit's gather can run while one computes).
-    gathered: Option<Slots<X, D>>,
+    /// Mixed precision: fp32 master weights of each unit's `Part::State` range.
+    master: Option<Vec<Buffer<f32, D>>>,
+    optimizer: OptimizerState<D>,
 }
 
-impl<X, D: Device> Buffers<X, D> {
-    /// The whole parameters of the units `read` and where backward adds the whole gradient of
-    /// unit `write`, each `(unit, elements)`, borrowed at once.
-    fn views<const N: usize>(
-        &mut self,
-        read: [(usize, usize); N],
-        (u, len): (usize, usize),
-    ) -> ([D::View<'_, X>; N], D::ViewMut<'_, X>) {
-        let Buffers {
-            params,
+impl<X: Num + Summable, D: DeviceCollectives> Trained<X, D> {
+    fn new(
+        dev: &D,
+        acct: &Accountant,
+        setup: &Setup,
+        units: Units<Trainable>,
+        rank: usize,
+    ) -> Result<Self, Error> {
+        let held = Held::new(dev, acct, units, setup.stage, rank)?;
+        let (units, layout) = (&held.units, &held.layout);
+        let grads = alloc_held(dev, acct, layout, Category::Grads, Part::Grads)?;
+        let master = if X::as_f32(&[]).is_none() {
+            Some(alloc_held(
+                dev,
+                acct,
+                layout,
+                Category::Optimizer,
+                Part::State,
+            )?)
+        } else {
+            None
+        };
+        let state: Vec<_> = units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| (unit, layout.held(Part::State, u)))
+            .collect();
+        let optimizer = OptimizerState::new(dev, setup.optimizer, &state, acct)?;
+        let unit_grads = if layout.sharded(Part::Grads) {
+            Some(Slots::new(dev, acct, units, 1)?)
+        } else {
+            None
+        };
+        Ok(Trained {
+            held,
             grads,
             unit_grads,
-            gathered,
-        } = self;
-        let read = read.map(|(r, l)| param(gathered, params, r, l));
-        (read, grad(unit_grads, grads, u, len))
+            master,
+            optimizer,
+        })
+    }
+
+    /// Unit `u`'s whole parameters and, when `backward`, where its whole gradient is added.
+    fn views(&mut self, u: usize, backward: bool) -> (D::View<'_, X>, Option<D::ViewMut<'_, X>>) {
+        let len = self.held.unit_len(u);
+        let grad = backward.then(|| match &mut self.unit_grads {
+            Some(g) => g.get_mut(u).at_mut(0..len),
+            None => self.grads[u].view_mut(),
+        });
+        (self.held.view(u), grad)
+    }
+
+    /// The first of the three points where stages differ: backward has finished unit `u`'s
+    /// whole gradient. Where gradients are sharded (stages 2-3), it is reduce-scattered and
+    /// this rank's shard added into the gradient kept across micro-batches; the buffer is then
+    /// cleared for the next unit. Elsewhere backward added into the kept gradient directly.
+    fn after_unit_backward(
+        &mut self,
+        dev: &D,
+        comm: &mut Communicator,
+        u: usize,
+    ) -> Result<(), Error> {
+        let len = self.held.unit_len(u);
+        let Some(unit_grads) = &mut self.unit_grads else {
+            return Ok(());
+        };
+        let buf = unit_grads.get_mut(u);
+        dev.collective(comm, Collective::ReduceScatter, buf.at_mut(0..len))?;
+        let held = self.held.layout.held(Part::Grads, u);
+        dev.residual_accumulate(self.grads[u].view_mut(), buf.at(held))?;
+        dev.fill_zero(buf.at_mut(0..len))
+    }
+
+    /// The second: every micro-batch's gradient has been added up. Whole gradients are
+    /// all-reduced (stage 0), or reduce-scattered where only the state is sharded (stage 1);
+    /// sharded ones were reduced unit by unit already.
+    fn after_accumulation(&mut self, dev: &D, comm: &mut Communicator) -> Result<(), Error> {
+        let layout = &self.held.layout;
+        if layout.sharded(Part::Grads) {
+            return Ok(());
+        }
+        let c = if layout.sharded(Part::State) {
+            Collective::ReduceScatter
+        } else {
+            Collective::AllReduce
+        };
+        self.grads
+            .iter_mut()
+            .try_for_each(|g| dev.collective(comm, c, g.view_mut()))
+    }
+
+    /// The third: the optimizer has updated this rank's state range. Where that is a shard of
+    /// whole parameters (stages 1-2), every rank's updated shard is gathered.
+    fn after_update(&mut self, dev: &D, comm: &mut Communicator) -> Result<(), Error> {
+        let layout = &self.held.layout;
+        if !layout.sharded(Part::State) || layout.sharded(Part::Params) {
+            return Ok(());
+        }
+        self.held
+            .params
+            .iter_mut()
+            .try_for_each(|p| dev.collective(comm, Collective::AllGather, p.view_mut()))
+    }
+
+    /// Σg² over this rank's state range of every unit.
+    fn sum_squares(&self, dev: &D) -> Result<f64, Error> {
+        let mut sq = 0f64;
+        for (u, g) in self.grads.iter().enumerate() {
+            let held = self.held.layout.held_within(Part::State, Part::Grads, u);
+            sq += dev.sum_squares(g.at(held))?;
+        }
+        Ok(sq)
+    }
+
+    /// Applies the optimizer to every unit's state range.
+    fn update(&mut self, dev: &D, comm: &mut Communicator, s: Step) -> Result<(), Error> {
+        let layout = &self.held.layout;
+        let mut masters: Vec<Option<D::ViewMut<'_, f32>>> = match &mut self.master {
+            Some(m) => m.iter_mut().map(|b| Some(b.view_mut())).collect(),
+            None => self.held.params.iter().map(|_| None).collect(),
+        };
+        let mut slices = Vec::with_capacity(masters.len());
+        let units = self
+            .held
+            .units
+            .iter()
+            .zip(self.held.params.iter_mut())
+            .zip(&self.grads);
+        for (u, (((unit, p), g), m)) in units.zip(masters.iter_mut().map(Option::take)).enumerate()
+        {
+            let grads = g.at(layout.held_within(Part::State, Part::Grads, u));
+            let params = p.at_mut(layout.held_within(Part::State, Part::Params, u));
+            let (master, param_out) = match m {
+                Some(m) => (m, Some(params)),
+                None => (
+                    D::as_f32_mut(params).expect("fp32 parameters are their own master"),
+                    None,
+                ),
+            };
+            slices.push(Slices {
+                unit,
+                held: layout.held(Part::State, u),
+                master,
+                grads,
+                param_out,
+            });
+        }
+        let shards = layout.sharded(Part::State).then_some(comm);
+        self.optimizer.step(dev, &mut slices, s, shards)
     }
 }
 
-/// Unit `u`'s whole parameters (`len` elements; gathered first at stage 3).
-fn param<'a, X, D: Device>(
-    gathered: &'a Option<Slots<X, D>>,
-    params: &'a [Buffer<X, D>],
-    u: usize,
-    len: usize,
-) -> D::View<'a, X> {
-    match gathered {
-        Some(g) => g.get(u).at(0..len),
-        None => params[u].view(),
-    }
-}
-
-/// Where backward adds unit `u`'s whole gradient (`len` elements).
-fn grad<'a, X, D: Device>(
-    unit_grads: &'a mut Option<Slots<X, D>>,
-    grads: &'a mut [Buffer<X, D>],
-    u: usize,
-    len: usize,
-) -> D::ViewMut<'a, X> {
-    match unit_grads {
-        Some(g) => g.get_mut(u).at_mut(0..len),
-        None => grads[u].view_mut(),
-    }
+/// A LoRA job's frozen side: the base model's weights (no gradients, master copy or optimizer
+/// state) and the adapters' activations.
+struct Frozen<X, D: Device> {
+    adapters: Adapters,
+    base: Held<X, D, ModelTensor>,
+    lora: Lora<X, D>,
 }
 
 /// What one optimizer step did.
@@ -159,16 +352,16 @@ pub struct StepReport {
 pub struct Engine<X: Num, D: Device = Cpu> {
     dev: D,
     model: ModelShape,
-    units: Units<ModelTensor>,
-    layout: ShardLayout,
+    /// The model's units (full fine-tuning) or its adapters' (LoRA).
+    trained: Trained<X, D>,
+    /// LoRA: the frozen base the adapters are trained on.
+    frozen: Option<Frozen<X, D>>,
+    /// Whether the LM head is the embeddings.
+    tied: bool,
     checkpointing: bool,
     grad_accum: usize,
     /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
     reduces_norm: bool,
-    bufs: Buffers<X, D>,
-    /// Mixed precision: fp32 master weights of each unit's `Part::State` range.
-    master: Option<Vec<Buffer<f32, D>>>,
-    optimizer: OptimizerState<D>,
     passes: Passes<X, D>,
     comm: Communicator,
     acct: Accountant,
@@ -191,8 +384,8 @@ impl<X: Num + Summable> Engine<X> {
 
 impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// Allocates every buffer on `dev` through `acct` and initialises the weights as the
-    /// model's family does, from `seed`: the same values whatever the device, stage or world
-    /// size.
+    /// model's family does (and the adapters as PEFT does), from `seed`: the same values
+    /// whatever the device, stage or world size.
     pub fn on(
         dev: D,
         setup: &Setup,
@@ -201,37 +394,18 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         comm: Communicator,
         acct: Accountant,
     ) -> Result<Engine<X, D>, Error> {
-        let units = model.units(comm.world_size());
-        let layout = ShardLayout::new(setup.stage, &units, comm.rank());
-        let params = alloc_held(&dev, &acct, &layout, Category::Params, Part::Params)?;
-        let grads = alloc_held(&dev, &acct, &layout, Category::Grads, Part::Grads)?;
-        let mixed = X::as_f32(&[]).is_none();
-        let master = if mixed {
-            Some(alloc_held(
+        let (world, rank) = (comm.world_size(), comm.rank());
+        let units = trained_units(&model, setup.lora.as_ref(), world);
+        let trained = Trained::new(&dev, &acct, setup, units, rank)?;
+        let base = match setup.lora {
+            Some(_) => Some(Held::new(
                 &dev,
                 &acct,
-                &layout,
-                Category::Optimizer,
-                Part::State,
-            )?)
-        } else {
-            None
-        };
-        let held: Vec<_> = units
-            .iter()
-            .enumerate()
-            .map(|(u, unit)| (unit, layout.held(Part::State, u)))
-            .collect();
-        let optimizer = OptimizerState::new(&dev, setup.optimizer, &held, &acct)?;
-        let unit_grads = if layout.sharded(Part::Grads) {
-            Some(Slots::new(&dev, &acct, &units, 1)?)
-        } else {
-            None
-        };
-        let gathered = if layout.sharded(Part::Params) {
-            Some(Slots::new(&dev, &acct, &units, 2)?)
-        } else {
-            None
+                model.units(world),
+                setup.stage,
+                rank,
+            )?),
+            None => None,
         };
         let mut comm = comm;
         let ring = memory::ring_scratch_bytes(setup);
@@ -244,22 +418,35 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
         let (b, t) = (setup.micro_batch, setup.seq_len);
         let passes = Passes::new(&dev, &acct, &model, b, t, setup.checkpointing)?;
+        let frozen = match (base, &setup.lora) {
+            (Some(base), Some(adapters)) => {
+                let units = adapters.layout(&model, world).adapters;
+                let lora = Lora::new(
+                    &dev,
+                    &acct,
+                    adapters,
+                    &units,
+                    &model,
+                    b * t,
+                    setup.checkpointing,
+                )?;
+                Some(Frozen {
+                    adapters: *adapters,
+                    base,
+                    lora,
+                })
+            }
+            _ => None,
+        };
         let mut engine = Engine {
             dev,
             model,
-            units,
-            layout,
+            tied: model.units(1).tied(),
+            trained,
+            frozen,
             checkpointing: setup.checkpointing,
             grad_accum: setup.grad_accum,
             reduces_norm: setup.reduces_norm,
-            bufs: Buffers {
-                params,
-                grads,
-                unit_grads,
-                gathered,
-            },
-            master,
-            optimizer,
             passes,
             comm,
             acct,
@@ -301,75 +488,43 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         self.comm.sent_bytes().clone()
     }
 
-    /// Stage 3: gathers unit `u`'s parameters from every rank's shard.
-    fn fetch(&mut self, u: usize) -> Result<(), Error> {
-        let len = self.unit_len(u);
-        let Some(gathered) = &mut self.bufs.gathered else {
-            return Ok(());
-        };
-        let buf = gathered.get_mut(u);
-        let held = self.layout.held(Part::Params, u);
-        self.dev
-            .copy(buf.at_mut(held), self.bufs.params[u].view())?;
-        self.dev
-            .collective(&mut self.comm, Collective::AllGather, buf.at_mut(0..len))
+    /// Stage 3: gathers the model's unit `u` (the frozen base's, in LoRA) and, given `l`, the
+    /// adapters of block `l`.
+    fn fetch(&mut self, u: usize, adapters_of: Option<usize>) -> Result<(), Error> {
+        let (dev, comm) = (&self.dev, &mut self.comm);
+        match &mut self.frozen {
+            None => self.trained.held.fetch(dev, comm, u),
+            Some(f) => {
+                f.base.fetch(dev, comm, u)?;
+                match adapters_of {
+                    Some(l) => self.trained.held.fetch(dev, comm, l),
+                    None => Ok(()),
+                }
+            }
+        }
     }
 
-    /// The first of the three points where stages differ: backward has finished unit `u`'s
-    /// whole gradient. Where gradients are sharded (stages 2-3), it is reduce-scattered and
-    /// this rank's shard added into the gradient kept across micro-batches; the buffer is then
-    /// cleared for the next unit. Elsewhere backward added into the kept gradient directly.
-    fn after_unit_backward(&mut self, u: usize) -> Result<(), Error> {
-        let len = self.unit_len(u);
-        let Some(unit_grads) = &mut self.bufs.unit_grads else {
-            return Ok(());
-        };
-        let buf = unit_grads.get_mut(u);
-        self.dev.collective(
-            &mut self.comm,
-            Collective::ReduceScatter,
-            buf.at_mut(0..len),
-        )?;
-        let held = self.layout.held(Part::Grads, u);
-        self.dev
-            .residual_accumulate(self.bufs.grads[u].view_mut(), buf.at(held))?;
-        self.dev.fill_zero(buf.at_mut(0..len))
+    /// The units this job trains, laid out for `world_size` ranks.
+    fn trained_units(&self, world_size: usize) -> Units<Trainable> {
+        let adapters = self.frozen.as_ref().map(|f| &f.adapters);
+        trained_units(&self.model, adapters, world_size)
     }
 
-    /// The second: every micro-batch's gradient has been added up. Whole gradients are
-    /// all-reduced (stage 0), or reduce-scattered where only the state is sharded (stage 1);
-    /// sharded ones were reduced unit by unit already.
-    fn after_accumulation(&mut self) -> Result<(), Error> {
-        if self.layout.sharded(Part::Grads) {
+    /// Backward has finished the gradient of the model's unit `u` (full fine-tuning; the
+    /// frozen base has none).
+    fn after_model_unit_backward(&mut self, u: usize) -> Result<(), Error> {
+        if self.frozen.is_some() {
             return Ok(());
         }
-        let c = if self.layout.sharded(Part::State) {
-            Collective::ReduceScatter
-        } else {
-            Collective::AllReduce
-        };
-        let (dev, comm) = (&self.dev, &mut self.comm);
-        self.bufs
-            .grads
-            .iter_mut()
-            .try_for_each(|g| dev.collective(comm, c, g.view_mut()))
+        self.trained
+            .after_unit_backward(&self.dev, &mut self.comm, u)
     }
 
-    /// The third: the optimizer has updated this rank's state range. Where that is a shard of
-    /// whole parameters (stages 1-2), every rank's updated shard is gathered.
-    fn after_update(&mut self) -> Result<(), Error> {
-        if !self.layout.sharded(Part::State) || self.layout.sharded(Part::Params) {
-            return Ok(());
-        }
-        let (dev, comm) = (&self.dev, &mut self.comm);
-        self.bufs
-            .params
-            .iter_mut()
-            .try_for_each(|p| dev.collective(comm, Collective::AllGather, p.view_mut()))
-    }
-
-    fn unit_len(&self, u: usize) -> usize {
-        self.units.iter().nth(u).expect("unit index").padded_len
+    /// Backward has finished the gradients of block `l` (its unit's, or its adapters').
+    fn after_block_backward(&mut self, l: usize) -> Result<(), Error> {
+        let u = if self.frozen.is_some() { l } else { l + 1 };
+        self.trained
+            .after_unit_backward(&self.dev, &mut self.comm, u)
     }
 
     /// The final norm's unit.
@@ -379,11 +534,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
 
     /// The unit holding the LM head: the embeddings when tied, else its own after the norm.
     fn head_unit(&self) -> usize {
-        if self.units.tied() {
-            EMB
-        } else {
-            self.norm_unit() + 1
-        }
+        if self.tied { EMB } else { self.norm_unit() + 1 }
     }
 
     /// Forward through the embeddings and every block, leaving the final norm's and the
@@ -395,27 +546,39 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         // Stage 3 gathers each unit one unit ahead, into the other of the two streamed slots,
         // so that on a device with collectives of its own (NCCL) the gather of the next unit
         // runs while this one computes; the gathers are the same, in the same order.
-        self.fetch(EMB)?;
-        self.fetch(1)?;
-        let len = self.unit_len(EMB);
-        let p = param(&self.bufs.gathered, &self.bufs.params, EMB, len);
-        self.passes.embed_forward(&self.dev, p)?;
+        self.fetch(EMB, None)?;
+        self.fetch(1, Some(0))?;
+        let emb = model_view(&self.trained, &self.frozen, EMB);
+        self.passes.embed_forward(&self.dev, emb)?;
         for l in 0..l_n {
-            let len = self.unit_len(l + 1);
-            let p = param(&self.bufs.gathered, &self.bufs.params, l + 1, len);
-            self.passes.block_forward(&self.dev, p, l, slot(l))?;
+            let BlockViews {
+                params, adapters, ..
+            } = block_views(&mut self.trained, &mut self.frozen, l, slot(l), false);
+            self.passes
+                .block_forward(&self.dev, params, adapters, l, slot(l))?;
             // The next block's, or after the last block the final norm's.
-            self.fetch(l + 2)?;
+            self.fetch(l + 2, (l + 1 < l_n).then_some(l + 1))?;
         }
         // A tied head's embeddings again, or the untied head.
-        self.fetch(self.head_unit())
+        self.fetch(self.head_unit(), None)
     }
 
     /// The final norm, the head and the loss after [`Self::forward`], and back through the
     /// head when `dloss` is given.
     fn head_loss(&mut self, dloss: Option<f32>) -> Result<f64, Error> {
-        let [norm, head] = [self.norm_unit(), self.head_unit()].map(|u| (u, self.unit_len(u)));
-        let ([p_norm, p_head], g_head) = self.bufs.views([norm, head], head);
+        let (norm, head) = (self.norm_unit(), self.head_unit());
+        let (p_norm, p_head, g_head) = match &self.frozen {
+            Some(f) => (f.base.view(norm), f.base.view(head), None),
+            None => {
+                let t = &mut self.trained;
+                let len = t.held.unit_len(head);
+                let g_head = match &mut t.unit_grads {
+                    Some(g) => g.get_mut(head).at_mut(0..len),
+                    None => t.grads[head].view_mut(),
+                };
+                (t.held.view(norm), t.held.view(head), Some(g_head))
+            }
+        };
         self.passes.loss(&self.dev, p_norm, p_head, g_head, dloss)
     }
 
@@ -428,40 +591,98 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let slot = move |l: usize| if ckpt { 0 } else { l };
         self.forward()?;
         let loss = self.head_loss(Some(dloss))?;
-        let norm_len = self.unit_len(norm);
         if head != EMB {
-            self.after_unit_backward(head)?;
+            self.after_model_unit_backward(head)?;
         }
-        let ([p_norm], g_norm) = self.bufs.views([(norm, norm_len)], (norm, norm_len));
+        let (p_norm, g_norm) = match &self.frozen {
+            Some(f) => (f.base.view(norm), None),
+            None => {
+                let (p, g) = self.trained.views(norm, true);
+                (p, g)
+            }
+        };
         self.passes.norm_backward(&self.dev, p_norm, g_norm)?;
-        self.after_unit_backward(norm)?;
+        self.after_model_unit_backward(norm)?;
         if l_n > 0 {
-            self.fetch(l_n)?;
+            self.fetch(l_n, Some(l_n - 1))?;
         }
         for l in (0..l_n).rev() {
-            let len = self.unit_len(l + 1);
             if self.checkpointing {
-                let p = param(&self.bufs.gathered, &self.bufs.params, l + 1, len);
-                self.passes.block_forward(&self.dev, p, l, 0)?;
+                let BlockViews {
+                    params, adapters, ..
+                } = block_views(&mut self.trained, &mut self.frozen, l, 0, false);
+                self.passes
+                    .block_forward(&self.dev, params, adapters, l, 0)?;
             }
-            let ([p], g) = self.bufs.views([(l + 1, len)], (l + 1, len));
-            self.passes.block_backward(&self.dev, p, g, l, slot(l))?;
+            let BlockViews {
+                params,
+                grad,
+                adapters,
+            } = block_views(&mut self.trained, &mut self.frozen, l, slot(l), true);
+            self.passes
+                .block_backward(&self.dev, params, grad, adapters, l, slot(l))?;
             // Gathered ahead (into the slot of the unit whose backward is done) before this
             // unit's gradient is reduced: on NCCL's stream the gather need not wait for this
             // block's backward, the reduction must. The embeddings' backward reads no weights.
             if l > 0 {
-                self.fetch(l)?;
+                self.fetch(l, Some(l - 1))?;
             }
-            self.after_unit_backward(l + 1)?;
+            self.after_block_backward(l)?;
         }
-        let len = self.unit_len(EMB);
-        let Buffers {
-            grads, unit_grads, ..
-        } = &mut self.bufs;
-        self.passes
-            .embed_backward(&self.dev, grad(unit_grads, grads, EMB, len))?;
-        self.after_unit_backward(EMB)?;
+        if self.frozen.is_none() {
+            let (_, g) = self.trained.views(EMB, true);
+            let g = g.expect("backward views carry the gradient");
+            self.passes.embed_backward(&self.dev, g)?;
+            self.after_model_unit_backward(EMB)?;
+        }
         Ok(loss)
+    }
+}
+
+/// The model's unit `u`, whole: trained, or LoRA's frozen base.
+fn model_view<'a, X: Num + Summable, D: DeviceCollectives>(
+    trained: &'a Trained<X, D>,
+    frozen: &'a Option<Frozen<X, D>>,
+    u: usize,
+) -> D::View<'a, X> {
+    match frozen {
+        Some(f) => f.base.view(u),
+        None => trained.held.view(u),
+    }
+}
+
+/// Block `l`'s whole parameters, where backward adds their gradient (none when frozen), and
+/// its adapters for activation slot `slot`, borrowed at once.
+struct BlockViews<'a, X, D: Device> {
+    params: D::View<'a, X>,
+    grad: Option<D::ViewMut<'a, X>>,
+    adapters: Adapted<'a, X, D>,
+}
+
+fn block_views<'a, X: Num + Summable, D: DeviceCollectives>(
+    trained: &'a mut Trained<X, D>,
+    frozen: &'a mut Option<Frozen<X, D>>,
+    l: usize,
+    slot: usize,
+    backward: bool,
+) -> BlockViews<'a, X, D> {
+    match frozen {
+        None => {
+            let (params, grad) = trained.views(l + 1, backward);
+            BlockViews {
+                params,
+                grad,
+                adapters: Adapted::none(),
+            }
+        }
+        Some(f) => {
+            let (a, ga) = trained.views(l, backward);
+            BlockViews {
+                params: f.base.view(l + 1),
+                grad: None,
+                adapters: f.lora.block(a, ga, slot),
+            }
+        }
     }
 }
 
@@ -475,7 +696,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         lr: f32,
         clip: f64,
     ) -> Result<StepReport, Error> {
-        for g in &mut self.bufs.grads {
+        for g in &mut self.trained.grads {
             self.dev.fill_zero(g.view_mut())?;
         }
         let scale = scaler.scale();
@@ -490,7 +711,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             loss += self.micro_step(dloss)?;
         }
         loss /= self.grad_accum as f64;
-        self.after_accumulation()?;
+        self.trained.after_accumulation(&self.dev, &mut self.comm)?;
         let agreed = self.agree(loss, scale, ignored, tokens)?;
         let (loss, grad_norm) = (agreed.loss, agreed.grad_norm);
         let found_inf = grad_norm.is_some_and(|n| !n.is_finite());
@@ -516,8 +737,8 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             t: step,
             grad_scale: (clip_coef * agreed.counted_share / f64::from(scale)) as f32,
         };
-        self.update(s)?;
-        self.after_update()?;
+        self.trained.update(&self.dev, &mut self.comm, s)?;
+        self.trained.after_update(&self.dev, &mut self.comm)?;
         self.applied = step;
         Ok(report(false))
     }
@@ -567,13 +788,10 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         ignored: usize,
         tokens: usize,
     ) -> Result<Agreed, Error> {
-        let sharded = self.layout.sharded(Part::State);
+        let sharded = self.trained.held.layout.sharded(Part::State);
         let mut sq = 0f64;
         if self.reduces_norm {
-            for (u, g) in self.bufs.grads.iter().enumerate() {
-                let held = self.layout.held_within(Part::State, Part::Grads, u);
-                sq += self.dev.sum_squares(g.at(held))?;
-            }
+            sq = self.trained.sum_squares(&self.dev)?;
         }
         let n = self.comm.world_size();
         let (mut loss, mut ignored) = (loss, ignored as f64);
@@ -598,42 +816,6 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                 .then(|| sq.sqrt() / f64::from(scale) * counted_share),
             counted_share,
         })
-    }
-
-    /// Applies the optimizer to every unit's state range.
-    fn update(&mut self, s: Step) -> Result<(), Error> {
-        let layout = &self.layout;
-        let mut masters: Vec<Option<D::ViewMut<'_, f32>>> = match &mut self.master {
-            Some(m) => m.iter_mut().map(|b| Some(b.view_mut())).collect(),
-            None => self.bufs.params.iter().map(|_| None).collect(),
-        };
-        let mut slices = Vec::with_capacity(masters.len());
-        let units = self
-            .units
-            .iter()
-            .zip(self.bufs.params.iter_mut())
-            .zip(&self.bufs.grads);
-        for (u, (((unit, p), g), m)) in units.zip(masters.iter_mut().map(Option::take)).enumerate()
-        {
-            let grads = g.at(layout.held_within(Part::State, Part::Grads, u));
-            let params = p.at_mut(layout.held_within(Part::State, Part::Params, u));
-            let (master, param_out) = match m {
-                Some(m) => (m, Some(params)),
-                None => (
-                    D::as_f32_mut(params).expect("fp32 parameters are their own master"),
-                    None,
-                ),
-            };
-            slices.push(Slices {
-                unit,
-                held: layout.held(Part::State, u),
-                master,
-                grads,
-                param_out,
-            });
-        }
-        let shards = layout.sharded(Part::State).then_some(&mut self.comm);
-        self.optimizer.step(&self.dev, &mut slices, s, shards)
     }
 }
 

@@ -62,8 +62,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             "bf16" => safetensors::Dtype::BF16,
             _ => safetensors::Dtype::F32,
         };
-        let mut out: Vec<StateTensor<'_, D>> = self
-            .bufs
+        let t = &mut self.trained;
+        let mut out: Vec<StateTensor<'_, D>> = t
+            .held
             .params
             .iter_mut()
             .enumerate()
@@ -73,14 +74,14 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                 bytes: D::bytes_mut(p.view_mut()),
             })
             .collect();
-        if let Some(master) = &mut self.master {
+        if let Some(master) = &mut t.master {
             out.extend(master.iter_mut().enumerate().map(|(u, m)| StateTensor {
                 name: format!("u{u}.master"),
                 dtype: safetensors::Dtype::F32,
                 bytes: D::bytes_mut(m.view_mut()),
             }));
         }
-        out.extend(self.optimizer.state());
+        out.extend(t.optimizer.state());
         (&self.dev, out)
     }
 
@@ -92,8 +93,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         old_world: usize,
         old_stage: ZeroStage,
     ) -> Result<(), Error> {
-        let (units, layout) = (self.units.clone(), self.layout.clone());
-        let old_units = self.model.units(old_world);
+        let held = &self.trained.held;
+        let (units, layout) = (held.units.clone(), held.layout.clone());
+        let old_units = self.trained_units(old_world);
         let old_layouts: Vec<ShardLayout> = (0..old_world)
             .map(|r| ShardLayout::new(old_stage, &old_units, r))
             .collect();

@@ -48,7 +48,7 @@ fn underflowed(scale: f32) -> usize {
     next_batch(&mut full, &mut d32);
     half.micro_step(scale / tokens).unwrap();
     full.micro_step(1.0 / tokens).unwrap();
-    let pairs = half.bufs.grads.iter().zip(&full.bufs.grads);
+    let pairs = half.trained.grads.iter().zip(&full.trained.grads);
     pairs
         .map(|(h, f)| {
             h.iter()
@@ -199,7 +199,8 @@ fn gradients_agree_with_finite_differences(
     next_batch(&mut e, &mut data);
     let loss = e.micro_step(1.0 / e.passes.tokens() as f32).unwrap();
     let mut params: Vec<Vec<f64>> = e
-        .bufs
+        .trained
+        .held
         .params
         .iter()
         .map(|p| p.iter().map(|&x| f64::from(x)).collect())
@@ -215,10 +216,10 @@ fn gradients_agree_with_finite_differences(
         "f32 loss {loss} vs f64 reference {at_start}"
     );
     let (mut checked, mut worst) = (0, 0f64);
-    for (u, unit) in e.units.iter().enumerate() {
+    for (u, unit) in e.trained.held.units.iter().enumerate() {
         for t in &unit.tensors {
             let r = t.range();
-            for i in picks(r.clone(), &e.bufs.grads[u]) {
+            for i in picks(r.clone(), &e.trained.grads[u]) {
                 let eps = 1e-5;
                 let keep = params[u][i];
                 params[u][i] = keep + eps;
@@ -227,7 +228,7 @@ fn gradients_agree_with_finite_differences(
                 let down = f(&params);
                 params[u][i] = keep;
                 let fd = (up - down) / (2.0 * eps);
-                let analytic = f64::from(e.bufs.grads[u][i]);
+                let analytic = f64::from(e.trained.grads[u][i]);
                 let err = (analytic - fd).abs() / (analytic.abs().max(fd.abs()) + 1e-6);
                 worst = worst.max(err);
                 assert!(

@@ -5,24 +5,49 @@ use std::ops::Range;
 
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
+use rand_distr::{Distribution, Normal, Uniform};
 use scheduler::model::TensorInit;
 
-use super::Engine;
 use super::layout::Part;
+use super::{Engine, Held, Trainable, Trained};
 use crate::Error;
+use crate::accounting::Buffer;
 use crate::checkpoint::{HfWeights, ModelFile};
 use crate::comm::{Collective, DeviceCollectives, Summable};
 use crate::device::Num;
 
 impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
-    /// Sets every parameter from Hugging Face weights, keeping this rank's part: each unit's
-    /// values stream from the file a chunk at a time.
+    /// Sets every parameter of the model (LoRA's frozen base) from Hugging Face weights,
+    /// keeping this rank's part: each unit's values stream from the file a chunk at a time.
     pub fn load_weights(&mut self, weights: &HfWeights) -> Result<(), Error> {
-        for ui in 0..self.units.iter().count() {
-            let len = self.unit_len(ui);
+        let Some(f) = &mut self.frozen else {
+            return self.load_trained(weights);
+        };
+        for ui in 0..f.base.params.len() {
             let mut values = weights.unit(ui);
-            self.write_tensor(ui, 0..len, || values.next().unwrap_or(0.0))?;
+            let len = f.base.unit_len(ui);
+            let next = || values.next().unwrap_or(0.0);
+            write_tensor(&self.dev, &mut f.base, None, ui, 0..len, next)?;
+            values.result()?;
+        }
+        Ok(())
+    }
+
+    /// Sets a LoRA job's adapters from a PEFT adapter's weights (`checkpoint::load_peft`).
+    pub fn load_adapters(&mut self, weights: &HfWeights) -> Result<(), Error> {
+        debug_assert!(self.frozen.is_some(), "adapters are trained in LoRA jobs");
+        self.load_trained(weights)
+    }
+
+    /// Sets every trained parameter (and its master weight) from `weights`, unit by unit.
+    fn load_trained(&mut self, weights: &HfWeights) -> Result<(), Error> {
+        let t = &mut self.trained;
+        for ui in 0..t.held.params.len() {
+            let mut values = weights.unit(ui);
+            let len = t.held.unit_len(ui);
+            let master = t.master.as_mut().map(|m| &mut m[ui]);
+            let next = || values.next().unwrap_or(0.0);
+            write_tensor(&self.dev, &mut t.held, master, ui, 0..len, next)?;
             values.result()?;
         }
         Ok(())
@@ -35,14 +60,22 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     pub fn export(&mut self, file: Option<&ModelFile>) -> Result<(), Error> {
         let Engine {
             dev,
-            units,
-            layout,
-            bufs,
-            master,
+            trained,
             passes,
             comm,
             ..
         } = self;
+        let Trained {
+            held:
+                Held {
+                    units,
+                    layout,
+                    params,
+                    ..
+                },
+            master,
+            ..
+        } = trained;
         let logits = &mut passes.batch().logits;
         let (n, rank) = (comm.world_size(), comm.rank());
         let part = if master.is_some() {
@@ -61,7 +94,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         for (u, unit) in units.iter().enumerate() {
             let weights = match master {
                 Some(m) => m[u].view_mut(),
-                None => D::as_f32_mut(bufs.params[u].view_mut())
+                None => D::as_f32_mut(params[u].view_mut())
                     .expect("without master weights the parameters are fp32"),
             };
             if !layout.sharded(part) {
@@ -95,63 +128,88 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         Ok(())
     }
 
-    /// The family's initialisation (`ModelTensor::init`). Each tensor draws from its own
-    /// stream keyed by the seed, the unit and the tensor, so the values do not depend on how
-    /// units are sharded.
+    /// The family's initialisation (`ModelTensor::init`), and PEFT's for adapters
+    /// (`AdapterTensor::init`). Each tensor draws from its own stream keyed by the seed, the
+    /// unit, the tensor and its set (the model's or the adapters'), so the values do not
+    /// depend on how units are sharded.
     pub(super) fn init_weights(&mut self, seed: u64) -> Result<(), Error> {
-        let units = self.units.clone();
-        for (ui, unit) in units.iter().enumerate() {
-            for (ti, t) in unit.tensors.iter().enumerate() {
-                let mut key = [0u8; 32];
-                key[..8].copy_from_slice(&seed.to_le_bytes());
-                key[8..16].copy_from_slice(&(ui as u64).to_le_bytes());
-                key[16..24].copy_from_slice(&(ti as u64).to_le_bytes());
-                let mut rng = ChaCha8Rng::from_seed(key);
-                let value: Box<dyn FnMut() -> f32> = match t.kind.init(&self.model) {
-                    TensorInit::Ones => Box::new(|| 1.0),
-                    TensorInit::Zeros => Box::new(|| 0.0),
-                    TensorInit::Normal { std } => {
-                        let normal = Normal::new(0.0, std).expect("a positive standard deviation");
-                        Box::new(move || normal.sample(&mut rng) as f32)
-                    }
+        let model = self.model;
+        let t = &mut self.trained;
+        for (ui, unit) in t.held.units.clone().iter().enumerate() {
+            for (ti, p) in unit.tensors.iter().enumerate() {
+                let (set, init) = match p.kind {
+                    Trainable::Model(k) => (0, k.init(&model)),
+                    Trainable::Adapter(k) => (1, k.init(&model)),
                 };
-                self.write_tensor(ui, t.range(), value)?;
+                let master = t.master.as_mut().map(|m| &mut m[ui]);
+                let next = values(init, [seed, ui as u64, ti as u64, set]);
+                write_tensor(&self.dev, &mut t.held, master, ui, p.range(), next)?;
+            }
+        }
+        let Some(f) = &mut self.frozen else {
+            return Ok(());
+        };
+        for (ui, unit) in f.base.units.clone().iter().enumerate() {
+            for (ti, p) in unit.tensors.iter().enumerate() {
+                let next = values(p.kind.init(&model), [seed, ui as u64, ti as u64, 0]);
+                write_tensor(&self.dev, &mut f.base, None, ui, p.range(), next)?;
             }
         }
         Ok(())
     }
+}
 
-    /// Writes the values `next` yields for elements `range` of unit `ui` into this rank's
-    /// parameters and master weights, wherever they hold them.
-    fn write_tensor(
-        &mut self,
-        ui: usize,
-        range: Range<usize>,
-        mut next: impl FnMut() -> f32,
-    ) -> Result<(), Error> {
-        let params_at = self.layout.held(Part::Params, ui);
-        let master_at = self.layout.held(Part::State, ui);
-        let dev = &self.dev;
-        let params = self.bufs.params[ui].view_mut();
-        dev.on_host(params, |params| {
-            let write = |master: &mut [f32]| {
-                for i in range {
-                    let v = next();
-                    if params_at.contains(&i) {
-                        params[i - params_at.start] = X::from_f32(v);
-                    }
-                    if !master.is_empty() && master_at.contains(&i) {
-                        master[i - master_at.start] = v;
-                    }
+/// The values of an initialisation, drawn from the stream `key` names.
+fn values(init: TensorInit, key: [u64; 4]) -> Box<dyn FnMut() -> f32> {
+    let mut bytes = [0u8; 32];
+    for (chunk, k) in bytes.chunks_exact_mut(8).zip(key) {
+        chunk.copy_from_slice(&k.to_le_bytes());
+    }
+    let mut rng = ChaCha8Rng::from_seed(bytes);
+    match init {
+        TensorInit::Ones => Box::new(|| 1.0),
+        TensorInit::Zeros => Box::new(|| 0.0),
+        TensorInit::Normal { std } => {
+            let normal = Normal::new(0.0, std).expect("a positive standard deviation");
+            Box::new(move || normal.sample(&mut rng) as f32)
+        }
+        TensorInit::Uniform { bound } => {
+            let uniform = Uniform::new(-bound, bound).expect("a positive bound");
+            Box::new(move || uniform.sample(&mut rng) as f32)
+        }
+    }
+}
+
+/// Writes the values `next` yields for elements `range` of unit `ui` into this rank's
+/// parameters and master weights (`master`, the unit's), wherever they hold them.
+fn write_tensor<X: Num, D: DeviceCollectives, K>(
+    dev: &D,
+    held: &mut Held<X, D, K>,
+    master: Option<&mut Buffer<f32, D>>,
+    ui: usize,
+    range: Range<usize>,
+    mut next: impl FnMut() -> f32,
+) -> Result<(), Error> {
+    let params_at = held.layout.held(Part::Params, ui);
+    let master_at = held.layout.held(Part::State, ui);
+    dev.on_host(held.params[ui].view_mut(), |params| {
+        let write = |master: &mut [f32]| {
+            for i in range {
+                let v = next();
+                if params_at.contains(&i) {
+                    params[i - params_at.start] = X::from_f32(v);
                 }
-            };
-            match &mut self.master {
-                Some(m) => dev.on_host(m[ui].view_mut(), write),
-                None => {
-                    write(&mut []);
-                    Ok(())
+                if !master.is_empty() && master_at.contains(&i) {
+                    master[i - master_at.start] = v;
                 }
             }
-        })?
-    }
+        };
+        match master {
+            Some(m) => dev.on_host(m.view_mut(), write),
+            None => {
+                write(&mut []);
+                Ok(())
+            }
+        }
+    })?
 }

@@ -11,7 +11,7 @@
 //! input of the widest projection (the mask is drawn again from the seed in backward, never
 //! stored); with NF4, one projection's dequantized weight.
 
-use super::params::{TensorDims, UnitKind, Units};
+use super::params::{TensorDims, TensorInit, UnitKind, Units};
 use super::{ModelShape, ModelTensor};
 use crate::kernel_figures::NF4_BLOCK;
 use crate::model::{LlamaTensor, TensorKind};
@@ -154,10 +154,12 @@ pub enum BaseStorage {
     Nf4,
 }
 
-/// A resolved `lora` block: what the layout and the memory model need of it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A resolved `lora` block: what the layout, the memory model and the trainer need of it.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Adapters {
     pub rank: usize,
+    /// PEFT's `scaling`, `alpha / rank`: what the adapters' product is multiplied by.
+    pub scaling: f32,
     pub targets: Targets,
     /// Whether dropout is applied to the adapters' input (`dropout > 0`).
     pub dropout: bool,
@@ -184,6 +186,26 @@ impl AdapterTensor {
     pub fn peft_name(self, layer: usize) -> String {
         let module = module_name(self.weight, layer);
         format!("base_model.model.{module}.{}.weight", self.part.peft_name())
+    }
+
+    /// PEFT's initialisation (`init_lora_weights=True`): A Kaiming-uniform with `a = √5`,
+    /// which is uniform in ±1/√in; B zero, so that training starts from the base model.
+    pub fn init(self, model: &ModelShape) -> TensorInit {
+        match self.part {
+            AdapterPart::B => TensorInit::Zeros,
+            AdapterPart::A => {
+                let p = model
+                    .projections()
+                    .into_iter()
+                    .find(|p| p.weight == self.weight);
+                let inputs = p
+                    .expect("an adapter's projection is the model's")
+                    .in_features;
+                TensorInit::Uniform {
+                    bound: 1.0 / (inputs as f64).sqrt(),
+                }
+            }
+        }
     }
 }
 
@@ -380,6 +402,7 @@ mod tests {
         let model = ModelShape::Llama(LlamaPreset::Tiny.shape());
         let all = Adapters {
             rank: 4,
+            scaling: 2.0,
             targets: Targets::all(&model),
             dropout: false,
             base: BaseStorage::Compute,
@@ -405,6 +428,7 @@ mod tests {
         let q_and_v = Targets::matching(&model, &["q_proj", "v_proj"]);
         let adapters = Adapters {
             rank: 8,
+            scaling: 1.0,
             targets: q_and_v,
             dropout: true,
             base: BaseStorage::Nf4,

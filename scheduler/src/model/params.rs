@@ -41,7 +41,13 @@ impl TensorDims {
 pub enum TensorInit {
     Zeros,
     Ones,
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
+    /// Uniform in `[-bound, bound)`.
+    Uniform {
+        bound: f64,
+    },
 }
 
 /// Which part of the model a unit holds.

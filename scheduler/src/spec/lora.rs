@@ -31,6 +31,11 @@ pub struct Lora {
     /// (QLoRA); default: the compute dtype.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantize_base: Option<Quantization>,
+    /// A PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to start
+    /// from, read inside the agent's data roots; its config must agree with this block.
+    /// Default: PEFT's initialisation from the job's seed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<String>,
 }
 
 /// `target_modules`: module names as PEFT matches them (a module whose path ends with the
@@ -108,6 +113,7 @@ impl Lora {
         };
         Adapters {
             rank: self.rank as usize,
+            scaling: (self.alpha / f64::from(self.rank)) as f32,
             targets,
             dropout: self.dropout > 0.0,
             base: match self.quantize_base {
@@ -115,6 +121,19 @@ impl Lora {
                 Some(Quantization::Nf4) => BaseStorage::Nf4,
             },
         }
+    }
+
+    /// What the trainer does not run yet, which the memory model already counts: refused for
+    /// training, taken by `zerotrain estimate` and POST /v1/estimate.
+    pub(super) fn validate_training(&self, p: &mut Problems) {
+        let later =
+            "is not built yet for training; `zerotrain estimate` and POST /v1/estimate take it";
+        p.ensure(self.dropout == 0.0, "lora.dropout", || {
+            format!("dropout on the adapters' input {later}")
+        });
+        p.ensure(self.quantize_base.is_none(), "lora.quantize_base", || {
+            format!("a quantized base (QLoRA) {later}")
+        });
     }
 
     pub(super) fn validate(&self, arch: &Architecture, p: &mut Problems) {

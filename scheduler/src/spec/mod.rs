@@ -300,11 +300,9 @@ impl JobSpec {
         }
         if let (Some(lora), Some(arch)) = (self.lora.as_ref().filter(|_| read("lora")), &arch) {
             lora.validate(arch, p);
-            // The memory model counts LoRA jobs exactly; the trainer does not run them yet.
-            p.ensure(purpose == Purpose::Estimate, "lora", || {
-                "LoRA training is not built yet; `zerotrain estimate` and POST /v1/estimate take it"
-                    .into()
-            });
+            if purpose == Purpose::Train {
+                lora.validate_training(p);
+            }
         }
         if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
             p.note(self.data.validate(arch, self.model.init_from.as_ref()));

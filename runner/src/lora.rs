@@ -1,0 +1,225 @@
+//! Low-rank adapters in the passes, as PEFT computes them: an adapted projection `y = x·Wᵀ`
+//! (W frozen) becomes `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ` with A `[rank, in]`, B `[out, rank]` and
+//! `s = alpha/rank` (`scaling`). The family's pass runs its projection as before and hands
+//! each one's input and output here; what is adapted gets its share added.
+//!
+//! Forward keeps `V = s·x·Aᵀ` per adapted projection, what B's gradient reads; backward
+//! finds `G = dy·B` and `dB += dyᵀ·V` in one product, scales G by s, then `dx += G·A` and
+//! `dA += Gᵀ·x` in one more. The layout (`scheduler::model::lora`) orders a block's adapter
+//! unit as A then B of each adapted projection, in state-dict order.
+
+use kernels::matmul::{DinpMode, Layout};
+use scheduler::memory::Category;
+use scheduler::model::{AdapterTensor, Adapters, ModelShape, ModelTensor, Units};
+
+use crate::Error;
+use crate::accounting::{Accountant, Buffer};
+use crate::device::{Device, Num};
+
+/// One adapted projection: where its A and B lie in the block's adapter unit.
+#[derive(Debug, Clone, Copy)]
+struct Target {
+    weight: ModelTensor,
+    a_at: usize,
+    b_at: usize,
+    in_features: usize,
+    out_features: usize,
+}
+
+/// A job's adapters as the passes use them, with their activations.
+pub(crate) struct Lora<X, D: Device> {
+    rank: usize,
+    scaling: f32,
+    targets: Vec<Target>,
+    /// Per activation slot (one per block, or one under checkpointing), per target: V.
+    saved: Vec<Vec<Buffer<X, D>>>,
+    /// G of the projection whose backward runs.
+    grad: Buffer<X, D>,
+}
+
+impl<X: Num, D: Device> Lora<X, D> {
+    /// The activations of `tokens` tokens, charged as `Adapters::activation_bytes` counts them.
+    pub(crate) fn new(
+        dev: &D,
+        acct: &Accountant,
+        adapters: &Adapters,
+        units: &Units<AdapterTensor>,
+        model: &ModelShape,
+        tokens: usize,
+        checkpointing: bool,
+    ) -> Result<Self, Error> {
+        let first = units.iter().next().expect("a model has blocks");
+        let at = |weight, part| {
+            let t = first
+                .tensors
+                .iter()
+                .find(|t| t.kind == AdapterTensor { weight, part });
+            t.expect("every target has A and B").offset
+        };
+        use scheduler::model::AdapterPart::{A, B};
+        let targets: Vec<Target> = adapters
+            .targets
+            .of(model)
+            .iter()
+            .map(|p| Target {
+                weight: p.weight,
+                a_at: at(p.weight, A),
+                b_at: at(p.weight, B),
+                in_features: p.in_features,
+                out_features: p.out_features,
+            })
+            .collect();
+        let slots = if checkpointing {
+            1
+        } else {
+            model.summary().layers
+        };
+        let rank = adapters.rank;
+        let act = || acct.alloc_on(dev, Category::Activations, tokens * rank);
+        Ok(Lora {
+            rank,
+            scaling: adapters.scaling,
+            saved: (0..slots)
+                .map(|_| targets.iter().map(|_| act()).collect())
+                .collect::<Result<_, Error>>()?,
+            grad: act()?,
+            targets,
+        })
+    }
+
+    /// Block `l`'s adapters, from its adapter unit and, in backward, that unit's gradient.
+    pub(crate) fn block<'a>(
+        &'a mut self,
+        unit: D::View<'a, X>,
+        grad: Option<D::ViewMut<'a, X>>,
+        slot: usize,
+    ) -> Adapted<'a, X, D> {
+        Adapted {
+            lora: Some(Bound { lora: self, unit }),
+            grad,
+            slot,
+        }
+    }
+}
+
+/// The adapters and one block's unit of them.
+struct Bound<'a, X, D: Device> {
+    lora: &'a mut Lora<X, D>,
+    unit: D::View<'a, X>,
+}
+
+/// One block's adapters for one pass, or none (full fine-tuning).
+pub(crate) struct Adapted<'a, X, D: Device> {
+    lora: Option<Bound<'a, X, D>>,
+    grad: Option<D::ViewMut<'a, X>>,
+    slot: usize,
+}
+
+impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
+    pub(crate) fn none() -> Self {
+        Adapted {
+            lora: None,
+            grad: None,
+            slot: 0,
+        }
+    }
+
+    /// Adds the adapter's share into `y`, the output of the projection whose frozen weight is
+    /// `weight`, for its input `x` of `n` rows; nothing if it has no adapter.
+    pub(crate) fn forward(
+        &mut self,
+        dev: &D,
+        weight: ModelTensor,
+        y: D::ViewMut<'_, X>,
+        x: D::View<'_, X>,
+        n: usize,
+        scratch: &mut Buffer<f32, D>,
+    ) -> Result<(), Error> {
+        let Some(Bound { lora, unit }) = &mut self.lora else {
+            return Ok(());
+        };
+        let Some(i) = lora.targets.iter().position(|t| t.weight == weight) else {
+            return Ok(());
+        };
+        let (t, r) = (lora.targets[i], lora.rank);
+        let (a, b) = (
+            D::slice(D::share(unit), t.a_at..t.a_at + r * t.in_features),
+            D::slice(D::share(unit), t.b_at..t.b_at + t.out_features * r),
+        );
+        let v = &mut lora.saved[self.slot][i];
+        let mkn = (n, t.in_features, r);
+        dev.matmul_forward(
+            v.view_mut(),
+            x,
+            a,
+            None,
+            Layout::NK,
+            mkn,
+            scratch.view_mut(),
+        )?;
+        dev.scale(v.view_mut(), lora.scaling)?;
+        // y (n, out) += V (n, r) · Bᵀ, B (out, r): the input gradient of a product through B
+        // laid out (K, N), added into y.
+        dev.matmul_backward_input(
+            y,
+            v.view(),
+            b,
+            Layout::KN,
+            (n, t.out_features, r),
+            DinpMode::Accumulate,
+            scratch.view_mut(),
+        )
+    }
+
+    /// Backward of [`Adapted::forward`]: adds the adapter's share of ∂loss/∂x into `dx` and
+    /// its gradients into the unit's, from the projection's output gradient `dy`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward(
+        &mut self,
+        dev: &D,
+        weight: ModelTensor,
+        dx: D::ViewMut<'_, X>,
+        dy: D::View<'_, X>,
+        x: D::View<'_, X>,
+        n: usize,
+        scratch: &mut Buffer<f32, D>,
+    ) -> Result<(), Error> {
+        let (Some(Bound { lora, unit }), Some(grad)) = (&mut self.lora, &mut self.grad) else {
+            return Ok(());
+        };
+        let Some(i) = lora.targets.iter().position(|t| t.weight == weight) else {
+            return Ok(());
+        };
+        let (t, r) = (lora.targets[i], lora.rank);
+        let (a_at, b_at) = (
+            t.a_at..t.a_at + r * t.in_features,
+            t.b_at..t.b_at + t.out_features * r,
+        );
+        let g = &mut lora.grad;
+        dev.matmul_backward(
+            g.view_mut(),
+            D::slice_mut(D::reborrow(grad), b_at.clone()),
+            None,
+            dy,
+            lora.saved[self.slot][i].view(),
+            D::slice(D::share(unit), b_at),
+            Layout::NK,
+            (n, r, t.out_features),
+            DinpMode::Overwrite,
+            scratch.view_mut(),
+        )?;
+        dev.scale(g.view_mut(), lora.scaling)?;
+        dev.matmul_backward(
+            dx,
+            D::slice_mut(D::reborrow(grad), a_at.clone()),
+            None,
+            g.view(),
+            x,
+            D::slice(D::share(unit), a_at),
+            Layout::NK,
+            (n, t.in_features, r),
+            DinpMode::Accumulate,
+            scratch.view_mut(),
+        )
+    }
+}

@@ -1,0 +1,90 @@
+//! Parity with PEFT on transformers: LoRA adapters on a frozen tiny Llama, Qwen3 and GPT-2,
+//! started from the same PEFT adapter on the same token shard, in fp32 AdamW, give PEFT's
+//! losses step by step. The reference data was made once by
+//! `tests/reference/lora_parity/make.py` (versions in each `expected.json`); this test needs
+//! neither torch nor PEFT.
+
+use std::path::{Path, PathBuf};
+
+use runner::train::{Options, run};
+use scheduler::plan::plan_local;
+use scheduler::spec::{JobSpec, Purpose};
+use serde_json::Value;
+
+fn reference(dir: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/reference")
+        .join(dir)
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// The spec `make.py` trained with: the base from `base`, the adapter from `adapter`, and the
+/// data, optimizer and batch of `../llama_parity`.
+fn spec(base: &Path, adapter: &Path, stage: u8, world: u32) -> JobSpec {
+    let expected = read_json(&reference("llama_parity/llama/expected.json"));
+    let lora = read_json(&adapter.join("../expected.json"))["lora"].clone();
+    let opt = &expected["optimizer"];
+    let spec = serde_json::json!({
+        "model": {"config": read_json(&base.join("config.json")),
+                  "init_from": base.to_str().unwrap()},
+        "lora": {"rank": lora["rank"], "alpha": lora["alpha"],
+                 "target_modules": lora["target_modules"],
+                 "init_from": adapter.to_str().unwrap()},
+        "data": {"kind": "tokens",
+                 "path": reference("llama_parity/tokens.bin").to_str().unwrap()},
+        "precision": {"dtype": "fp32"},
+        "optimizer": {"type": "adamw", "betas": opt["betas"], "eps": opt["eps"],
+                      "weight_decay": opt["weight_decay"]},
+        "zero": {"stage": stage},
+        "world_size": world,
+        "activation_checkpointing": false,
+        "training": {"steps": expected["steps"], "micro_batch_size": expected["batch"],
+                     "seq_len": expected["seq_len"], "lr": opt["lr"], "lr_schedule": "constant",
+                     "grad_clip": 0.0},
+    });
+    JobSpec::parse(&spec.to_string(), Purpose::Train)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .spec
+}
+
+/// Trains `family`'s adapter on its base as `make.py` did and checks every step's loss.
+fn parity(family: &str, base: &Path) {
+    let dir = reference("lora_parity").join(family);
+    let expected = read_json(&dir.join("expected.json"));
+    let spec = spec(base, &dir.join("adapter"), 0, 1);
+    let plan = plan_local(&spec, None).unwrap();
+    let summary = run(&spec, &plan, &Options::default(), &mut |_| {})
+        .unwrap_or_else(|e| panic!("{family}: {e}"));
+    let want: Vec<f64> = serde_json::from_value(expected["losses"].clone()).unwrap();
+    assert_eq!(summary.losses.len(), want.len());
+    for (step, (got, want)) in summary.losses.iter().zip(&want).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        eprintln!(
+            "{family} step {}: {got:.7} vs PEFT {want:.7} ({rel:.1e})",
+            step + 1
+        );
+        assert!(
+            rel < 1e-5,
+            "{family} step {}: loss {got} vs PEFT's {want} (relative {rel:e})",
+            step + 1
+        );
+    }
+}
+
+#[test]
+fn llama_adapters_on_every_projection_match_peft() {
+    parity("llama", &reference("llama_parity/llama"));
+}
+
+#[test]
+fn qwen3_adapters_with_qk_norms_match_peft() {
+    parity("qwen3", &reference("llama_parity/qwen3"));
+}
+
+#[test]
+fn gpt2_adapters_on_conv1d_projections_match_peft() {
+    parity("gpt2", &reference("lora_parity/gpt2"));
+}
