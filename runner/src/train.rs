@@ -523,6 +523,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
                 spec.optimizer.name()
             )));
         }
+        if setup.lora.is_some() {
+            self.load_model(job)?;
+        }
         if (m.world_size, m.zero_stage) == (setup.world_size, setup.stage) {
             self.engine.load_rank(dir)?;
         } else {
@@ -549,26 +552,10 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         Ok(m.step)
     }
 
+    /// A fresh start: the model's weights from `model.init_from` (else the seed's) and, for a
+    /// LoRA job, its adapters from `lora.init_from` (else PEFT's initialisation).
     fn init(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
-        let model = &job.model;
-        let weights = match (&job.opts.init_weights, &job.spec.model.init_from) {
-            (Some(file), _) => Some(checkpoint::load_hf_file(file, model)?),
-            (None, Some(InitFrom::Path(path))) => {
-                Some(checkpoint::load_hf(&job.opts.data_roots, path, model)?)
-            }
-            (None, Some(InitFrom::Artifact(a))) => {
-                return Err(Error::Untrainable {
-                    reason: format!(
-                        "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
-                        a.job
-                    ),
-                });
-            }
-            (None, None) => None,
-        };
-        if let Some(weights) = weights {
-            self.engine.load_weights(&weights)?;
-        }
+        self.load_model(job)?;
         let lora = job.spec.lora.as_ref();
         if let (Some(lora), Some(adapters)) = (lora, &job.setup.lora)
             && let Some(dir) = &lora.init_from
@@ -578,6 +565,28 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             self.engine.load_adapters(&weights)?;
         }
         Ok(())
+    }
+
+    /// Loads `model.init_from`'s weights, if it names any: the model's start, or a LoRA job's
+    /// frozen base (which its checkpoints do not hold).
+    fn load_model(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
+        let model = &job.model;
+        let weights = match (&job.opts.init_weights, &job.spec.model.init_from) {
+            (Some(file), _) => checkpoint::load_hf_file(file, model)?,
+            (None, Some(InitFrom::Path(path))) => {
+                checkpoint::load_hf(&job.opts.data_roots, path, model)?
+            }
+            (None, Some(InitFrom::Artifact(a))) => {
+                return Err(Error::Untrainable {
+                    reason: format!(
+                        "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
+                        a.job
+                    ),
+                });
+            }
+            (None, None) => return Ok(()),
+        };
+        self.engine.load_weights(&weights)
     }
 
     /// Optimizer step `step` (from 0) at its scheduled learning rate; returns it and its
@@ -654,9 +663,15 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             .opts
             .export_shard_bytes
             .unwrap_or(checkpoint::EXPORT_SHARD_BYTES);
-        let file = (self.engine.rank() == 0)
-            .then(|| checkpoint::ModelFile::create(out, &job.model, job.hf_config, shard_bytes))
-            .transpose()?;
+        let create = || match (&job.spec.lora, &job.setup.lora) {
+            (Some(lora), Some(adapters)) => {
+                let units = adapters.layout(&job.model, 1).adapters;
+                let config = checkpoint::adapter_config(&job.model, lora, adapters);
+                checkpoint::ModelFile::adapter(out, &units, config)
+            }
+            _ => checkpoint::ModelFile::create(out, &job.model, job.hf_config, shard_bytes),
+        };
+        let file = (self.engine.rank() == 0).then(create).transpose()?;
         self.engine.export(file.as_ref())?;
         if let Some(file) = file {
             let written = file.finish()?;

@@ -4,9 +4,11 @@
 //! `tests/reference/lora_parity/make.py` (versions in each `expected.json`); this test needs
 //! neither torch nor PEFT.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use runner::train::{Options, run};
+use safetensors::SafeTensors;
 use scheduler::plan::plan_local;
 use scheduler::spec::{JobSpec, Purpose};
 use serde_json::Value;
@@ -56,8 +58,12 @@ fn parity(family: &str, base: &Path) {
     let expected = read_json(&dir.join("expected.json"));
     let spec = spec(base, &dir.join("adapter"), 0, 1);
     let plan = plan_local(&spec, None).unwrap();
-    let summary = run(&spec, &plan, &Options::default(), &mut |_| {})
-        .unwrap_or_else(|e| panic!("{family}: {e}"));
+    let out = tempfile::tempdir().unwrap();
+    let opts = Options {
+        out_dir: Some(out.path().to_path_buf()),
+        ..Options::default()
+    };
+    let summary = run(&spec, &plan, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{family}: {e}"));
     let want: Vec<f64> = serde_json::from_value(expected["losses"].clone()).unwrap();
     assert_eq!(summary.losses.len(), want.len());
     for (step, (got, want)) in summary.losses.iter().zip(&want).enumerate() {
@@ -72,6 +78,47 @@ fn parity(family: &str, base: &Path) {
             step + 1
         );
     }
+    // The export is PEFT's trained adapter: its tensors, named and shaped as PEFT saved them,
+    // with PEFT's values.
+    let ours = std::fs::read(out.path().join("adapter_model.safetensors")).unwrap();
+    let theirs = std::fs::read(dir.join("trained/adapter_model.safetensors")).unwrap();
+    let (ours, theirs) = (tensors(&ours), tensors(&theirs));
+    assert_eq!(
+        ours.keys().collect::<Vec<_>>(),
+        theirs.keys().collect::<Vec<_>>(),
+        "{family}: tensor names"
+    );
+    for (name, (shape, values)) in &ours {
+        let (want_shape, want) = &theirs[name];
+        assert_eq!(shape, want_shape, "{family}: {name}");
+        let diff: f64 = values
+            .iter()
+            .zip(want)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum();
+        let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+        let rel = (diff / norm).sqrt();
+        assert!(
+            rel < 1e-5,
+            "{family}: {name} differs from PEFT's by {rel:e}"
+        );
+    }
+}
+
+/// Each tensor of a safetensors file (F32) by name: its shape and values.
+fn tensors(bytes: &[u8]) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let file = SafeTensors::deserialize(bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let values = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (name, (t.shape().to_vec(), values))
+        })
+        .collect()
 }
 
 #[test]

@@ -43,10 +43,20 @@ fn job_of(model: &str, world: usize, stage: u8, micro: usize, extra: &str) -> St
     )
 }
 
+/// Adapters on every projection of the model, for a LoRA job's rows.
+const LORA: &str = r#", "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear"}"#;
+
+/// The export's weights: the model's, or a LoRA job's adapter.
 fn exported(json: &str) -> Vec<u8> {
     let out = tempfile::tempdir().unwrap();
     train(json, Some(out.path()));
-    std::fs::read(out.path().join("model.safetensors")).unwrap()
+    weights(out.path())
+}
+
+fn weights(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join("model.safetensors"))
+        .or_else(|_| std::fs::read(dir.join("adapter_model.safetensors")))
+        .unwrap()
 }
 
 fn values(bytes: &[u8]) -> Vec<f32> {
@@ -69,22 +79,29 @@ fn values(bytes: &[u8]) -> Vec<f32> {
 #[test]
 fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whole_batch() {
     for model in MODELS {
-        same_bits_at_every_stage(model);
+        same_bits_at_every_stage(model, "");
     }
 }
 
-fn same_bits_at_every_stage(model: &str) {
+#[test]
+fn lora_adapters_get_the_same_bits_at_every_stage_at_4_ranks_as_at_one() {
+    for model in MODELS {
+        same_bits_at_every_stage(model, LORA);
+    }
+}
+
+fn same_bits_at_every_stage(model: &str, extra: &str) {
     // Without clipping: stage 0 adds up the gradient norm in another order than the sharded
     // stages, so a clipping coefficient below 1 differs in its last bits.
     let job = |world, stage, micro| {
-        job_of(model, world, stage, micro, "")
+        job_of(model, world, stage, micro, extra)
             .replace(r#""lr": 1e-3"#, r#""lr": 1e-3, "grad_clip": 0"#)
     };
     let stage0 = exported(&job(4, 0, 2));
     for stage in 1..=3 {
         assert!(
             exported(&job(4, stage, 2)) == stage0,
-            "{model}: stage {stage} differs from stage 0"
+            "{model}{extra}: stage {stage} differs from stage 0"
         );
     }
     let (sharded, single) = (values(&stage0), values(&exported(&job(1, 0, 8))));
@@ -99,10 +116,13 @@ fn same_bits_at_every_stage(model: &str) {
         .map(|b| f64::from(*b).powi(2))
         .sum::<f64>()
         .sqrt();
-    eprintln!("{model}: ‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}", diff / norm);
+    eprintln!(
+        "{model}{extra}: ‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
+        diff / norm
+    );
     assert!(
         diff / norm < 1e-5,
-        "{model}: ‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
+        "{model}{extra}: ‖4 ranks − 1 rank‖/‖1 rank‖ = {:e}",
         diff / norm
     );
     assert!(
@@ -175,6 +195,39 @@ fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
 }
 
 #[test]
+fn lora_jobs_measured_memory_per_rank_equals_the_model_at_every_stage() {
+    // The adapters' activations differ with checkpointing (one block's saved products), so
+    // half the rows checkpoint.
+    for (model, world) in MODELS.into_iter().flat_map(|m| [1, 2, 4].map(|w| (m, w))) {
+        for stage in 0..=3 {
+            for dtype in ["fp32", "bf16"] {
+                let ckpt = (stage + world as u8) % 2 == 1;
+                let extra = format!(r#", "precision": {{"dtype": "{dtype}"}}{LORA}"#);
+                let json = job_of(model, world, stage, 2, &extra)
+                    .replace("\"steps\": 5", "\"steps\": 2")
+                    .replace(
+                        "\"activation_checkpointing\": false",
+                        &format!("\"activation_checkpointing\": {ckpt}"),
+                    );
+                let summary = train(&json, None);
+                for r in &summary.ranks {
+                    for &c in Category::ALL {
+                        assert_eq!(
+                            r.measured_peak_bytes.get(c),
+                            r.predicted_bytes.get(c),
+                            "{model} LoRA: {} at N={world}, stage {stage}, {dtype}, \
+                             checkpointing {ckpt}, rank {}",
+                            c.name(),
+                            r.rank
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn stage_3_at_8_ranks_keeps_an_eighth_of_the_model_states_plus_gathered_units() {
     let at = |stage| {
         train(
@@ -201,12 +254,12 @@ fn stage_3_at_8_ranks_keeps_an_eighth_of_the_model_states_plus_gathered_units() 
 #[test]
 fn bytes_sent_per_step_equal_the_model_for_every_stage() {
     let steps = 3;
-    for (model, stage) in MODELS
+    let rows = MODELS
         .into_iter()
-        .flat_map(|m| (0..=3).map(move |s| (m, s)))
-    {
-        let json =
-            job_of(model, 4, stage, 2, "").replace("\"steps\": 5", &format!("\"steps\": {steps}"));
+        .flat_map(|m| (0..=3).flat_map(move |s| [(m, s, ""), (m, s, LORA)]));
+    for (model, stage, extra) in rows {
+        let json = job_of(model, 4, stage, 2, extra)
+            .replace("\"steps\": 5", &format!("\"steps\": {steps}"));
         let predicted = memory::estimate(&setup(&json), DeviceKind::Cpu).comm;
         let summary = train(&json, None);
         for r in &summary.ranks {
@@ -214,21 +267,21 @@ fn bytes_sent_per_step_equal_the_model_for_every_stage() {
             assert_eq!(
                 sent(Op::AllReduce),
                 steps * predicted.all_reduce,
-                "{model}: stage {stage} rank {}",
+                "{model}{extra}: stage {stage} rank {}",
                 r.rank
             );
             assert_eq!(
                 sent(Op::ReduceScatter),
                 steps * predicted.reduce_scatter,
-                "{model}: stage {stage}"
+                "{model}{extra}: stage {stage}"
             );
             assert_eq!(
                 sent(Op::AllGather),
                 steps * predicted.all_gather,
-                "{model}: stage {stage}"
+                "{model}{extra}: stage {stage}"
             );
         }
-        if model != "gpt2-tiny" {
+        if model != "gpt2-tiny" || !extra.is_empty() {
             continue;
         }
         // GPT-2's traffic in closed form, independently of the model's own arithmetic.
@@ -257,16 +310,18 @@ fn norm_relative(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn resuming_on_another_world_size_and_stage_reshards_and_continues() {
     // (world, stage, micro-batch) before and after; the batch per step stays 8 sequences. The
-    // models take turns.
+    // models take turns; the last move is a LoRA job's, whose checkpoints hold the adapters
+    // only.
     let moves = [
-        ((4, 2, 2), (2, 1, 4)),
-        ((2, 3, 4), (8, 0, 1)),
-        ((4, 1, 2), (1, 3, 8)),
+        ((4, 2, 2), (2, 1, 4), ""),
+        ((2, 3, 4), (8, 0, 1), ""),
+        ((4, 1, 2), (1, 3, 8), ""),
+        ((2, 3, 4), (4, 1, 2), LORA),
     ];
-    for ((before, after), model) in moves.into_iter().zip(MODELS.into_iter().cycle()) {
+    for ((before, after, lora), model) in moves.into_iter().zip(MODELS.into_iter().cycle()) {
         let with_checkpoints = |(n, s, m): (usize, u8, usize)| {
-            job_of(model, n, s, m, r#", "checkpoint": {"every_steps": 4}"#)
-                .replace("\"steps\": 5", "\"steps\": 10")
+            let extra = format!(r#", "checkpoint": {{"every_steps": 4}}{lora}"#);
+            job_of(model, n, s, m, &extra).replace("\"steps\": 5", "\"steps\": 10")
         };
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let whole = train(&with_checkpoints(before), Some(a.path()));
@@ -289,7 +344,7 @@ fn resuming_on_another_world_size_and_stage_reshards_and_continues() {
                 step + 1
             );
         }
-        let model = |dir: &Path| values(&std::fs::read(dir.join("model.safetensors")).unwrap());
+        let model = |dir: &Path| values(&weights(dir));
         let rel = norm_relative(&model(b.path()), &model(a.path()));
         assert!(
             rel < 1e-5,

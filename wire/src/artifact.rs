@@ -3,12 +3,16 @@
 //! `checkpoints/step-NNNNNNNN/rank-KKKKK.safetensors` for a checkpoint, `model.safetensors` and
 //! `config.json` for the final export, or for an export sharded as Hugging Face shards one,
 //! `model-KKKKK-of-NNNNN.safetensors` and `model.safetensors.index.json` in place of
-//! `model.safetensors`. Anything else is not an artifact, so an agent cannot write outside a
+//! `model.safetensors`; a LoRA job's export is PEFT's `adapter_model.safetensors` and
+//! `adapter_config.json`. Anything else is not an artifact, so an agent cannot write outside a
 //! job's folder in the store.
 
 /// The files of the final export (Hugging Face form).
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
+/// The export of a LoRA job: the adapter in PEFT's form (`PeftModel.from_pretrained` loads it).
+pub const ADAPTER_MODEL_FILE: &str = "adapter_model.safetensors";
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 /// The index of a sharded export (or of any sharded Hugging Face weights): which file holds
 /// each tensor.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -68,6 +72,9 @@ pub enum Artifact {
     },
     Model,
     Config,
+    /// A LoRA job's adapter weights and config (PEFT's files).
+    Adapter,
+    AdapterConfig,
     /// The index of a sharded export.
     Index,
     /// File `index` of the `count` (at least 2) of a sharded export; `1 <= index <= count`.
@@ -83,6 +90,8 @@ impl Artifact {
         match name {
             MODEL_FILE => return Some(Artifact::Model),
             CONFIG_FILE => return Some(Artifact::Config),
+            ADAPTER_MODEL_FILE => return Some(Artifact::Adapter),
+            ADAPTER_CONFIG_FILE => return Some(Artifact::AdapterConfig),
             INDEX_FILE => return Some(Artifact::Index),
             _ => {}
         }
@@ -114,6 +123,8 @@ impl Artifact {
             }
             Artifact::Model => MODEL_FILE.into(),
             Artifact::Config => CONFIG_FILE.into(),
+            Artifact::Adapter => ADAPTER_MODEL_FILE.into(),
+            Artifact::AdapterConfig => ADAPTER_CONFIG_FILE.into(),
             Artifact::Index => INDEX_FILE.into(),
             Artifact::Shard { index, count } => shard_file(index, count),
         }
@@ -123,7 +134,12 @@ impl Artifact {
     pub fn step(self) -> Option<u32> {
         match self {
             Artifact::Manifest { step } | Artifact::Rank { step, .. } => Some(step),
-            Artifact::Model | Artifact::Config | Artifact::Index | Artifact::Shard { .. } => None,
+            Artifact::Model
+            | Artifact::Config
+            | Artifact::Adapter
+            | Artifact::AdapterConfig
+            | Artifact::Index
+            | Artifact::Shard { .. } => None,
         }
     }
 
@@ -167,6 +183,8 @@ mod tests {
             Artifact::Rank { step: 10, rank: 3 },
             Artifact::Model,
             Artifact::Config,
+            Artifact::Adapter,
+            Artifact::AdapterConfig,
             Artifact::Index,
             Artifact::Shard { index: 1, count: 2 },
             Artifact::Shard {

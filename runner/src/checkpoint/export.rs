@@ -7,11 +7,11 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use scheduler::model::ModelShape;
+use scheduler::model::{AdapterTensor, ModelShape, Units};
 
 use crate::Error;
 use wire::artifact::Artifact;
-use wire::artifact::{CONFIG_FILE, INDEX_FILE};
+use wire::artifact::INDEX_FILE;
 
 use super::{io, names, sync_dir, write_synced};
 
@@ -28,8 +28,9 @@ pub const EXPORT_SHARD_BYTES: u64 = 2_000_000_000;
 /// as transformers' `save_pretrained` writes them.
 pub struct ModelFile {
     out: PathBuf,
-    /// The `config.json` written beside it.
+    /// The config written beside it: `config.json`, or an adapter's `adapter_config.json`.
     config: serde_json::Map<String, serde_json::Value>,
+    config_artifact: Artifact,
     /// The files, under temporary names until [`ModelFile::finish`].
     files: Vec<Part>,
     /// Per unit, where each of its tensors' values go.
@@ -159,9 +160,8 @@ impl ModelFile {
         config: &serde_json::Map<String, serde_json::Value>,
         shard_bytes: u64,
     ) -> Result<ModelFile, Error> {
-        fs::create_dir_all(out).map_err(|e| io(out, e))?;
         let layout = model.units(1);
-        let tensors: Vec<ExportTensor> = layout
+        let tensors = layout
             .iter()
             .enumerate()
             .flat_map(|(u, unit)| {
@@ -173,17 +173,59 @@ impl ModelFile {
                 })
             })
             .collect();
+        let config = (Artifact::Config, config.clone());
+        ModelFile::lay_out(out, tensors, layout.iter().count(), config, shard_bytes)
+    }
+
+    /// A LoRA job's export in PEFT's form: `adapter_model.safetensors` (PEFT's tensor names,
+    /// one file: PEFT does not shard adapters) and `adapter_config.json`, whose values are
+    /// the adapters' units' (`Adapters::layout`) in order.
+    pub fn adapter(
+        out: &Path,
+        units: &Units<AdapterTensor>,
+        config: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ModelFile, Error> {
+        let tensors = units
+            .iter()
+            .enumerate()
+            .flat_map(|(l, unit)| {
+                unit.tensors.iter().map(move |t| ExportTensor {
+                    name: t.kind.peft_name(l),
+                    dims: t.dims.to_vec(),
+                    unit: l,
+                    elems: t.range(),
+                })
+            })
+            .collect();
+        let (config, units) = ((Artifact::AdapterConfig, config), units.iter().count());
+        ModelFile::lay_out(out, tensors, units, config, u64::MAX)
+    }
+
+    /// Creates the files of `tensors` (values of `units` units) under temporary names in
+    /// `out` and writes their headers; `config` is the config file written beside them.
+    fn lay_out(
+        out: &Path,
+        tensors: Vec<ExportTensor>,
+        units: usize,
+        (config_artifact, config): (Artifact, serde_json::Map<String, serde_json::Value>),
+        shard_bytes: u64,
+    ) -> Result<ModelFile, Error> {
+        let weights = match config_artifact {
+            Artifact::AdapterConfig => Artifact::Adapter,
+            _ => Artifact::Model,
+        };
+        fs::create_dir_all(out).map_err(|e| io(out, e))?;
         let dealt = deal(&tensors, shard_bytes);
         let count = dealt.len() as u32;
         let artifact = |k: usize| match count {
-            1 => Artifact::Model,
+            1 => weights,
             _ => Artifact::Shard {
                 index: k as u32 + 1,
                 count,
             },
         };
         let mut files = Vec::with_capacity(dealt.len());
-        let mut places: Vec<Vec<Place>> = layout.iter().map(|_| Vec::new()).collect();
+        let mut places: Vec<Vec<Place>> = (0..units).map(|_| Vec::new()).collect();
         // By name, as transformers writes it.
         let mut weight_map = std::collections::BTreeMap::new();
         for (k, range) in dealt.iter().enumerate() {
@@ -226,7 +268,8 @@ impl ModelFile {
         };
         Ok(ModelFile {
             out: out.to_path_buf(),
-            config: config.clone(),
+            config,
+            config_artifact,
             files,
             places,
             index,
@@ -282,10 +325,10 @@ impl ModelFile {
             fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
             written.push((Artifact::Index, path));
         }
-        let path = self.out.join(CONFIG_FILE);
+        let path = self.out.join(self.config_artifact.name());
         let text = serde_json::to_vec_pretty(&self.config).map_err(|e| io(&path, e))?;
         write_synced(&path, &text)?;
-        written.push((Artifact::Config, path));
+        written.push((self.config_artifact, path));
         sync_dir(&self.out)?;
         Ok(written)
     }

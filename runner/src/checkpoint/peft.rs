@@ -1,6 +1,7 @@
-//! PEFT's adapter directories in: `adapter_config.json`, checked against the job's `lora`
-//! block, and `adapter_model.safetensors`, read with PEFT's tensor names
-//! (`AdapterTensor::peft_name`) into the adapters' units.
+//! PEFT's adapter directories: in, `adapter_config.json` checked against the job's `lora`
+//! block and `adapter_model.safetensors` read with PEFT's tensor names
+//! (`AdapterTensor::peft_name`) into the adapters' units; out, the config a LoRA job's export
+//! carries (its weights are written by `ModelFile::adapter`).
 
 use std::io::Read;
 
@@ -12,9 +13,7 @@ use super::import::{HfWeights, Wanted};
 use crate::Error;
 use crate::data::{DataRoots, describe};
 use crate::tensor_file::TensorFile;
-
-pub const ADAPTER_CONFIG: &str = "adapter_config.json";
-pub const ADAPTER_MODEL: &str = "adapter_model.safetensors";
+use wire::artifact::{ADAPTER_CONFIG_FILE as ADAPTER_CONFIG, ADAPTER_MODEL_FILE as ADAPTER_MODEL};
 
 /// The spec field that names an adapter directory.
 const FIELD: &str = "lora.init_from";
@@ -182,5 +181,56 @@ fn check(
             "{key} is set; zerotrain trains plain LoRA adapters"
         )),
         None => Ok(()),
+    }
+}
+
+/// The `adapter_config.json` of a job's adapters, as PEFT writes one for `LoraConfig` with the
+/// same meaning: each adapted projection named as PEFT names modules (`q_proj`), or by its
+/// path in the block (`mlp.c_proj`) where the name alone would select more.
+pub fn adapter_config(
+    model: &ModelShape,
+    lora: &Lora,
+    adapters: &Adapters,
+) -> serde_json::Map<String, serde_json::Value> {
+    let all = model.projections();
+    let chosen = adapters.targets.of(model);
+    let modules: Vec<&str> = chosen
+        .iter()
+        .map(|p| {
+            let same_name = all.iter().filter(|q| q.name == p.name);
+            match same_name.clone().all(|q| chosen.contains(q)) {
+                true => p.name,
+                false => p.path,
+            }
+        })
+        .fold(Vec::new(), |mut names, n| {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+            names
+        });
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": null,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": modules,
+        "fan_in_fan_out": matches!(model, ModelShape::Gpt2(_)),
+        "bias": "none",
+        "use_rslora": false,
+        "use_dora": false,
+        "init_lora_weights": true,
+        "inference_mode": true,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "layers_pattern": null,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    });
+    match config {
+        serde_json::Value::Object(map) => map,
+        _ => unreachable!("a JSON object"),
     }
 }
