@@ -694,6 +694,94 @@ async fn a_qwen2_job_from_a_hugging_face_directory_trains_and_is_pulled_in_trans
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_job_from_a_peft_adapter_trains_on_two_ranks_and_is_pulled_as_peft_saves_it() {
+    let s = service().await;
+    let (stop, thread) = agent(&s, "lora", 2, 1 << 30);
+    s.wait_nodes(1).await;
+    // The base (a transformers directory), the starting adapter (as PEFT saved it) and a token
+    // shard, inside the data roots.
+    let reference = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
+    let root = s.server.state().data_roots.dirs()[0].to_path_buf();
+    let (base, adapter) = (root.join("llama"), root.join("adapter"));
+    for (from, to, files) in [
+        (
+            "llama_parity/llama",
+            &base,
+            &["config.json", "model.safetensors"][..],
+        ),
+        (
+            "lora_parity/llama/adapter",
+            &adapter,
+            &["adapter_config.json", "adapter_model.safetensors"],
+        ),
+    ] {
+        std::fs::create_dir_all(to).unwrap();
+        for file in files {
+            std::fs::copy(reference.join(from).join(file), to.join(file)).unwrap();
+        }
+    }
+    std::fs::copy(
+        reference.join("llama_parity/tokens.bin"),
+        root.join("tokens.bin"),
+    )
+    .unwrap();
+    let read =
+        |path: &Path| -> Value { serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap() };
+    let expected = read(&reference.join("lora_parity/llama/expected.json"));
+    let spec = json!({"model": {"config": read(&base.join("config.json")),
+            "init_from": base.display().to_string()},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear",
+                 "init_from": adapter.display().to_string()},
+        "data": {"kind": "tokens", "path": root.join("tokens.bin").display().to_string()},
+        "world_size": 2, "zero": {"stage": 2}, "precision": {"dtype": "fp32"},
+        "training": {"steps": 3, "micro_batch_size": 1, "seq_len": 32}});
+    let (status, created) = s.submit(spec.clone()).await;
+    assert_eq!(status, 201, "{created}");
+    let id = job_id(&created);
+    let job = s.finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(job["state"], "succeeded", "{job}");
+    // Started from PEFT's adapter on transformers' weights: the first loss is PEFT's on the
+    // same batch (two ranks of one sequence each read the window make.py's batch of two did).
+    let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
+    let first = m["steps"][0]["loss"].as_f64().unwrap();
+    let want = expected["losses"][0].as_f64().unwrap();
+    assert!(
+        (first - want).abs() < 1e-5 * want,
+        "{first} vs PEFT's {want}"
+    );
+    // Pulled, it is PEFT's files: the tensors PEFT's own save holds, and a config that this
+    // trainer reads back as the same adapters.
+    let pulled = s.pull(&id);
+    let mut names: Vec<String> = std::fs::read_dir(pulled.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["adapter_config.json", "adapter_model.safetensors"]);
+    let tensor_names = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<String> = file.names().into_iter().map(str::to_string).collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        tensor_names(&pulled.path().join("adapter_model.safetensors")),
+        tensor_names(&reference.join("lora_parity/llama/trained/adapter_model.safetensors"))
+    );
+    let spec = JobSpec::parse(&spec.to_string(), Purpose::Train)
+        .unwrap()
+        .spec;
+    let (model, lora) = (spec.architecture().model().unwrap(), spec.lora.unwrap());
+    let adapters = lora.adapters(&model);
+    let roots = wire::data_roots::DataRoots::anywhere();
+    let dir = pulled.path().display().to_string();
+    runner::checkpoint::load_peft(&roots, &dir, &model, &lora, &adapters).unwrap();
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_resumed_from_another_job_s_checkpoint_continues_it_exactly() {
     let s = service().await;
     let (stop, thread) = agent(&s, "resumer", 2, 1 << 30);

@@ -1,7 +1,8 @@
 //! `zerotrain pull JOB [--to DIR] [--all]`: download a job's files into a folder — by default
 //! the final export (`config.json` + `model.safetensors`, or for a sharded export
 //! `model-KKKKK-of-NNNNN.safetensors` + `model.safetensors.index.json`), which `transformers`'
-//! `from_pretrained(DIR)` loads as it is. Each file streams into `.NAME.part` beside its place,
+//! `from_pretrained(DIR)` loads as it is; for a LoRA job its adapter (`adapter_config.json` +
+//! `adapter_model.safetensors`), which PEFT's `PeftModel.from_pretrained(base, DIR)` loads. Each file streams into `.NAME.part` beside its place,
 //! hashed on the way, and is renamed into place only once its size and SHA-256 match the
 //! server's listing; an interrupted pull leaves the part, and the next one asks for the rest.
 
@@ -14,7 +15,10 @@ use reqwest::{Method, StatusCode, header};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt, BufWriter};
-use wire::artifact::{Artifact, CONFIG_FILE, INDEX_FILE, MODEL_FILE, shard_file, url_segment};
+use wire::artifact::{
+    ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE, Artifact, CONFIG_FILE, INDEX_FILE, MODEL_FILE,
+    shard_file, url_segment,
+};
 
 use crate::client::{Client, Connection, check_id};
 
@@ -86,7 +90,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// The files to download: the export (`config.json` and the weights: `model.safetensors`, or
-/// a sharded export's shards and index), or with `all` every file the job has.
+/// a sharded export's shards and index; a LoRA job's two adapter files), or with `all` every
+/// file the job has.
 fn select<'a>(id: &str, listed: &'a [Listed], all: bool) -> anyhow::Result<Vec<&'a Listed>> {
     let has = || {
         if listed.is_empty() {
@@ -111,6 +116,16 @@ fn select<'a>(id: &str, listed: &'a [Listed], all: bool) -> anyhow::Result<Vec<&
             has()
         )
     };
+    // A LoRA job's export is its adapter, as PEFT saves one: both files or neither.
+    let adapter = [ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE]
+        .map(|name| listed.iter().find(|a| a.name == name));
+    if adapter.iter().any(Option::is_some) {
+        return [ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE]
+            .into_iter()
+            .zip(adapter)
+            .map(|(name, found)| found.ok_or_else(|| missing(name)))
+            .collect();
+    }
     let config = listed
         .iter()
         .find(|a| a.name == CONFIG_FILE)
@@ -490,6 +505,24 @@ mod tests {
             "{e}"
         );
         assert!(select("j1", &[], true).is_err());
+    }
+
+    #[test]
+    fn a_lora_job_s_export_is_its_adapter_and_half_an_adapter_names_the_other_half() {
+        let all = [
+            listed("adapter_model.safetensors", 2, "b"),
+            listed("adapter_config.json", 1, "a"),
+            listed("checkpoints/step-00000020/manifest.json", 3, "c"),
+        ];
+        assert_eq!(
+            names(select("j1", &all, false).unwrap()),
+            ["adapter_config.json", "adapter_model.safetensors"]
+        );
+        let e = select("j1", &all[1..], false).unwrap_err().to_string();
+        assert!(
+            e.contains("job j1 has no adapter_model.safetensors yet"),
+            "{e}"
+        );
     }
 
     #[test]

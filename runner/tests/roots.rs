@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use runner::Error;
 use runner::accounting::Accountant;
-use runner::checkpoint::{load_hf, max_hf_file_bytes};
+use runner::checkpoint::{load_hf, load_peft, max_hf_file_bytes};
 use runner::data::{BatchLayout, DataLoader, DataRoots, Inputs, Tokenizing};
 use scheduler::model::{ModelShape, Preset};
 use scheduler::spec::{Data, JobSpec, Purpose, Validation};
@@ -263,6 +263,66 @@ fn init_from_is_read_inside_the_roots_and_no_larger_than_the_model_s_weights() {
         err,
         "model.init_from \"w.safetensors\": not a safetensors file"
     );
+}
+
+#[test]
+fn a_lora_adapter_is_read_inside_the_roots_and_only_if_its_config_agrees_with_the_spec() {
+    let node = Node::new();
+    let reference = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/reference/lora_parity/llama");
+    let adapter = node.root().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(reference.join("adapter").join(file), adapter.join(file)).unwrap();
+    }
+    let config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(reference.join("../../llama_parity/llama/config.json")).unwrap(),
+    )
+    .unwrap();
+    let spec = |lora: serde_json::Value| {
+        let spec = serde_json::json!({"model": {"config": config}, "lora": lora});
+        JobSpec::parse(&spec.to_string(), Purpose::Train)
+            .unwrap()
+            .spec
+    };
+    let load = |lora: serde_json::Value, dir: &str| {
+        let spec = spec(lora);
+        let (model, lora) = (spec.architecture().model().unwrap(), spec.lora.unwrap());
+        load_peft(&node.roots, dir, &model, &lora, &lora.adapters(&model))
+    };
+    let ours = serde_json::json!({"rank": 4, "alpha": 8, "target_modules": "all-linear"});
+    load(ours.clone(), "adapter").unwrap();
+    for (dir, case) in [
+        (node.base.path().to_str().unwrap(), "a folder outside"),
+        ("..", "the data dir with the admin token"),
+    ] {
+        assert_outside(load(ours.clone(), dir), "lora.init_from", case);
+        let mut crossing = ours.clone();
+        crossing["init_from"] = dir.into();
+        assert_eq!(
+            node.roots.refused_input(&spec(crossing)),
+            Some("lora.init_from"),
+            "the server refuses {case} before any node sees it"
+        );
+    }
+    for (lora, says) in [
+        (
+            serde_json::json!({"rank": 8, "alpha": 8, "target_modules": "all-linear"}),
+            "the adapter's r is 4; the spec's lora block says rank 8",
+        ),
+        (
+            serde_json::json!({"rank": 4, "alpha": 16, "target_modules": "all-linear"}),
+            "the adapter's lora_alpha is 8; the spec's lora block says alpha 16",
+        ),
+        (
+            serde_json::json!({"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}),
+            "the spec's lora block says target_modules self_attn.q_proj, self_attn.v_proj",
+        ),
+    ] {
+        let err = load(lora, "adapter").unwrap_err().to_string();
+        assert!(err.starts_with("lora.init_from \""), "{err}");
+        assert!(err.contains(says), "{err}");
+    }
 }
 
 #[test]
