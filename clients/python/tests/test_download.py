@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from zerotrain import ArtifactError, Client, Job, ZerotrainError
+from zerotrain.artifacts import model_files as finished_files
 
 JOB = "01a23325-4174-7537-ac16-414027c702ba"
 
@@ -248,3 +249,12 @@ def test_a_finished_job_downloads_as_a_from_pretrained_folder(
         got = {name: f.get_tensor(name) for name in f.keys()}
     assert {name: t.shape for name, t in got.items()} == want
     assert {str(t.dtype) for t in got.values()} == {"float32"}
+
+
+def test_a_lora_job_downloads_its_adapter_as_peft_saves_it() -> None:
+    assert finished_files({"adapter_config.json", "adapter_model.safetensors", "checkpoints/x"}) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    # Half an adapter is still asked for whole, so that the missing half is named.
+    assert finished_files({"adapter_config.json"}) == ["adapter_config.json", "adapter_model.safetensors"]

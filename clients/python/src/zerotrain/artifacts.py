@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 # What Hugging Face's `from_pretrained` reads from a folder: the finished model, when its weights
 # are one file.
 MODEL_FILES = ("config.json", "model.safetensors")
+# A LoRA job's finished adapter, as PEFT's `PeftModel.from_pretrained(base, folder)` reads it.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # A sharded model's index (which file holds each tensor), beside its shards.
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -50,7 +52,10 @@ def download(client: "Client", job_id: str, to: str | Path, names: Iterable[str]
 def model_files(listed: Collection[str]) -> list[str]:
     """The files of a job's finished model, from the names of the artifacts it has: `config.json`
     and `model.safetensors`, or for a model sharded as transformers shards one, every shard
-    `model-KKKKK-of-NNNNN.safetensors` and then `model.safetensors.index.json`."""
+    `model-KKKKK-of-NNNNN.safetensors` and then `model.safetensors.index.json`; for a LoRA job,
+    its adapter (`adapter_config.json`, `adapter_model.safetensors`)."""
+    if any(name in listed for name in ADAPTER_FILES):
+        return list(ADAPTER_FILES)
     if INDEX_FILE not in listed or MODEL_FILES[1] in listed:
         return list(MODEL_FILES)
     counts = [int(m[2]) for m in map(_SHARD.fullmatch, listed) if m]
