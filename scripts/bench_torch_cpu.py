@@ -7,6 +7,10 @@ weights); eager attention, or PyTorch's `scaled_dot_product_attention` (`--attn 
 
     python bench_torch_cpu.py --dtype fp32|bf16 [--model smollm2-135M|gpt2-124M]
         [--batch 4] [--seq 128] [--attn eager|sdpa] [--threads N] [--warmup 2] [--steps 5]
+        [--lora R]
+
+With `--lora R`, PEFT's LoRA adapters of rank R (alpha 2R, no dropout) on every linear
+projection (`"all-linear"`) are trained on the frozen model instead (needs peft).
 
 Prints one JSON object: {"dtype", "threads", "steps", "median_step_s", "tokens_per_second",
 "torch", "transformers"}. Denormals are flushed, as zerotrain flushes them: without it AdamW's
@@ -49,6 +53,7 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lora", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -56,8 +61,14 @@ def main():
     B, T = args.batch, args.seq
     model = build(args.model, args.attn).train()
     vocab = model.config.vocab_size
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
+    if args.lora:
+        import peft
+
+        config = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear")
+        model = peft.get_peft_model(model, config).train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.dim() >= 2]
+    other = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
         lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
@@ -82,6 +93,7 @@ def main():
         "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
         "median_step_s": step, "tokens_per_second": B * T / step,
         "torch": torch.__version__, "transformers": transformers.__version__,
+        "lora": args.lora,
     }))
 
 

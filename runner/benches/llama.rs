@@ -11,10 +11,15 @@
 //! attention, norms and activations, loss, optimizer, collectives) and what ran outside
 //! kernels.
 //!
-//! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows).
+//! A third table trains LoRA adapters instead (rank 16, alpha 32, every linear projection, the
+//! base frozen), beside PEFT on transformers with the same adapters.
+//!
+//! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows,
+//! `lora` the LoRA table's).
 //! With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers, each row
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
-//! the same shape, batch and thread count) in the same run and prints the ratio.
+//! the same shape, batch and thread count) in the same run and prints the ratio; the LoRA rows
+//! need peft there too.
 
 use common::roofline;
 use runner::step_timers::{self, Group};
@@ -27,6 +32,8 @@ const T: usize = 128;
 const MODEL: &str = "smollm2-135M";
 const WARMUP: usize = 2;
 const MEASURED: usize = 5;
+/// The LoRA rows' adapters: PEFT's `r` and `lora_alpha`, on every linear projection.
+const LORA_RANK: usize = 16;
 
 /// A mean step: its seconds, and those in each kernel group.
 type MeanStep = (f64, Vec<(Group, f64)>);
@@ -109,6 +116,14 @@ fn main() {
             step / gemm
         );
     }
+    if !breakdown.is_empty() {
+        print_breakdown(breakdown);
+    }
+    lora_rows(&filters, python.as_deref(), threads);
+}
+
+/// The kernel-group split of each row's mean step.
+fn print_breakdown(breakdown: Vec<(&str, MeanStep)>) {
     println!();
     let names: Vec<&str> = Group::ALL.iter().map(|g| g.name()).collect();
     println!(
@@ -126,4 +141,50 @@ fn main() {
             cell(outside)
         );
     }
+}
+
+/// The LoRA table: zerotrain's adapters on the frozen model beside PEFT's, per dtype.
+fn lora_rows(filters: &common::Filters, python: Option<&str>, threads: usize) {
+    let rows: Vec<&str> = ["fp32", "bf16"]
+        .into_iter()
+        .filter(|d| filters.keeps(&format!("{d} lora")))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "| LoRA r {LORA_RANK}, alpha {}, all-linear | zerotrain s/step | min–max s | tokens/s | PEFT tokens/s | × PEFT |",
+        2 * LORA_RANK
+    );
+    println!("|---|---|---|---|---|---|");
+    let lora = format!(
+        r#", "lora": {{"rank": {LORA_RANK}, "alpha": {}, "target_modules": "all-linear"}}"#,
+        2 * LORA_RANK
+    );
+    let model = format!(r#"{{"preset": "{MODEL}"}}"#);
+    let tokens = (B * T) as f64;
+    let mut breakdown = Vec::new();
+    for dtype in rows {
+        let spec = common::adamw_job_with(&model, dtype, (B, T), WARMUP + MEASURED, &lora);
+        let what = format!("{dtype} lora");
+        let seconds = common::cpu_step_seconds(&spec, WARMUP, &what);
+        let mean = seconds.iter().sum::<f64>() / seconds.len() as f64;
+        breakdown.push((dtype, (mean, common::kernel_groups(MEASURED))));
+        let (step, lo, hi) = common::median_min_max(&seconds);
+        let (peft, ratio) = match python {
+            Some(py) => {
+                let args = ["--dtype", dtype, "--lora", &LORA_RANK.to_string()];
+                let t = common::torch_step_seconds(py, &args, threads, (WARMUP, MEASURED))
+                    .unwrap_or_else(|e| panic!("bench_torch_cpu.py --lora {e}"));
+                (format!("{:.1}", tokens / t), format!("{:.2}×", t / step))
+            }
+            None => ("—".into(), "—".into()),
+        };
+        println!(
+            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {peft} | {ratio} |",
+            tokens / step
+        );
+    }
+    print_breakdown(breakdown);
 }

@@ -71,8 +71,19 @@ pub fn kernel_groups(measured: usize) -> Vec<(step_timers::Group, f64)> {
 /// AdamW (betas 0.9/0.95, weight decay 0.1, as `scripts/bench_torch_cpu.py`), `b` sequences of
 /// `t` tokens, `steps` steps, stage 0, no checkpointing.
 pub fn adamw_job(model: &str, dtype: &str, (b, t): (usize, usize), steps: usize) -> JobSpec {
+    adamw_job_with(model, dtype, (b, t), steps, "")
+}
+
+/// [`adamw_job`] with more top-level fields (`, "lora": {…}`).
+pub fn adamw_job_with(
+    model: &str,
+    dtype: &str,
+    (b, t): (usize, usize),
+    steps: usize,
+    extra: &str,
+) -> JobSpec {
     let json = format!(
-        r#"{{"model": {model}, "precision": {{"dtype": "{dtype}"}},
+        r#"{{"model": {model}, "precision": {{"dtype": "{dtype}"}}{extra},
             "optimizer": {{"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}},
             "training": {{"micro_batch_size": {b}, "seq_len": {t}, "steps": {steps}}},
             "zero": {{"stage": 0}}, "activation_checkpointing": false}}"#
