@@ -523,6 +523,14 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
                 spec.optimizer.name()
             )));
         }
+        let (_, trained) = setup.parameter_counts();
+        let written = m.trained_parameters.unwrap_or(setup.parameter_counts().0);
+        if written != trained {
+            return Err(fail(format!(
+                "written by a job that trains {written} parameters; this one trains {trained} \
+                 (a LoRA job's checkpoints hold its adapters only)"
+            )));
+        }
         if setup.lora.is_some() {
             self.load_model(job)?;
         }
@@ -644,6 +652,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             data: self.data.position(),
             losses: self.losses.clone(),
             validation: self.validation_losses.clone(),
+            trained_parameters: Some(setup.parameter_counts().1),
         };
         self.engine
             .save_checkpoint(out, &manifest, opts.upload.as_deref())?;

@@ -122,6 +122,20 @@ fn a_checkpoint_from_another_configuration_is_refused() {
         err.contains("written by a Fp32 adamw job; this one is Bf16 adamw"),
         "{err}"
     );
+    // The same model with adapters trains other values: its checkpoints are not these.
+    let lora = json.replace(
+        "}, \"training\"",
+        "}, \"lora\": {\"rank\": 2}, \"training\"",
+    );
+    let spec = JobSpec::parse(&lora, Purpose::Train).unwrap().spec;
+    let plan = plan_local(&spec, None).unwrap();
+    let err = run(&spec, &plan, &opts, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("written by a job that trains 141056 parameters; this one trains 1024"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -67,6 +67,11 @@ pub struct Manifest {
     /// Validation losses so far, likewise.
     #[serde(default)]
     pub validation: Vec<ValidationLoss>,
+    /// Values the job trains: the model's, or a LoRA job's adapters' (its checkpoints hold
+    /// only those). Absent in checkpoints written before LoRA jobs were trained, which were all
+    /// full fine-tuning's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trained_parameters: Option<u64>,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> Error {
