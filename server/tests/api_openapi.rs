@@ -224,7 +224,10 @@ async fn the_job_spec_requires_model_as_the_server_does() {
 async fn the_job_spec_schema_names_every_field_of_the_spec() {
     let app = TestApp::new().await;
     app.register("n1", 1, 2 * GIB).await;
-    let id = app.submit_ok(&tiny_spec(1)).await;
+    // With adapters, so that the optional `lora` block is there too.
+    let mut submitted = tiny_spec(1);
+    submitted["lora"] = serde_json::json!({"rank": 2});
+    let id = app.submit_ok(&submitted).await;
     let spec = app.job(&id).await["spec"].clone();
     let mut fields: Vec<&str> = spec
         .as_object()

@@ -59,6 +59,13 @@ impl PartialSchema for JobSpecBody {
                      as the agents' operator allows"
                 ),
                 "checkpoint": section("`{\"every_steps\": N}` (default 0: only the final export)"),
+                "lora": section(
+                    "`scheduler::spec::Lora`: train low-rank adapters on the frozen model, with \
+                     PEFT's meanings: rank (8), alpha (8), dropout (0), target_modules (module \
+                     names or \"all-linear\"), quantize_base (\"nf4\"), init_from (a PEFT \
+                     adapter directory inside the agents' data roots); the export is PEFT's \
+                     adapter files"
+                ),
                 "device": {
                     "type": "string",
                     "enum": ["cuda", "cpu", "auto"],
