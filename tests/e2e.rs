@@ -749,15 +749,6 @@ async fn a_lora_job_from_a_peft_adapter_trains_on_two_ranks_and_is_pulled_as_pef
         (first - want).abs() < 1e-5 * want,
         "{first} vs PEFT's {want}"
     );
-    // Pulled, it is PEFT's files: the tensors PEFT's own save holds, and a config that this
-    // trainer reads back as the same adapters.
-    let pulled = s.pull(&id);
-    let mut names: Vec<String> = std::fs::read_dir(pulled.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["adapter_config.json", "adapter_model.safetensors"]);
     let tensor_names = |path: &Path| {
         let bytes = std::fs::read(path).unwrap();
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -765,6 +756,24 @@ async fn a_lora_job_from_a_peft_adapter_trains_on_two_ranks_and_is_pulled_as_pef
         names.sort();
         names
     };
+    // Pulled, it is PEFT's files (the tensors PEFT's own save holds, and a config that this
+    // trainer reads back as the same adapters) and the merged model in transformers' form.
+    let pulled = s.pull(&id);
+    let mut names: Vec<String> = std::fs::read_dir(pulled.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["adapter_config.json", "adapter_model.safetensors", "merged"]
+    );
+    let merged = pulled.path().join("merged");
+    assert_eq!(read(&merged.join("config.json"))["model_type"], "llama");
+    assert_eq!(
+        tensor_names(&merged.join("model.safetensors")),
+        tensor_names(&base.join("model.safetensors"))
+    );
     assert_eq!(
         tensor_names(&pulled.path().join("adapter_model.safetensors")),
         tensor_names(&reference.join("lora_parity/llama/trained/adapter_model.safetensors"))

@@ -2,7 +2,8 @@
 //! the final export (`config.json` + `model.safetensors`, or for a sharded export
 //! `model-KKKKK-of-NNNNN.safetensors` + `model.safetensors.index.json`), which `transformers`'
 //! `from_pretrained(DIR)` loads as it is; for a LoRA job its adapter (`adapter_config.json` +
-//! `adapter_model.safetensors`), which PEFT's `PeftModel.from_pretrained(base, DIR)` loads. Each file streams into `.NAME.part` beside its place,
+//! `adapter_model.safetensors`), which PEFT's `PeftModel.from_pretrained(base, DIR)` loads,
+//! and the merged model under `merged/`. Each file streams into `.NAME.part` beside its place,
 //! hashed on the way, and is renamed into place only once its size and SHA-256 match the
 //! server's listing; an interrupted pull leaves the part, and the next one asks for the rest.
 
@@ -16,8 +17,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt, BufWriter};
 use wire::artifact::{
-    ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE, Artifact, CONFIG_FILE, INDEX_FILE, MODEL_FILE,
-    shard_file, url_segment,
+    ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE, Artifact, CONFIG_FILE, INDEX_FILE, MERGED_CONFIG_FILE,
+    MERGED_MODEL_FILE, MODEL_FILE, shard_file, url_segment,
 };
 
 use crate::client::{Client, Connection, check_id};
@@ -90,8 +91,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// The files to download: the export (`config.json` and the weights: `model.safetensors`, or
-/// a sharded export's shards and index; a LoRA job's two adapter files), or with `all` every
-/// file the job has.
+/// a sharded export's shards and index; a LoRA job's two adapter files and its merged model),
+/// or with `all` every file the job has.
 fn select<'a>(id: &str, listed: &'a [Listed], all: bool) -> anyhow::Result<Vec<&'a Listed>> {
     let has = || {
         if listed.is_empty() {
@@ -116,13 +117,19 @@ fn select<'a>(id: &str, listed: &'a [Listed], all: bool) -> anyhow::Result<Vec<&
             has()
         )
     };
-    // A LoRA job's export is its adapter, as PEFT saves one: both files or neither.
-    let adapter = [ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE]
-        .map(|name| listed.iter().find(|a| a.name == name));
-    if adapter.iter().any(Option::is_some) {
-        return [ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE]
+    // A LoRA job's export is its adapter, as PEFT saves one, and its merged model: every
+    // file or none.
+    let lora = [
+        ADAPTER_CONFIG_FILE,
+        ADAPTER_MODEL_FILE,
+        MERGED_CONFIG_FILE,
+        MERGED_MODEL_FILE,
+    ];
+    let found = lora.map(|name| listed.iter().find(|a| a.name == name));
+    if found.iter().any(Option::is_some) {
+        return lora
             .into_iter()
-            .zip(adapter)
+            .zip(found)
             .map(|(name, found)| found.ok_or_else(|| missing(name)))
             .collect();
     }
@@ -508,15 +515,22 @@ mod tests {
     }
 
     #[test]
-    fn a_lora_job_s_export_is_its_adapter_and_half_an_adapter_names_the_other_half() {
+    fn a_lora_job_s_export_is_its_adapter_and_merged_model_and_a_missing_file_is_named() {
         let all = [
             listed("adapter_model.safetensors", 2, "b"),
             listed("adapter_config.json", 1, "a"),
+            listed("merged/config.json", 1, "d"),
+            listed("merged/model.safetensors", 4, "e"),
             listed("checkpoints/step-00000020/manifest.json", 3, "c"),
         ];
         assert_eq!(
             names(select("j1", &all, false).unwrap()),
-            ["adapter_config.json", "adapter_model.safetensors"]
+            [
+                "adapter_config.json",
+                "adapter_model.safetensors",
+                "merged/config.json",
+                "merged/model.safetensors"
+            ]
         );
         let e = select("j1", &all[1..], false).unwrap_err().to_string();
         assert!(

@@ -397,6 +397,28 @@ fn on_device<X: Num + Summable>(
     }
 }
 
+/// The Hugging Face weights `model.init_from` names (or the agent fetched for it), if any.
+fn model_weights(job: &RankJob<'_, '_>) -> Result<Option<checkpoint::HfWeights>, Error> {
+    let model = &job.model;
+    Ok(Some(
+        match (&job.opts.init_weights, &job.spec.model.init_from) {
+            (Some(file), _) => checkpoint::load_hf_file(file, model)?,
+            (None, Some(InitFrom::Path(path))) => {
+                checkpoint::load_hf(&job.opts.data_roots, path, model)?
+            }
+            (None, Some(InitFrom::Artifact(a))) => {
+                return Err(Error::Untrainable {
+                    reason: format!(
+                        "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
+                        a.job
+                    ),
+                });
+            }
+            (None, None) => return Ok(None),
+        },
+    ))
+}
+
 /// One rank's run, in order: resume or initialise, run the steps (checkpointing when due and
 /// reporting each), export, and report what it measured.
 fn train_rank<X: Num + Summable, D: DeviceCollectives>(
@@ -578,23 +600,10 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
     /// Loads `model.init_from`'s weights, if it names any: the model's start, or a LoRA job's
     /// frozen base (which its checkpoints do not hold).
     fn load_model(&mut self, job: &RankJob<'_, '_>) -> Result<(), Error> {
-        let model = &job.model;
-        let weights = match (&job.opts.init_weights, &job.spec.model.init_from) {
-            (Some(file), _) => checkpoint::load_hf_file(file, model)?,
-            (None, Some(InitFrom::Path(path))) => {
-                checkpoint::load_hf(&job.opts.data_roots, path, model)?
-            }
-            (None, Some(InitFrom::Artifact(a))) => {
-                return Err(Error::Untrainable {
-                    reason: format!(
-                        "model.init_from names job {}'s model, which only an agent fetches (from its server); give a file",
-                        a.job
-                    ),
-                });
-            }
-            (None, None) => return Ok(()),
-        };
-        self.engine.load_weights(&weights)
+        match model_weights(job)? {
+            Some(weights) => self.engine.load_weights(&weights),
+            None => Ok(()),
+        }
     }
 
     /// Optimizer step `step` (from 0) at its scheduled learning rate; returns it and its
@@ -682,12 +691,25 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
         };
         let file = (self.engine.rank() == 0).then(create).transpose()?;
         self.engine.export(file.as_ref())?;
-        if let Some(file) = file {
-            let written = file.finish()?;
-            if let Some(up) = &job.opts.upload {
-                for (artifact, path) in &written {
-                    up.upload(*artifact, path)?;
-                }
+        let Some(file) = file else {
+            return Ok(());
+        };
+        let mut written = file.finish()?;
+        if let Some(adapters) = &job.setup.lora {
+            let weights = model_weights(job)?;
+            let base = match &weights {
+                Some(w) => checkpoint::Base::File(w),
+                None => checkpoint::Base::Seeded(job.spec.training.seed),
+            };
+            let round = |v: f32| X::from_f32(v).to_f32();
+            let (model, config) = (&job.model, job.hf_config);
+            written.extend(checkpoint::write_merged(
+                out, model, config, base, adapters, round,
+            )?);
+        }
+        if let Some(up) = &job.opts.upload {
+            for (artifact, path) in &written {
+                up.upload(*artifact, path)?;
             }
         }
         Ok(())

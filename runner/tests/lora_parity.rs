@@ -103,10 +103,77 @@ fn parity(family: &str, base: &Path) {
             "{family}: {name} differs from PEFT's by {rel:e}"
         );
     }
+    merged_is_the_base_with_peft_s_product(family, base, out.path(), &theirs);
 }
 
+/// The merged model under `out` is the base with s·B·A of PEFT's trained adapter (`theirs`)
+/// added to each adapted weight (transposed for GPT-2's Conv1D), under the base's names; the
+/// rest is the base.
+fn merged_is_the_base_with_peft_s_product(family: &str, base: &Path, out: &Path, theirs: &Tensors) {
+    let merged = tensors(&std::fs::read(out.join("merged/model.safetensors")).unwrap());
+    let base_file = tensors(&std::fs::read(base.join("model.safetensors")).unwrap());
+    let scaling = 2.0; // alpha 8 / rank 4
+    let mut adapted = 0;
+    for (name, (shape, values)) in &merged {
+        let local = name.strip_prefix("transformer.").unwrap_or(name);
+        let (_, w) = base_file
+            .get(name)
+            .or_else(|| base_file.get(local))
+            .unwrap_or_else(|| panic!("{family}: {name} is not the base's"));
+        let module = local.strip_suffix(".weight").unwrap_or(local);
+        let peft = |part: &str| {
+            theirs
+                .iter()
+                .find(|(n, _)| n.ends_with(&format!(".{module}.{part}.weight")))
+                .map(|(_, t)| t)
+        };
+        let want: Vec<f32> = match (peft("lora_A"), peft("lora_B")) {
+            (Some((a_shape, a)), Some((b_shape, b))) => {
+                adapted += 1;
+                let (r, inputs, outputs) = (a_shape[0], a_shape[1], b_shape[0]);
+                (0..values.len())
+                    .map(|e| {
+                        let (row, col) = if family == "gpt2" {
+                            (e % outputs, e / outputs)
+                        } else {
+                            (e / inputs, e % inputs)
+                        };
+                        let dot: f32 = (0..r).map(|k| b[row * r + k] * a[k * inputs + col]).sum();
+                        w[e] + scaling * dot
+                    })
+                    .collect()
+            }
+            _ => w.clone(),
+        };
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            want.len(),
+            "{family}: {name}"
+        );
+        let diff: f64 = values
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum();
+        let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+        // Zero tensors (GPT-2's initial biases) must come out zero.
+        let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+        assert!(rel < 1e-6, "{family}: merged {name} differs by {rel:e}");
+    }
+    assert_eq!(
+        2 * adapted,
+        theirs.len(),
+        "{family}: every adapted weight merged"
+    );
+    let config = read_json(&out.join("merged/config.json"));
+    let base_config = read_json(&base.join("config.json"));
+    assert_eq!(config["model_type"], base_config["model_type"], "{family}");
+}
+
+type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// Each tensor of a safetensors file (F32) by name: its shape and values.
-fn tensors(bytes: &[u8]) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+fn tensors(bytes: &[u8]) -> Tensors {
     let file = SafeTensors::deserialize(bytes).unwrap();
     file.tensors()
         .into_iter()

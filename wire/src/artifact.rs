@@ -4,7 +4,8 @@
 //! `config.json` for the final export, or for an export sharded as Hugging Face shards one,
 //! `model-KKKKK-of-NNNNN.safetensors` and `model.safetensors.index.json` in place of
 //! `model.safetensors`; a LoRA job's export is PEFT's `adapter_model.safetensors` and
-//! `adapter_config.json`. Anything else is not an artifact, so an agent cannot write outside a
+//! `adapter_config.json`, with its merged model as `merged/model.safetensors` and
+//! `merged/config.json`. Anything else is not an artifact, so an agent cannot write outside a
 //! job's folder in the store.
 
 /// The files of the final export (Hugging Face form).
@@ -13,6 +14,9 @@ pub const CONFIG_FILE: &str = "config.json";
 /// The export of a LoRA job: the adapter in PEFT's form (`PeftModel.from_pretrained` loads it).
 pub const ADAPTER_MODEL_FILE: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// A LoRA job's merged model (`W + (alpha/rank)·B·A`), in Hugging Face form beside its adapter.
+pub const MERGED_MODEL_FILE: &str = "merged/model.safetensors";
+pub const MERGED_CONFIG_FILE: &str = "merged/config.json";
 /// The index of a sharded export (or of any sharded Hugging Face weights): which file holds
 /// each tensor.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -75,6 +79,9 @@ pub enum Artifact {
     /// A LoRA job's adapter weights and config (PEFT's files).
     Adapter,
     AdapterConfig,
+    /// A LoRA job's merged model and its config, under `merged/`.
+    MergedModel,
+    MergedConfig,
     /// The index of a sharded export.
     Index,
     /// File `index` of the `count` (at least 2) of a sharded export; `1 <= index <= count`.
@@ -92,6 +99,8 @@ impl Artifact {
             CONFIG_FILE => return Some(Artifact::Config),
             ADAPTER_MODEL_FILE => return Some(Artifact::Adapter),
             ADAPTER_CONFIG_FILE => return Some(Artifact::AdapterConfig),
+            MERGED_MODEL_FILE => return Some(Artifact::MergedModel),
+            MERGED_CONFIG_FILE => return Some(Artifact::MergedConfig),
             INDEX_FILE => return Some(Artifact::Index),
             _ => {}
         }
@@ -125,6 +134,8 @@ impl Artifact {
             Artifact::Config => CONFIG_FILE.into(),
             Artifact::Adapter => ADAPTER_MODEL_FILE.into(),
             Artifact::AdapterConfig => ADAPTER_CONFIG_FILE.into(),
+            Artifact::MergedModel => MERGED_MODEL_FILE.into(),
+            Artifact::MergedConfig => MERGED_CONFIG_FILE.into(),
             Artifact::Index => INDEX_FILE.into(),
             Artifact::Shard { index, count } => shard_file(index, count),
         }
@@ -138,6 +149,8 @@ impl Artifact {
             | Artifact::Config
             | Artifact::Adapter
             | Artifact::AdapterConfig
+            | Artifact::MergedModel
+            | Artifact::MergedConfig
             | Artifact::Index
             | Artifact::Shard { .. } => None,
         }
@@ -185,6 +198,8 @@ mod tests {
             Artifact::Config,
             Artifact::Adapter,
             Artifact::AdapterConfig,
+            Artifact::MergedModel,
+            Artifact::MergedConfig,
             Artifact::Index,
             Artifact::Shard { index: 1, count: 2 },
             Artifact::Shard {

@@ -251,10 +251,9 @@ def test_a_finished_job_downloads_as_a_from_pretrained_folder(
     assert {str(t.dtype) for t in got.values()} == {"float32"}
 
 
-def test_a_lora_job_downloads_its_adapter_as_peft_saves_it() -> None:
-    assert finished_files({"adapter_config.json", "adapter_model.safetensors", "checkpoints/x"}) == [
-        "adapter_config.json",
-        "adapter_model.safetensors",
-    ]
-    # Half an adapter is still asked for whole, so that the missing half is named.
-    assert finished_files({"adapter_config.json"}) == ["adapter_config.json", "adapter_model.safetensors"]
+def test_a_lora_job_downloads_its_adapter_as_peft_saves_it_and_its_merged_model() -> None:
+    lora = ["adapter_config.json", "adapter_model.safetensors"]
+    lora += ["merged/config.json", "merged/model.safetensors"]
+    assert finished_files({*lora, "checkpoints/x"}) == lora
+    # Part of it is still asked for whole, so that what is missing is named.
+    assert finished_files({"adapter_config.json"}) == lora

@@ -135,6 +135,12 @@ fn deal(tensors: &[ExportTensor], limit: u64) -> Vec<std::ops::Range<usize>> {
     files
 }
 
+/// Where the file `path` is written before it is renamed into place: `.NAME.tmp` beside it.
+fn temporary(path: &Path) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!(".{name}.tmp"))
+}
+
 /// A safetensors header for `tensors` in order, padded with spaces to a multiple of 8 bytes
 /// as safetensors' own writer pads it.
 fn export_header(tensors: &[ExportTensor], path: &Path) -> Result<Vec<u8>, Error> {
@@ -160,6 +166,30 @@ impl ModelFile {
         config: &serde_json::Map<String, serde_json::Value>,
         shard_bytes: u64,
     ) -> Result<ModelFile, Error> {
+        ModelFile::of_model(out, model, (Artifact::Config, config.clone()), shard_bytes)
+    }
+
+    /// A LoRA job's merged model, as [`ModelFile::create`] lays out a model but as one file:
+    /// `merged/model.safetensors` and `merged/config.json` under `out`.
+    pub fn merged(
+        out: &Path,
+        model: &ModelShape,
+        config: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ModelFile, Error> {
+        ModelFile::of_model(
+            out,
+            model,
+            (Artifact::MergedConfig, config.clone()),
+            u64::MAX,
+        )
+    }
+
+    fn of_model(
+        out: &Path,
+        model: &ModelShape,
+        config: (Artifact, serde_json::Map<String, serde_json::Value>),
+        shard_bytes: u64,
+    ) -> Result<ModelFile, Error> {
         let layout = model.units(1);
         let tensors = layout
             .iter()
@@ -173,7 +203,6 @@ impl ModelFile {
                 })
             })
             .collect();
-        let config = (Artifact::Config, config.clone());
         ModelFile::lay_out(out, tensors, layout.iter().count(), config, shard_bytes)
     }
 
@@ -212,9 +241,12 @@ impl ModelFile {
     ) -> Result<ModelFile, Error> {
         let weights = match config_artifact {
             Artifact::AdapterConfig => Artifact::Adapter,
+            Artifact::MergedConfig => Artifact::MergedModel,
             _ => Artifact::Model,
         };
-        fs::create_dir_all(out).map_err(|e| io(out, e))?;
+        let folder = out.join(weights.name());
+        let folder = folder.parent().expect("a file's path has a folder");
+        fs::create_dir_all(folder).map_err(|e| io(folder, e))?;
         let dealt = deal(&tensors, shard_bytes);
         let count = dealt.len() as u32;
         let artifact = |k: usize| match count {
@@ -231,7 +263,7 @@ impl ModelFile {
         for (k, range) in dealt.iter().enumerate() {
             let artifact = artifact(k);
             let name = artifact.name();
-            let tmp = out.join(format!(".{name}.tmp"));
+            let tmp = temporary(&out.join(&name));
             let json = export_header(&tensors[range.clone()], &tmp)?;
             let mut file = File::create(&tmp).map_err(|e| io(&tmp, e))?;
             file.write_all(&(json.len() as u64).to_le_bytes())

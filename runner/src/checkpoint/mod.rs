@@ -13,6 +13,7 @@
 
 pub mod export;
 pub mod import;
+pub mod merge;
 pub mod peft;
 
 use std::fs::{self, File};
@@ -31,6 +32,7 @@ use crate::tensor_file::TensorFile;
 use crate::validation::ValidationLoss;
 pub use export::{EXPORT_SHARD_BYTES, ModelFile};
 pub use import::{HfWeights, UnitValues, load_hf, load_hf_file, max_hf_file_bytes};
+pub use merge::{Base, write_merged};
 pub use peft::{adapter_config, load_peft};
 use wire::artifact::{Artifact, CHECKPOINTS, MANIFEST_FILE, checkpoint_dir, rank_file, step_name};
 pub use wire::artifact::{CONFIG_FILE, INDEX_FILE, MODEL_FILE};

@@ -30,6 +30,7 @@ mod state;
 mod weights;
 
 use layout::{Part, ShardLayout};
+pub(crate) use weights::seeded_values;
 
 /// Index of the embeddings unit; block `l` is unit `l + 1`, the final norm unit `L + 1` and
 /// an untied LM head unit `L + 2`.

@@ -6,7 +6,7 @@ use std::ops::Range;
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, Uniform};
-use scheduler::model::TensorInit;
+use scheduler::model::{ModelShape, ModelTensor, TensorInit};
 
 use super::layout::Part;
 use super::{Engine, Held, Trainable, Trained};
@@ -151,12 +151,24 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         };
         for (ui, unit) in f.base.units.clone().iter().enumerate() {
             for (ti, p) in unit.tensors.iter().enumerate() {
-                let next = values(p.kind.init(&model), [seed, ui as u64, ti as u64, 0]);
+                let next = seeded_values(&model, p.kind, seed, ui, ti);
                 write_tensor(&self.dev, &mut f.base, None, ui, p.range(), next)?;
             }
         }
         Ok(())
     }
+}
+
+/// The values the family's initialisation gives tensor `ti` (of kind `kind`) of the model's
+/// unit `ui` from `seed`: what [`Engine::init_weights`] draws for it.
+pub(crate) fn seeded_values(
+    model: &ModelShape,
+    kind: ModelTensor,
+    seed: u64,
+    ui: usize,
+    ti: usize,
+) -> Box<dyn FnMut() -> f32> {
+    values(kind.init(model), [seed, ui as u64, ti as u64, 0])
 }
 
 /// The values of an initialisation, drawn from the stream `key` names.

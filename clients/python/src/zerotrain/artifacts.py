@@ -15,8 +15,14 @@ if TYPE_CHECKING:
 # What Hugging Face's `from_pretrained` reads from a folder: the finished model, when its weights
 # are one file.
 MODEL_FILES = ("config.json", "model.safetensors")
-# A LoRA job's finished adapter, as PEFT's `PeftModel.from_pretrained(base, folder)` reads it.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# A LoRA job's finished adapter, as PEFT's `PeftModel.from_pretrained(base, folder)` reads it,
+# and its merged model (`from_pretrained(folder / "merged")`).
+ADAPTER_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "merged/config.json",
+    "merged/model.safetensors",
+)
 # A sharded model's index (which file holds each tensor), beside its shards.
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -53,7 +59,8 @@ def model_files(listed: Collection[str]) -> list[str]:
     """The files of a job's finished model, from the names of the artifacts it has: `config.json`
     and `model.safetensors`, or for a model sharded as transformers shards one, every shard
     `model-KKKKK-of-NNNNN.safetensors` and then `model.safetensors.index.json`; for a LoRA job,
-    its adapter (`adapter_config.json`, `adapter_model.safetensors`)."""
+    its adapter (`adapter_config.json`, `adapter_model.safetensors`) and merged model
+    (`merged/config.json`, `merged/model.safetensors`)."""
     if any(name in listed for name in ADAPTER_FILES):
         return list(ADAPTER_FILES)
     if INDEX_FILE not in listed or MODEL_FILES[1] in listed:

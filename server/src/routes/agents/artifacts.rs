@@ -27,8 +27,9 @@ use crate::store::ArtifactRecord;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ArtifactView {
     /// `model.safetensors` (or a sharded export's `model-KKKKK-of-NNNNN.safetensors` and
-    /// `model.safetensors.index.json`), `config.json`, a LoRA job's `adapter_model.safetensors`
-    /// and `adapter_config.json`, or `checkpoints/step-NNNNNNNN/FILE`.
+    /// `model.safetensors.index.json`), `config.json`, a LoRA job's `adapter_model.safetensors`,
+    /// `adapter_config.json` and `merged/{model.safetensors,config.json}`, or
+    /// `checkpoints/step-NNNNNNNN/FILE`.
     pub name: String,
     pub bytes: u64,
     /// SHA-256 of the bytes, hex.
@@ -92,6 +93,8 @@ pub async fn upload(
         | Artifact::Config
         | Artifact::Adapter
         | Artifact::AdapterConfig
+        | Artifact::MergedModel
+        | Artifact::MergedConfig
         | Artifact::Index
         | Artifact::Shard { .. } => 0,
     };
