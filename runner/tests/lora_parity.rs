@@ -23,50 +23,62 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
-/// The spec `make.py` trained with: the base from `base`, the adapter from `adapter`, and the
-/// data, optimizer and batch of `../llama_parity`.
-fn spec(base: &Path, adapter: &Path, stage: u8, world: u32) -> JobSpec {
+/// The spec `make.py` trained with: the base from `base`, the adapter from `adapter` (none:
+/// the base alone, every weight trained), and the data, optimizer and batch of
+/// `../llama_parity`, for `steps` steps at `lr`.
+fn spec(base: &Path, adapter: Option<&Path>, steps: u64, lr: f64) -> JobSpec {
     let expected = read_json(&reference("llama_parity/llama/expected.json"));
-    let lora = read_json(&adapter.join("../expected.json"))["lora"].clone();
     let opt = &expected["optimizer"];
-    let spec = serde_json::json!({
+    let mut spec = serde_json::json!({
         "model": {"config": read_json(&base.join("config.json")),
                   "init_from": base.to_str().unwrap()},
-        "lora": {"rank": lora["rank"], "alpha": lora["alpha"],
-                 "target_modules": lora["target_modules"],
-                 "init_from": adapter.to_str().unwrap()},
         "data": {"kind": "tokens",
                  "path": reference("llama_parity/tokens.bin").to_str().unwrap()},
         "precision": {"dtype": "fp32"},
         "optimizer": {"type": "adamw", "betas": opt["betas"], "eps": opt["eps"],
                       "weight_decay": opt["weight_decay"]},
-        "zero": {"stage": stage},
-        "world_size": world,
+        "zero": {"stage": 0},
         "activation_checkpointing": false,
-        "training": {"steps": expected["steps"], "micro_batch_size": expected["batch"],
-                     "seq_len": expected["seq_len"], "lr": opt["lr"], "lr_schedule": "constant",
+        "training": {"steps": steps, "micro_batch_size": expected["batch"],
+                     "seq_len": expected["seq_len"], "lr": lr, "lr_schedule": "constant",
                      "grad_clip": 0.0},
     });
+    if let Some(adapter) = adapter {
+        let lora = read_json(&adapter.join("../expected.json"))["lora"].clone();
+        spec["lora"] = serde_json::json!({"rank": lora["rank"], "alpha": lora["alpha"],
+            "target_modules": lora["target_modules"], "init_from": adapter.to_str().unwrap()});
+    }
     JobSpec::parse(&spec.to_string(), Purpose::Train)
         .unwrap_or_else(|e| panic!("{e}"))
         .spec
+}
+
+/// Trains `spec` on one rank, writing into `out` if given; its losses.
+fn losses(spec: &JobSpec, out: Option<&Path>) -> Vec<f64> {
+    let plan = plan_local(spec, None).unwrap();
+    let opts = Options {
+        out_dir: out.map(Path::to_path_buf),
+        ..Options::default()
+    };
+    run(spec, &plan, &opts, &mut |_| {})
+        .unwrap_or_else(|e| panic!("{e}"))
+        .losses
 }
 
 /// Trains `family`'s adapter on its base as `make.py` did and checks every step's loss.
 fn parity(family: &str, base: &Path) {
     let dir = reference("lora_parity").join(family);
     let expected = read_json(&dir.join("expected.json"));
-    let spec = spec(base, &dir.join("adapter"), 0, 1);
-    let plan = plan_local(&spec, None).unwrap();
     let out = tempfile::tempdir().unwrap();
-    let opts = Options {
-        out_dir: Some(out.path().to_path_buf()),
-        ..Options::default()
-    };
-    let summary = run(&spec, &plan, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("{family}: {e}"));
     let want: Vec<f64> = serde_json::from_value(expected["losses"].clone()).unwrap();
-    assert_eq!(summary.losses.len(), want.len());
-    for (step, (got, want)) in summary.losses.iter().zip(&want).enumerate() {
+    let lr = read_json(&reference("llama_parity/llama/expected.json"))["optimizer"]["lr"]
+        .as_f64()
+        .unwrap();
+    let adapter = dir.join("adapter");
+    let job = spec(base, Some(&adapter), want.len() as u64, lr);
+    let got = losses(&job, Some(out.path()));
+    assert_eq!(got.len(), want.len());
+    for (step, (got, want)) in got.iter().zip(&want).enumerate() {
         let rel = (got - want).abs() / want.abs();
         eprintln!(
             "{family} step {}: {got:.7} vs PEFT {want:.7} ({rel:.1e})",
@@ -104,6 +116,19 @@ fn parity(family: &str, base: &Path) {
         );
     }
     merged_is_the_base_with_peft_s_product(family, base, out.path(), &theirs);
+    // The merged model computes what PEFT's adapted model computed after its updates: trained
+    // at a learning rate too small to move any weight, its step 11 reads window 11, where
+    // PEFT measured `loss_after`.
+    let merged = out.path().join("merged");
+    // (AdamW's step and decay at 1e-30 both fall below an ulp.)
+    let after = losses(&spec(&merged, None, want.len() as u64 + 1, 1e-30), None);
+    let (got, want) = (after[want.len()], expected["loss_after"].as_f64().unwrap());
+    let rel = (got - want).abs() / want;
+    eprintln!("{family} merged, window 11: {got:.7} vs PEFT {want:.7} ({rel:.1e})");
+    assert!(
+        rel < 1e-5,
+        "{family}: merged model's loss {got} vs PEFT's {want}"
+    );
 }
 
 /// The merged model under `out` is the base with s·B·A of PEFT's trained adapter (`theirs`)
