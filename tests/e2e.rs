@@ -117,6 +117,24 @@ impl Service {
         live::until_state(&self.server.url(), ADMIN, id, &ended, limit).await
     }
 
+    /// Submits `spec` (two ranks of one sequence each, the reference's batch of two), waits
+    /// for it to succeed and checks that its first loss is `want`, `whose` on the same batch,
+    /// within 1e-5; its id.
+    async fn succeeds_from(&self, spec: Value, want: f64, whose: &str) -> String {
+        let (status, created) = self.submit(spec).await;
+        assert_eq!(status, 201, "{created}");
+        let id = job_id(&created);
+        let job = self.finished(&id, Duration::from_secs(120)).await;
+        assert_eq!(job["state"], "succeeded", "{job}");
+        let m = self.get(&format!("/v1/jobs/{id}/metrics")).await;
+        let first = m["steps"][0]["loss"].as_f64().unwrap();
+        assert!(
+            (first - want).abs() < 1e-5 * want,
+            "{first} vs {whose}'s {want}"
+        );
+        id
+    }
+
     /// Waits until `n` nodes have registered: admission plans against registered devices.
     async fn wait_nodes(&self, n: usize) {
         poll(
@@ -649,20 +667,9 @@ async fn a_qwen2_job_from_a_hugging_face_directory_trains_and_is_pulled_in_trans
         "data": {"kind": "tokens", "path": root.join("tokens.bin").display().to_string()},
         "world_size": 2, "zero": {"stage": 3}, "precision": {"dtype": "fp32"},
         "training": {"steps": 3, "micro_batch_size": 1, "seq_len": 32}});
-    let (status, created) = s.submit(spec).await;
-    assert_eq!(status, 201, "{created}");
-    let id = job_id(&created);
-    let job = s.finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(job["state"], "succeeded", "{job}");
-    // Started from transformers' weights: the first loss is theirs on the same batch (two
-    // ranks of one sequence each read the window make.py's batch of two did).
-    let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
-    let first = m["steps"][0]["loss"].as_f64().unwrap();
+    // Started from transformers' weights: the first loss is theirs on the same batch.
     let want = expected["losses"][0].as_f64().unwrap();
-    assert!(
-        (first - want).abs() < 1e-5 * want,
-        "{first} vs transformers' {want}"
-    );
+    let id = s.succeeds_from(spec, want, "transformers").await;
     let pulled = s.pull(&id);
     let weights = std::fs::read(pulled.path().join("model.safetensors")).unwrap();
     let tensors = safetensors::SafeTensors::deserialize(&weights).unwrap();
@@ -735,20 +742,10 @@ async fn a_lora_job_from_a_peft_adapter_trains_on_two_ranks_and_is_pulled_as_pef
         "data": {"kind": "tokens", "path": root.join("tokens.bin").display().to_string()},
         "world_size": 2, "zero": {"stage": 2}, "precision": {"dtype": "fp32"},
         "training": {"steps": 3, "micro_batch_size": 1, "seq_len": 32}});
-    let (status, created) = s.submit(spec.clone()).await;
-    assert_eq!(status, 201, "{created}");
-    let id = job_id(&created);
-    let job = s.finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(job["state"], "succeeded", "{job}");
     // Started from PEFT's adapter on transformers' weights: the first loss is PEFT's on the
-    // same batch (two ranks of one sequence each read the window make.py's batch of two did).
-    let m = s.get(&format!("/v1/jobs/{id}/metrics")).await;
-    let first = m["steps"][0]["loss"].as_f64().unwrap();
+    // same batch.
     let want = expected["losses"][0].as_f64().unwrap();
-    assert!(
-        (first - want).abs() < 1e-5 * want,
-        "{first} vs PEFT's {want}"
-    );
+    let id = s.succeeds_from(spec.clone(), want, "PEFT").await;
     let tensor_names = |path: &Path| {
         let bytes = std::fs::read(path).unwrap();
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();

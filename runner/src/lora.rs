@@ -10,18 +10,20 @@
 
 use kernels::matmul::{DinpMode, Layout};
 use scheduler::memory::Category;
-use scheduler::model::{AdapterTensor, Adapters, ModelShape, ModelTensor, Units};
+use std::ops::Range;
+
+use scheduler::model::{AdapterPart, AdapterTensor, Adapters, ModelShape, ModelTensor};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::device::{Device, Num};
 
 /// One adapted projection: where its A and B lie in the block's adapter unit.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Target {
     weight: ModelTensor,
-    a_at: usize,
-    b_at: usize,
+    a: Range<usize>,
+    b: Range<usize>,
     in_features: usize,
     out_features: usize,
 }
@@ -43,28 +45,28 @@ impl<X: Num, D: Device> Lora<X, D> {
         dev: &D,
         acct: &Accountant,
         adapters: &Adapters,
-        units: &Units<AdapterTensor>,
         model: &ModelShape,
         tokens: usize,
         checkpointing: bool,
     ) -> Result<Self, Error> {
+        // Every block's unit lays its adapters out alike, whatever the world size.
+        let units = adapters.layout(model, 1).adapters;
         let first = units.iter().next().expect("a model has blocks");
-        let at = |weight, part| {
+        let range = |weight, part| {
             let t = first
                 .tensors
                 .iter()
                 .find(|t| t.kind == AdapterTensor { weight, part });
-            t.expect("every target has A and B").offset
+            t.expect("every target has A and B").range()
         };
-        use scheduler::model::AdapterPart::{A, B};
         let targets: Vec<Target> = adapters
             .targets
             .of(model)
             .iter()
             .map(|p| Target {
                 weight: p.weight,
-                a_at: at(p.weight, A),
-                b_at: at(p.weight, B),
+                a: range(p.weight, AdapterPart::A),
+                b: range(p.weight, AdapterPart::B),
                 in_features: p.in_features,
                 out_features: p.out_features,
             })
@@ -85,6 +87,13 @@ impl<X: Num, D: Device> Lora<X, D> {
             grad: act()?,
             targets,
         })
+    }
+
+    /// The adapted projection whose frozen weight is `weight`, and its index; none if it has
+    /// no adapter.
+    fn target(&self, weight: ModelTensor) -> Option<(usize, Target)> {
+        let i = self.targets.iter().position(|t| t.weight == weight)?;
+        Some((i, self.targets[i].clone()))
     }
 
     /// Block `l`'s adapters, from its adapter unit and, in backward, that unit's gradient.
@@ -138,14 +147,11 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         let Some(Bound { lora, unit }) = &mut self.lora else {
             return Ok(());
         };
-        let Some(i) = lora.targets.iter().position(|t| t.weight == weight) else {
+        let Some((i, t)) = lora.target(weight) else {
             return Ok(());
         };
-        let (t, r) = (lora.targets[i], lora.rank);
-        let (a, b) = (
-            D::slice(D::share(unit), t.a_at..t.a_at + r * t.in_features),
-            D::slice(D::share(unit), t.b_at..t.b_at + t.out_features * r),
-        );
+        let r = lora.rank;
+        let (a, b) = (D::slice(D::share(unit), t.a), D::slice(D::share(unit), t.b));
         let v = &mut lora.saved[self.slot][i];
         let mkn = (n, t.in_features, r);
         dev.matmul_forward(
@@ -187,14 +193,10 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         let (Some(Bound { lora, unit }), Some(grad)) = (&mut self.lora, &mut self.grad) else {
             return Ok(());
         };
-        let Some(i) = lora.targets.iter().position(|t| t.weight == weight) else {
+        let Some((i, t)) = lora.target(weight) else {
             return Ok(());
         };
-        let (t, r) = (lora.targets[i], lora.rank);
-        let (a_at, b_at) = (
-            t.a_at..t.a_at + r * t.in_features,
-            t.b_at..t.b_at + t.out_features * r,
-        );
+        let (r, a_at, b_at) = (lora.rank, t.a, t.b);
         let g = &mut lora.grad;
         dev.matmul_backward(
             g.view_mut(),

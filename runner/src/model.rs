@@ -140,31 +140,20 @@ impl<D: Device> Batch<D> {
                 continue;
             }
             let dx = D::slice_mut(D::reborrow(&mut dx), rows.start * c..rows.end * c);
-            let (logits, w) = (D::freeze(logits), D::share(&w));
-            let mode = DinpMode::Overwrite;
-            match dw.as_mut() {
-                Some(dw) => dev.matmul_backward(
-                    dx,
-                    D::reborrow(dw),
-                    None,
-                    logits,
-                    x,
-                    w,
-                    Layout::NK,
-                    mkn,
-                    mode,
-                    scratch.view_mut(),
-                )?,
-                None => dev.matmul_backward_input(
-                    dx,
-                    logits,
-                    w,
-                    Layout::NK,
-                    mkn,
-                    mode,
-                    scratch.view_mut(),
-                )?,
-            }
+            let grads = dw.as_mut().map(|dw| (D::reborrow(dw), None));
+            let inputs = (x, D::share(&w));
+            let (logits, mode) = (D::freeze(logits), DinpMode::Overwrite);
+            linear_backward(
+                dev,
+                dx,
+                grads,
+                logits,
+                inputs,
+                Layout::NK,
+                mkn,
+                mode,
+                scratch,
+            )?;
         }
         let losses = dev.to_host(self.losses.view())?;
         Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
@@ -179,13 +168,14 @@ pub(crate) type WeightGrads<'a, X, D> = Option<(
 )>;
 
 /// Backward of `out = inp·W(ᵀ) + b`: `dinp` set or added to (`mode`), and W's and b's
-/// gradients added into `grads` unless the weights are frozen.
+/// gradients added into `grads` unless the weights are frozen; `dout` in the compute dtype or
+/// (the LM head's logits) in f32.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn linear_backward<X: Num, D: Device>(
+pub(crate) fn linear_backward<X: Num, G: Num, D: Device>(
     dev: &D,
     dinp: D::ViewMut<'_, X>,
     grads: WeightGrads<'_, X, D>,
-    dout: D::View<'_, X>,
+    dout: D::View<'_, G>,
     (inp, w): (D::View<'_, X>, D::View<'_, X>),
     layout: Layout,
     mkn: (usize, usize, usize),

@@ -546,7 +546,10 @@ impl<X: Num + Summable, D: DeviceCollectives> Rank<X, D> {
             )));
         }
         let (_, trained) = setup.parameter_counts();
-        let written = m.trained_parameters.unwrap_or(setup.parameter_counts().0);
+        // Checkpoints that do not say were written by full fine-tuning, of the whole model.
+        let written = m
+            .trained_parameters
+            .unwrap_or_else(|| setup.arch.parameter_count());
         if written != trained {
             return Err(fail(format!(
                 "written by a job that trains {written} parameters; this one trains {trained} \

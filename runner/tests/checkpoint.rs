@@ -101,37 +101,31 @@ fn a_checkpoint_from_another_configuration_is_refused() {
     let out = tempfile::tempdir().unwrap();
     let json = r#"{"model": {"preset": "gpt2-tiny"}, "training": {"steps": 4}, "checkpoint": {"every_steps": 2}}"#;
     train_in(json, out.path());
-    let spec = JobSpec::parse(
-        &json.replace(
-            "}, \"training\"",
-            "}, \"precision\": {\"dtype\": \"bf16\"}, \"training\"",
-        ),
-        Purpose::Train,
-    )
-    .unwrap()
-    .spec;
     let opts = Options {
         out_dir: Some(out.path().to_path_buf()),
         ..Options::default()
     };
-    let plan = plan_local(&spec, None).unwrap();
-    let err = run(&spec, &plan, &opts, &mut |_| {})
-        .unwrap_err()
-        .to_string();
+    // What resuming `json`'s run from the checkpoints written above says.
+    let refusal = |json: &str| {
+        let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
+        let plan = plan_local(&spec, None).unwrap();
+        run(&spec, &plan, &opts, &mut |_| {})
+            .unwrap_err()
+            .to_string()
+    };
+    let err = refusal(&json.replace(
+        "}, \"training\"",
+        "}, \"precision\": {\"dtype\": \"bf16\"}, \"training\"",
+    ));
     assert!(
         err.contains("written by a Fp32 adamw job; this one is Bf16 adamw"),
         "{err}"
     );
     // The same model with adapters trains other values: its checkpoints are not these.
-    let lora = json.replace(
+    let err = refusal(&json.replace(
         "}, \"training\"",
         "}, \"lora\": {\"rank\": 2}, \"training\"",
-    );
-    let spec = JobSpec::parse(&lora, Purpose::Train).unwrap().spec;
-    let plan = plan_local(&spec, None).unwrap();
-    let err = run(&spec, &plan, &opts, &mut |_| {})
-        .unwrap_err()
-        .to_string();
+    ));
     assert!(
         err.contains("written by a job that trains 141056 parameters; this one trains 1024"),
         "{err}"

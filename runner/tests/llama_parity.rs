@@ -55,19 +55,7 @@ fn parity(family: &str) {
         .iter()
         .map(|l| l.as_f64().unwrap())
         .collect();
-    assert_eq!(summary.losses.len(), want.len());
-    for (step, (got, want)) in summary.losses.iter().zip(&want).enumerate() {
-        let rel = (got - want).abs() / want.abs();
-        eprintln!(
-            "{family} step {}: {got:.7} vs transformers {want:.7} ({rel:.1e})",
-            step + 1
-        );
-        assert!(
-            rel < 1e-5,
-            "{family} step {}: loss {got} vs transformers' {want} (relative {rel:e})",
-            step + 1
-        );
-    }
+    losses_match(family, &summary.losses, &want, "transformers");
 
     let bytes = std::fs::read(out.path().join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
@@ -95,6 +83,23 @@ fn parity(family: &str) {
         .map(|k| k.as_str().unwrap())
         .collect();
     assert_eq!(keys, want_keys, "{family}: config.json keys");
+}
+
+/// Every step's loss of `family`'s run within 1e-5 (relative) of `reference`'s.
+pub(crate) fn losses_match(family: &str, got: &[f64], want: &[f64], reference: &str) {
+    assert_eq!(got.len(), want.len());
+    for (step, (got, want)) in got.iter().zip(want).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        eprintln!(
+            "{family} step {}: {got:.7} vs {reference} {want:.7} ({rel:.1e})",
+            step + 1
+        );
+        assert!(
+            rel < 1e-5,
+            "{family} step {}: loss {got} vs {reference}'s {want} (relative {rel:e})",
+            step + 1
+        );
+    }
 }
 
 #[test]

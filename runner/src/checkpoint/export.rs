@@ -135,6 +135,26 @@ fn deal(tensors: &[ExportTensor], limit: u64) -> Vec<std::ops::Range<usize>> {
     files
 }
 
+/// Every tensor of `units` in order, named by `name` from its kind and its unit's layer.
+fn export_tensors<K: Copy>(
+    units: &Units<K>,
+    name: impl Fn(K, Option<usize>) -> String,
+) -> Vec<ExportTensor> {
+    units
+        .iter()
+        .enumerate()
+        .flat_map(|(u, unit)| {
+            let name = &name;
+            unit.tensors.iter().map(move |t| ExportTensor {
+                name: name(t.kind, unit.layer()),
+                dims: t.dims.to_vec(),
+                unit: u,
+                elems: t.range(),
+            })
+        })
+        .collect()
+}
+
 /// Where the file `path` is written before it is renamed into place: `.NAME.tmp` beside it.
 fn temporary(path: &Path) -> PathBuf {
     let name = path.file_name().unwrap_or_default().to_string_lossy();
@@ -191,18 +211,7 @@ impl ModelFile {
         shard_bytes: u64,
     ) -> Result<ModelFile, Error> {
         let layout = model.units(1);
-        let tensors = layout
-            .iter()
-            .enumerate()
-            .flat_map(|(u, unit)| {
-                unit.tensors.iter().map(move |t| ExportTensor {
-                    name: t.kind.state_dict_name(unit.layer()),
-                    dims: t.dims.to_vec(),
-                    unit: u,
-                    elems: t.range(),
-                })
-            })
-            .collect();
+        let tensors = export_tensors(&layout, |kind, layer| kind.state_dict_name(layer));
         ModelFile::lay_out(out, tensors, layout.iter().count(), config, shard_bytes)
     }
 
@@ -214,18 +223,9 @@ impl ModelFile {
         units: &Units<AdapterTensor>,
         config: serde_json::Map<String, serde_json::Value>,
     ) -> Result<ModelFile, Error> {
-        let tensors = units
-            .iter()
-            .enumerate()
-            .flat_map(|(l, unit)| {
-                unit.tensors.iter().map(move |t| ExportTensor {
-                    name: t.kind.peft_name(l),
-                    dims: t.dims.to_vec(),
-                    unit: l,
-                    elems: t.range(),
-                })
-            })
-            .collect();
+        let tensors = export_tensors(units, |kind, layer| {
+            kind.peft_name(layer.expect("adapters are per block"))
+        });
         let (config, units) = ((Artifact::AdapterConfig, config), units.iter().count());
         ModelFile::lay_out(out, tensors, units, config, u64::MAX)
     }

@@ -194,21 +194,17 @@ pub fn adapter_config(
 ) -> serde_json::Map<String, serde_json::Value> {
     let all = model.projections();
     let chosen = adapters.targets.of(model);
-    let modules: Vec<&str> = chosen
-        .iter()
-        .map(|p| {
-            let same_name = all.iter().filter(|q| q.name == p.name);
-            match same_name.clone().all(|q| chosen.contains(q)) {
-                true => p.name,
-                false => p.path,
-            }
-        })
-        .fold(Vec::new(), |mut names, n| {
-            if !names.contains(&n) {
-                names.push(n);
-            }
-            names
-        });
+    let mut modules: Vec<&str> = Vec::new();
+    for p in &chosen {
+        let whole_name = all
+            .iter()
+            .filter(|q| q.name == p.name)
+            .all(|q| chosen.contains(q));
+        let module = if whole_name { p.name } else { p.path };
+        if !modules.contains(&module) {
+            modules.push(module);
+        }
+    }
     let config = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

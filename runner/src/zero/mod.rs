@@ -222,10 +222,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Trained<X, D> {
     /// Unit `u`'s whole parameters and, when `backward`, where its whole gradient is added.
     fn views(&mut self, u: usize, backward: bool) -> (D::View<'_, X>, Option<D::ViewMut<'_, X>>) {
         let len = self.held.unit_len(u);
-        let grad = backward.then(|| match &mut self.unit_grads {
-            Some(g) => g.get_mut(u).at_mut(0..len),
-            None => self.grads[u].view_mut(),
-        });
+        let grad = backward.then(|| grad(&mut self.unit_grads, &mut self.grads, u, len));
         (self.held.view(u), grad)
     }
 
@@ -329,6 +326,19 @@ impl<X: Num + Summable, D: DeviceCollectives> Trained<X, D> {
     }
 }
 
+/// Where backward adds unit `u`'s whole gradient (`len` elements).
+fn grad<'a, X, D: Device>(
+    unit_grads: &'a mut Option<Slots<X, D>>,
+    grads: &'a mut [Buffer<X, D>],
+    u: usize,
+    len: usize,
+) -> D::ViewMut<'a, X> {
+    match unit_grads {
+        Some(g) => g.get_mut(u).at_mut(0..len),
+        None => grads[u].view_mut(),
+    }
+}
+
 /// A LoRA job's frozen side: the base model's weights (no gradients, master copy or optimizer
 /// state) and the adapters' activations.
 struct Frozen<X, D: Device> {
@@ -357,8 +367,6 @@ pub struct Engine<X: Num, D: Device = Cpu> {
     trained: Trained<X, D>,
     /// LoRA: the frozen base the adapters are trained on.
     frozen: Option<Frozen<X, D>>,
-    /// Whether the LM head is the embeddings.
-    tied: bool,
     checkpointing: bool,
     grad_accum: usize,
     /// Whether ranks agree on the gradient norm each step (fp16 overflow checks, clipping).
@@ -398,16 +406,6 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let (world, rank) = (comm.world_size(), comm.rank());
         let units = trained_units(&model, setup.lora.as_ref(), world);
         let trained = Trained::new(&dev, &acct, setup, units, rank)?;
-        let base = match setup.lora {
-            Some(_) => Some(Held::new(
-                &dev,
-                &acct,
-                model.units(world),
-                setup.stage,
-                rank,
-            )?),
-            None => None,
-        };
         let mut comm = comm;
         let ring = memory::ring_scratch_bytes(setup);
         if ring > 0 {
@@ -419,30 +417,17 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
         let (b, t) = (setup.micro_batch, setup.seq_len);
         let passes = Passes::new(&dev, &acct, &model, b, t, setup.checkpointing)?;
-        let frozen = match (base, &setup.lora) {
-            (Some(base), Some(adapters)) => {
-                let units = adapters.layout(&model, world).adapters;
-                let lora = Lora::new(
-                    &dev,
-                    &acct,
-                    adapters,
-                    &units,
-                    &model,
-                    b * t,
-                    setup.checkpointing,
-                )?;
-                Some(Frozen {
-                    adapters: *adapters,
-                    base,
-                    lora,
-                })
-            }
-            _ => None,
+        let frozen = match &setup.lora {
+            Some(adapters) => Some(Frozen {
+                adapters: *adapters,
+                base: Held::new(&dev, &acct, model.units(world), setup.stage, rank)?,
+                lora: Lora::new(&dev, &acct, adapters, &model, b * t, setup.checkpointing)?,
+            }),
+            None => None,
         };
         let mut engine = Engine {
             dev,
             model,
-            tied: model.units(1).tied(),
             trained,
             frozen,
             checkpointing: setup.checkpointing,
@@ -535,7 +520,11 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
 
     /// The unit holding the LM head: the embeddings when tied, else its own after the norm.
     fn head_unit(&self) -> usize {
-        if self.tied { EMB } else { self.norm_unit() + 1 }
+        if self.model.summary().tied_embeddings {
+            EMB
+        } else {
+            self.norm_unit() + 1
+        }
     }
 
     /// Forward through the embeddings and every block, leaving the final norm's and the
@@ -573,10 +562,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             None => {
                 let t = &mut self.trained;
                 let len = t.held.unit_len(head);
-                let g_head = match &mut t.unit_grads {
-                    Some(g) => g.get_mut(head).at_mut(0..len),
-                    None => t.grads[head].view_mut(),
-                };
+                let g_head = grad(&mut t.unit_grads, &mut t.grads, head, len);
                 (t.held.view(norm), t.held.view(head), Some(g_head))
             }
         };
@@ -597,10 +583,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
         let (p_norm, g_norm) = match &self.frozen {
             Some(f) => (f.base.view(norm), None),
-            None => {
-                let (p, g) = self.trained.views(norm, true);
-                (p, g)
-            }
+            None => self.trained.views(norm, true),
         };
         self.passes.norm_backward(&self.dev, p_norm, g_norm)?;
         self.after_model_unit_backward(norm)?;

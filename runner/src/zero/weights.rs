@@ -20,37 +20,18 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// Sets every parameter of the model (LoRA's frozen base) from Hugging Face weights,
     /// keeping this rank's part: each unit's values stream from the file a chunk at a time.
     pub fn load_weights(&mut self, weights: &HfWeights) -> Result<(), Error> {
-        let Some(f) = &mut self.frozen else {
-            return self.load_trained(weights);
-        };
-        for ui in 0..f.base.params.len() {
-            let mut values = weights.unit(ui);
-            let len = f.base.unit_len(ui);
-            let next = || values.next().unwrap_or(0.0);
-            write_tensor(&self.dev, &mut f.base, None, ui, 0..len, next)?;
-            values.result()?;
+        let t = &mut self.trained;
+        match &mut self.frozen {
+            Some(f) => load(&self.dev, &mut f.base, None, weights),
+            None => load(&self.dev, &mut t.held, t.master.as_mut(), weights),
         }
-        Ok(())
     }
 
     /// Sets a LoRA job's adapters from a PEFT adapter's weights (`checkpoint::load_peft`).
     pub fn load_adapters(&mut self, weights: &HfWeights) -> Result<(), Error> {
         debug_assert!(self.frozen.is_some(), "adapters are trained in LoRA jobs");
-        self.load_trained(weights)
-    }
-
-    /// Sets every trained parameter (and its master weight) from `weights`, unit by unit.
-    fn load_trained(&mut self, weights: &HfWeights) -> Result<(), Error> {
         let t = &mut self.trained;
-        for ui in 0..t.held.params.len() {
-            let mut values = weights.unit(ui);
-            let len = t.held.unit_len(ui);
-            let master = t.master.as_mut().map(|m| &mut m[ui]);
-            let next = || values.next().unwrap_or(0.0);
-            write_tensor(&self.dev, &mut t.held, master, ui, 0..len, next)?;
-            values.result()?;
-        }
-        Ok(())
+        load(&self.dev, &mut t.held, t.master.as_mut(), weights)
     }
 
     /// Writes each unit's fp32 weights (the master copy in mixed precision) into `file`, which
@@ -157,6 +138,23 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         }
         Ok(())
     }
+}
+
+/// Sets every unit of `held` (and its master weights, given) from `weights`, unit by unit.
+fn load<X: Num + Summable, D: DeviceCollectives, K>(
+    dev: &D,
+    held: &mut Held<X, D, K>,
+    mut master: Option<&mut Vec<Buffer<f32, D>>>,
+    weights: &HfWeights,
+) -> Result<(), Error> {
+    for ui in 0..held.params.len() {
+        let mut values = weights.unit(ui);
+        let len = held.unit_len(ui);
+        let m = master.as_mut().map(|m| &mut m[ui]);
+        write_tensor(dev, held, m, ui, 0..len, || values.next().unwrap_or(0.0))?;
+        values.result()?;
+    }
+    Ok(())
 }
 
 /// The values the family's initialisation gives tensor `ti` (of kind `kind`) of the model's
