@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use serde_json::json;
-use server::auth;
 use server::domain::JobState;
 use server::settings::Settings;
 
@@ -67,11 +66,8 @@ async fn drain(jobs: usize) -> f64 {
         data_dir: dir.path().to_path_buf(),
         ..Settings::default()
     };
-    let server = server::build(settings).await.unwrap();
+    let (server, tokens) = server::build(settings, Some("zt_bench")).await.unwrap();
     let state = server.state().clone();
-    let tokens = auth::bootstrap(&state.store, dir.path(), Some("zt_bench"))
-        .await
-        .unwrap();
     let cfg = runner::agent::AgentConfig {
         server: server.url(),
         join_token: tokens.join_token,

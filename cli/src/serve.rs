@@ -51,9 +51,8 @@ pub(super) async fn stop_requested() {
 /// Builds the server, creates its tokens on first start and says where to find them.
 pub(super) async fn start(settings: Settings) -> anyhow::Result<(Server, auth::Bootstrap)> {
     let data_dir = settings.data_dir.clone();
-    let server = server::build(settings).await?;
     let admin = std::env::var("ZEROTRAIN_TOKEN").ok();
-    let tokens = auth::bootstrap(&server.state().store, &data_dir, admin.as_deref()).await?;
+    let (server, tokens) = server::build(settings, admin.as_deref()).await?;
     eprintln!("zerotrain serving at {}", server.url());
     let console = server
         .state()

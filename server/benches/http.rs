@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use serde_json::{Value, json};
-use server::auth;
 use server::settings::Settings;
 use sqlx::Connection;
 use tokio::sync::Mutex;
@@ -88,10 +87,7 @@ async fn bench(store: &str, url: &str, data_dir: &std::path::Path, args: &Args) 
         database_url: Some(url.to_string()),
         ..Settings::default()
     };
-    let server = server::build(settings).await.unwrap();
-    let tokens = auth::bootstrap(&server.state().store, data_dir, Some("zt_bench"))
-        .await
-        .unwrap();
+    let (server, tokens) = server::build(settings, Some("zt_bench")).await.unwrap();
     let base = server.url();
     let http = reqwest::Client::new();
     // One node: the first jobs are placed, the rest queue, as on a busy service.

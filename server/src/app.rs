@@ -22,6 +22,7 @@ use tower_http::trace::TraceLayer;
 use wire::data_roots::RootsError;
 
 use crate::artifacts::ArtifactError;
+use crate::auth::{self, Bootstrap, BootstrapError};
 use crate::console;
 use crate::error::{ApiError, InternalDetail, problem_for_bare_errors};
 use crate::routes;
@@ -131,6 +132,8 @@ pub enum BuildError {
     Artifacts(#[from] ArtifactError),
     #[error(transparent)]
     DataRoots(RootsError),
+    #[error(transparent)]
+    Bootstrap(#[from] BootstrapError),
     #[error("listening on {addr}: {source}")]
     Bind {
         addr: String,
@@ -146,14 +149,21 @@ pub struct Server {
     scheduler: JoinHandle<()>,
 }
 
-/// Connects the store (migrating it), binds the listener and spawns the HTTP server and the
-/// scheduling loop. `zerotrain up` starts its local agent against `Server::url` after this.
-pub async fn build(settings: Settings) -> Result<Server, BuildError> {
+/// Connects the store (migrating it), creates the tokens (`auth::bootstrap`, with `admin` as
+/// the first admin token if given), binds the listener and spawns the HTTP server and the
+/// scheduling loop. The tokens exist, and their files are written, before the first request is
+/// answered: whoever waits for `/healthz` can read them. `zerotrain up` starts its local agent
+/// against `Server::url` after this.
+pub async fn build(
+    settings: Settings,
+    admin: Option<&str>,
+) -> Result<(Server, Bootstrap), BuildError> {
     std::fs::create_dir_all(&settings.data_dir).map_err(|source| BuildError::DataDir {
         path: settings.data_dir.display().to_string(),
         source,
     })?;
     let store = Store::connect(&settings.database_url()).await?;
+    let tokens = auth::bootstrap(&store, &settings.data_dir, admin).await?;
     let addr = SocketAddr::new(settings.listen, settings.port);
     let listener = TcpListener::bind(addr)
         .await
@@ -179,12 +189,13 @@ pub async fn build(settings: Settings) -> Result<Server, BuildError> {
             .await
     });
     tracing::info!(%addr, "listening");
-    Ok(Server {
+    let server = Server {
         addr,
         state,
         http,
         scheduler,
-    })
+    };
+    Ok((server, tokens))
 }
 
 impl Server {

@@ -18,7 +18,6 @@ use axum::response::IntoResponse;
 use scheduler::inventory::DeviceSlot;
 use scheduler::memory::DeviceKind;
 use server::app::{self, Server};
-use server::auth;
 use server::settings::Settings;
 use tokio::sync::watch;
 
@@ -53,10 +52,7 @@ pub async fn start_with(admin: Option<&str>, configure: impl FnOnce(&mut Setting
         ..Settings::default()
     };
     configure(&mut settings);
-    let server = app::build(settings).await.unwrap();
-    let tokens = auth::bootstrap(&server.state().store, dir.path(), admin)
-        .await
-        .unwrap();
+    let (server, tokens) = app::build(settings, admin).await.unwrap();
     let admin = match admin {
         Some(admin) => admin.to_string(),
         None => tokens
