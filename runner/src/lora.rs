@@ -12,20 +12,29 @@ use kernels::matmul::{DinpMode, Layout};
 use scheduler::memory::Category;
 use std::ops::Range;
 
-use scheduler::model::{AdapterPart, AdapterTensor, Adapters, ModelShape, ModelTensor};
+use scheduler::model::{AdapterPart, AdapterTensor, Adapters, ModelShape, ModelTensor, Nf4Part};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
 use crate::device::{Device, Num};
 
-/// One adapted projection: where its A and B lie in the block's adapter unit.
+/// One adapted projection: where its A and B lie in the block's adapter unit and, with an
+/// NF4 base, its weight's absmax and codes in the block's NF4 unit.
 #[derive(Debug, Clone)]
 struct Target {
     weight: ModelTensor,
     a: Range<usize>,
     b: Range<usize>,
+    nf4: Option<Nf4At>,
     in_features: usize,
     out_features: usize,
+}
+
+/// Byte ranges of one NF4 weight in its block's NF4 unit.
+#[derive(Debug, Clone)]
+struct Nf4At {
+    absmax: Range<usize>,
+    codes: Range<usize>,
 }
 
 /// A job's adapters as the passes use them, with their activations.
@@ -37,10 +46,13 @@ pub(crate) struct Lora<X, D: Device> {
     saved: Vec<Vec<Buffer<X, D>>>,
     /// G of the projection whose backward runs.
     grad: Buffer<X, D>,
+    /// NF4 base: the weight of the projection being computed, dequantized.
+    dequantized: Option<Buffer<X, D>>,
 }
 
 impl<X: Num, D: Device> Lora<X, D> {
-    /// The activations of `tokens` tokens, charged as `Adapters::activation_bytes` counts them.
+    /// The activations of `tokens` tokens, charged as `Adapters::activation_bytes` counts them,
+    /// and with an NF4 base the scratch `Adapters::dequantize_scratch_bytes` counts.
     pub(crate) fn new(
         dev: &D,
         acct: &Accountant,
@@ -49,15 +61,20 @@ impl<X: Num, D: Device> Lora<X, D> {
         tokens: usize,
         checkpointing: bool,
     ) -> Result<Self, Error> {
-        // Every block's unit lays its adapters out alike, whatever the world size.
-        let units = adapters.layout(model, 1).adapters;
-        let first = units.iter().next().expect("a model has blocks");
+        // Every block's units lay their tensors out alike, whatever the world size.
+        let layout = adapters.layout(model, 1);
+        let first = layout.adapters.iter().next().expect("a model has blocks");
         let range = |weight, part| {
             let t = first
                 .tensors
                 .iter()
                 .find(|t| t.kind == AdapterTensor { weight, part });
             t.expect("every target has A and B").range()
+        };
+        let nf4 = layout.nf4.iter().next();
+        let nf4_range = |part| {
+            let t = nf4.and_then(|u| u.tensors.iter().find(|t| t.kind == part));
+            t.expect("every NF4 weight has absmax and codes").range()
         };
         let targets: Vec<Target> = adapters
             .targets
@@ -67,10 +84,19 @@ impl<X: Num, D: Device> Lora<X, D> {
                 weight: p.weight,
                 a: range(p.weight, AdapterPart::A),
                 b: range(p.weight, AdapterPart::B),
+                nf4: nf4.map(|_| Nf4At {
+                    absmax: nf4_range(Nf4Part::Absmax(p.weight)),
+                    codes: nf4_range(Nf4Part::Codes(p.weight)),
+                }),
                 in_features: p.in_features,
                 out_features: p.out_features,
             })
             .collect();
+        let x = X::BYTES as u64;
+        let dequantized = match adapters.dequantize_scratch_bytes(model, x) / x {
+            0 => None,
+            len => Some(acct.alloc_on(dev, Category::Buffers, len as usize)?),
+        };
         let slots = if checkpointing {
             1
         } else {
@@ -86,7 +112,38 @@ impl<X: Num, D: Device> Lora<X, D> {
                 .collect::<Result<_, Error>>()?,
             grad: act()?,
             targets,
+            dequantized,
         })
+    }
+
+    /// Whether the base's units hold `weight` (an NF4 weight is held in the NF4 units).
+    pub(crate) fn in_base(&self, weight: ModelTensor) -> bool {
+        self.target(weight).is_none_or(|(_, t)| t.nf4.is_none())
+    }
+
+    /// Quantizes `weight`'s values, which `write` puts into the dequantization scratch, into
+    /// `nf4`, a block's NF4 unit.
+    pub(crate) fn quantize(
+        &mut self,
+        dev: &D,
+        weight: ModelTensor,
+        nf4: D::ViewMut<'_, u8>,
+        write: impl FnOnce(&mut [X]),
+    ) -> Result<(), Error> {
+        let (_, t) = self.target(weight).expect("an NF4 weight is adapted");
+        let at = t.nf4.expect("an NF4 weight");
+        let scratch = self
+            .dequantized
+            .as_mut()
+            .expect("an NF4 base has the scratch");
+        let numel = t.in_features * t.out_features;
+        dev.on_host(scratch.at_mut(0..numel), write)?;
+        // Every absmax lies before every codes (`LoraLayout::nf4`).
+        let split = at.absmax.end;
+        let (absmax, codes) = D::split_at_mut(nf4, split);
+        let absmax = D::slice_mut(absmax, at.absmax);
+        let codes = D::slice_mut(codes, at.codes.start - split..at.codes.end - split);
+        dev.nf4_quantize(codes, absmax, scratch.at(0..numel))
     }
 
     /// The adapted projection whose frozen weight is `weight`, and its index; none if it has
@@ -96,25 +153,32 @@ impl<X: Num, D: Device> Lora<X, D> {
         Some((i, self.targets[i].clone()))
     }
 
-    /// Block `l`'s adapters, from its adapter unit and, in backward, that unit's gradient.
+    /// Block `l`'s adapters, from its adapter unit, its NF4 unit (with an NF4 base) and, in
+    /// backward, the adapter unit's gradient.
     pub(crate) fn block<'a>(
         &'a mut self,
         unit: D::View<'a, X>,
+        nf4: Option<D::View<'a, u8>>,
         grad: Option<D::ViewMut<'a, X>>,
         slot: usize,
     ) -> Adapted<'a, X, D> {
         Adapted {
-            lora: Some(Bound { lora: self, unit }),
+            lora: Some(Bound {
+                lora: self,
+                unit,
+                nf4,
+            }),
             grad,
             slot,
         }
     }
 }
 
-/// The adapters and one block's unit of them.
+/// The adapters and one block's units of them.
 struct Bound<'a, X, D: Device> {
     lora: &'a mut Lora<X, D>,
     unit: D::View<'a, X>,
+    nf4: Option<D::View<'a, u8>>,
 }
 
 /// One block's adapters for one pass, or none (full fine-tuning).
@@ -133,6 +197,45 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         }
     }
 
+    /// Whether the base's unit holds `weight` ([`Lora::in_base`]); always, without adapters.
+    pub(crate) fn in_base(&self, weight: ModelTensor) -> bool {
+        self.lora.as_ref().is_none_or(|b| b.lora.in_base(weight))
+    }
+
+    /// The weight `weight` to compute with: `stored`, the one the base's unit holds, or an NF4
+    /// weight dequantized into the scratch (which the next NF4 weight overwrites).
+    pub(crate) fn weight<'s, 'w: 's>(
+        &'s mut self,
+        dev: &D,
+        weight: ModelTensor,
+        stored: Option<&'s D::View<'w, X>>,
+    ) -> Result<D::View<'s, X>, Error> {
+        if let Some(w) = stored {
+            return Ok(D::reborrow_ref(w));
+        }
+        let Some(Bound {
+            lora,
+            nf4: Some(nf4),
+            ..
+        }) = &mut self.lora
+        else {
+            unreachable!("only an NF4 base lacks a weight");
+        };
+        let (_, t) = lora.target(weight).expect("an NF4 weight is adapted");
+        let at = t.nf4.expect("an NF4 weight");
+        let out = lora
+            .dequantized
+            .as_mut()
+            .expect("an NF4 base has the scratch");
+        let numel = t.in_features * t.out_features;
+        let (absmax, codes) = (
+            D::slice(D::share(nf4), at.absmax),
+            D::slice(D::share(nf4), at.codes),
+        );
+        dev.nf4_dequantize(out.at_mut(0..numel), codes, absmax)?;
+        Ok(out.at(0..numel))
+    }
+
     /// Adds the adapter's share into `y`, the output of the projection whose frozen weight is
     /// `weight`, for its input `x` of `n` rows; nothing if it has no adapter.
     pub(crate) fn forward(
@@ -144,7 +247,7 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         n: usize,
         scratch: &mut Buffer<f32, D>,
     ) -> Result<(), Error> {
-        let Some(Bound { lora, unit }) = &mut self.lora else {
+        let Some(Bound { lora, unit, .. }) = &mut self.lora else {
             return Ok(());
         };
         let Some((i, t)) = lora.target(weight) else {
@@ -190,7 +293,7 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         n: usize,
         scratch: &mut Buffer<f32, D>,
     ) -> Result<(), Error> {
-        let (Some(Bound { lora, unit }), Some(grad)) = (&mut self.lora, &mut self.grad) else {
+        let (Some(Bound { lora, unit, .. }), Some(grad)) = (&mut self.lora, &mut self.grad) else {
             return Ok(());
         };
         let Some((i, t)) = lora.target(weight) else {

@@ -3,10 +3,11 @@
 //! and never learns the family's name; this is the one place in the runner it is told.
 
 use std::marker::PhantomData;
+use std::ops::Range;
 
 use kernels::matmul::{DinpMode, Layout};
 use scheduler::memory::{Category, DeviceKind};
-use scheduler::model::{ModelShape, StepTensors, matmul_depth, matmul_scratch_f32};
+use scheduler::model::{ModelShape, ModelTensor, StepTensors, matmul_depth, matmul_scratch_f32};
 
 use crate::Error;
 use crate::accounting::{Accountant, Buffer};
@@ -189,6 +190,59 @@ pub(crate) fn linear_backward<X: Num, G: Num, D: Device>(
         }
         None => dev.matmul_backward_input(dinp, dout, w, layout, mkn, mode, scratch),
     }
+}
+
+/// A tensor as a block's unit holds it, or `None` where it holds it not.
+pub(crate) type Stored<'p, 'v, X, D> = &'p Option<<D as Device>::View<'v, X>>;
+
+/// A block's linear projection: which (`kind`, as adapters are keyed), its weight as the unit
+/// holds it (`None`: an NF4 weight, which the adapters dequantize), its bias and how the
+/// product reads the weight.
+pub(crate) struct Linear<'p, 'v: 'p, X: 'v, D: Device> {
+    pub kind: ModelTensor,
+    pub w: Stored<'p, 'v, X, D>,
+    pub b: Option<D::View<'p, X>>,
+    pub layout: Layout,
+}
+
+/// `out = x·W(ᵀ) + b` for `lin`, then its adapter's share added (LoRA).
+pub(crate) fn projection<X: Num, D: Device>(
+    dev: &D,
+    ad: &mut Adapted<'_, X, D>,
+    lin: Linear<'_, '_, X, D>,
+    out: &mut Buffer<X, D>,
+    x: D::View<'_, X>,
+    mkn: (usize, usize, usize),
+    scratch: &mut Buffer<f32, D>,
+) -> Result<(), Error> {
+    {
+        let w = ad.weight(dev, lin.kind, lin.w.as_ref())?;
+        let (y, x) = (out.view_mut(), D::share(&x));
+        dev.matmul_forward(y, x, w, lin.b, lin.layout, mkn, scratch.view_mut())?;
+    }
+    ad.forward(dev, lin.kind, out.view_mut(), x, mkn.0, scratch)
+}
+
+/// Backward of [`projection`]: elements `at` of `dinp` set or added to (`mode`), the weight's
+/// gradients added into `grads` (none: frozen) and the adapter's into its own.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn projection_backward<X: Num, D: Device>(
+    dev: &D,
+    ad: &mut Adapted<'_, X, D>,
+    lin: Linear<'_, '_, X, D>,
+    (dinp, at): (&mut Buffer<X, D>, Range<usize>),
+    grads: WeightGrads<'_, X, D>,
+    dout: D::View<'_, X>,
+    x: D::View<'_, X>,
+    (mkn, mode): ((usize, usize, usize), DinpMode),
+    scratch: &mut Buffer<f32, D>,
+) -> Result<(), Error> {
+    {
+        let w = ad.weight(dev, lin.kind, lin.w.as_ref())?;
+        let (dx, dy, operands) = (dinp.at_mut(at.clone()), D::share(&dout), (D::share(&x), w));
+        linear_backward(dev, dx, grads, dy, operands, lin.layout, mkn, mode, scratch)?;
+    }
+    ad.backward(dev, lin.kind, dinp.at_mut(at), dout, x, mkn.0, scratch)
 }
 
 /// `rmsnorm_backward`, or through a frozen weight (`dweight` none) its input's gradient only.

@@ -17,6 +17,7 @@ mod extremes;
 mod llama_parity;
 mod lora_parity;
 mod loss_scale;
+mod qlora;
 mod roots;
 mod tcp;
 mod text;

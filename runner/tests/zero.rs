@@ -46,6 +46,10 @@ fn job_of(model: &str, world: usize, stage: u8, micro: usize, extra: &str) -> St
 /// Adapters on every projection of the model, for a LoRA job's rows.
 const LORA: &str = r#", "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear"}"#;
 
+/// As [`LORA`] on an NF4 base (QLoRA).
+const QLORA: &str = r#", "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear",
+    "quantize_base": "nf4"}"#;
+
 /// The export's weights: the model's, or a LoRA job's adapter.
 fn exported(json: &str) -> Vec<u8> {
     let out = tempfile::tempdir().unwrap();
@@ -87,6 +91,7 @@ fn every_stage_at_4_ranks_gives_the_same_bits_and_matches_one_rank_with_the_whol
 fn lora_adapters_get_the_same_bits_at_every_stage_at_4_ranks_as_at_one() {
     for model in MODELS {
         same_bits_at_every_stage(model, LORA);
+        same_bits_at_every_stage(model, QLORA);
     }
 }
 
@@ -197,12 +202,18 @@ fn measured_memory_per_rank_equals_the_model_for_every_stage_and_world_size() {
 #[test]
 fn lora_jobs_measured_memory_per_rank_equals_the_model_at_every_stage() {
     // The adapters' activations differ with checkpointing (one block's saved products), so
-    // half the rows checkpoint.
+    // half the rows checkpoint; half of them hold an NF4 base (QLoRA), each dtype at every
+    // other stage.
     for (model, world) in MODELS.into_iter().flat_map(|m| [1, 2, 4].map(|w| (m, w))) {
         for stage in 0..=3 {
-            for dtype in ["fp32", "bf16"] {
+            for (d, dtype) in ["fp32", "bf16"].into_iter().enumerate() {
                 let ckpt = (stage + world as u8) % 2 == 1;
-                let extra = format!(r#", "precision": {{"dtype": "{dtype}"}}{LORA}"#);
+                let lora = if (stage as usize + d).is_multiple_of(2) {
+                    QLORA
+                } else {
+                    LORA
+                };
+                let extra = format!(r#", "precision": {{"dtype": "{dtype}"}}{lora}"#);
                 let json = job_of(model, world, stage, 2, &extra)
                     .replace("\"steps\": 5", "\"steps\": 2")
                     .replace(
@@ -215,7 +226,7 @@ fn lora_jobs_measured_memory_per_rank_equals_the_model_at_every_stage() {
                         assert_eq!(
                             r.measured_peak_bytes.get(c),
                             r.predicted_bytes.get(c),
-                            "{model} LoRA: {} at N={world}, stage {stage}, {dtype}, \
+                            "{model}{lora}: {} at N={world}, stage {stage}, {dtype}, \
                              checkpointing {ckpt}, rank {}",
                             c.name(),
                             r.rank
@@ -256,7 +267,9 @@ fn bytes_sent_per_step_equal_the_model_for_every_stage() {
     let steps = 3;
     let rows = MODELS
         .into_iter()
-        .flat_map(|m| (0..=3).flat_map(move |s| [(m, s, ""), (m, s, LORA)]));
+        .flat_map(|m| (0..=3).flat_map(move |s| [(m, s, ""), (m, s, LORA)]))
+        // Stage 3 gathers QLoRA's NF4 bytes beside the base.
+        .chain(MODELS.map(|m| (m, 3, QLORA)));
     for (model, stage, extra) in rows {
         let json = job_of(model, 4, stage, 2, extra)
             .replace("\"steps\": 5", &format!("\"steps\": {steps}"));

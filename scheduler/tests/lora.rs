@@ -300,18 +300,20 @@ fn mistakes_in_the_lora_block_are_named_at_their_fields_together() {
         Purpose::Estimate,
     );
     assert_eq!(none[0].field, "lora.target_modules");
-    // Estimated, not yet trained: dropout and a quantized base are refused at their fields
-    // for training, not accepted and left to fail; plain adapters are taken.
+    // Estimated, not yet trained: dropout is refused at its field for training, not accepted
+    // and left to fail; plain adapters and an NF4 base (QLoRA) are taken.
     let train = refusal(
         json!({"model": {"preset": "llama-tiny"},
                "lora": {"dropout": 0.1, "quantize_base": "nf4"}}),
         Purpose::Train,
     );
     let fields: Vec<&str> = train.iter().map(|p| p.field.as_str()).collect();
-    assert_eq!(fields, ["lora.dropout", "lora.quantize_base"], "{train:?}");
+    assert_eq!(fields, ["lora.dropout"], "{train:?}");
     assert!(train.iter().all(|p| p.reason.contains("not built yet")));
-    let plain = json!({"model": {"preset": "llama-tiny"}, "lora": {}});
-    JobSpec::parse(&plain.to_string(), Purpose::Train).unwrap();
+    for lora in [json!({}), json!({"quantize_base": "nf4"})] {
+        let spec = json!({"model": {"preset": "llama-tiny"}, "lora": lora});
+        JobSpec::parse(&spec.to_string(), Purpose::Train).unwrap();
+    }
 }
 
 fn setup(spec: &JobSpec, stage: ZeroStage, world: usize) -> Setup {

@@ -8,7 +8,9 @@ use kernels::attention::AttentionDims;
 use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{self as k, Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::RopeDims;
-use kernels::{attention, crossentropy, encoder, gelu, grad_norm, layernorm, matmul, residual};
+use kernels::{
+    attention, crossentropy, encoder, gelu, grad_norm, layernorm, matmul, nf4, residual,
+};
 use kernels::{rmsnorm, rope, swiglu};
 
 use super::{Adam8bitState, Device, Elem, Moment, Num};
@@ -123,6 +125,28 @@ impl Device for Cpu {
             || Group::Optimizer,
             || grad_norm::sum_squares(x),
         ))
+    }
+
+    fn nf4_quantize<X: Num>(
+        &self,
+        codes: &mut [u8],
+        absmax: &mut [u8],
+        src: &[X],
+    ) -> Result<(), Error> {
+        let absmax = bytemuck::cast_slice_mut(absmax);
+        step_timers::time(|| Group::Products, || nf4::quantize(src, codes, absmax));
+        Ok(())
+    }
+    fn nf4_dequantize<X: Num>(
+        &self,
+        out: &mut [X],
+        codes: &[u8],
+        absmax: &[u8],
+    ) -> Result<(), Error> {
+        let absmax = bytemuck::cast_slice(absmax);
+        // Part of the cost of a product through an NF4 weight.
+        step_timers::time(|| Group::Products, || nf4::dequantize(codes, absmax, out));
+        Ok(())
     }
 
     #[inline]

@@ -525,6 +525,29 @@ impl Device for Cuda {
         )?)
     }
 
+    fn nf4_quantize<X: Num>(
+        &self,
+        mut codes: CudaViewMut<'_, u8>,
+        mut absmax: CudaViewMut<'_, u8>,
+        src: CudaView<'_, X>,
+    ) -> Result<(), Error> {
+        let blocks = absmax.len() / size_of::<f32>();
+        // SAFETY: any bytes are an f32's; the view starts 4-byte aligned (the caller's layout).
+        let mut absmax = unsafe { absmax.transmute_mut::<f32>(blocks) }.expect("the same bytes");
+        Ok(k::nf4::quantize(&self.dev, &mut codes, &mut absmax, &src)?)
+    }
+    fn nf4_dequantize<X: Num>(
+        &self,
+        mut out: CudaViewMut<'_, X>,
+        codes: CudaView<'_, u8>,
+        absmax: CudaView<'_, u8>,
+    ) -> Result<(), Error> {
+        let blocks = absmax.len() / size_of::<f32>();
+        // SAFETY: as in `nf4_quantize`.
+        let absmax = unsafe { absmax.transmute::<f32>(blocks) }.expect("the same bytes");
+        Ok(k::nf4::dequantize(&self.dev, &mut out, &codes, &absmax)?)
+    }
+
     fn sum_squares<X: Num>(&self, x: CudaView<'_, X>) -> Result<f64, Error> {
         let mut s = self.scratch();
         let Scratch { total, parts, .. } = &mut *s;

@@ -355,6 +355,22 @@ pub trait Device: Sized + 'static {
     /// `Σ x²` in f64, on the host (the global norm's share of one buffer).
     fn sum_squares<X: Num>(&self, x: Self::View<'_, X>) -> Result<f64, Error>;
 
+    /// `kernels::nf4::quantize` of `src` into an NF4 tensor's `codes` and the bytes of its
+    /// fp32 absmax, which start 4-byte aligned (QLoRA's base is held as bytes).
+    fn nf4_quantize<X: Num>(
+        &self,
+        codes: Self::ViewMut<'_, u8>,
+        absmax: Self::ViewMut<'_, u8>,
+        src: Self::View<'_, X>,
+    ) -> Result<(), Error>;
+    /// `kernels::nf4::dequantize` into `out` from what [`Device::nf4_quantize`] wrote.
+    fn nf4_dequantize<X: Num>(
+        &self,
+        out: Self::ViewMut<'_, X>,
+        codes: Self::View<'_, u8>,
+        absmax: Self::View<'_, u8>,
+    ) -> Result<(), Error>;
+
     // The optimizer updates of `kernels::optim`, gradients in the parameters' dtype.
     fn adam8bit_step<X: Num>(
         &self,

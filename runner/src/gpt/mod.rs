@@ -6,7 +6,7 @@ mod pass;
 
 pub use acts::{Acts, BlockActs};
 
-use scheduler::model::{GptShape, TensorKind};
+use scheduler::model::{GptShape, ModelTensor, TensorKind};
 
 use crate::Error;
 use crate::accounting::Accountant;
@@ -70,29 +70,37 @@ impl BatchDims {
 }
 
 /// The tensors of a block, in state-dict order, as views `S` (shared or exclusive) of the
-/// block's unit buffer. Weights are Hugging Face Conv1D layout, used as x·W + b.
+/// block's unit buffer. Weights are Hugging Face Conv1D layout, used as x·W + b; a projection
+/// weight is `None` where the unit does not hold it (a QLoRA base's NF4 weights, which
+/// `lora::Adapted::weight` dequantizes).
 pub struct Block<S> {
     pub ln1_w: S,
     pub ln1_b: S,
     /// (C, 3C)
-    pub attn_w: S,
+    pub attn_w: Option<S>,
     pub attn_b: S,
     /// (C, C)
-    pub proj_w: S,
+    pub proj_w: Option<S>,
     pub proj_b: S,
     pub ln2_w: S,
     pub ln2_b: S,
     /// (C, 4C)
-    pub fc_w: S,
+    pub fc_w: Option<S>,
     pub fc_b: S,
     /// (4C, C)
-    pub fcproj_w: S,
+    pub fcproj_w: Option<S>,
     pub fcproj_b: S,
 }
 
 impl<S> Block<S> {
-    fn from_parts(
-        [
+    /// Names the views `take` cuts, in turn, for each of the block's tensors the unit holds
+    /// (`held`).
+    fn cut(
+        shape: &GptShape,
+        held: impl Fn(ModelTensor) -> bool,
+        mut take: impl FnMut(usize) -> S,
+    ) -> Block<S> {
+        let [
             ln1_w,
             ln1_b,
             attn_w,
@@ -105,28 +113,40 @@ impl<S> Block<S> {
             fc_b,
             fcproj_w,
             fcproj_b,
-        ]: [S; 12],
-    ) -> Self {
+        ] = TensorKind::BLOCK.map(|k| {
+            let numel = k.dims(shape).numel();
+            held(ModelTensor::Gpt2(k)).then(|| take(numel))
+        });
+        let need = |s: Option<S>| s.expect("a block's unit holds its norms and biases");
         Block {
-            ln1_w,
-            ln1_b,
+            ln1_w: need(ln1_w),
+            ln1_b: need(ln1_b),
             attn_w,
-            attn_b,
+            attn_b: need(attn_b),
             proj_w,
-            proj_b,
-            ln2_w,
-            ln2_b,
+            proj_b: need(proj_b),
+            ln2_w: need(ln2_w),
+            ln2_b: need(ln2_b),
             fc_w,
-            fc_b,
+            fc_b: need(fc_b),
             fcproj_w,
-            fcproj_b,
+            fcproj_b: need(fcproj_b),
         }
     }
 }
 
-/// Block `unit`'s tensors, to read.
-pub fn block<'a, D: Device, X>(unit: D::View<'a, X>, shape: &GptShape) -> Block<D::View<'a, X>> {
-    Block::from_parts(split::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)))
+/// Block `unit`'s tensors, to read: those it holds (`held`).
+pub fn block<'a, D: Device, X>(
+    unit: D::View<'a, X>,
+    shape: &GptShape,
+    held: impl Fn(ModelTensor) -> bool,
+) -> Block<D::View<'a, X>> {
+    let mut rest = Some(unit);
+    Block::cut(shape, held, |n| {
+        let (head, tail) = D::split_at(rest.take().expect("one view left"), n);
+        rest = Some(tail);
+        head
+    })
 }
 
 /// Block `unit`'s tensors, to write (its gradient); every one `None` without one (frozen).
@@ -134,10 +154,17 @@ pub fn block_mut<'a, D: Device, X>(
     unit: Option<D::ViewMut<'a, X>>,
     shape: &GptShape,
 ) -> Block<Option<D::ViewMut<'a, X>>> {
-    Block::from_parts(match unit {
-        Some(unit) => split_mut::<D, X, 12>(unit, lens(&TensorKind::BLOCK, shape)).map(Some),
-        None => [(); 12].map(|()| None),
-    })
+    let mut rest = unit;
+    // Only a model that is trained has a gradient, and it holds every tensor.
+    Block::cut(
+        shape,
+        |_| true,
+        |n| {
+            let (head, tail) = D::split_at_mut(rest.take()?, n);
+            rest = Some(tail);
+            Some(head)
+        },
+    )
 }
 
 /// `(wte (V, C), wpe (maxT, C))` of the embeddings unit.

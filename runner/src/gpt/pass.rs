@@ -11,11 +11,21 @@ use super::{
 };
 use crate::device::{Device, Num};
 use crate::lora::Adapted;
+use crate::model::{Linear, Stored, projection, projection_backward};
 use crate::{Error, model};
 
-/// The model tensor of a GPT-2 projection weight, as adapters are keyed.
-fn proj(t: T) -> ModelTensor {
-    ModelTensor::Gpt2(t)
+/// A Conv1D projection `t`, weight W (K, N) used as x·W + b.
+fn conv1d<'p, 'v, X, D: Device>(
+    t: T,
+    w: Stored<'p, 'v, X, D>,
+    b: &'p D::View<'v, X>,
+) -> Linear<'p, 'v, X, D> {
+    Linear {
+        kind: ModelTensor::Gpt2(t),
+        w,
+        b: Some(D::reborrow_ref(b)),
+        layout: Layout::KN,
+    }
 }
 
 impl<X: Num, D: Device> Model<X, D> {
@@ -45,7 +55,12 @@ impl<X: Num, D: Device> Model<X, D> {
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
-        let (p, d, acts) = (block::<D, X>(unit, &self.shape), &self.dims, &mut self.acts);
+        let held = |w| ad.in_base(w);
+        let (p, d, acts) = (
+            block::<D, X>(unit, &self.shape, held),
+            &self.dims,
+            &mut self.acts,
+        );
         let (n, c) = (d.tokens(), d.c);
         let (before, from_l) = acts.res3.split_at_mut(l);
         let input = if l == 0 {
@@ -64,46 +79,19 @@ impl<X: Num, D: Device> Model<X, D> {
             D::share(&p.ln1_w),
             D::share(&p.ln1_b),
         )?;
-        dev.matmul_forward(
-            a.qkv.view_mut(),
-            a.ln1.view(),
-            D::share(&p.attn_w),
-            Some(D::share(&p.attn_b)),
-            Layout::KN,
-            (n, c, 3 * c),
-            mm.view_mut(),
-        )?;
-        ad.forward(
-            dev,
-            proj(T::AttnWeight),
-            a.qkv.view_mut(),
-            a.ln1.view(),
-            n,
-            mm,
-        )?;
+        let (attn, x) = (conv1d(T::AttnWeight, &p.attn_w, &p.attn_b), a.ln1.view());
+        projection(dev, &mut ad, attn, &mut a.qkv, x, (n, c, 3 * c), mm)?;
         dev.attention_forward(
             a.atty.view_mut(),
             a.lse.view_mut(),
             a.qkv.view(),
             d.attention(),
         )?;
-        dev.matmul_forward(
-            a.res2.view_mut(),
+        let (attn_proj, x) = (
+            conv1d(T::AttnProjWeight, &p.proj_w, &p.proj_b),
             a.atty.view(),
-            D::share(&p.proj_w),
-            Some(D::share(&p.proj_b)),
-            Layout::KN,
-            (n, c, c),
-            mm.view_mut(),
-        )?;
-        ad.forward(
-            dev,
-            proj(T::AttnProjWeight),
-            a.res2.view_mut(),
-            a.atty.view(),
-            n,
-            mm,
-        )?;
+        );
+        projection(dev, &mut ad, attn_proj, &mut a.res2, x, (n, c, c), mm)?;
         dev.residual_accumulate(a.res2.view_mut(), D::share(&input))?;
         dev.layernorm_forward(
             a.ln2.view_mut(),
@@ -113,35 +101,19 @@ impl<X: Num, D: Device> Model<X, D> {
             D::share(&p.ln2_w),
             D::share(&p.ln2_b),
         )?;
-        dev.matmul_forward(
-            a.fch.view_mut(),
-            a.ln2.view(),
-            D::share(&p.fc_w),
-            Some(D::share(&p.fc_b)),
-            Layout::KN,
-            (n, c, 4 * c),
-            mm.view_mut(),
-        )?;
-        ad.forward(
+        let (fc, x) = (conv1d(T::FcWeight, &p.fc_w, &p.fc_b), a.ln2.view());
+        projection(dev, &mut ad, fc, &mut a.fch, x, (n, c, 4 * c), mm)?;
+        dev.gelu_forward(a.fch_gelu.view_mut(), a.fch.view())?;
+        let fc_proj = conv1d(T::FcProjWeight, &p.fcproj_w, &p.fcproj_b);
+        projection(
             dev,
-            proj(T::FcWeight),
-            a.fch.view_mut(),
-            a.ln2.view(),
-            n,
+            &mut ad,
+            fc_proj,
+            out,
+            a.fch_gelu.view(),
+            (n, 4 * c, c),
             mm,
         )?;
-        dev.gelu_forward(a.fch_gelu.view_mut(), a.fch.view())?;
-        dev.matmul_forward(
-            out.view_mut(),
-            a.fch_gelu.view(),
-            D::share(&p.fcproj_w),
-            Some(D::share(&p.fcproj_b)),
-            Layout::KN,
-            (n, 4 * c, c),
-            mm.view_mut(),
-        )?;
-        let fc_out = a.fch_gelu.view();
-        ad.forward(dev, proj(T::FcProjWeight), out.view_mut(), fc_out, n, mm)?;
         dev.residual_accumulate(out.view_mut(), a.res2.view())
     }
 
@@ -158,8 +130,9 @@ impl<X: Num, D: Device> Model<X, D> {
         slot: usize,
     ) -> Result<(), Error> {
         use DinpMode::Overwrite;
+        let held = |w| ad.in_base(w);
         let (p, g) = (
-            block::<D, X>(unit, &self.shape),
+            block::<D, X>(unit, &self.shape, held),
             block_mut::<D, X>(grad, &self.shape),
         );
         let (d, acts) = (&self.dims, &mut self.acts);
@@ -172,117 +145,51 @@ impl<X: Num, D: Device> Model<X, D> {
         let a: &BlockActs<X, D> = &acts.blocks[slot];
         let (dres, dchan, dwide) = (&mut acts.dres, &mut acts.dchan, &mut acts.dwide);
         let mm = &mut acts.matmul_scratch;
-        let grads = |w: Option<_>, b: Option<_>| w.zip(b).map(|(w, b)| (w, Some(b)));
-        let kn = |inp, w| (inp, D::share(w));
+        let grads =
+            |w: Option<Option<_>>, b: Option<_>| w.flatten().zip(b).map(|(w, b)| (w, Some(b)));
+        let (wide, chan) = (n * 4 * c, n * c);
         // MLP.
-        model::linear_backward(
-            dev,
-            dwide.view_mut(),
-            grads(g.fcproj_w, g.fcproj_b),
-            dres.view(),
-            kn(a.fch_gelu.view(), &p.fcproj_w),
-            Layout::KN,
-            (n, 4 * c, c),
-            Overwrite,
-            mm,
-        )?;
-        let fc_out = a.fch_gelu.view();
-        ad.backward(
-            dev,
-            proj(T::FcProjWeight),
-            dwide.view_mut(),
-            dres.view(),
-            fc_out,
-            n,
-            mm,
-        )?;
-        dev.gelu_backward(dwide.view_mut(), a.fch.view())?;
-        model::linear_backward(
-            dev,
-            dchan.view_mut(),
-            grads(g.fc_w, g.fc_b),
-            dwide.view(),
-            kn(a.ln2.view(), &p.fc_w),
-            Layout::KN,
-            (n, c, 4 * c),
-            Overwrite,
-            mm,
-        )?;
-        ad.backward(
-            dev,
-            proj(T::FcWeight),
-            dchan.view_mut(),
-            dwide.view(),
-            a.ln2.view(),
-            n,
-            mm,
-        )?;
+        let fc_proj = conv1d(T::FcProjWeight, &p.fcproj_w, &p.fcproj_b);
+        let (dinp, dout, x) = ((&mut *dwide, 0..wide), dres.view(), a.fch_gelu.view());
+        let (dw, mkn) = (grads(g.fcproj_w, g.fcproj_b), ((n, 4 * c, c), Overwrite));
+        projection_backward(dev, &mut ad, fc_proj, dinp, dw, dout, x, mkn, mm)?;
+        dev.gelu_backward(dwide.at_mut(0..wide), a.fch.view())?;
+        let fc = conv1d(T::FcWeight, &p.fc_w, &p.fc_b);
+        let (dinp, dout, x) = ((&mut *dchan, 0..chan), dwide.at(0..wide), a.ln2.view());
+        let (dw, mkn) = (grads(g.fc_w, g.fc_b), ((n, c, 4 * c), Overwrite));
+        projection_backward(dev, &mut ad, fc, dinp, dw, dout, x, mkn, mm)?;
         model::layernorm_backward(
             dev,
             dres.view_mut(),
             g.ln2_w.zip(g.ln2_b).map(<[_; 2]>::from),
-            dchan.view(),
+            dchan.at(0..chan),
             (a.res2.view(), D::share(&p.ln2_w)),
             (a.ln2_mean.view(), a.ln2_rstd.view()),
         )?;
         // Attention; dres now holds ∂loss/∂res2.
-        model::linear_backward(
-            dev,
-            dchan.view_mut(),
-            grads(g.proj_w, g.proj_b),
-            dres.view(),
-            kn(a.atty.view(), &p.proj_w),
-            Layout::KN,
-            (n, c, c),
-            Overwrite,
-            mm,
-        )?;
-        let atty = a.atty.view();
-        ad.backward(
-            dev,
-            proj(T::AttnProjWeight),
-            dchan.view_mut(),
-            dres.view(),
-            atty,
-            n,
-            mm,
-        )?;
+        let attn_proj = conv1d(T::AttnProjWeight, &p.proj_w, &p.proj_b);
+        let (dinp, dout, x) = ((&mut *dchan, 0..chan), dres.view(), a.atty.view());
+        let (dw, mkn) = (grads(g.proj_w, g.proj_b), ((n, c, c), Overwrite));
+        projection_backward(dev, &mut ad, attn_proj, dinp, dw, dout, x, mkn, mm)?;
         let dqkv = 0..n * 3 * c;
         dev.attention_backward(
             dwide.at_mut(dqkv.clone()),
             acts.delta.view_mut(),
-            dchan.view(),
+            dchan.at(0..chan),
             a.qkv.view(),
             a.atty.view(),
             a.lse.view(),
             d.attention(),
         )?;
-        model::linear_backward(
-            dev,
-            dchan.view_mut(),
-            grads(g.attn_w, g.attn_b),
-            dwide.at(dqkv.clone()),
-            kn(a.ln1.view(), &p.attn_w),
-            Layout::KN,
-            (n, c, 3 * c),
-            Overwrite,
-            mm,
-        )?;
-        let (dchan_in, dqkv) = (dchan.view_mut(), dwide.at(dqkv));
-        ad.backward(
-            dev,
-            proj(T::AttnWeight),
-            dchan_in,
-            dqkv,
-            a.ln1.view(),
-            n,
-            mm,
-        )?;
+        let attn = conv1d(T::AttnWeight, &p.attn_w, &p.attn_b);
+        let (dinp, dout, x) = ((&mut *dchan, 0..chan), dwide.at(dqkv), a.ln1.view());
+        let (dw, mkn) = (grads(g.attn_w, g.attn_b), ((n, c, 3 * c), Overwrite));
+        projection_backward(dev, &mut ad, attn, dinp, dw, dout, x, mkn, mm)?;
         model::layernorm_backward(
             dev,
             dres.view_mut(),
             g.ln1_w.zip(g.ln1_b).map(<[_; 2]>::from),
-            dchan.view(),
+            dchan.at(0..chan),
             (input, D::share(&p.ln1_w)),
             (a.ln1_mean.view(), a.ln1_rstd.view()),
         )

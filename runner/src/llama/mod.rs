@@ -11,7 +11,7 @@ pub use rope::rope_tables;
 
 use kernels::attention::AttentionDims;
 use kernels::rope::RopeDims;
-use scheduler::model::{LlamaShape, LlamaTensor};
+use scheduler::model::{LlamaShape, LlamaTensor, ModelTensor};
 
 use crate::Error;
 use crate::accounting::Accountant;
@@ -79,49 +79,51 @@ impl Dims {
 }
 
 /// The tensors of a block as views `S` of its unit buffer; `None` where the shape has no such
-/// tensor (biases, Qwen3's q/k norms).
+/// tensor (biases, Qwen3's q/k norms) or the unit does not hold it (a QLoRA base's NF4
+/// projection weights, which `lora::Adapted::weight` dequantizes).
 pub struct Block<S> {
-    pub q: S,
+    pub q: Option<S>,
     pub q_bias: Option<S>,
-    pub k: S,
+    pub k: Option<S>,
     pub k_bias: Option<S>,
-    pub v: S,
+    pub v: Option<S>,
     pub v_bias: Option<S>,
-    pub o: S,
+    pub o: Option<S>,
     pub o_bias: Option<S>,
     pub q_norm: Option<S>,
     pub k_norm: Option<S>,
-    pub gate: S,
+    pub gate: Option<S>,
     pub gate_bias: Option<S>,
-    pub up: S,
+    pub up: Option<S>,
     pub up_bias: Option<S>,
-    pub down: S,
+    pub down: Option<S>,
     pub down_bias: Option<S>,
     pub norm1: S,
     pub norm2: S,
 }
 
 impl<S> Block<S> {
-    /// Names the views `take` cuts, in turn, for each of the shape's block tensors.
-    fn cut(shape: &LlamaShape, mut take: impl FnMut(usize) -> S) -> Block<S> {
+    /// Names the views `take` cuts, in turn, for each of the shape's block tensors the unit
+    /// holds (`held`).
+    fn cut(
+        shape: &LlamaShape,
+        held: impl Fn(ModelTensor) -> bool,
+        mut take: impl FnMut(usize) -> S,
+    ) -> Block<S> {
         use LlamaTensor as T;
         let mut parts: Vec<(T, S)> = shape
             .block()
             .into_iter()
+            .filter(|&t| held(ModelTensor::Llama(t)))
             .map(|t| (t, take(t.dims(shape).numel())))
             .collect();
         let mut get = |kind: T| {
             let i = parts.iter().position(|(t, _)| *t == kind)?;
             Some(parts.swap_remove(i).1)
         };
-        let mut need = |kind: T| get(kind).expect("every block has its projections and norms");
-        let (q, k, v, o) = (
-            need(T::QProj),
-            need(T::KProj),
-            need(T::VProj),
-            need(T::OProj),
-        );
-        let (gate, up, down) = (need(T::GateProj), need(T::UpProj), need(T::DownProj));
+        let (q, k, v, o) = (get(T::QProj), get(T::KProj), get(T::VProj), get(T::OProj));
+        let (gate, up, down) = (get(T::GateProj), get(T::UpProj), get(T::DownProj));
+        let mut need = |kind: T| get(kind).expect("every block has its norms");
         let (norm1, norm2) = (need(T::InputNorm), need(T::PostAttentionNorm));
         Block {
             q,
@@ -146,10 +148,14 @@ impl<S> Block<S> {
     }
 }
 
-/// Block `unit`'s tensors, to read.
-pub fn block<'a, D: Device, X>(unit: D::View<'a, X>, shape: &LlamaShape) -> Block<D::View<'a, X>> {
+/// Block `unit`'s tensors, to read: those it holds (`held`).
+pub fn block<'a, D: Device, X>(
+    unit: D::View<'a, X>,
+    shape: &LlamaShape,
+    held: impl Fn(ModelTensor) -> bool,
+) -> Block<D::View<'a, X>> {
     let mut rest = Some(unit);
-    Block::cut(shape, |n| {
+    Block::cut(shape, held, |n| {
         let (head, tail) = D::split_at(rest.take().expect("one view left"), n);
         rest = Some(tail);
         head
@@ -162,11 +168,16 @@ pub fn block_mut<'a, D: Device, X>(
     shape: &LlamaShape,
 ) -> Block<Option<D::ViewMut<'a, X>>> {
     let mut rest = unit;
-    Block::cut(shape, |n| {
-        let (head, tail) = D::split_at_mut(rest.take()?, n);
-        rest = Some(tail);
-        Some(head)
-    })
+    // Only a model that is trained has a gradient, and it holds every tensor.
+    Block::cut(
+        shape,
+        |_| true,
+        |n| {
+            let (head, tail) = D::split_at_mut(rest.take()?, n);
+            rest = Some(tail);
+            Some(head)
+        },
+    )
 }
 
 /// A Llama-family model's passes over one micro-batch's activations (`pass.rs`).

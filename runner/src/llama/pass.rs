@@ -7,69 +7,28 @@ use kernels::matmul::{DinpMode, Layout};
 use scheduler::model::{LlamaTensor as T, ModelTensor};
 
 use super::{Model, block, block_mut};
-use crate::accounting::Buffer;
 use crate::device::{Device, Num};
 use crate::lora::Adapted;
+use crate::model::{Linear, Stored, projection, projection_backward};
 use crate::{Error, model};
 
-/// The model tensor of a Llama-family projection weight, as adapters are keyed.
-fn proj(t: T) -> ModelTensor {
-    ModelTensor::Llama(t)
-}
-
-/// `out (M, N) = inp (M, K) · Wᵀ + b` for an `nn.Linear` weight W (N, K).
-fn linear<D: Device, X: Num>(
-    dev: &D,
-    out: D::ViewMut<'_, X>,
-    inp: D::View<'_, X>,
-    (w, b): (&D::View<'_, X>, &Option<D::View<'_, X>>),
-    mkn: (usize, usize, usize),
-    scratch: &mut Buffer<f32, D>,
-) -> Result<(), Error> {
-    let bias = b.as_ref().map(D::share);
-    dev.matmul_forward(
-        out,
-        inp,
-        D::share(w),
-        bias,
-        Layout::NK,
-        mkn,
-        scratch.view_mut(),
-    )
-}
-
-/// Backward of [`linear`]: `dinp` set or added to (`mode`), `dw` and `db` added to unless
-/// the weights are frozen.
-#[allow(clippy::too_many_arguments)]
-fn linear_backward<D: Device, X: Num>(
-    dev: &D,
-    dinp: D::ViewMut<'_, X>,
-    grads: model::WeightGrads<'_, X, D>,
-    dout: D::View<'_, X>,
-    inp: D::View<'_, X>,
-    w: &D::View<'_, X>,
-    mkn: (usize, usize, usize),
-    mode: DinpMode,
-    scratch: &mut Buffer<f32, D>,
-) -> Result<(), Error> {
-    let w = D::share(w);
-    model::linear_backward(
-        dev,
-        dinp,
-        grads,
-        dout,
-        (inp, w),
-        Layout::NK,
-        mkn,
-        mode,
-        scratch,
-    )
+/// An `nn.Linear` projection `t`, weight W (N, K) used as x·Wᵀ + b.
+fn linear<'p, 'v, X, D: Device>(
+    t: T,
+    (w, b): (Stored<'p, 'v, X, D>, Stored<'p, 'v, X, D>),
+) -> Linear<'p, 'v, X, D> {
+    Linear {
+        kind: ModelTensor::Llama(t),
+        w,
+        b: b.as_ref().map(D::reborrow_ref),
+        layout: Layout::NK,
+    }
 }
 
 /// A projection's weight and bias gradients, as [`block_mut`] cuts them, for
-/// [`linear_backward`]: none where the weight is frozen.
-fn grads<S>(weight: Option<S>, bias: Option<Option<S>>) -> Option<(S, Option<S>)> {
-    weight.map(|w| (w, bias.flatten()))
+/// [`projection_backward`]: none where the weight is frozen.
+fn grads<S>(weight: Option<Option<S>>, bias: Option<Option<S>>) -> Option<(S, Option<S>)> {
+    weight.flatten().map(|w| (w, bias.flatten()))
 }
 
 impl<X: Num, D: Device> Model<X, D> {
@@ -105,7 +64,7 @@ impl<X: Num, D: Device> Model<X, D> {
         l: usize,
         slot: usize,
     ) -> Result<(), Error> {
-        let p = block::<D, X>(unit, &self.shape);
+        let p = block::<D, X>(unit, &self.shape, |w| ad.in_base(w));
         let (d, acts) = (self.dims, &mut self.acts);
         let (n, c, q, kv, i) = (d.tokens(), d.c, d.q(), d.kv_width(), d.i);
         let (before, from_l) = acts.res3.split_at_mut(l);
@@ -131,18 +90,37 @@ impl<X: Num, D: Device> Model<X, D> {
             Some(_) => (&mut a.q_pre_norm, &mut a.k_pre_norm),
             None => (&mut a.q, &mut a.k),
         };
-        let (x, qw, kw, vw) = (
-            a.norm1.view(),
-            (&p.q, &p.q_bias),
-            (&p.k, &p.k_bias),
-            (&p.v, &p.v_bias),
-        );
-        linear(dev, q_out.view_mut(), D::share(&x), qw, (n, c, q), mm)?;
-        ad.forward(dev, proj(T::QProj), q_out.view_mut(), D::share(&x), n, mm)?;
-        linear(dev, k_out.view_mut(), D::share(&x), kw, (n, c, kv), mm)?;
-        ad.forward(dev, proj(T::KProj), k_out.view_mut(), D::share(&x), n, mm)?;
-        linear(dev, a.v.view_mut(), D::share(&x), vw, (n, c, kv), mm)?;
-        ad.forward(dev, proj(T::VProj), a.v.view_mut(), x, n, mm)?;
+        let x = a.norm1.view();
+        let qw = (&p.q, &p.q_bias);
+        projection(
+            dev,
+            &mut ad,
+            linear(T::QProj, qw),
+            q_out,
+            D::share(&x),
+            (n, c, q),
+            mm,
+        )?;
+        let kw = (&p.k, &p.k_bias);
+        projection(
+            dev,
+            &mut ad,
+            linear(T::KProj, kw),
+            k_out,
+            D::share(&x),
+            (n, c, kv),
+            mm,
+        )?;
+        let vw = (&p.v, &p.v_bias);
+        projection(
+            dev,
+            &mut ad,
+            linear(T::VProj, vw),
+            &mut a.v,
+            x,
+            (n, c, kv),
+            mm,
+        )?;
         if let Some((qn, kn)) = qk_norms {
             let (qp, kp) = (a.q_pre_norm.view(), a.k_pre_norm.view());
             let (qr, kr) = (a.q_norm_rstd.view_mut(), a.k_norm_rstd.view_mut());
@@ -160,8 +138,16 @@ impl<X: Num, D: Device> Model<X, D> {
             d.attention(),
         )?;
         let ow = (&p.o, &p.o_bias);
-        linear(dev, a.res2.view_mut(), a.atty.view(), ow, (n, q, c), mm)?;
-        ad.forward(dev, proj(T::OProj), a.res2.view_mut(), a.atty.view(), n, mm)?;
+        let atty = a.atty.view();
+        projection(
+            dev,
+            &mut ad,
+            linear(T::OProj, ow),
+            &mut a.res2,
+            atty,
+            (n, q, c),
+            mm,
+        )?;
         dev.residual_accumulate(a.res2.view_mut(), input)?;
         dev.rmsnorm_forward(
             a.norm2.view_mut(),
@@ -172,26 +158,33 @@ impl<X: Num, D: Device> Model<X, D> {
         )?;
         let x = a.norm2.view();
         let (gw, uw) = ((&p.gate, &p.gate_bias), (&p.up, &p.up_bias));
-        linear(dev, a.gate.view_mut(), D::share(&x), gw, (n, c, i), mm)?;
-        ad.forward(
+        projection(
             dev,
-            proj(T::GateProj),
-            a.gate.view_mut(),
+            &mut ad,
+            linear(T::GateProj, gw),
+            &mut a.gate,
             D::share(&x),
-            n,
+            (n, c, i),
             mm,
         )?;
-        linear(dev, a.up.view_mut(), D::share(&x), uw, (n, c, i), mm)?;
-        ad.forward(dev, proj(T::UpProj), a.up.view_mut(), x, n, mm)?;
-        dev.swiglu_forward(a.product.view_mut(), a.gate.view(), a.up.view())?;
-        let dw = (&p.down, &p.down_bias);
-        linear(dev, out.view_mut(), a.product.view(), dw, (n, i, c), mm)?;
-        ad.forward(
+        projection(
             dev,
-            proj(T::DownProj),
-            out.view_mut(),
-            a.product.view(),
-            n,
+            &mut ad,
+            linear(T::UpProj, uw),
+            &mut a.up,
+            x,
+            (n, c, i),
+            mm,
+        )?;
+        dev.swiglu_forward(a.product.view_mut(), a.gate.view(), a.up.view())?;
+        let (dw, product) = ((&p.down, &p.down_bias), a.product.view());
+        projection(
+            dev,
+            &mut ad,
+            linear(T::DownProj, dw),
+            out,
+            product,
+            (n, i, c),
             mm,
         )?;
         dev.residual_accumulate(out.view_mut(), a.res2.view())
@@ -211,7 +204,7 @@ impl<X: Num, D: Device> Model<X, D> {
     ) -> Result<(), Error> {
         use DinpMode::{Accumulate, Overwrite};
         let (p, g) = (
-            block::<D, X>(unit, &self.shape),
+            block::<D, X>(unit, &self.shape, |w| ad.in_base(w)),
             block_mut::<D, X>(grad, &self.shape),
         );
         let (d, acts) = (self.dims, &mut self.acts);
@@ -230,21 +223,19 @@ impl<X: Num, D: Device> Model<X, D> {
         // turns, in place, into ∂loss/∂up beside ∂loss/∂gate.
         let (gate_at, up_at) = (0..n * i, n * i..2 * n * i);
         let down = grads(g.down, g.down_bias);
-        let product = a.product.view();
-        let up_grad = dwide.at_mut(up_at.clone());
-        linear_backward(
+        let (w, mkn) = (&p.down, ((n, i, c), Overwrite));
+        let (dinp, dout, x) = ((&mut *dwide, up_at.clone()), dres.view(), a.product.view());
+        projection_backward(
             dev,
-            up_grad,
+            &mut ad,
+            linear(T::DownProj, (w, &None)),
+            dinp,
             down,
-            dres.view(),
-            D::share(&product),
-            &p.down,
-            (n, i, c),
-            Overwrite,
+            dout,
+            x,
+            mkn,
             mm,
         )?;
-        let down_in = dwide.at_mut(up_at.clone());
-        ad.backward(dev, proj(T::DownProj), down_in, dres.view(), product, n, mm)?;
         let (dgate, dup) = D::split_at_mut(dwide.at_mut(0..2 * n * i), n * i);
         dev.swiglu_backward(dgate, dup, a.gate.view(), a.up.view())?;
         let (x, gate, up) = (
@@ -252,33 +243,32 @@ impl<X: Num, D: Device> Model<X, D> {
             grads(g.gate, g.gate_bias),
             grads(g.up, g.up_bias),
         );
-        let mkn = (n, c, i);
-        linear_backward(
+        let (dinp, dout, w) = ((&mut *dchan, dx.clone()), dwide.at(gate_at), &p.gate);
+        let (xg, mkn) = (D::share(&x), ((n, c, i), Overwrite));
+        projection_backward(
             dev,
-            dchan.at_mut(dx.clone()),
+            &mut ad,
+            linear(T::GateProj, (w, &None)),
+            dinp,
             gate,
-            dwide.at(gate_at.clone()),
-            D::share(&x),
-            &p.gate,
+            dout,
+            xg,
             mkn,
-            Overwrite,
             mm,
         )?;
-        let (dx_of, dgate) = (dchan.at_mut(dx.clone()), dwide.at(gate_at));
-        ad.backward(dev, proj(T::GateProj), dx_of, dgate, D::share(&x), n, mm)?;
-        linear_backward(
+        let (dinp, dout, w) = ((&mut *dchan, dx.clone()), dwide.at(up_at), &p.up);
+        let mkn = ((n, c, i), Accumulate);
+        projection_backward(
             dev,
-            dchan.at_mut(dx.clone()),
+            &mut ad,
+            linear(T::UpProj, (w, &None)),
+            dinp,
             up,
-            dwide.at(up_at.clone()),
-            D::share(&x),
-            &p.up,
+            dout,
+            x,
             mkn,
-            Accumulate,
             mm,
         )?;
-        let (dx_of, dup) = (dchan.at_mut(dx.clone()), dwide.at(up_at));
-        ad.backward(dev, proj(T::UpProj), dx_of, dup, x, n, mm)?;
         model::rmsnorm_backward(
             dev,
             dres.view_mut(),
@@ -288,19 +278,19 @@ impl<X: Num, D: Device> Model<X, D> {
         )?;
         // Attention; dres now holds ∂loss/∂res2.
         let o = grads(g.o, g.o_bias);
-        linear_backward(
+        let (dinp, dout, x) = ((&mut *dchan, 0..n * q), dres.view(), a.atty.view());
+        let mkn = ((n, q, c), Overwrite);
+        projection_backward(
             dev,
-            dchan.at_mut(0..n * q),
+            &mut ad,
+            linear(T::OProj, (&p.o, &None)),
+            dinp,
             o,
-            dres.view(),
-            a.atty.view(),
-            &p.o,
-            (n, q, c),
-            Overwrite,
+            dout,
+            x,
+            mkn,
             mm,
         )?;
-        let o_in = dchan.at_mut(0..n * q);
-        ad.backward(dev, proj(T::OProj), o_in, dres.view(), a.atty.view(), n, mm)?;
         let (dq_at, dk_at, dv_at) = (
             0..n * q,
             n * q..n * (q + kv),
@@ -367,12 +357,19 @@ impl<X: Num, D: Device> Model<X, D> {
             (T::VProj, wv, dv_at, &p.v, kv, Accumulate),
         ];
         for (kind, grads, dout_at, w, width, mode) in qkv {
-            let dout = dwide.at(dout_at.clone());
-            let mkn = (n, c, width);
-            let dxw = dchan.at_mut(dx.clone());
-            linear_backward(dev, dxw, grads, dout, D::share(&x), w, mkn, mode, mm)?;
-            let (dxw, dout) = (dchan.at_mut(dx.clone()), dwide.at(dout_at));
-            ad.backward(dev, proj(kind), dxw, dout, D::share(&x), n, mm)?;
+            let (dinp, dout) = ((&mut *dchan, dx.clone()), dwide.at(dout_at));
+            let mkn = ((n, c, width), mode);
+            projection_backward(
+                dev,
+                &mut ad,
+                linear(kind, (w, &None)),
+                dinp,
+                grads,
+                dout,
+                D::share(&x),
+                mkn,
+                mm,
+            )?;
         }
         model::rmsnorm_backward(
             dev,

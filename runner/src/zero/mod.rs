@@ -11,7 +11,9 @@
 //!   before its backward.
 
 use scheduler::memory::{self, Category, Setup};
-use scheduler::model::{AdapterTensor, Adapters, ModelShape, ModelTensor, Units};
+use scheduler::model::{
+    AdapterTensor, Adapters, BaseStorage, LoraLayout, ModelShape, ModelTensor, Nf4Part, Units,
+};
 use scheduler::spec::ZeroStage;
 
 use crate::Error;
@@ -116,7 +118,7 @@ struct Held<X, D: Device, K> {
     gathered: Option<Slots<X, D>>,
 }
 
-impl<X: Num + Summable, D: DeviceCollectives, K> Held<X, D, K> {
+impl<X: Elem + Summable, D: DeviceCollectives, K> Held<X, D, K> {
     fn new(
         dev: &D,
         acct: &Accountant,
@@ -149,6 +151,25 @@ impl<X: Num + Summable, D: DeviceCollectives, K> Held<X, D, K> {
             Some(g) => g.get(u).at(0..self.unit_len(u)),
             None => self.params[u].view(),
         }
+    }
+
+    /// Unit `u`'s whole parameters to write: its buffer, or at stage 3 its gathered slot,
+    /// whose part this rank holds [`Held::keep`] then copies into its shard.
+    fn whole_mut(&mut self, u: usize) -> D::ViewMut<'_, X> {
+        let len = self.unit_len(u);
+        match &mut self.gathered {
+            Some(g) => g.get_mut(u).at_mut(0..len),
+            None => self.params[u].view_mut(),
+        }
+    }
+
+    /// Stage 3: keeps this rank's part of what was written through [`Held::whole_mut`].
+    fn keep(&mut self, dev: &D, u: usize) -> Result<(), Error> {
+        let Some(gathered) = &self.gathered else {
+            return Ok(());
+        };
+        let held = self.layout.held(Part::Params, u);
+        dev.copy(self.params[u].view_mut(), gathered.get(u).at(held))
     }
 
     /// Stage 3: gathers unit `u`'s parameters from every rank's shard.
@@ -340,10 +361,12 @@ fn grad<'a, X, D: Device>(
 }
 
 /// A LoRA job's frozen side: the base model's weights (no gradients, master copy or optimizer
-/// state) and the adapters' activations.
+/// state), QLoRA's NF4 weights, and the adapters' activations.
 struct Frozen<X, D: Device> {
     adapters: Adapters,
     base: Held<X, D, ModelTensor>,
+    /// One unit per block: its adapted projections' NF4 weights (QLoRA).
+    nf4: Option<Held<u8, D, Nf4Part>>,
     lora: Lora<X, D>,
 }
 
@@ -418,11 +441,19 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let (b, t) = (setup.micro_batch, setup.seq_len);
         let passes = Passes::new(&dev, &acct, &model, b, t, setup.checkpointing)?;
         let frozen = match &setup.lora {
-            Some(adapters) => Some(Frozen {
-                adapters: *adapters,
-                base: Held::new(&dev, &acct, model.units(world), setup.stage, rank)?,
-                lora: Lora::new(&dev, &acct, adapters, &model, b * t, setup.checkpointing)?,
-            }),
+            Some(adapters) => {
+                let LoraLayout { base, nf4, .. } = adapters.layout(&model, world);
+                let stage = setup.stage;
+                Some(Frozen {
+                    adapters: *adapters,
+                    base: Held::new(&dev, &acct, base, stage, rank)?,
+                    nf4: match adapters.base {
+                        BaseStorage::Compute => None,
+                        BaseStorage::Nf4 => Some(Held::new(&dev, &acct, nf4, stage, rank)?),
+                    },
+                    lora: Lora::new(&dev, &acct, adapters, &model, b * t, setup.checkpointing)?,
+                })
+            }
             None => None,
         };
         let mut engine = Engine {
@@ -482,10 +513,13 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
             None => self.trained.held.fetch(dev, comm, u),
             Some(f) => {
                 f.base.fetch(dev, comm, u)?;
-                match adapters_of {
-                    Some(l) => self.trained.held.fetch(dev, comm, l),
-                    None => Ok(()),
+                let Some(l) = adapters_of else {
+                    return Ok(());
+                };
+                if let Some(nf4) = &mut f.nf4 {
+                    nf4.fetch(dev, comm, l)?;
                 }
+                self.trained.held.fetch(dev, comm, l)
             }
         }
     }
@@ -661,10 +695,11 @@ fn block_views<'a, X: Num + Summable, D: DeviceCollectives>(
         }
         Some(f) => {
             let (a, ga) = trained.views(l, backward);
+            let nf4 = f.nf4.as_ref().map(|h| h.view(l));
             BlockViews {
                 params: f.base.view(l + 1),
                 grad: None,
-                adapters: f.lora.block(a, ga, slot),
+                adapters: f.lora.block(a, nf4, ga, slot),
             }
         }
     }

@@ -84,17 +84,24 @@ fn reference_loss(
     let [wte, wpe] = gpt::embeddings::<Cpu, f64>(&units[EMB], shape);
     let mut x = r::encoder_forward(inputs, wte, wpe, d.t, c);
     for l in 0..d.l {
-        let p = gpt::block::<Cpu, f64>(&units[l + 1], shape);
+        let p = gpt::block::<Cpu, f64>(&units[l + 1], shape, |_| true);
+        let every = "a full model's unit holds every weight";
         let (ln1, _, _) = r::layernorm_forward(&x, p.ln1_w, p.ln1_b);
-        let qkv = r::matmul_forward(&ln1, p.attn_w, Some(p.attn_b), KN, (n, c, 3 * c));
+        let qkv = r::matmul_forward(
+            &ln1,
+            p.attn_w.expect(every),
+            Some(p.attn_b),
+            KN,
+            (n, c, 3 * c),
+        );
         let (atty, _) = r::attention_forward(&qkv, d.attention());
-        let proj = r::matmul_forward(&atty, p.proj_w, Some(p.proj_b), KN, (n, c, c));
+        let proj = r::matmul_forward(&atty, p.proj_w.expect(every), Some(p.proj_b), KN, (n, c, c));
         let res2 = r::residual_forward(&x, &proj);
         let (ln2, _, _) = r::layernorm_forward(&res2, p.ln2_w, p.ln2_b);
-        let fch = r::matmul_forward(&ln2, p.fc_w, Some(p.fc_b), KN, (n, c, 4 * c));
+        let fch = r::matmul_forward(&ln2, p.fc_w.expect(every), Some(p.fc_b), KN, (n, c, 4 * c));
         let mlp = r::matmul_forward(
             &r::gelu_forward(&fch),
-            p.fcproj_w,
+            p.fcproj_w.expect(every),
             Some(p.fcproj_b),
             KN,
             (n, 4 * c, c),
@@ -147,11 +154,12 @@ fn llama_reference_loss(
         .flat_map(|&t| wte[t as usize * c..][..c].iter().copied())
         .collect();
     for l in 0..d.l {
-        let p = llama::block::<Cpu, f64>(&units[l + 1], s);
+        let p = llama::block::<Cpu, f64>(&units[l + 1], s, |_| true);
+        let every = "a full model's unit holds every weight";
         let (h1, _) = r::rmsnorm_forward(&x, p.norm1, eps);
-        let mut qs = lin(&h1, p.q, p.q_bias.as_ref(), (c, q));
-        let mut ks = lin(&h1, p.k, p.k_bias.as_ref(), (c, kv));
-        let vs = lin(&h1, p.v, p.v_bias.as_ref(), (c, kv));
+        let mut qs = lin(&h1, p.q.expect(every), p.q_bias.as_ref(), (c, q));
+        let mut ks = lin(&h1, p.k.expect(every), p.k_bias.as_ref(), (c, kv));
+        let vs = lin(&h1, p.v.expect(every), p.v_bias.as_ref(), (c, kv));
         if let (Some(qn), Some(kn)) = (p.q_norm, p.k_norm) {
             qs = r::rmsnorm_forward(&qs, qn, eps).0;
             ks = r::rmsnorm_forward(&ks, kn, eps).0;
@@ -159,13 +167,13 @@ fn llama_reference_loss(
         let (qs, ks) = (rotate(&qs, d.h), rotate(&ks, d.kv));
         let (y, _) =
             r::gqa_attention_forward(&qs, &ks, &vs, AttentionDims::gqa(d.b, d.t, d.h, d.kv, d.d));
-        let res2 = r::residual_forward(&x, &lin(&y, p.o, p.o_bias.as_ref(), (q, c)));
+        let res2 = r::residual_forward(&x, &lin(&y, p.o.expect(every), p.o_bias.as_ref(), (q, c)));
         let (h2, _) = r::rmsnorm_forward(&res2, p.norm2, eps);
-        let gate = lin(&h2, p.gate, p.gate_bias.as_ref(), (c, i));
-        let up = lin(&h2, p.up, p.up_bias.as_ref(), (c, i));
+        let gate = lin(&h2, p.gate.expect(every), p.gate_bias.as_ref(), (c, i));
+        let up = lin(&h2, p.up.expect(every), p.up_bias.as_ref(), (c, i));
         let mlp = lin(
             &r::swiglu_forward(&gate, &up),
-            p.down,
+            p.down.expect(every),
             p.down_bias.as_ref(),
             (i, c),
         );

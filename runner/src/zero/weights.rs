@@ -6,10 +6,10 @@ use std::ops::Range;
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, Uniform};
-use scheduler::model::{ModelShape, ModelTensor, TensorInit};
+use scheduler::model::{ModelShape, ModelTensor, TensorInit, Unit};
 
 use super::layout::Part;
-use super::{Engine, Held, Trainable, Trained};
+use super::{Engine, Frozen, Held, Trainable, Trained};
 use crate::Error;
 use crate::accounting::Buffer;
 use crate::checkpoint::{HfWeights, ModelFile};
@@ -22,6 +22,15 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     pub fn load_weights(&mut self, weights: &HfWeights) -> Result<(), Error> {
         let t = &mut self.trained;
         match &mut self.frozen {
+            Some(f) if f.nf4.is_some() => {
+                let units = self.model.units(self.comm.world_size());
+                for (ui, unit) in units.iter().enumerate() {
+                    let mut values = weights.unit(ui);
+                    f.write_unit(&self.dev, unit, ui, |_| values.next().unwrap_or(0.0))?;
+                    values.result()?;
+                }
+                Ok(())
+            }
             Some(f) => load(&self.dev, &mut f.base, None, weights),
             None => load(&self.dev, &mut t.held, t.master.as_mut(), weights),
         }
@@ -130,11 +139,49 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let Some(f) = &mut self.frozen else {
             return Ok(());
         };
-        for (ui, unit) in f.base.units.clone().iter().enumerate() {
-            for (ti, p) in unit.tensors.iter().enumerate() {
-                let next = seeded_values(&model, p.kind, seed, ui, ti);
-                write_tensor(&self.dev, &mut f.base, None, ui, p.range(), next)?;
+        for (ui, unit) in model.units(self.comm.world_size()).iter().enumerate() {
+            let mut streams: Vec<_> = (unit.tensors.iter().enumerate())
+                .map(|(ti, p)| seeded_values(&model, p.kind, seed, ui, ti))
+                .collect();
+            f.write_unit(&self.dev, unit, ui, |ti| streams[ti]())?;
+        }
+        Ok(())
+    }
+}
+
+impl<X: Num + Summable, D: DeviceCollectives> Frozen<X, D> {
+    /// Sets the model's unit `ui` (`unit`, as the model lays it out), `next(ti)` giving the
+    /// next value of its `ti`-th tensor: into the base's unit, or, for an NF4 weight, through
+    /// the dequantization scratch quantized into its block's NF4 unit.
+    fn write_unit(
+        &mut self,
+        dev: &D,
+        unit: &Unit<ModelTensor>,
+        ui: usize,
+        mut next: impl FnMut(usize) -> f32,
+    ) -> Result<(), Error> {
+        for (ti, t) in unit.tensors.iter().enumerate() {
+            let value = || next(ti);
+            if self.lora.in_base(t.kind) {
+                let base = self
+                    .base
+                    .units
+                    .iter()
+                    .nth(ui)
+                    .expect("the base has the model's units");
+                let held = base.tensors.iter().find(|b| b.kind == t.kind);
+                let range = held.expect("the base holds what is not NF4").range();
+                write_tensor(dev, &mut self.base, None, ui, range, value)?;
+                continue;
             }
+            let (l, nf4) = (unit.layer(), self.nf4.as_mut());
+            let (Some(l), Some(nf4)) = (l, nf4) else {
+                unreachable!("NF4 weights are blocks' projections, with NF4 units");
+            };
+            let mut value = value;
+            let write = |w: &mut [X]| w.iter_mut().for_each(|v| *v = X::from_f32(value()));
+            self.lora.quantize(dev, t.kind, nf4.whole_mut(l), write)?;
+            nf4.keep(dev, l)?;
         }
         Ok(())
     }

@@ -235,7 +235,8 @@ pub struct LoraLayout {
     pub adapters: Units<AdapterTensor>,
     /// Frozen, in the compute dtype: every tensor of the model but NF4-stored weights.
     pub base: Units<ModelTensor>,
-    /// Frozen NF4 weights, one unit of bytes per block; empty unless `BaseStorage::Nf4`.
+    /// Frozen NF4 weights, one unit of bytes per block (every adapted projection's absmax,
+    /// then their codes); empty unless `BaseStorage::Nf4`.
     pub nf4: Units<Nf4Part>,
 }
 
@@ -298,13 +299,18 @@ impl Adapters {
             BaseStorage::Nf4 => (0..layers)
                 .map(|l| {
                     let bytes = |numel: usize| TensorDims::Vector(numel);
+                    // Absmax first: every one starts 4-byte aligned in the unit.
                     let parts = targets
                         .iter()
-                        .map(|p| (Nf4Part::Codes(p.weight), bytes(p.numel().div_ceil(2))))
-                        .chain(targets.iter().map(|p| {
+                        .map(|p| {
                             let blocks = p.numel().div_ceil(NF4_BLOCK);
                             (Nf4Part::Absmax(p.weight), bytes(4 * blocks))
-                        }))
+                        })
+                        .chain(
+                            targets
+                                .iter()
+                                .map(|p| (Nf4Part::Codes(p.weight), bytes(p.numel().div_ceil(2)))),
+                        )
                         .collect();
                     (UnitKind::Block(l), parts)
                 })

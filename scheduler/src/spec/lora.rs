@@ -126,13 +126,10 @@ impl Lora {
     /// What the trainer does not run yet, which the memory model already counts: refused for
     /// training, taken by `zerotrain estimate` and POST /v1/estimate.
     pub(super) fn validate_training(&self, p: &mut Problems) {
-        let later =
-            "is not built yet for training; `zerotrain estimate` and POST /v1/estimate take it";
         p.ensure(self.dropout == 0.0, "lora.dropout", || {
-            format!("dropout on the adapters' input {later}")
-        });
-        p.ensure(self.quantize_base.is_none(), "lora.quantize_base", || {
-            format!("a quantized base (QLoRA) {later}")
+            "dropout on the adapters' input is not built yet for training; `zerotrain estimate` \
+             and POST /v1/estimate take it"
+                .into()
         });
     }
 
