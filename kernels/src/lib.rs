@@ -25,6 +25,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "no_cuda.rs"]
 pub mod cuda;
+pub mod dropout;
 pub mod encoder;
 pub mod float;
 pub mod gelu;

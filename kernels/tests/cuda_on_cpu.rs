@@ -633,6 +633,52 @@ fn nf4_matches_cpu<X: Float>() {
     close("nf4_dequantize", &back, &want, 0.0);
 }
 
+/// Dropout draws the CPU's masks on the GPU: forward and backward bit for bit, from an
+/// offset past 2³² so the counter's high half is used.
+fn dropout_matches_cpu<X: Float>() {
+    let n = 5000;
+    let mut rng = Rng::new(13);
+    let (x, acc) = (random::<X>(&mut rng, n, 1.0), random::<X>(&mut rng, n, 1.0));
+    let mask = kernels::dropout::Mask {
+        p: 0.3,
+        key: 0x1234_5678_9abc_def0,
+        offset: (1 << 33) + 7,
+    };
+    let (p, key, offset) = (mask.p, mask.key, mask.offset);
+    let mut got = nan::<X>(n);
+    run(
+        &format!("dropout_forward_{}", X::NAME),
+        kernels::cuda::elementwise(n),
+        &[
+            out(&mut got),
+            inp(&x),
+            val(p),
+            val(key),
+            val(offset),
+            val(len(n)),
+        ],
+    );
+    let mut want = vec![X::ZERO; n];
+    kernels::dropout::dropout_forward(&mut want, &x, mask);
+    close("dropout_forward", &got, &want, 0.0);
+    let mut dinp = acc.clone();
+    run(
+        &format!("dropout_backward_{}", X::NAME),
+        kernels::cuda::elementwise(n),
+        &[
+            out(&mut dinp),
+            inp(&x),
+            val(p),
+            val(key),
+            val(offset),
+            val(len(n)),
+        ],
+    );
+    let mut want = acc;
+    kernels::dropout::dropout_backward(&mut want, &x, mask);
+    close("dropout_backward", &dinp, &want, 0.0);
+}
+
 fn crossentropy_matches_cpu() {
     let (n, v) = (3, 5003);
     let mut rng = Rng::new(6);
@@ -1305,6 +1351,7 @@ fn every_cuda_kernel_matches_the_cpu_kernels_on_the_cpu_shim() {
     cases.extend(every_dtype!(elementwise_layers_match_cpu));
     cases.extend(every_dtype!(norms_match_cpu));
     cases.extend(every_dtype!(nf4_matches_cpu));
+    cases.extend(every_dtype!(dropout_matches_cpu));
     cases.extend(every_dtype!(adafactor_phases_match_cpu));
     cases.extend(every_pair!(elementwise_optimizers_match_cpu));
     cases.extend(every_pair!(adam8bit_matches_cpu));

@@ -346,6 +346,32 @@ fn dense_matches_cpu<X: DeviceFloat, Y: DeviceFloat>(
         &want_dx,
         rtol::<X>(),
     );
+    // The weight's gradient alone (LoRA's A under dropout), as the CPU's.
+    let mut dw_only = up(d, &vec![X::ZERO; k * n]);
+    cuda::matmul::matmul_backward_weight(
+        d,
+        &mut dw_only.as_view_mut(),
+        &up(d, &dout).as_view(),
+        &inp_dev.as_view(),
+        layout,
+        (m, k, n),
+    )
+    .unwrap();
+    let mut want_dw_only = vec![X::ZERO; k * n];
+    matmul::matmul_backward_weight(
+        &mut want_dw_only,
+        &dout,
+        &inp,
+        layout,
+        (m, k, n),
+        &mut scratch,
+    );
+    close(
+        &format!("matmul_backward_weight {what}"),
+        &down(d, &dw_only),
+        &want_dw_only,
+        rtol::<X>(),
+    );
 
     // dinp added to (cuBLASLt's beta = 1), as a second layer reading the same input does.
     let dinp0 = random::<X>(&mut rng, m * k, 1.0);
@@ -752,6 +778,29 @@ fn nf4_matches_cpu<X: DeviceFloat>() {
     let mut want = vec![X::ZERO; n];
     nf4::dequantize(&want_codes, &want_absmax, &mut want);
     close("nf4_dequantize", &down(d, &back), &want, 0.0);
+}
+
+/// Dropout's masks on the GPU are the CPU's, bit for bit.
+fn dropout_matches_cpu<X: DeviceFloat>() {
+    let Some(d) = device() else { return };
+    let n = 1 << 20;
+    let mut rng = Rng::new(13);
+    let (x, acc) = (random::<X>(&mut rng, n, 1.0), random::<X>(&mut rng, n, 1.0));
+    let mask = kernels::dropout::Mask {
+        p: 0.3,
+        key: 0x1234_5678_9abc_def0,
+        offset: (1 << 33) + 7,
+    };
+    let (dx, mut out) = (up(d, &x), up(d, &nan::<X>(n)));
+    cuda::dropout::dropout_forward(d, &mut out.as_view_mut(), &dx.as_view(), mask).unwrap();
+    let mut want = vec![X::ZERO; n];
+    kernels::dropout::dropout_forward(&mut want, &x, mask);
+    close("dropout_forward", &down(d, &out), &want, 0.0);
+    let mut dinp = up(d, &acc);
+    cuda::dropout::dropout_backward(d, &mut dinp.as_view_mut(), &dx.as_view(), mask).unwrap();
+    let mut want = acc;
+    kernels::dropout::dropout_backward(&mut want, &x, mask);
+    close("dropout_backward", &down(d, &dinp), &want, 0.0);
 }
 
 #[test]
@@ -1196,4 +1245,5 @@ per_dtype! {
     adam8bit_parity => adam8bit_matches_cpu;
     adafactor_parity => adafactor_matches_cpu;
     nf4_parity => nf4_matches_cpu;
+    dropout_parity => dropout_matches_cpu;
 }

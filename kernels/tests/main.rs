@@ -15,6 +15,7 @@ mod casts;
 mod cuda_on_cpu;
 mod cuda_parity;
 mod determinism;
+mod dropout;
 mod figures;
 mod finite_differences;
 mod frozen;

@@ -5,9 +5,14 @@
 //!
 //! Forward keeps `V = s·x·Aᵀ` per adapted projection, what B's gradient reads; backward
 //! finds `G = dy·B` and `dB += dyᵀ·V` in one product, scales G by s, then `dx += G·A` and
-//! `dA += Gᵀ·x` in one more. The layout (`scheduler::model::lora`) orders a block's adapter
-//! unit as A then B of each adapted projection, in state-dict order.
+//! `dA += Gᵀ·x` in one more. With dropout, x is the input dropped into a scratch
+//! (`kernels::dropout`); backward drops it again for `dA`, then puts `G·A` there and adds it
+//! into `dx` through the same mask. With an NF4 base (QLoRA) the adapted projections' weights
+//! are dequantized, one at a time, into a scratch before each product that reads them. The
+//! layout (`scheduler::model::lora`) orders a block's adapter unit as A then B of each adapted
+//! projection, in state-dict order.
 
+use kernels::dropout::{Mask, mix};
 use kernels::matmul::{DinpMode, Layout};
 use scheduler::memory::Category;
 use std::ops::Range;
@@ -48,6 +53,21 @@ pub(crate) struct Lora<X, D: Device> {
     grad: Buffer<X, D>,
     /// NF4 base: the weight of the projection being computed, dequantized.
     dequantized: Option<Buffer<X, D>>,
+    /// Dropout: its probability, the job's seed, the widest adapted input dropped (then its
+    /// gradient before the mask), and the micro-batch being trained (none: evaluation).
+    p: f32,
+    seed: u64,
+    dropped: Option<Buffer<X, D>>,
+    batch: Option<MaskBatch>,
+}
+
+/// What keys a micro-batch's dropout masks: the optimizer step (updates applied so far) and the
+/// index of its first token in the step's tokens of every rank, so that a token's mask does not
+/// depend on the world size, the stage or a resumption.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MaskBatch {
+    pub step: u64,
+    pub first_token: u64,
 }
 
 impl<X: Num, D: Device> Lora<X, D> {
@@ -56,7 +76,7 @@ impl<X: Num, D: Device> Lora<X, D> {
     pub(crate) fn new(
         dev: &D,
         acct: &Accountant,
-        adapters: &Adapters,
+        (adapters, seed): (&Adapters, u64),
         model: &ModelShape,
         tokens: usize,
         checkpointing: bool,
@@ -102,6 +122,11 @@ impl<X: Num, D: Device> Lora<X, D> {
         } else {
             model.summary().layers
         };
+        let widest = targets.iter().map(|t| t.in_features).max().unwrap_or(0);
+        let dropped = match adapters.dropout > 0.0 {
+            true => Some(acct.alloc_on(dev, Category::Activations, tokens * widest)?),
+            false => None,
+        };
         let rank = adapters.rank;
         let act = || acct.alloc_on(dev, Category::Activations, tokens * rank);
         Ok(Lora {
@@ -113,6 +138,28 @@ impl<X: Num, D: Device> Lora<X, D> {
             grad: act()?,
             targets,
             dequantized,
+            p: adapters.dropout,
+            seed,
+            dropped,
+            batch: None,
+        })
+    }
+
+    /// Sets the micro-batch whose passes drop the adapters' input; none: evaluation, which
+    /// drops nothing.
+    pub(crate) fn set_batch(&mut self, batch: Option<MaskBatch>) {
+        self.batch = batch;
+    }
+
+    /// The dropout mask of target `i` of block `l` for the micro-batch being trained; none
+    /// without dropout or in evaluation.
+    fn mask(&self, l: usize, i: usize) -> Option<Mask> {
+        let batch = self.batch.filter(|_| self.dropped.is_some())?;
+        let (step, at) = (mix(self.seed ^ mix(batch.step)), (l as u64) << 8 | i as u64);
+        Some(Mask {
+            p: self.p,
+            key: mix(step ^ mix(at)),
+            offset: batch.first_token * self.targets[i].in_features as u64,
         })
     }
 
@@ -154,13 +201,13 @@ impl<X: Num, D: Device> Lora<X, D> {
     }
 
     /// Block `l`'s adapters, from its adapter unit, its NF4 unit (with an NF4 base) and, in
-    /// backward, the adapter unit's gradient.
+    /// backward, the adapter unit's gradient, for activation slot `slot`.
     pub(crate) fn block<'a>(
         &'a mut self,
         unit: D::View<'a, X>,
         nf4: Option<D::View<'a, u8>>,
         grad: Option<D::ViewMut<'a, X>>,
-        slot: usize,
+        (l, slot): (usize, usize),
     ) -> Adapted<'a, X, D> {
         Adapted {
             lora: Some(Bound {
@@ -169,6 +216,7 @@ impl<X: Num, D: Device> Lora<X, D> {
                 nf4,
             }),
             grad,
+            l,
             slot,
         }
     }
@@ -185,6 +233,7 @@ struct Bound<'a, X, D: Device> {
 pub(crate) struct Adapted<'a, X, D: Device> {
     lora: Option<Bound<'a, X, D>>,
     grad: Option<D::ViewMut<'a, X>>,
+    l: usize,
     slot: usize,
 }
 
@@ -193,6 +242,7 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         Adapted {
             lora: None,
             grad: None,
+            l: 0,
             slot: 0,
         }
     }
@@ -253,19 +303,19 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         let Some((i, t)) = lora.target(weight) else {
             return Ok(());
         };
-        let r = lora.rank;
+        let (r, mask) = (lora.rank, lora.mask(self.l, i));
         let (a, b) = (D::slice(D::share(unit), t.a), D::slice(D::share(unit), t.b));
         let v = &mut lora.saved[self.slot][i];
-        let mkn = (n, t.in_features, r);
-        dev.matmul_forward(
-            v.view_mut(),
-            x,
-            a,
-            None,
-            Layout::NK,
-            mkn,
-            scratch.view_mut(),
-        )?;
+        let (mkn, mm) = ((n, t.in_features, r), scratch.view_mut());
+        match (mask, &mut lora.dropped) {
+            (Some(mask), Some(dropped)) => {
+                let d = 0..n * t.in_features;
+                dev.dropout_forward(dropped.at_mut(d.clone()), x, mask)?;
+                let x = dropped.at(d);
+                dev.matmul_forward(v.view_mut(), x, a, None, Layout::NK, mkn, mm)?;
+            }
+            _ => dev.matmul_forward(v.view_mut(), x, a, None, Layout::NK, mkn, mm)?,
+        }
         dev.scale(v.view_mut(), lora.scaling)?;
         // y (n, out) += V (n, r) · Bᵀ, B (out, r): the input gradient of a product through B
         // laid out (K, N), added into y.
@@ -299,7 +349,7 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         let Some((i, t)) = lora.target(weight) else {
             return Ok(());
         };
-        let (r, a_at, b_at) = (lora.rank, t.a, t.b);
+        let (r, a_at, b_at, mask) = (lora.rank, t.a, t.b, lora.mask(self.l, i));
         let g = &mut lora.grad;
         dev.matmul_backward(
             g.view_mut(),
@@ -314,17 +364,42 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
             scratch.view_mut(),
         )?;
         dev.scale(g.view_mut(), lora.scaling)?;
-        dev.matmul_backward(
-            dx,
+        let (da, a) = (
             D::slice_mut(D::reborrow(grad), a_at.clone()),
-            None,
-            g.view(),
-            x,
             D::slice(D::share(unit), a_at),
+        );
+        let mkn = (n, t.in_features, r);
+        let (Some(mask), Some(dropped)) = (mask, &mut lora.dropped) else {
+            let mode = DinpMode::Accumulate;
+            return dev.matmul_backward(
+                dx,
+                da,
+                None,
+                g.view(),
+                x,
+                a,
+                Layout::NK,
+                mkn,
+                mode,
+                scratch.view_mut(),
+            );
+        };
+        // Through the dropout: A's gradient from the input dropped again, then the input's
+        // gradient, into the same scratch, masked as it is added.
+        let d = 0..n * t.in_features;
+        dev.dropout_forward(dropped.at_mut(d.clone()), x, mask)?;
+        let mm = scratch.view_mut();
+        dev.matmul_backward_weight(da, g.view(), dropped.at(d.clone()), Layout::NK, mkn, mm)?;
+        let (mode, mm) = (DinpMode::Overwrite, scratch.view_mut());
+        dev.matmul_backward_input(
+            dropped.at_mut(d.clone()),
+            g.view(),
+            a,
             Layout::NK,
-            (n, t.in_features, r),
-            DinpMode::Accumulate,
-            scratch.view_mut(),
-        )
+            mkn,
+            mode,
+            mm,
+        )?;
+        dev.dropout_backward(dx, dropped.at(d), mask)
     }
 }

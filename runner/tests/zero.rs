@@ -46,9 +46,9 @@ fn job_of(model: &str, world: usize, stage: u8, micro: usize, extra: &str) -> St
 /// Adapters on every projection of the model, for a LoRA job's rows.
 const LORA: &str = r#", "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear"}"#;
 
-/// As [`LORA`] on an NF4 base (QLoRA).
+/// As [`LORA`] on an NF4 base with dropout, as QLoRA's paper trains.
 const QLORA: &str = r#", "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear",
-    "quantize_base": "nf4"}"#;
+    "quantize_base": "nf4", "dropout": 0.1}"#;
 
 /// The export's weights: the model's, or a LoRA job's adapter.
 fn exported(json: &str) -> Vec<u8> {
@@ -323,13 +323,15 @@ fn norm_relative(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn resuming_on_another_world_size_and_stage_reshards_and_continues() {
     // (world, stage, micro-batch) before and after; the batch per step stays 8 sequences. The
-    // models take turns; the last move is a LoRA job's, whose checkpoints hold the adapters
-    // only.
+    // models take turns; the last moves are LoRA jobs', whose checkpoints hold the adapters
+    // only (QLoRA's resumption quantizes its base again and draws its dropout masks as the
+    // whole run drew them).
     let moves = [
         ((4, 2, 2), (2, 1, 4), ""),
         ((2, 3, 4), (8, 0, 1), ""),
         ((4, 1, 2), (1, 3, 8), ""),
         ((2, 3, 4), (4, 1, 2), LORA),
+        ((4, 3, 2), (2, 2, 4), QLORA),
     ];
     for ((before, after, lora), model) in moves.into_iter().zip(MODELS.into_iter().cycle()) {
         let with_checkpoints = |(n, s, m): (usize, u8, usize)| {

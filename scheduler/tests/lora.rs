@@ -300,17 +300,14 @@ fn mistakes_in_the_lora_block_are_named_at_their_fields_together() {
         Purpose::Estimate,
     );
     assert_eq!(none[0].field, "lora.target_modules");
-    // Estimated, not yet trained: dropout is refused at its field for training, not accepted
-    // and left to fail; plain adapters and an NF4 base (QLoRA) are taken.
-    let train = refusal(
-        json!({"model": {"preset": "llama-tiny"},
-               "lora": {"dropout": 0.1, "quantize_base": "nf4"}}),
+    let dropout = refusal(
+        json!({"model": {"preset": "llama-tiny"}, "lora": {"dropout": 1.0}}),
         Purpose::Train,
     );
-    let fields: Vec<&str> = train.iter().map(|p| p.field.as_str()).collect();
-    assert_eq!(fields, ["lora.dropout"], "{train:?}");
-    assert!(train.iter().all(|p| p.reason.contains("not built yet")));
-    for lora in [json!({}), json!({"quantize_base": "nf4"})] {
+    assert_eq!(dropout[0].field, "lora.dropout", "{dropout:?}");
+    // Plain adapters, dropout and an NF4 base (QLoRA) are all trained.
+    let every = json!({"dropout": 0.1, "quantize_base": "nf4"});
+    for lora in [json!({}), every] {
         let spec = json!({"model": {"preset": "llama-tiny"}, "lora": lora});
         JobSpec::parse(&spec.to_string(), Purpose::Train).unwrap();
     }

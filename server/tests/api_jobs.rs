@@ -334,7 +334,7 @@ async fn estimate_takes_a_bare_parameter_count() {
 }
 
 #[tokio::test]
-async fn a_lora_job_is_estimated_with_peft_s_count_and_taken_unless_it_asks_what_is_not_built() {
+async fn a_lora_job_is_estimated_with_peft_s_count_and_taken_unless_its_dropout_is_out_of_range() {
     let app = TestApp::new().await;
     app.register("n", 2, 8 * GIB).await;
     let spec = json!({"model": {"preset": "gpt2-124M"}, "lora": {"rank": 8}});
@@ -345,7 +345,7 @@ async fn a_lora_job_is_estimated_with_peft_s_count_and_taken_unless_it_asks_what
     // PEFT's `print_trainable_parameters` for GPT-2 with its default c_attn targets.
     assert_eq!(a.json()["trainable_parameters"], 294_912);
     assert_eq!(a.json()["parameters"], 124_734_720u64);
-    let dropout = json!({"model": {"preset": "gpt2-124M"}, "lora": {"rank": 8, "dropout": 0.1}});
+    let dropout = json!({"model": {"preset": "gpt2-124M"}, "lora": {"rank": 8, "dropout": 1.0}});
     let refused = app.submit(&dropout).await;
     assert_eq!(
         refused.status,
@@ -354,7 +354,11 @@ async fn a_lora_job_is_estimated_with_peft_s_count_and_taken_unless_it_asks_what
         refused.text
     );
     assert_eq!(refused.json()["field"], "lora.dropout");
-    assert!(refused.text.contains("not built yet"), "{}", refused.text);
+    assert!(
+        refused.text.contains("must be in [0, 1)"),
+        "{}",
+        refused.text
+    );
     let jobs = app.get("/v1/jobs").await.json();
     assert_eq!(
         jobs["jobs"].as_array().map(Vec::len),

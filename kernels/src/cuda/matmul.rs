@@ -130,10 +130,8 @@ pub fn matmul_backward<X: DeviceFloat, G: DeviceFloat>(
     mkn: (usize, usize, usize),
     dinp_mode: DinpMode,
 ) -> Result<(), Error> {
-    let trained = Some((dweight, inp));
-    backward(
-        dev, dinp, trained, dbias, dout, weight, layout, mkn, dinp_mode,
-    )
+    let input = Some((dinp, weight, dinp_mode));
+    backward(dev, input, Some((dweight, inp)), dbias, dout, layout, mkn)
 }
 
 /// [`matmul_backward`] through a frozen weight (LoRA's base): `dinp` only.
@@ -146,29 +144,46 @@ pub fn matmul_backward_input<X: DeviceFloat, G: DeviceFloat>(
     mkn: (usize, usize, usize),
     dinp_mode: DinpMode,
 ) -> Result<(), Error> {
-    backward(dev, dinp, None, None, dout, weight, layout, mkn, dinp_mode)
+    let input = Some((dinp, weight, dinp_mode));
+    backward(dev, input, None, None, dout, layout, mkn)
 }
 
-/// [`matmul_backward`], with the weight gradient and its input only for a trained weight.
-#[allow(clippy::too_many_arguments)]
+/// [`matmul_backward`]'s weight gradient only (LoRA's A under dropout).
+pub fn matmul_backward_weight<X: DeviceFloat, G: DeviceFloat>(
+    dev: &Gpu,
+    dweight: &mut CudaViewMut<'_, X>,
+    dout: &CudaView<'_, G>,
+    inp: &CudaView<'_, X>,
+    layout: Layout,
+    mkn: (usize, usize, usize),
+) -> Result<(), Error> {
+    backward(dev, None, Some((dweight, inp)), None, dout, layout, mkn)
+}
+
+/// The input's gradient through a weight (`dinp`, the weight, set or added to) and a trained
+/// weight's gradient (with its input) from `dout`, each where asked for.
+type InputGrad<'a, 'b, 'c, X> = (&'a mut CudaViewMut<'b, X>, &'a CudaView<'c, X>, DinpMode);
+type WeightGrad<'a, 'b, 'c, X> = (&'a mut CudaViewMut<'b, X>, &'a CudaView<'c, X>);
+
+/// [`matmul_backward`]'s products, each where asked for.
 fn backward<X: DeviceFloat, G: DeviceFloat>(
     dev: &Gpu,
-    dinp: &mut CudaViewMut<'_, X>,
-    trained: Option<(&mut CudaViewMut<'_, X>, &CudaView<'_, X>)>,
+    input: Option<InputGrad<'_, '_, '_, X>>,
+    trained: Option<WeightGrad<'_, '_, '_, X>>,
     dbias: Option<&mut CudaViewMut<'_, X>>,
     dout: &CudaView<'_, G>,
-    weight: &CudaView<'_, X>,
     layout: Layout,
     (m, k, n): (usize, usize, usize),
-    dinp_mode: DinpMode,
 ) -> Result<(), Error> {
-    assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
+    if let Some((dinp, weight, _)) = &input {
+        assert_eq!(dinp.len(), m * k, "dinp must be (M, K)");
+        assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
+    }
     if let Some((dweight, inp)) = &trained {
         assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
         assert_eq!(inp.len(), m * k, "inp must be (M, K)");
     }
     assert_eq!(dout.len(), m * n, "dout must be (M, N)");
-    assert_eq!(weight.len(), k * n, "weight must hold K·N elements");
     assert!(
         G::NAME == X::NAME || G::NAME == "f32",
         "dout must be X or f32"
@@ -192,24 +207,26 @@ fn backward<X: DeviceFloat, G: DeviceFloat>(
             db, &parts, &ml, &nl, &chunk);
     }
     let (s, blas) = (dev.stream(), dev.blas());
-    let (dx, _dx) = dinp.device_ptr_mut(s);
+    let input =
+        input.map(|(dinp, weight, mode)| (dinp.device_ptr_mut(s), weight.device_ptr(s), mode));
     let trained = trained.map(|(dweight, inp)| (dweight.device_ptr_mut(s), inp.device_ptr(s)));
-    let (w, _w) = weight.device_ptr(s);
     let size = size_of::<X>() as u64;
     // dinp and dweight from rows `i0..i0 + r` of dout (at `dy`, of dtype X).
     let rows = |i0: usize, r: usize, dy: u64| -> Result<(), Error> {
-        let dx = dx + (i0 * k) as u64 * size;
         let dy = Mat::new::<X>(dy, n, r);
-        // dinpᵀ (K, r) = W (K, N) · doutᵀ (N, r).
-        let w = match layout {
-            Layout::KN => Mat::new::<X>(w, n, k).t(),
-            Layout::NK => Mat::new::<X>(w, k, n),
-        };
-        let acc = match dinp_mode {
-            DinpMode::Overwrite => Accumulate::No,
-            DinpMode::Accumulate => Accumulate::Yes,
-        };
-        blas.product(s, Mat::new::<X>(dx, k, r), w, dy, acc, None)?;
+        if let Some(((dx, _), (w, _), mode)) = &input {
+            let dx = dx + (i0 * k) as u64 * size;
+            // dinpᵀ (K, r) = W (K, N) · doutᵀ (N, r).
+            let w = match layout {
+                Layout::KN => Mat::new::<X>(*w, n, k).t(),
+                Layout::NK => Mat::new::<X>(*w, k, n),
+            };
+            let acc = match mode {
+                DinpMode::Overwrite => Accumulate::No,
+                DinpMode::Accumulate => Accumulate::Yes,
+            };
+            blas.product(s, Mat::new::<X>(dx, k, r), w, dy, acc, None)?;
+        }
         let Some(((dw, _), (x, _))) = &trained else {
             return Ok(());
         };

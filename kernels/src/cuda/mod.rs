@@ -3,6 +3,7 @@
 //! on machines without CUDA; there a missing library is an [`Error`], never a panic.
 
 mod device;
+pub mod dropout;
 pub mod gpus;
 pub mod grad_norm;
 pub mod layers;

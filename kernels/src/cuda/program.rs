@@ -51,6 +51,7 @@ pub const PROGRAMS: &[Program] = &[
     program!("attention.cu"),
     program!("casts.cu"),
     program!("crossentropy.cu"),
+    program!("dropout.cu"),
     program!("encoder.cu"),
     program!("gelu.cu"),
     program!("layernorm.cu"),

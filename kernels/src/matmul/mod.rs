@@ -141,21 +141,8 @@ pub fn matmul_backward<X: Float, G: Float>(
     dinp_mode: DinpMode,
     scratch: &mut [f32],
 ) {
-    assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
-    assert_eq!(inp.len(), m * k, "inp must be (M, K)");
     matmul_backward_input(dinp, dout, weight, layout, (m, k, n), dinp_mode, scratch);
-    let dy = Operand::new(dout, n, false);
-    match layout {
-        Layout::KN => {
-            let xt = Operand::new(inp, k, true);
-            product(dweight, xt, dy, (k, m, n), Init::<X>::Read, scratch);
-        }
-        Layout::NK => {
-            let dyt = Operand::new(dout, n, true);
-            let x = Operand::new(inp, k, false);
-            product(dweight, dyt, x, (n, m, k), Init::<X>::Read, scratch);
-        }
-    }
+    matmul_backward_weight(dweight, dout, inp, layout, (m, k, n), scratch);
     if let Some(db) = dbias {
         assert_eq!(db.len(), n, "dbias must be (N)");
         column_sums(db, dout, n);
@@ -186,6 +173,33 @@ pub fn matmul_backward_input<X: Float, G: Float>(
         Layout::NK => Operand::new(weight, k, false),
     };
     product(dinp, dy, w, (m, n, k), init, scratch);
+}
+
+/// The weight's part of [`matmul_backward`]: `dweight += inpᵀ · dout` in the layout of the
+/// weight, and no input gradient (LoRA's A under dropout, whose input gradient is masked first).
+pub fn matmul_backward_weight<X: Float, G: Float>(
+    dweight: &mut [X],
+    dout: &[G],
+    inp: &[X],
+    layout: Layout,
+    (m, k, n): (usize, usize, usize),
+    scratch: &mut [f32],
+) {
+    assert_eq!(dweight.len(), k * n, "dweight must hold K·N elements");
+    assert_eq!(inp.len(), m * k, "inp must be (M, K)");
+    assert_eq!(dout.len(), m * n, "dout must be (M, N)");
+    let dy = Operand::new(dout, n, false);
+    match layout {
+        Layout::KN => {
+            let xt = Operand::new(inp, k, true);
+            product(dweight, xt, dy, (k, m, n), Init::<X>::Read, scratch);
+        }
+        Layout::NK => {
+            let dyt = Operand::new(dout, n, true);
+            let x = Operand::new(inp, k, false);
+            product(dweight, dyt, x, (n, m, k), Init::<X>::Read, scratch);
+        }
+    }
 }
 
 /// `db[j] += Σ_i dout[i, j]`, each column summed in row order on one thread.

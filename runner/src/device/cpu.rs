@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use kernels::attention::AttentionDims;
+use kernels::dropout::{self, Mask};
 use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{self as k, Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::RopeDims;

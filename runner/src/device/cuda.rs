@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use kernels::attention::AttentionDims;
 use kernels::cuda::{self as k, CudaSlice, CudaView, CudaViewMut};
+use kernels::dropout::Mask;
 use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::RopeDims;
@@ -332,6 +333,44 @@ impl Device for Cuda {
     ) -> Result<(), Error> {
         Ok(k::matmul::matmul_backward_input(
             &self.dev, &mut dinp, &dout, &weight, layout, mkn, dinp_mode,
+        )?)
+    }
+    fn matmul_backward_weight<X: Num, G: Num>(
+        &self,
+        mut dweight: CudaViewMut<'_, X>,
+        dout: CudaView<'_, G>,
+        inp: CudaView<'_, X>,
+        layout: Layout,
+        mkn: (usize, usize, usize),
+        _scratch: CudaViewMut<'_, f32>,
+    ) -> Result<(), Error> {
+        Ok(k::matmul::matmul_backward_weight(
+            &self.dev,
+            &mut dweight,
+            &dout,
+            &inp,
+            layout,
+            mkn,
+        )?)
+    }
+    fn dropout_forward<X: Num>(
+        &self,
+        mut out: CudaViewMut<'_, X>,
+        inp: CudaView<'_, X>,
+        mask: Mask,
+    ) -> Result<(), Error> {
+        Ok(k::dropout::dropout_forward(
+            &self.dev, &mut out, &inp, mask,
+        )?)
+    }
+    fn dropout_backward<X: Num>(
+        &self,
+        mut dinp: CudaViewMut<'_, X>,
+        dout: CudaView<'_, X>,
+        mask: Mask,
+    ) -> Result<(), Error> {
+        Ok(k::dropout::dropout_backward(
+            &self.dev, &mut dinp, &dout, mask,
         )?)
     }
     fn attention_forward<X: Num>(

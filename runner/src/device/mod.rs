@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use kernels::Float;
 use kernels::attention::AttentionDims;
+use kernels::dropout::Mask;
 use kernels::matmul::{DinpMode, Layout};
 use kernels::optim::{Adafactor, AdamW, Lion, Momentum};
 use kernels::rope::RopeDims;
@@ -98,6 +99,26 @@ macro_rules! kernels {
                 mkn: (usize, usize, usize),
                 dinp_mode: DinpMode,
                 scratch: Self::ViewMut<'_, f32>,
+            );
+            /// The weight's part of `matmul_backward` alone.
+            matmul::matmul_backward_weight<X: Num, G: Num>(
+                dweight: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, G>,
+                inp: Self::View<'_, X>,
+                layout: Layout,
+                mkn: (usize, usize, usize),
+                scratch: Self::ViewMut<'_, f32>,
+            );
+            dropout::dropout_forward<X: Num>(
+                out: Self::ViewMut<'_, X>,
+                inp: Self::View<'_, X>,
+                mask: Mask,
+            );
+            /// Adds into `dinp`.
+            dropout::dropout_backward<X: Num>(
+                dinp: Self::ViewMut<'_, X>,
+                dout: Self::View<'_, X>,
+                mask: Mask,
             );
             attention::attention_forward<X: Num>(
                 out: Self::ViewMut<'_, X>,

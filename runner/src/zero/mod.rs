@@ -21,7 +21,7 @@ use crate::accounting::{Accountant, Buffer};
 use crate::comm::{Collective, Communicator, DeviceCollectives, Summable};
 use crate::data::DataLoader;
 use crate::device::{Cpu, Device, Elem, Num};
-use crate::lora::{Adapted, Lora};
+use crate::lora::{Adapted, Lora, MaskBatch};
 use crate::loss_scale::LossScaler;
 use crate::model::Passes;
 use crate::optimizer::{OptimizerState, Slices, Step};
@@ -451,7 +451,14 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
                         BaseStorage::Compute => None,
                         BaseStorage::Nf4 => Some(Held::new(&dev, &acct, nf4, stage, rank)?),
                     },
-                    lora: Lora::new(&dev, &acct, adapters, &model, b * t, setup.checkpointing)?,
+                    lora: Lora::new(
+                        &dev,
+                        &acct,
+                        (adapters, seed),
+                        &model,
+                        b * t,
+                        setup.checkpointing,
+                    )?,
                 })
             }
             None => None,
@@ -699,7 +706,7 @@ fn block_views<'a, X: Num + Summable, D: DeviceCollectives>(
             BlockViews {
                 params: f.base.view(l + 1),
                 grad: None,
-                adapters: f.lora.block(a, nf4, ga, slot),
+                adapters: f.lora.block(a, nf4, ga, (l, slot)),
             }
         }
     }
@@ -725,8 +732,9 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         // ignored (fine-tuning prompts), `agree` turns that into the mean over counted ones.
         let dloss = scale / tokens as f32;
         let (mut loss, mut ignored) = (0.0, 0);
-        for _ in 0..self.grad_accum {
+        for micro in 0..self.grad_accum {
             ignored += self.load(data)?;
+            self.drop_for(Some(micro));
             loss += self.micro_step(dloss)?;
         }
         loss /= self.grad_accum as f64;
@@ -767,6 +775,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// it costs no memory, and it leaves the gradients as they are.
     pub fn evaluate(&mut self, data: &mut DataLoader, batches: u32) -> Result<f64, Error> {
         data.seek(crate::data::Position::default())?;
+        self.drop_for(None);
         let (mut loss, mut ignored) = (0.0, 0);
         for _ in 0..batches {
             ignored += self.load(data)?;
@@ -781,6 +790,21 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
         let tokens = self.passes.tokens() * batches as usize * n;
         let share = counted_share(tokens, f64::from(agreed[1]));
         Ok(f64::from(agreed[0]) / n as f64 * share)
+    }
+
+    /// Keys LoRA's dropout masks to micro-batch `micro` of the step being trained, whose
+    /// tokens are window `micro · world + rank` of the step's (`data`); none: evaluation, which
+    /// drops nothing.
+    fn drop_for(&mut self, micro: Option<usize>) {
+        let Some(f) = &mut self.frozen else {
+            return;
+        };
+        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        let tokens = self.passes.tokens();
+        f.lora.set_batch(micro.map(|m| MaskBatch {
+            step: self.applied,
+            first_token: ((m * world + rank) * tokens) as u64,
+        }));
     }
 
     /// Reads the next micro-batch of `data` into the passes' inputs and targets; returns the

@@ -349,3 +349,73 @@ fn llama_family_gradients_agree_with_finite_differences_of_an_f64_reference() {
         assert_eq!(checked, 3 * tensors, "{config}");
     }
 }
+
+/// LoRA's dropout: the adapters' gradients, with the input's gradient through every adapter
+/// masked as forward masked its input, agree with central differences of the loss the engine
+/// computes under the same masks (drawn again for every evaluation, so the same each time).
+#[test]
+fn lora_gradients_through_dropout_agree_with_finite_differences_under_the_same_masks() {
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, Uniform};
+    for preset in ["gpt2-tiny", "llama-tiny"] {
+        let json = format!(
+            r#"{{"model": {{"preset": "{preset}"}}, "training": {{"seq_len": 16}},
+                "lora": {{"rank": 2, "alpha": 4, "target_modules": "all-linear", "dropout": 0.5}}}}"#
+        );
+        let (mut e, mut data) = engine::<f32>(&json, 2, 3);
+        // Adapters of some size: B starts at zero, where A's gradient is zero.
+        let (mut rng, size) = (
+            rand::rngs::ChaCha8Rng::seed_from_u64(5),
+            Uniform::new(-0.3f32, 0.3).unwrap(),
+        );
+        for p in &mut e.trained.held.params {
+            p.iter_mut().for_each(|v| *v = size.sample(&mut rng));
+        }
+        next_batch(&mut e, &mut data);
+        e.drop_for(Some(0));
+        let trained = e.micro_step(1.0 / e.passes.tokens() as f32).unwrap();
+        let loss = |e: &mut Engine<f32>| {
+            e.forward().unwrap();
+            e.head_loss(None).unwrap()
+        };
+        assert_eq!(
+            loss(&mut e),
+            trained,
+            "{preset}: the masks are drawn alike each time"
+        );
+        e.drop_for(None);
+        assert_ne!(loss(&mut e), trained, "{preset}: evaluation drops nothing");
+        e.drop_for(Some(0));
+        let (mut checked, mut worst) = (0, 0f64);
+        let units = e.trained.held.units.clone();
+        for (u, unit) in units.iter().enumerate() {
+            for t in &unit.tensors {
+                let g = &e.trained.grads[u];
+                let i = t
+                    .range()
+                    .max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs()))
+                    .unwrap();
+                let analytic = f64::from(g[i]);
+                let eps = 2e-3;
+                let keep = e.trained.held.params[u][i];
+                e.trained.held.params[u][i] = keep + eps;
+                let up = loss(&mut e);
+                e.trained.held.params[u][i] = keep - eps;
+                let down = loss(&mut e);
+                e.trained.held.params[u][i] = keep;
+                let fd = (up - down) / (2.0 * f64::from(eps));
+                let err = (analytic - fd).abs() / analytic.abs().max(fd.abs());
+                worst = worst.max(err);
+                assert!(
+                    err < 1e-2,
+                    "{preset} {:?}: analytic {analytic:e} vs finite difference {fd:e}",
+                    t.kind
+                );
+                checked += 1;
+            }
+        }
+        eprintln!(
+            "{preset}: {checked} adapter gradients checked, worst relative error {worst:.1e}"
+        );
+    }
+}

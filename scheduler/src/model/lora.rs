@@ -8,8 +8,9 @@
 //! What a step keeps beyond full fine-tuning's tensors (whose saved projection inputs are the
 //! adapters' inputs too): per adapted projection the rank-sized `dropout(x)·Aᵀ` that B's
 //! gradient reads; one rank-sized gradient scratch; with dropout, one scratch for the dropped
-//! input of the widest projection (the mask is drawn again from the seed in backward, never
-//! stored); with NF4, one projection's dequantized weight.
+//! input of the widest projection, which backward also uses for that input's gradient before
+//! the mask (drawn again from the seed, never stored); with NF4, one projection's dequantized
+//! weight.
 
 use super::params::{TensorDims, TensorInit, UnitKind, Units};
 use super::{ModelShape, ModelTensor};
@@ -161,8 +162,8 @@ pub struct Adapters {
     /// PEFT's `scaling`, `alpha / rank`: what the adapters' product is multiplied by.
     pub scaling: f32,
     pub targets: Targets,
-    /// Whether dropout is applied to the adapters' input (`dropout > 0`).
-    pub dropout: bool,
+    /// The probability that dropout zeroes an element of the adapters' input (0: none).
+    pub dropout: f32,
     pub base: BaseStorage,
 }
 
@@ -344,7 +345,7 @@ impl Adapters {
         };
         let saved = targets.len() * layers * tokens * self.rank;
         let scratch = tokens * self.rank;
-        let dropped = if self.dropout {
+        let dropped = if self.dropout > 0.0 {
             tokens * targets.iter().map(|p| p.in_features).max().unwrap_or(0)
         } else {
             0
@@ -410,7 +411,7 @@ mod tests {
             rank: 4,
             scaling: 2.0,
             targets: Targets::all(&model),
-            dropout: false,
+            dropout: 0.0,
             base: BaseStorage::Compute,
         };
         let s = model.summary();
@@ -436,7 +437,7 @@ mod tests {
             rank: 8,
             scaling: 1.0,
             targets: q_and_v,
-            dropout: true,
+            dropout: 0.1,
             base: BaseStorage::Nf4,
         };
         let layout = adapters.layout(&model, 1);

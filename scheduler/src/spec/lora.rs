@@ -115,22 +115,12 @@ impl Lora {
             rank: self.rank as usize,
             scaling: (self.alpha / f64::from(self.rank)) as f32,
             targets,
-            dropout: self.dropout > 0.0,
+            dropout: self.dropout as f32,
             base: match self.quantize_base {
                 None => BaseStorage::Compute,
                 Some(Quantization::Nf4) => BaseStorage::Nf4,
             },
         }
-    }
-
-    /// What the trainer does not run yet, which the memory model already counts: refused for
-    /// training, taken by `zerotrain estimate` and POST /v1/estimate.
-    pub(super) fn validate_training(&self, p: &mut Problems) {
-        p.ensure(self.dropout == 0.0, "lora.dropout", || {
-            "dropout on the adapters' input is not built yet for training; `zerotrain estimate` \
-             and POST /v1/estimate take it"
-                .into()
-        });
     }
 
     pub(super) fn validate(&self, arch: &Architecture, p: &mut Problems) {

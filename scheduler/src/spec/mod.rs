@@ -300,9 +300,6 @@ impl JobSpec {
         }
         if let (Some(lora), Some(arch)) = (self.lora.as_ref().filter(|_| read("lora")), &arch) {
             lora.validate(arch, p);
-            if purpose == Purpose::Train {
-                lora.validate_training(p);
-            }
         }
         if let Some(arch) = arch.as_ref().filter(|_| read("data")) {
             p.note(self.data.validate(arch, self.model.init_from.as_ref()));
