@@ -7,10 +7,13 @@ weights); eager attention, or PyTorch's `scaled_dot_product_attention` (`--attn 
 
     python bench_torch_cpu.py --dtype fp32|bf16 [--model smollm2-135M|gpt2-124M]
         [--batch 4] [--seq 128] [--attn eager|sdpa] [--threads N] [--warmup 2] [--steps 5]
-        [--lora R]
+        [--lora R [--qlora]]
 
 With `--lora R`, PEFT's LoRA adapters of rank R (alpha 2R, no dropout) on every linear
-projection (`"all-linear"`) are trained on the frozen model instead (needs peft).
+projection (`"all-linear"`) are trained on the frozen model instead (needs peft). With
+`--qlora` too, the model is loaded through bitsandbytes' 4-bit NF4 (`BitsAndBytesConfig`,
+blocks of 64, no double quantization, the row's dtype as the compute dtype) first, as QLoRA
+trains (needs bitsandbytes; its CPU back end dequantizes each weight for its product).
 
 Prints one JSON object: {"dtype", "threads", "steps", "median_step_s", "tokens_per_second",
 "torch", "transformers"}. Denormals are flushed, as zerotrain flushes them: without it AdamW's
@@ -43,6 +46,27 @@ def build(name, attn):
     return transformers.LlamaForCausalLM(config)
 
 
+def quantized(model, compute_dtype):
+    """`model` reloaded with its linear layers (not the head) in bitsandbytes' NF4."""
+    import tempfile
+
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+    import bitsandbytes
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        model = type(model).from_pretrained(
+            d, quantization_config=config, device_map="cpu",
+            attn_implementation=model.config._attn_implementation,
+        ).train()
+    nf4 = sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in model.modules())
+    assert nf4 == 7 * model.config.num_hidden_layers, f"{nf4} NF4 layers"
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", choices=["fp32", "bf16"], required=True)
@@ -54,12 +78,15 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lora", type=int, default=0)
+    ap.add_argument("--qlora", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     B, T = args.batch, args.seq
     model = build(args.model, args.attn).train()
+    if args.qlora:
+        model = quantized(model, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     vocab = model.config.vocab_size
     if args.lora:
         import peft
@@ -93,7 +120,7 @@ def main():
         "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
         "median_step_s": step, "tokens_per_second": B * T / step,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "lora": args.lora,
+        "lora": args.lora, "qlora": args.qlora,
     }))
 
 

@@ -12,14 +12,15 @@
 //! kernels.
 //!
 //! A third table trains LoRA adapters instead (rank 16, alpha 32, every linear projection, the
-//! base frozen), beside PEFT on transformers with the same adapters.
+//! base frozen), beside PEFT on transformers with the same adapters, on a base in the compute
+//! dtype and in NF4 (QLoRA; PEFT on bitsandbytes' CPU 4-bit).
 //!
 //! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows,
-//! `lora` the LoRA table's).
+//! `lora` the LoRA table's, `qlora` its QLoRA rows).
 //! With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers, each row
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
 //! the same shape, batch and thread count) in the same run and prints the ratio; the LoRA rows
-//! need peft there too.
+//! need peft there too, the QLoRA rows bitsandbytes.
 
 use common::roofline;
 use runner::step_timers::{self, Group};
@@ -91,7 +92,7 @@ fn main() {
             continue;
         }
         let ((step, lo, hi), mean_step) = ours(dtype);
-        breakdown.push((dtype, mean_step));
+        breakdown.push((dtype.to_string(), mean_step));
         let peak = if dtype == "bf16" { bf16_peak } else { peak };
         let (gemm, rate) = pool.install(|| match dtype {
             "bf16" => roofline::seconds::<half::bf16>(&products, 3),
@@ -123,7 +124,7 @@ fn main() {
 }
 
 /// The kernel-group split of each row's mean step.
-fn print_breakdown(breakdown: Vec<(&str, MeanStep)>) {
+fn print_breakdown(breakdown: Vec<(String, MeanStep)>) {
     println!();
     let names: Vec<&str> = Group::ALL.iter().map(|g| g.name()).collect();
     println!(
@@ -143,46 +144,62 @@ fn print_breakdown(breakdown: Vec<(&str, MeanStep)>) {
     }
 }
 
-/// The LoRA table: zerotrain's adapters on the frozen model beside PEFT's, per dtype.
+/// The LoRA table: zerotrain's adapters on the frozen model beside PEFT's, per dtype, on a
+/// base in the compute dtype (LoRA) and in NF4 (QLoRA, PEFT on bitsandbytes' 4-bit).
 fn lora_rows(filters: &common::Filters, python: Option<&str>, threads: usize) {
-    let rows: Vec<&str> = ["fp32", "bf16"]
+    let rows: Vec<(&str, &str)> = ["fp32", "bf16"]
         .into_iter()
-        .filter(|d| filters.keeps(&format!("{d} lora")))
+        .flat_map(|d| [(d, "lora"), (d, "qlora")])
+        .filter(|(d, kind)| filters.keeps(&format!("{d} {kind}")))
         .collect();
     if rows.is_empty() {
         return;
     }
     println!();
     println!(
-        "| LoRA r {LORA_RANK}, alpha {}, all-linear | zerotrain s/step | min–max s | tokens/s | PEFT tokens/s | × PEFT |",
+        "| r {LORA_RANK}, alpha {}, all-linear | zerotrain s/step | min–max s | tokens/s | PEFT tokens/s | × PEFT |",
         2 * LORA_RANK
     );
     println!("|---|---|---|---|---|---|");
-    let lora = format!(
-        r#", "lora": {{"rank": {LORA_RANK}, "alpha": {}, "target_modules": "all-linear"}}"#,
-        2 * LORA_RANK
-    );
     let model = format!(r#"{{"preset": "{MODEL}"}}"#);
     let tokens = (B * T) as f64;
     let mut breakdown = Vec::new();
-    for dtype in rows {
+    for (dtype, kind) in rows {
+        let nf4 = kind == "qlora";
+        let lora = format!(
+            r#", "lora": {{"rank": {LORA_RANK}, "alpha": {}, "target_modules": "all-linear"{}}}"#,
+            2 * LORA_RANK,
+            if nf4 {
+                r#", "quantize_base": "nf4""#
+            } else {
+                ""
+            }
+        );
         let spec = common::adamw_job_with(&model, dtype, (B, T), WARMUP + MEASURED, &lora);
-        let what = format!("{dtype} lora");
+        let what = format!("{dtype} {kind}");
         let seconds = common::cpu_step_seconds(&spec, WARMUP, &what);
         let mean = seconds.iter().sum::<f64>() / seconds.len() as f64;
-        breakdown.push((dtype, (mean, common::kernel_groups(MEASURED))));
+        let name = if nf4 { "QLoRA" } else { "LoRA" };
+        breakdown.push((
+            format!("{dtype} {name}"),
+            (mean, common::kernel_groups(MEASURED)),
+        ));
         let (step, lo, hi) = common::median_min_max(&seconds);
         let (peft, ratio) = match python {
             Some(py) => {
-                let args = ["--dtype", dtype, "--lora", &LORA_RANK.to_string()];
+                let rank = LORA_RANK.to_string();
+                let mut args = vec!["--dtype", dtype, "--lora", &rank];
+                if nf4 {
+                    args.push("--qlora");
+                }
                 let t = common::torch_step_seconds(py, &args, threads, (WARMUP, MEASURED))
-                    .unwrap_or_else(|e| panic!("bench_torch_cpu.py --lora {e}"));
+                    .unwrap_or_else(|e| panic!("bench_torch_cpu.py {args:?} {e}"));
                 (format!("{:.1}", tokens / t), format!("{:.2}×", t / step))
             }
             None => ("—".into(), "—".into()),
         };
         println!(
-            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {peft} | {ratio} |",
+            "| {dtype} {name} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {peft} | {ratio} |",
             tokens / step
         );
     }

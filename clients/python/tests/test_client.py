@@ -62,7 +62,7 @@ def test_a_lora_spec_is_estimated_with_peft_s_counts_and_its_adapter_must_be_in_
     assert e.value.status == 422
     assert e.value.field == "lora.init_from"
     with pytest.raises(ZerotrainError) as e:
-        zt.submit(model="gpt2-124M", lora={"rank": 8, "dropout": 0.1})
+        zt.submit(model="gpt2-124M", lora={"rank": 8, "dropout": 1.0})
     assert e.value.status == 422
     assert e.value.field == "lora.dropout"
 
