@@ -33,6 +33,8 @@ struct Target {
     nf4: Option<Nf4At>,
     in_features: usize,
     out_features: usize,
+    /// The model stores the weight (in, out) (GPT-2's Conv1D), not (out, in).
+    stored_transposed: bool,
 }
 
 /// Byte ranges of one NF4 weight in its block's NF4 unit.
@@ -110,6 +112,7 @@ impl<X: Num, D: Device> Lora<X, D> {
                 }),
                 in_features: p.in_features,
                 out_features: p.out_features,
+                stored_transposed: matches!(model, ModelShape::Gpt2(_)),
             })
             .collect();
         let x = X::BYTES as u64;
@@ -168,14 +171,16 @@ impl<X: Num, D: Device> Lora<X, D> {
         self.target(weight).is_none_or(|(_, t)| t.nf4.is_none())
     }
 
-    /// Quantizes `weight`'s values, which `write` puts into the dequantization scratch, into
-    /// `nf4`, a block's NF4 unit.
+    /// Quantizes `weight`, its values in the model's order from `next`, into `nf4`, a block's
+    /// NF4 unit, through the dequantization scratch. It is held (out, in) as bitsandbytes holds
+    /// it: a weight the model stores (in, out) (GPT-2's Conv1D) is transposed first, as
+    /// transformers transposes it before quantizing.
     pub(crate) fn quantize(
         &mut self,
         dev: &D,
         weight: ModelTensor,
         nf4: D::ViewMut<'_, u8>,
-        write: impl FnOnce(&mut [X]),
+        mut next: impl FnMut() -> f32,
     ) -> Result<(), Error> {
         let (_, t) = self.target(weight).expect("an NF4 weight is adapted");
         let at = t.nf4.expect("an NF4 weight");
@@ -183,8 +188,17 @@ impl<X: Num, D: Device> Lora<X, D> {
             .dequantized
             .as_mut()
             .expect("an NF4 base has the scratch");
-        let numel = t.in_features * t.out_features;
-        dev.on_host(scratch.at_mut(0..numel), write)?;
+        let (inputs, outputs) = (t.in_features, t.out_features);
+        let numel = inputs * outputs;
+        dev.on_host(scratch.at_mut(0..numel), |w| {
+            for e in 0..numel {
+                let held = match t.stored_transposed {
+                    true => (e % outputs) * inputs + e / outputs,
+                    false => e,
+                };
+                w[held] = X::from_f32(next());
+            }
+        })?;
         // Every absmax lies before every codes (`LoraLayout::nf4`).
         let split = at.absmax.end;
         let (absmax, codes) = D::split_at_mut(nf4, split);
@@ -252,16 +266,17 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
         self.lora.as_ref().is_none_or(|b| b.lora.in_base(weight))
     }
 
-    /// The weight `weight` to compute with: `stored`, the one the base's unit holds, or an NF4
-    /// weight dequantized into the scratch (which the next NF4 weight overwrites).
+    /// The weight `weight` to compute with and how a product reads it: `stored`, the one the
+    /// base's unit holds, laid out as `layout`; or an NF4 weight dequantized into the scratch
+    /// (which the next NF4 weight overwrites), held (out, in): `Layout::NK`.
     pub(crate) fn weight<'s, 'w: 's>(
         &'s mut self,
         dev: &D,
         weight: ModelTensor,
-        stored: Option<&'s D::View<'w, X>>,
-    ) -> Result<D::View<'s, X>, Error> {
+        (stored, layout): (Option<&'s D::View<'w, X>>, Layout),
+    ) -> Result<(D::View<'s, X>, Layout), Error> {
         if let Some(w) = stored {
-            return Ok(D::reborrow_ref(w));
+            return Ok((D::reborrow_ref(w), layout));
         }
         let Some(Bound {
             lora,
@@ -283,7 +298,7 @@ impl<'a, X: Num, D: Device> Adapted<'a, X, D> {
             D::slice(D::share(nf4), at.codes),
         );
         dev.nf4_dequantize(out.at_mut(0..numel), codes, absmax)?;
-        Ok(out.at(0..numel))
+        Ok((out.at(0..numel), Layout::NK))
     }
 
     /// Adds the adapter's share into `y`, the output of the projection whose frozen weight is

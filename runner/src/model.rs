@@ -216,9 +216,9 @@ pub(crate) fn projection<X: Num, D: Device>(
     scratch: &mut Buffer<f32, D>,
 ) -> Result<(), Error> {
     {
-        let w = ad.weight(dev, lin.kind, lin.w.as_ref())?;
+        let (w, layout) = ad.weight(dev, lin.kind, (lin.w.as_ref(), lin.layout))?;
         let (y, x) = (out.view_mut(), D::share(&x));
-        dev.matmul_forward(y, x, w, lin.b, lin.layout, mkn, scratch.view_mut())?;
+        dev.matmul_forward(y, x, w, lin.b, layout, mkn, scratch.view_mut())?;
     }
     ad.forward(dev, lin.kind, out.view_mut(), x, mkn.0, scratch)
 }
@@ -238,9 +238,9 @@ pub(crate) fn projection_backward<X: Num, D: Device>(
     scratch: &mut Buffer<f32, D>,
 ) -> Result<(), Error> {
     {
-        let w = ad.weight(dev, lin.kind, lin.w.as_ref())?;
+        let (w, layout) = ad.weight(dev, lin.kind, (lin.w.as_ref(), lin.layout))?;
         let (dx, dy, operands) = (dinp.at_mut(at.clone()), D::share(&dout), (D::share(&x), w));
-        linear_backward(dev, dx, grads, dy, operands, lin.layout, mkn, mode, scratch)?;
+        linear_backward(dev, dx, grads, dy, operands, layout, mkn, mode, scratch)?;
     }
     ad.backward(dev, lin.kind, dinp.at_mut(at), dout, x, mkn.0, scratch)
 }

@@ -1,8 +1,9 @@
 //! Parity with PEFT on transformers: LoRA adapters on a frozen tiny Llama, Qwen3 and GPT-2,
 //! started from the same PEFT adapter on the same token shard, in fp32 AdamW, give PEFT's
-//! losses step by step. The reference data was made once by
-//! `tests/reference/lora_parity/make.py` (versions in each `expected.json`); this test needs
-//! neither torch nor PEFT.
+//! losses step by step, and so do QLoRA's on the same bases in NF4, beside PEFT on
+//! bitsandbytes. The reference data was made once by `tests/reference/lora_parity/make.py` and
+//! `tests/reference/qlora_parity/make.py` (versions in their JSON); this test needs neither
+//! torch, PEFT nor bitsandbytes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,9 +25,9 @@ fn read_json(path: &Path) -> Value {
 }
 
 /// The spec `make.py` trained with: the base from `base`, the adapter from `adapter` (none:
-/// the base alone, every weight trained), and the data, optimizer and batch of
-/// `../llama_parity`, for `steps` steps at `lr`.
-fn spec(base: &Path, adapter: Option<&Path>, steps: u64, lr: f64) -> JobSpec {
+/// the base alone, every weight trained; `nf4`: on a base in NF4), and the data, optimizer and
+/// batch of `../llama_parity`, for `steps` steps at `lr`.
+fn spec(base: &Path, adapter: Option<(&Path, bool)>, steps: u64, lr: f64) -> JobSpec {
     let expected = read_json(&reference("llama_parity/llama/expected.json"));
     let opt = &expected["optimizer"];
     let mut spec = serde_json::json!({
@@ -43,10 +44,13 @@ fn spec(base: &Path, adapter: Option<&Path>, steps: u64, lr: f64) -> JobSpec {
                      "seq_len": expected["seq_len"], "lr": lr, "lr_schedule": "constant",
                      "grad_clip": 0.0},
     });
-    if let Some(adapter) = adapter {
+    if let Some((adapter, nf4)) = adapter {
         let lora = read_json(&adapter.join("../expected.json"))["lora"].clone();
         spec["lora"] = serde_json::json!({"rank": lora["rank"], "alpha": lora["alpha"],
             "target_modules": lora["target_modules"], "init_from": adapter.to_str().unwrap()});
+        if nf4 {
+            spec["lora"]["quantize_base"] = "nf4".into();
+        }
     }
     JobSpec::parse(&spec.to_string(), Purpose::Train)
         .unwrap_or_else(|e| panic!("{e}"))
@@ -75,7 +79,7 @@ fn parity(family: &str, base: &Path) {
         .as_f64()
         .unwrap();
     let adapter = dir.join("adapter");
-    let job = spec(base, Some(&adapter), want.len() as u64, lr);
+    let job = spec(base, Some((&adapter, false)), want.len() as u64, lr);
     let got = losses(&job, Some(out.path()));
     crate::llama_parity::losses_match(family, &got, &want, "PEFT");
     // The export is PEFT's trained adapter: its tensors, named and shaped as PEFT saved them,
@@ -224,6 +228,27 @@ fn a_merged_export_from_a_seeded_base_is_that_base_with_the_exported_adapters_ad
         let ours = tensors(&std::fs::read(lora.path().join("adapter_model.safetensors")).unwrap());
         merged_is_the_base_with_peft_s_product(family, base.path(), lora.path(), &ours);
     }
+}
+
+/// `family`'s adapter trained on its base in NF4 as `qlora_parity/make.py` trained it, beside
+/// PEFT on bitsandbytes step by step.
+fn qlora_parity(family: &str, base: &Path) {
+    let expected = read_json(&reference("qlora_parity").join(format!("{family}.json")));
+    let want: Vec<f64> = serde_json::from_value(expected["losses"].clone()).unwrap();
+    let lr = read_json(&reference("llama_parity/llama/expected.json"))["optimizer"]["lr"]
+        .as_f64()
+        .unwrap();
+    let adapter = reference("lora_parity").join(family).join("adapter");
+    let job = spec(base, Some((&adapter, true)), want.len() as u64, lr);
+    let got = losses(&job, None);
+    crate::llama_parity::losses_match(family, &got, &want, "PEFT on bitsandbytes");
+}
+
+#[test]
+fn qlora_adapters_on_nf4_bases_match_peft_on_bitsandbytes() {
+    qlora_parity("llama", &reference("llama_parity/llama"));
+    qlora_parity("qwen3", &reference("llama_parity/qwen3"));
+    qlora_parity("gpt2", &reference("lora_parity/gpt2"));
 }
 
 #[test]

@@ -1,7 +1,9 @@
 //! QLoRA: adapters on a base whose adapted projections are held as bitsandbytes' NF4 (the
 //! kernels' `nf4`, bit-identical to bitsandbytes on the committed reference tensors) compute
 //! with exactly the NF4 round trip of those weights: a QLoRA job trains the same bits as a LoRA
-//! job on a base whose adapted weights were quantized and dequantized beforehand.
+//! job on a base whose adapted weights were quantized and dequantized beforehand, each as
+//! bitsandbytes holds it, (out, in): GPT-2's Conv1D weights (in, out) transposed first, as
+//! transformers transposes them.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,8 +31,9 @@ fn train(json: &str, out: &Path) -> Vec<f64> {
 }
 
 /// `dir`'s model with every block's matrix (every projection: what "all-linear" adapts) put
-/// through NF4 and back, written with its config into `into`; how many were.
-fn round_trip_projections(dir: &Path, into: &Path) -> usize {
+/// through NF4 and back, (out, in) (`transposed`: the file's (in, out) transposed there and
+/// back), written with its config into `into`; how many were.
+fn round_trip_projections(dir: &Path, into: &Path, transposed: bool) -> usize {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors = BTreeMap::new();
@@ -44,10 +47,22 @@ fn round_trip_projections(dir: &Path, into: &Path) -> usize {
             .collect();
         let in_block = name.contains(".h.") || name.contains("layers.");
         if in_block && t.shape().len() == 2 {
-            let mut codes = vec![0; nf4::code_bytes(values.len())];
-            let mut absmax = vec![0.0; nf4::blocks(values.len())];
-            nf4::quantize(&values, &mut codes, &mut absmax);
-            nf4::dequantize(&codes, &absmax, &mut values);
+            let (rows, cols) = (t.shape()[0], t.shape()[1]);
+            let transpose = |v: &[f32], (r, c): (usize, usize)| -> Vec<f32> {
+                (0..r * c).map(|e| v[(e % r) * c + e / r]).collect()
+            };
+            let mut held = match transposed {
+                true => transpose(&values, (rows, cols)),
+                false => values.clone(),
+            };
+            let mut codes = vec![0; nf4::code_bytes(held.len())];
+            let mut absmax = vec![0.0; nf4::blocks(held.len())];
+            nf4::quantize(&held, &mut codes, &mut absmax);
+            nf4::dequantize(&codes, &absmax, &mut held);
+            values = match transposed {
+                true => transpose(&held, (cols, rows)),
+                false => held,
+            };
             quantized += 1;
         }
         tensors.insert(name, (t.shape().to_vec(), values));
@@ -69,7 +84,7 @@ fn round_trip_projections(dir: &Path, into: &Path) -> usize {
 
 #[test]
 fn qlora_trains_the_bits_lora_trains_on_the_nf4_round_trip_of_its_base() {
-    for (preset, projections) in [("gpt2-tiny", 4), ("llama-tiny", 7)] {
+    for (preset, projections, transposed) in [("gpt2-tiny", 4, true), ("llama-tiny", 7, false)] {
         let job = |init_from: &Path, lr: f64, lora: &str| {
             format!(
                 r#"{{"model": {{"preset": "{preset}", "init_from": "{}"}}{lora},
@@ -86,7 +101,7 @@ fn qlora_trains_the_bits_lora_trains_on_the_nf4_round_trip_of_its_base() {
         train(&seeded, seed.path());
         let layers = 2;
         assert_eq!(
-            round_trip_projections(seed.path(), base.path()),
+            round_trip_projections(seed.path(), base.path(), transposed),
             projections * layers,
             "{preset}"
         );

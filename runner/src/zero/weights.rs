@@ -178,9 +178,7 @@ impl<X: Num + Summable, D: DeviceCollectives> Frozen<X, D> {
             let (Some(l), Some(nf4)) = (l, nf4) else {
                 unreachable!("NF4 weights are blocks' projections, with NF4 units");
             };
-            let mut value = value;
-            let write = |w: &mut [X]| w.iter_mut().for_each(|v| *v = X::from_f32(value()));
-            self.lora.quantize(dev, t.kind, nf4.whole_mut(l), write)?;
+            self.lora.quantize(dev, t.kind, nf4.whole_mut(l), value)?;
             nf4.keep(dev, l)?;
         }
         Ok(())
