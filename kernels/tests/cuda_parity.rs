@@ -784,23 +784,13 @@ fn nf4_matches_cpu<X: DeviceFloat>() {
 fn dropout_matches_cpu<X: DeviceFloat>() {
     let Some(d) = device() else { return };
     let n = 1 << 20;
-    let mut rng = Rng::new(13);
-    let (x, acc) = (random::<X>(&mut rng, n, 1.0), random::<X>(&mut rng, n, 1.0));
-    let mask = kernels::dropout::Mask {
-        p: 0.3,
-        key: 0x1234_5678_9abc_def0,
-        offset: (1 << 33) + 7,
-    };
-    let (dx, mut out) = (up(d, &x), up(d, &nan::<X>(n)));
-    cuda::dropout::dropout_forward(d, &mut out.as_view_mut(), &dx.as_view(), mask).unwrap();
-    let mut want = vec![X::ZERO; n];
-    kernels::dropout::dropout_forward(&mut want, &x, mask);
-    close("dropout_forward", &down(d, &out), &want, 0.0);
-    let mut dinp = up(d, &acc);
-    cuda::dropout::dropout_backward(d, &mut dinp.as_view_mut(), &dx.as_view(), mask).unwrap();
-    let mut want = acc;
-    kernels::dropout::dropout_backward(&mut want, &x, mask);
-    close("dropout_backward", &down(d, &dinp), &want, 0.0);
+    let c = dropout_case::<X>(n);
+    let (dx, mut out) = (up(d, &c.x), up(d, &nan::<X>(n)));
+    cuda::dropout::dropout_forward(d, &mut out.as_view_mut(), &dx.as_view(), c.mask).unwrap();
+    close("dropout_forward", &down(d, &out), &c.forward, 0.0);
+    let mut dinp = up(d, &c.acc);
+    cuda::dropout::dropout_backward(d, &mut dinp.as_view_mut(), &dx.as_view(), c.mask).unwrap();
+    close("dropout_backward", &down(d, &dinp), &c.backward, 0.0);
 }
 
 #[test]

@@ -190,10 +190,10 @@ fn merged_is_the_base_with_peft_s_product(family: &str, base: &Path, out: &Path,
     assert_eq!(config["model_type"], base_config["model_type"], "{family}");
 }
 
-type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+pub(crate) type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// Each tensor of a safetensors file (F32) by name: its shape and values.
-fn tensors(bytes: &[u8]) -> Tensors {
+pub(crate) fn tensors(bytes: &[u8]) -> Tensors {
     let file = SafeTensors::deserialize(bytes).unwrap();
     file.tensors()
         .into_iter()

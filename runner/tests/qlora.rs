@@ -5,67 +5,42 @@
 //! bitsandbytes holds it, (out, in): GPT-2's Conv1D weights (in, out) transposed first, as
 //! transformers transposes them.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use kernels::nf4;
-use runner::train::{Options, run};
+use safetensors::Dtype;
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
-use scheduler::plan::plan_local;
-use scheduler::spec::{JobSpec, Purpose};
 
-/// Trains `json` on one rank into `out`; its losses.
-fn train(json: &str, out: &Path) -> Vec<f64> {
-    let spec = JobSpec::parse(json, Purpose::Train)
-        .unwrap_or_else(|e| panic!("{e}: {json}"))
-        .spec;
-    let plan = plan_local(&spec, None).unwrap();
-    let opts = Options {
-        out_dir: Some(out.to_path_buf()),
-        ..Options::default()
-    };
-    run(&spec, &plan, &opts, &mut |_| {})
-        .unwrap_or_else(|e| panic!("{e}: {json}"))
-        .losses
-}
+use crate::lora_parity::tensors;
+use crate::zero::train;
 
 /// `dir`'s model with every block's matrix (every projection: what "all-linear" adapts) put
 /// through NF4 and back, (out, in) (`transposed`: the file's (in, out) transposed there and
 /// back), written with its config into `into`; how many were.
 fn round_trip_projections(dir: &Path, into: &Path, transposed: bool) -> usize {
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors = BTreeMap::new();
+    let mut tensors = tensors(&std::fs::read(dir.join("model.safetensors")).unwrap());
     let mut quantized = 0;
-    for (name, t) in file.tensors() {
-        assert_eq!(t.dtype(), Dtype::F32, "{name}");
-        let mut values: Vec<f32> = t
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+    for (name, (shape, values)) in &mut tensors {
         let in_block = name.contains(".h.") || name.contains("layers.");
-        if in_block && t.shape().len() == 2 {
-            let (rows, cols) = (t.shape()[0], t.shape()[1]);
+        if in_block && shape.len() == 2 {
+            let (rows, cols) = (shape[0], shape[1]);
             let transpose = |v: &[f32], (r, c): (usize, usize)| -> Vec<f32> {
                 (0..r * c).map(|e| v[(e % r) * c + e / r]).collect()
             };
             let mut held = match transposed {
-                true => transpose(&values, (rows, cols)),
+                true => transpose(values, (rows, cols)),
                 false => values.clone(),
             };
             let mut codes = vec![0; nf4::code_bytes(held.len())];
             let mut absmax = vec![0.0; nf4::blocks(held.len())];
             nf4::quantize(&held, &mut codes, &mut absmax);
             nf4::dequantize(&codes, &absmax, &mut held);
-            values = match transposed {
+            *values = match transposed {
                 true => transpose(&held, (cols, rows)),
                 false => held,
             };
             quantized += 1;
         }
-        tensors.insert(name, (t.shape().to_vec(), values));
     }
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
@@ -85,20 +60,22 @@ fn round_trip_projections(dir: &Path, into: &Path, transposed: bool) -> usize {
 #[test]
 fn qlora_trains_the_bits_lora_trains_on_the_nf4_round_trip_of_its_base() {
     for (preset, projections, transposed) in [("gpt2-tiny", 4, true), ("llama-tiny", 7, false)] {
-        let job = |init_from: &Path, lr: f64, lora: &str| {
+        let job = |init_from: &Path, lora: &str| {
             format!(
                 r#"{{"model": {{"preset": "{preset}", "init_from": "{}"}}{lora},
-                    "training": {{"steps": 4, "micro_batch_size": 2, "lr": {lr}}}}}"#,
+                    "training": {{"steps": 4, "micro_batch_size": 2, "lr": 1e-2}}}}"#,
                 init_from.display()
             )
         };
+        // Trains `json` on one rank into `out`; its losses.
+        let losses = |json: &str, out: &Path| train(json, Some(out)).losses;
         // A base with weights of its own: the seed's, moved by a few steps of full training.
         let (seed, base) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let seeded = format!(
             r#"{{"model": {{"preset": "{preset}"}},
                 "training": {{"steps": 2, "micro_batch_size": 2, "lr": 1e-2}}}}"#
         );
-        train(&seeded, seed.path());
+        losses(&seeded, seed.path());
         let layers = 2;
         assert_eq!(
             round_trip_projections(seed.path(), base.path(), transposed),
@@ -106,19 +83,11 @@ fn qlora_trains_the_bits_lora_trains_on_the_nf4_round_trip_of_its_base() {
             "{preset}"
         );
         let adapters = r#", "lora": {"rank": 4, "alpha": 8, "target_modules": "all-linear""#;
+        let nf4 = format!(r#"{adapters}, "quantize_base": "nf4"}}"#);
+        let plain = format!("{adapters}}}");
         let (qlora_out, lora_out) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let qlora = train(
-            &job(
-                seed.path(),
-                1e-2,
-                &format!(r#"{adapters}, "quantize_base": "nf4"}}"#),
-            ),
-            qlora_out.path(),
-        );
-        let lora = train(
-            &job(base.path(), 1e-2, &format!("{adapters}}}")),
-            lora_out.path(),
-        );
+        let qlora = losses(&job(seed.path(), &nf4), qlora_out.path());
+        let lora = losses(&job(base.path(), &plain), lora_out.path());
         assert_eq!(qlora, lora, "{preset}: losses");
         let adapter = |out: &Path| std::fs::read(out.join("adapter_model.safetensors")).unwrap();
         assert!(
@@ -126,11 +95,10 @@ fn qlora_trains_the_bits_lora_trains_on_the_nf4_round_trip_of_its_base() {
             "{preset}: the trained adapters differ"
         );
         // And not what the same adapters train on the unquantized base.
-        let plain_out = tempfile::tempdir().unwrap();
-        let plain = train(
-            &job(seed.path(), 1e-2, &format!("{adapters}}}")),
-            plain_out.path(),
+        let unquantized = losses(
+            &job(seed.path(), &plain),
+            tempfile::tempdir().unwrap().path(),
         );
-        assert_ne!(plain, lora, "{preset}: NF4 changed no loss");
+        assert_ne!(unquantized, lora, "{preset}: NF4 changed no loss");
     }
 }

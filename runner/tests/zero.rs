@@ -17,7 +17,7 @@ fn spec(json: &str) -> JobSpec {
         .spec
 }
 
-fn train(json: &str, out: Option<&Path>) -> Summary {
+pub(crate) fn train(json: &str, out: Option<&Path>) -> Summary {
     let opts = Options {
         out_dir: out.map(Path::to_path_buf),
         ..Options::default()

@@ -187,3 +187,35 @@ macro_rules! per_dtype {
         })*
     };
 }
+
+/// What the GPU's dropout kernels are checked on: `n` inputs `x`, the gradient `acc` backward
+/// adds to, a mask from an offset past 2³² (so the counter's high half is used), and the CPU's
+/// forward and backward of them.
+pub struct DropoutCase<X> {
+    pub x: Vec<X>,
+    pub acc: Vec<X>,
+    pub mask: kernels::dropout::Mask,
+    pub forward: Vec<X>,
+    pub backward: Vec<X>,
+}
+
+pub fn dropout_case<X: Float>(n: usize) -> DropoutCase<X> {
+    let mut rng = Rng::new(13);
+    let (x, acc) = (random::<X>(&mut rng, n, 1.0), random::<X>(&mut rng, n, 1.0));
+    let mask = kernels::dropout::Mask {
+        p: 0.3,
+        key: 0x1234_5678_9abc_def0,
+        offset: (1 << 33) + 7,
+    };
+    let mut forward = vec![X::ZERO; n];
+    kernels::dropout::dropout_forward(&mut forward, &x, mask);
+    let mut backward = acc.clone();
+    kernels::dropout::dropout_backward(&mut backward, &x, mask);
+    DropoutCase {
+        x,
+        acc,
+        mask,
+        forward,
+        backward,
+    }
+}

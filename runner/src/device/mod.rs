@@ -487,28 +487,41 @@ impl std::fmt::Display for Target {
     }
 }
 
-/// `N` consecutive views of the given lengths from the front of `v` (the rest is padding).
-pub fn split<'a, D: Device, T, const N: usize>(
-    v: D::View<'a, T>,
-    lens: [usize; N],
-) -> [D::View<'a, T>; N] {
+/// Cuts consecutive views from the front of `v`, each as long as asked for in turn.
+pub fn front<'a, D: Device, T: 'a>(v: D::View<'a, T>) -> impl FnMut(usize) -> D::View<'a, T> {
     let mut rest = Some(v);
-    lens.map(|n| {
+    move |n| {
         let (head, tail) = D::split_at(rest.take().expect("one view left"), n);
         rest = Some(tail);
         head
-    })
+    }
+}
+
+/// As [`front`], exclusive; every view `None` without `v`.
+pub fn front_mut<'a, D: Device, T: 'a>(
+    v: Option<D::ViewMut<'a, T>>,
+) -> impl FnMut(usize) -> Option<D::ViewMut<'a, T>> {
+    let mut rest = v;
+    move |n| {
+        let (head, tail) = D::split_at_mut(rest.take()?, n);
+        rest = Some(tail);
+        Some(head)
+    }
+}
+
+/// `N` consecutive views of the given lengths from the front of `v` (the rest is padding).
+pub fn split<'a, D: Device, T: 'a, const N: usize>(
+    v: D::View<'a, T>,
+    lens: [usize; N],
+) -> [D::View<'a, T>; N] {
+    lens.map(front::<D, T>(v))
 }
 
 /// As [`split`], exclusive.
-pub fn split_mut<'a, D: Device, T, const N: usize>(
+pub fn split_mut<'a, D: Device, T: 'a, const N: usize>(
     v: D::ViewMut<'a, T>,
     lens: [usize; N],
 ) -> [D::ViewMut<'a, T>; N] {
-    let mut rest = Some(v);
-    lens.map(|n| {
-        let (head, tail) = D::split_at_mut(rest.take().expect("one view left"), n);
-        rest = Some(tail);
-        head
-    })
+    let mut take = front_mut::<D, T>(Some(v));
+    lens.map(|n| take(n).expect("one view left"))
 }

@@ -10,7 +10,7 @@ use scheduler::model::{GptShape, ModelTensor, TensorKind};
 
 use crate::Error;
 use crate::accounting::Accountant;
-use crate::device::{Device, Num, split, split_mut};
+use crate::device::{Device, Num, front, front_mut, split, split_mut};
 
 /// A GPT-2 model's passes over one micro-batch's activations (`pass.rs`).
 pub struct Model<X: Num, D: Device> {
@@ -141,12 +141,7 @@ pub fn block<'a, D: Device, X>(
     shape: &GptShape,
     held: impl Fn(ModelTensor) -> bool,
 ) -> Block<D::View<'a, X>> {
-    let mut rest = Some(unit);
-    Block::cut(shape, held, |n| {
-        let (head, tail) = D::split_at(rest.take().expect("one view left"), n);
-        rest = Some(tail);
-        head
-    })
+    Block::cut(shape, held, front::<D, X>(unit))
 }
 
 /// Block `unit`'s tensors, to write (its gradient); every one `None` without one (frozen).
@@ -154,17 +149,8 @@ pub fn block_mut<'a, D: Device, X>(
     unit: Option<D::ViewMut<'a, X>>,
     shape: &GptShape,
 ) -> Block<Option<D::ViewMut<'a, X>>> {
-    let mut rest = unit;
     // Only a model that is trained has a gradient, and it holds every tensor.
-    Block::cut(
-        shape,
-        |_| true,
-        |n| {
-            let (head, tail) = D::split_at_mut(rest.take()?, n);
-            rest = Some(tail);
-            Some(head)
-        },
-    )
+    Block::cut(shape, |_| true, front_mut::<D, X>(unit))
 }
 
 /// `(wte (V, C), wpe (maxT, C))` of the embeddings unit.

@@ -15,7 +15,7 @@ use scheduler::model::{LlamaShape, LlamaTensor, ModelTensor};
 
 use crate::Error;
 use crate::accounting::Accountant;
-use crate::device::{Device, Num};
+use crate::device::{Device, Num, front, front_mut};
 
 /// Sizes of one micro-batch of one model.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -154,12 +154,7 @@ pub fn block<'a, D: Device, X>(
     shape: &LlamaShape,
     held: impl Fn(ModelTensor) -> bool,
 ) -> Block<D::View<'a, X>> {
-    let mut rest = Some(unit);
-    Block::cut(shape, held, |n| {
-        let (head, tail) = D::split_at(rest.take().expect("one view left"), n);
-        rest = Some(tail);
-        head
-    })
+    Block::cut(shape, held, front::<D, X>(unit))
 }
 
 /// Block `unit`'s tensors, to write (its gradient); every one `None` without one (frozen).
@@ -167,17 +162,8 @@ pub fn block_mut<'a, D: Device, X>(
     unit: Option<D::ViewMut<'a, X>>,
     shape: &LlamaShape,
 ) -> Block<Option<D::ViewMut<'a, X>>> {
-    let mut rest = unit;
     // Only a model that is trained has a gradient, and it holds every tensor.
-    Block::cut(
-        shape,
-        |_| true,
-        |n| {
-            let (head, tail) = D::split_at_mut(rest.take()?, n);
-            rest = Some(tail);
-            Some(head)
-        },
-    )
+    Block::cut(shape, |_| true, front_mut::<D, X>(unit))
 }
 
 /// A Llama-family model's passes over one micro-batch's activations (`pass.rs`).

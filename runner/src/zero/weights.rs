@@ -20,20 +20,16 @@ impl<X: Num + Summable, D: DeviceCollectives> Engine<X, D> {
     /// Sets every parameter of the model (LoRA's frozen base) from Hugging Face weights,
     /// keeping this rank's part: each unit's values stream from the file a chunk at a time.
     pub fn load_weights(&mut self, weights: &HfWeights) -> Result<(), Error> {
-        let t = &mut self.trained;
-        match &mut self.frozen {
-            Some(f) if f.nf4.is_some() => {
-                let units = self.model.units(self.comm.world_size());
-                for (ui, unit) in units.iter().enumerate() {
-                    let mut values = weights.unit(ui);
-                    f.write_unit(&self.dev, unit, ui, |_| values.next().unwrap_or(0.0))?;
-                    values.result()?;
-                }
-                Ok(())
-            }
-            Some(f) => load(&self.dev, &mut f.base, None, weights),
-            None => load(&self.dev, &mut t.held, t.master.as_mut(), weights),
+        let Some(f) = &mut self.frozen else {
+            let t = &mut self.trained;
+            return load(&self.dev, &mut t.held, t.master.as_mut(), weights);
+        };
+        for (ui, unit) in self.model.units(self.comm.world_size()).iter().enumerate() {
+            let mut values = weights.unit(ui);
+            f.write_unit(&self.dev, unit, ui, |_| values.next().unwrap_or(0.0))?;
+            values.result()?;
         }
+        Ok(())
     }
 
     /// Sets a LoRA job's adapters from a PEFT adapter's weights (`checkpoint::load_peft`).
@@ -245,9 +241,17 @@ fn write_tensor<X: Num, D: DeviceCollectives, K>(
     range: Range<usize>,
     mut next: impl FnMut() -> f32,
 ) -> Result<(), Error> {
-    let params_at = held.layout.held(Part::Params, ui);
-    let master_at = held.layout.held(Part::State, ui);
-    dev.on_host(held.params[ui].view_mut(), |params| {
+    // Of each buffer, only the part `range` writes goes to the host and back: `at`, the unit's
+    // elements there, and where they lie in the buffer, which holds the unit's `held` ones.
+    let within = |held: Range<usize>| {
+        let start = range.start.clamp(held.start, held.end);
+        let at = start..range.end.clamp(start, held.end);
+        let local = at.start - held.start..at.end - held.start;
+        (at, local)
+    };
+    let (params_at, p) = within(held.layout.held(Part::Params, ui));
+    let (master_at, m) = within(held.layout.held(Part::State, ui));
+    dev.on_host(held.params[ui].at_mut(p), |params| {
         let write = |master: &mut [f32]| {
             for i in range {
                 let v = next();
@@ -260,7 +264,7 @@ fn write_tensor<X: Num, D: DeviceCollectives, K>(
             }
         };
         match master {
-            Some(m) => dev.on_host(m.view_mut(), write),
+            Some(b) => dev.on_host(b.at_mut(m), write),
             None => {
                 write(&mut []);
                 Ok(())
