@@ -1,9 +1,12 @@
 //! GFLOP/s of the GPT-2 124M matmuls at B=4, T=64 (M = 256), per dtype, against the
-//! machine's 2048³ sgemm peak. Run: `cargo bench -p kernels --bench matmul`.
+//! machine's 2048³ sgemm peak; then LoRA's rank-16 adapter products at the SmolLM2-135M
+//! projections (B=4, T=128), beside the frozen base's products they ride on.
+//! Run: `cargo bench -p kernels --bench matmul` (`-- lora` for the second table alone).
 
 use half::{bf16, f16};
 use kernels::matmul::{
-    DinpMode, Layout, matmul_backward, matmul_forward, measure_peak_gflops, scratch_len,
+    DinpMode, Layout, matmul_backward, matmul_backward_input, matmul_forward, measure_peak_gflops,
+    scratch_len,
 };
 use kernels::{Float, cpu};
 
@@ -79,10 +82,118 @@ fn bench<X: Float>(k: usize, n: usize, layout: Layout) -> (f64, f64) {
     (flops / fwd / 1e9, 2.0 * flops / bwd / 1e9)
 }
 
+/// LoRA's products run at the SmolLM2-135M shape: (name, in, out) of one layer's projections.
+const LORA_SHAPES: [(&str, usize, usize); 4] = [
+    ("q_proj, o_proj 576→576", 576, 576),
+    ("k_proj, v_proj 576→192", 576, 192),
+    ("gate_proj, up_proj 576→1536", 576, 1536),
+    ("down_proj 1536→576", 1536, 576),
+];
+const LORA_M: usize = 512;
+const LORA_RANK: usize = 16;
+
+/// Seconds of one adapted projection's adapter products as `runner::lora` runs them (forward
+/// `V = x·Aᵀ`, `y += V·Bᵀ`; backward `G = dy·B` with `dB += dyᵀ·V`, `dx += G·A` with
+/// `dA += Gᵀ·x`), and of the frozen base's (forward and the input gradient).
+fn lora<X: Float>(k: usize, n: usize) -> (f64, f64) {
+    let (m, r) = (LORA_M, LORA_RANK);
+    let (x, w, a, b) = (
+        fill::<X>(m * k, 1.0),
+        fill::<X>(n * k, 0.05),
+        fill::<X>(r * k, 0.05),
+        fill::<X>(n * r, 0.05),
+    );
+    let dy = fill::<X>(m * n, 1e-2);
+    let mut scratch = vec![0f32; scratch_len(m, k, n)];
+    let (mut y, mut v, mut g) = (
+        vec![X::ZERO; m * n],
+        vec![X::ZERO; m * r],
+        vec![X::ZERO; m * r],
+    );
+    let (mut dx, mut da, mut db) = (
+        vec![X::ZERO; m * k],
+        vec![X::ZERO; r * k],
+        vec![X::ZERO; n * r],
+    );
+    let nk = Layout::NK;
+    let adapters = median(|| {
+        matmul_forward(&mut v, &x, &a, None, nk, (m, k, r), &mut scratch);
+        let acc = DinpMode::Accumulate;
+        matmul_backward_input(&mut y, &v, &b, Layout::KN, (m, n, r), acc, &mut scratch);
+        let over = DinpMode::Overwrite;
+        matmul_backward(
+            &mut g,
+            &mut db,
+            None,
+            &dy,
+            &v,
+            &b,
+            nk,
+            (m, r, n),
+            over,
+            &mut scratch,
+        );
+        matmul_backward(
+            &mut dx,
+            &mut da,
+            None,
+            &g,
+            &x,
+            &a,
+            nk,
+            (m, k, r),
+            acc,
+            &mut scratch,
+        );
+    });
+    let base = median(|| {
+        matmul_forward(&mut y, &x, &w, None, nk, (m, k, n), &mut scratch);
+        let over = DinpMode::Overwrite;
+        matmul_backward_input(&mut dx, &dy, &w, nk, (m, k, n), over, &mut scratch);
+    });
+    (adapters, base)
+}
+
+/// The LoRA table: per projection and dtype, the adapters' milliseconds and GFLOP/s beside the
+/// base's, and the step's sums (30 layers; the two projections a row names both counted).
+fn lora_table() {
+    println!("LoRA rank {LORA_RANK}, M = {LORA_M} (SmolLM2-135M, B 4, T 128); median of {RUNS}\n");
+    println!(
+        "| projection | dtype | adapters ms | adapters GFLOP/s | base ms | base GFLOP/s | adapters ÷ base |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut step = [(0.0, 0.0); 2];
+    for (name, k, n) in LORA_SHAPES {
+        let times = [lora::<f32>(k, n), lora::<bf16>(k, n)];
+        let per_layer = if name.contains(',') { 2.0 } else { 1.0 };
+        for ((dtype, (ad, base)), sum) in ["f32", "bf16"].into_iter().zip(times).zip(&mut step) {
+            let ad_flops = 8.0 * (LORA_M * LORA_RANK * (k + n)) as f64;
+            let base_flops = 4.0 * (LORA_M * k * n) as f64;
+            println!(
+                "| {name} | {dtype} | {:.3} | {:.0} | {:.3} | {:.0} | {:.2} |",
+                ad * 1e3,
+                ad_flops / ad / 1e9,
+                base * 1e3,
+                base_flops / base / 1e9,
+                ad / base
+            );
+            sum.0 += 30.0 * per_layer * ad;
+            sum.1 += 30.0 * per_layer * base;
+        }
+    }
+    for (dtype, (ad, base)) in ["f32", "bf16"].into_iter().zip(step) {
+        println!("\n{dtype} per step (30 layers): adapters {ad:.3} s, base {base:.3} s");
+    }
+}
+
 fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pool = cpu::thread_pool(threads).expect("thread pool");
+    let only_lora = std::env::args().any(|a| a == "lora");
     pool.install(|| {
+        if only_lora {
+            return lora_table();
+        }
         let peak = measure_peak_gflops();
         println!(
             "threads: {threads}; peak (2048³ sgemm): {peak:.0} GFLOP/s; M = {M}; median of {RUNS}\n"
@@ -101,6 +212,7 @@ fn main() {
                 .collect();
             println!("| {name} | {} |", cells.join(" | "));
         }
-        println!("\nGFLOP/s; backward counts dinp + dweight (2 × 2MKN).");
+        println!("\nGFLOP/s; backward counts dinp + dweight (2 × 2MKN).\n");
+        lora_table();
     });
 }

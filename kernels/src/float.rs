@@ -31,6 +31,11 @@ pub trait Float: Copy + Send + Sync + Default + PartialEq + Debug + 'static {
     fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
         None
     }
+    /// Mutable counterpart of [`Float::as_bf16`].
+    #[inline(always)]
+    fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
+        None
+    }
     /// `dst[i] = src[i] as f32`; lengths must match.
     fn cast_to_f32(src: &[Self], dst: &mut [f32]);
     /// `dst[i] = round(src[i])`; lengths must match.
@@ -109,6 +114,10 @@ impl Float for bf16 {
     fn as_bf16(s: &[Self]) -> Option<&[bf16]> {
         Some(s)
     }
+    #[inline(always)]
+    fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]> {
+        Some(s)
+    }
     fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if avx512() {
@@ -179,29 +188,18 @@ fn avx512() -> bool {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw")]
     pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
         let n = src.len() / 16 * 16;
-        let exp_mask = _mm512_set1_epi32(0x7fff_ffff);
-        let inf = _mm512_set1_epi32(0x7f80_0000);
-        let bias = _mm512_set1_epi32(0x7fff);
-        let one = _mm512_set1_epi32(1);
-        let quiet = _mm512_set1_epi32(0x40);
         for i in (0..n).step_by(16) {
             // SAFETY: i + 16 <= len for both slices; unaligned loads and stores.
             unsafe {
-                let x = _mm512_loadu_si512(src.as_ptr().add(i).cast());
-                let is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, exp_mask), inf);
-                let lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
-                let rounded =
-                    _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)), 16);
-                let nan = _mm512_or_si512(_mm512_srli_epi32(x, 16), quiet);
-                let r = _mm512_mask_blend_epi32(is_nan, rounded, nan);
-                _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi16(r));
+                let x = _mm512_loadu_ps(src.as_ptr().add(i));
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), round_to_bf16(x));
             }
         }
         for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
@@ -209,19 +207,44 @@ mod x86 {
         }
     }
 
+    /// 16 f32 rounded to bf16 as `bf16::from_f32` rounds them.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-        let n = src.len() / 16 * 16;
+    pub(crate) fn round_to_bf16(x: __m512) -> __m256i {
+        let x = _mm512_castps_si512(x);
+        let exp_mask = _mm512_set1_epi32(0x7fff_ffff);
+        let inf = _mm512_set1_epi32(0x7f80_0000);
+        let bias = _mm512_set1_epi32(0x7fff);
+        let one = _mm512_set1_epi32(1);
+        let quiet = _mm512_set1_epi32(0x40);
+        let is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, exp_mask), inf);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
+        let rounded = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)), 16);
+        let nan = _mm512_or_si512(_mm512_srli_epi32(x, 16), quiet);
+        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan))
+    }
+
+    /// 16 bf16 widened as `bf16::to_f32` widens them.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(crate) fn widen_bf16(h: __m256i) -> __m512 {
         let abs = _mm512_set1_epi32(0x7fff);
         let inf = _mm512_set1_epi32(0x7f80);
         let quiet = _mm512_set1_epi32(0x40);
+        let h = _mm512_cvtepu16_epi32(h);
+        let is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(h, abs), inf);
+        let h = _mm512_mask_or_epi32(h, is_nan, h, quiet);
+        _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+        let n = src.len() / 16 * 16;
         for i in (0..n).step_by(16) {
             // SAFETY: i + 16 <= len for both slices; unaligned loads and stores.
             unsafe {
-                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.as_ptr().add(i).cast()));
-                let is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(h, abs), inf);
-                let h = _mm512_mask_or_epi32(h, is_nan, h, quiet);
-                _mm512_storeu_si512(dst.as_mut_ptr().add(i).cast(), _mm512_slli_epi32(h, 16));
+                let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), widen_bf16(h));
             }
         }
         for (s, d) in src[n..].iter().zip(&mut dst[n..]) {

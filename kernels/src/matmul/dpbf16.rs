@@ -26,6 +26,7 @@ use std::arch::x86_64::*;
 
 use super::{Init, Operand, amx};
 use crate::Float;
+use crate::float::x86::{round_to_bf16, widen_bf16};
 use crate::par::{SharedMut, for_ranges};
 
 /// Rows of a micro-tile (one broadcast each per pair).
@@ -36,11 +37,20 @@ const NR: usize = 3;
 pub(super) const NC: usize = 16 * NR;
 /// Tasks to aim for when B has few panels (rows are then split too).
 const MIN_TASKS: usize = 16;
+/// A micro-tile's f32 results, on either engine.
+const TILE: usize = amx::ROWS * NC;
+type Tile = [f32; TILE];
+/// Most bytes of B packed whole before the tiles (a shallow product's, LoRA's `V·Bᵀ`): each
+/// thread then takes whole rows of the output, every panel of them.
+const WHOLE_B_BYTES: usize = 256 << 10;
+/// Fewest rows of a task that splits rows: each task packs its panel of B again.
+const MIN_CHUNK_ROWS: usize = 64;
 
 /// Whether this CPU has the instructions the kernel uses.
 pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512bf16")
 }
 
@@ -71,6 +81,16 @@ impl Engine {
         }
     }
 
+    /// zmm registers of a micro-tile row for an output `n` wide: the vector engine narrows its
+    /// panels to the output (LoRA's rank-16 products would leave two thirds of a 48-wide
+    /// panel zero); AMX tiles are always [`NC`] wide.
+    fn vectors(self, n: usize) -> usize {
+        match self {
+            Self::Vector => n.div_ceil(16).clamp(1, NR),
+            Self::Tiles => NR,
+        }
+    }
+
     /// Pairs of depth the packs hold for depth `k`: tiles take whole steps of
     /// [`amx::PAIRS`], padded with zeros.
     fn pairs(self, k: usize) -> usize {
@@ -91,7 +111,9 @@ pub(super) fn packs_len(k: usize) -> usize {
 /// `c (m, n) = init + op(a) (m, k) · op(b) (k, n)`, `c` row-major; see the module notes.
 /// The packs live in `scratch`: as many B panel slots as the pool has threads and fit beside
 /// one row block of A, then as many row blocks of A as fit in the rest, a pass of rows at a
-/// time. Only a scratch too short for one slot and one row block ([`packs_len`]; the
+/// time. A B small enough ([`WHOLE_B_BYTES`], or one panel: LoRA's rank-wide and rank-deep
+/// products) is packed whole first, and each row block of A just before its tiles, in a slot
+/// of its thread, where it stays in cache; each thread takes a range of whole output rows. Only a scratch too short for one slot and one row block ([`packs_len`]; the
 /// trainer's is sized for its deepest product) sends the packs to the heap. Callers check
 /// [`available`] and pass a depth `k > 0`.
 pub(super) fn product<C: Float, I: Float>(
@@ -115,9 +137,9 @@ fn product_on<C: Float, I: Float>(
     init: Init<'_, I>,
     scratch: &mut [f32],
 ) {
-    let (mr, kp) = (engine.rows(), engine.pairs(k));
-    let blocks = m.div_ceil(mr);
-    let (a_block, b_len) = (kp * mr, kp * NC);
+    let (mr, kp, nr) = (engine.rows(), engine.pairs(k), engine.vectors(n));
+    let (blocks, nc) = (m.div_ceil(mr), 16 * nr);
+    let (a_block, b_len) = (kp * mr, kp * nc);
     let mut heap = Vec::new();
     let packs: &mut [u32] = if scratch.len() >= a_block + b_len {
         // SAFETY: f32 and u32 have the same size and alignment; any bits are valid u32.
@@ -126,13 +148,82 @@ fn product_on<C: Float, I: Float>(
         heap.resize(a_block + b_len, 0u32);
         &mut heap
     };
+    let out = SharedMut::new(c);
+    // Row block `rb` of A (packed at `pa`) times the B panel at `pb`, columns j0..j0 + w, into
+    // c through the slot's tile buffer `t`.
+    let tile = |rb: usize, pa: &[u32], pb: &[u32], (j0, w): (usize, usize), t: &mut Tile| {
+        // SAFETY: the packs hold kp pairs of the engine's rows and nc columns; features
+        // checked by the caller; tiles configured on this thread by the caller.
+        unsafe {
+            let (pa, pb) = (pa.as_ptr(), pb.as_ptr());
+            match (engine, nr) {
+                (Engine::Vector, 1) => micro::<1>(kp, pa, pb, t),
+                (Engine::Vector, 2) => micro::<2>(kp, pa, pb, t),
+                (Engine::Vector, _) => micro::<NR>(kp, pa, pb, t),
+                (Engine::Tiles, _) => amx::micro(kp, pa, pb, t.as_mut_ptr()),
+            }
+        }
+        let i0 = rb * mr;
+        for (r, t) in t.chunks_exact(nc).take(mr.min(m - i0)).enumerate() {
+            let at = (i0 + r) * n + j0;
+            // SAFETY: tasks own disjoint (row range, panel) blocks of c.
+            store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
+        }
+    };
+    let pack_a_block = |rb: usize, out: &mut [u32]| match engine {
+        // SAFETY: `available` was checked by the caller.
+        Engine::Vector => unsafe { pack_a(&a, rb * mr, m, k, out) },
+        Engine::Tiles => pack_a_rows(&a, rb * mr, m, k, out),
+    };
+    // The tiles stay configured for a slot's whole run: nothing in a slot calls into rayon,
+    // where its thread could steal another slot and reconfigure them.
+    // SAFETY: `Engine::Tiles` is chosen only where `amx::available`.
+    let configure = || (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
+    let panels = n.div_ceil(nc);
+    let whole = panels * b_len;
+    if (panels == 1 || whole * 4 <= WHOLE_B_BYTES) && packs.len() >= whole + a_block {
+        let (pbs, pas) = packs.split_at_mut(whole);
+        let slots = rayon::current_num_threads().min(pas.len() / a_block).max(1);
+        {
+            let dst = SharedMut::new(pbs);
+            for_ranges(panels, 1, |r| {
+                for panel in r {
+                    let (j0, w) = (panel * nc, nc.min(n - panel * nc));
+                    // SAFETY: each panel owns its part of the pack; `available` was checked
+                    // by the caller.
+                    unsafe {
+                        pack_b(
+                            &b,
+                            j0,
+                            w,
+                            k,
+                            dst.slice(panel * b_len..(panel + 1) * b_len),
+                            nc,
+                        )
+                    };
+                }
+            });
+        }
+        let (pbs, pas) = (&*pbs, SharedMut::new(pas));
+        (0..slots).into_par_iter().for_each(|slot| {
+            // SAFETY: slots are disjoint.
+            let pa = unsafe { pas.slice(slot * a_block..(slot + 1) * a_block) };
+            let (_tiles, t) = (configure(), &mut [0f32; TILE]);
+            for rb in blocks * slot / slots..blocks * (slot + 1) / slots {
+                pack_a_block(rb, pa);
+                for (panel, pb) in pbs.chunks_exact(b_len).enumerate() {
+                    let (j0, w) = (panel * nc, nc.min(n - panel * nc));
+                    tile(rb, pa, pb, (j0, w), t);
+                }
+            }
+        });
+        return;
+    }
     let slots = rayon::current_num_threads()
         .min((packs.len() - a_block) / b_len)
         .max(1);
     let pass = ((packs.len() - slots * b_len) / a_block).min(blocks);
     let (pbs, pa) = packs.split_at_mut(slots * b_len);
-    let panels = n.div_ceil(NC);
-    let out = SharedMut::new(c);
     for first in (0..blocks).step_by(pass) {
         let rows = pass.min(blocks - first);
         {
@@ -140,17 +231,16 @@ fn product_on<C: Float, I: Float>(
             for_ranges(rows, 1, |r| {
                 for rb in r {
                     // SAFETY: each row block owns its part of the pack.
-                    let out = unsafe { dst.slice(rb * a_block..(rb + 1) * a_block) };
-                    let i0 = (first + rb) * mr;
-                    match engine {
-                        // SAFETY: `available` was checked by the caller.
-                        Engine::Vector => unsafe { pack_a(&a, i0, m, k, out) },
-                        Engine::Tiles => pack_a_rows(&a, i0, m, k, out),
-                    }
+                    pack_a_block(first + rb, unsafe {
+                        dst.slice(rb * a_block..(rb + 1) * a_block)
+                    });
                 }
             });
         }
-        let per_chunk = rows.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, rows));
+        // Rows are split among tasks only while each keeps MIN_CHUNK_ROWS: every task packs
+        // its panel of B.
+        let most = (rows * mr / MIN_CHUNK_ROWS).max(1);
+        let per_chunk = rows.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, most));
         let chunks = rows.div_ceil(per_chunk);
         let tasks = panels * chunks;
         let (pa, pbs) = (&*pa, SharedMut::new(pbs));
@@ -158,32 +248,14 @@ fn product_on<C: Float, I: Float>(
         (0..slots).into_par_iter().for_each(|slot| {
             // SAFETY: slots are disjoint.
             let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
-            // The tiles stay configured for the slot's whole run: nothing below calls into
-            // rayon, where this thread could steal another slot and reconfigure them.
-            // SAFETY: `Engine::Tiles` is chosen only where `amx::available`.
-            let _tiles = (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
-            let mut tile = [0f32; amx::ROWS * NC];
+            let (_tiles, t) = (configure(), &mut [0f32; TILE]);
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
-                let (j0, w) = (panel * NC, NC.min(n - panel * NC));
+                let (j0, w) = (panel * nc, nc.min(n - panel * nc));
                 // SAFETY: `available` was checked by the caller.
-                unsafe { pack_b(&b, j0, w, k, pb) };
+                unsafe { pack_b(&b, j0, w, k, pb, nc) };
                 for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
-                    let pa = pa[rb * a_block..].as_ptr();
-                    // SAFETY: the packs hold kp pairs of the engine's rows and NC columns;
-                    // features checked; tiles configured on this thread above.
-                    unsafe {
-                        match engine {
-                            Engine::Vector => micro(kp, pa, pb.as_ptr(), &mut tile),
-                            Engine::Tiles => amx::micro(kp, pa, pb.as_ptr(), tile.as_mut_ptr()),
-                        }
-                    }
-                    let i0 = (first + rb) * mr;
-                    for (r, t) in tile.chunks_exact(NC).take(mr.min(m - i0)).enumerate() {
-                        let at = (i0 + r) * n + j0;
-                        // SAFETY: tasks own disjoint (row range, panel) blocks of c.
-                        store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
-                    }
+                    tile(first + rb, &pa[rb * a_block..], pb, (j0, w), t);
                 }
             }
         });
@@ -193,6 +265,10 @@ fn product_on<C: Float, I: Float>(
 /// `row = round(init + t)` for the columns `j0..` of one output row.
 #[inline]
 fn store<C: Float, I: Float>(row: &mut [C], t: &[f32], init: &Init<'_, I>, j0: usize) {
+    if let (Some(row), Init::Zero | Init::Read) = (C::as_bf16_mut(row), init) {
+        // SAFETY: the caller checked `available`.
+        return unsafe { store_bf16(row, t, matches!(init, Init::Read)) };
+    }
     let mut buf = [0f32; NC];
     let v = &mut buf[..t.len()];
     match init {
@@ -209,6 +285,24 @@ fn store<C: Float, I: Float>(row: &mut [C], t: &[f32], init: &Init<'_, I>, j0: u
     C::cast_from_f32(v, row);
 }
 
+/// [`store`] of a bf16 row without a bias, in registers: `row = round(t)`, or with `add`
+/// `round(row + t)`, rounded as the slice casts round.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn store_bf16(row: &mut [bf16], t: &[f32], add: bool) {
+    for c0 in (0..t.len()).step_by(16) {
+        let mask = low_bits(t.len() - c0);
+        let (t, dst) = (t[c0..].as_ptr(), row[c0..].as_mut_ptr().cast());
+        // SAFETY: the masked loads and store stay within the row's and t's common length.
+        unsafe {
+            let mut v = _mm512_maskz_loadu_ps(mask, t);
+            if add {
+                v = _mm512_add_ps(widen_bf16(_mm256_maskz_loadu_epi16(mask, dst)), v);
+            }
+            _mm256_mask_storeu_epi16(dst, mask, round_to_bf16(v));
+        }
+    }
+}
+
 /// Elements `2p` and `2p + 1` of a pair as one dword. The instruction adds the product of
 /// the high halves first, so element `2p` goes there: the accumulation runs in k order.
 #[inline(always)]
@@ -217,11 +311,32 @@ fn pair(first: bf16, second: bf16) -> u32 {
 }
 
 /// Rows `i0..i0 + MR` of `op(a)` as `[pair][row]`; rows past `m` and the odd tail of k are 0.
+/// Whole row blocks go through vector registers: a transposed A (a gradient's transpose) as
+/// two interleaved runs of rows per pair, a plain one 16 pairs at a time through a register
+/// transpose; the rest one pair at a time.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut [u32]) {
-    let (h, zero) = (MR.min(m - i0), bf16::ZERO);
-    if a.trans {
-        // Element (i, kk) is data[kk·ld + i]: each pair is two runs of h rows.
+    let (h, zero, full) = (MR.min(m - i0), bf16::ZERO, k / 2);
+    if a.trans && h == MR {
+        // Element (i, kk) is data[kk·ld + i]: each pair is two runs of MR rows, interleaved.
+        let (run, ld) = (&a.data[i0..(k - 1) * a.ld + i0 + MR], a.ld);
+        let at = |kk: usize| run[kk * ld..][..MR].as_ptr().cast::<__m128i>();
+        for (p, o) in out.chunks_exact_mut(MR).enumerate() {
+            // SAFETY: each run holds MR = 8 values, o as many dwords; unaligned.
+            unsafe {
+                let x = _mm_loadu_si128(at(2 * p));
+                let y = match 2 * p + 1 < k {
+                    true => _mm_loadu_si128(at(2 * p + 1)),
+                    false => _mm_setzero_si128(),
+                };
+                // Dword j of an unpack is y[j] | x[j] << 16: `pair(x[j], y[j])`.
+                let o = o.as_mut_ptr().cast::<__m128i>();
+                _mm_storeu_si128(o, _mm_unpacklo_epi16(y, x));
+                _mm_storeu_si128(o.add(1), _mm_unpackhi_epi16(y, x));
+            }
+        }
+    } else if a.trans {
+        // The last row block, shorter than MR: one pair at a time.
         for (p, o) in out.chunks_exact_mut(MR).enumerate() {
             let run = |kk: usize| (kk < k).then(|| &a.data[kk * a.ld + i0..][..h]);
             match (run(2 * p), run(2 * p + 1)) {
@@ -240,19 +355,38 @@ unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut
             o[h..].fill(0);
         }
     } else {
-        // Row i is data[i·ld..][..k]: its pairs are adjacent.
+        // Row i is data[i·ld..][..k]: its pairs are adjacent dwords (first element in the low
+        // half, so rotated by 16); 16 of them from each row are transposed in registers.
+        let p16 = full / 16 * 16;
+        for p0 in (0..p16).step_by(16) {
+            // SAFETY: rows below h hold pairs p0..p0 + 16; out holds MR dwords a pair.
+            unsafe {
+                let rows: [__m512i; 16] = std::array::from_fn(|r| match r < h {
+                    true => {
+                        let src = a.data[(i0 + r) * a.ld + 2 * p0..].as_ptr();
+                        _mm512_rol_epi32::<16>(_mm512_loadu_si512(src.cast()))
+                    }
+                    false => _mm512_setzero_si512(),
+                });
+                for (p, v) in transpose16(rows).into_iter().enumerate() {
+                    let dst = out[(p0 + p) * MR..].as_mut_ptr().cast();
+                    _mm256_storeu_si256(dst, _mm512_castsi512_si256(v));
+                }
+            }
+        }
         for r in 0..MR {
-            let slots = out.iter_mut().skip(r).step_by(MR);
+            let slots = out.iter_mut().skip(p16 * MR + r).step_by(MR);
             if r >= h {
                 slots.for_each(|o| *o = 0);
                 continue;
             }
-            let (pairs, tail) = a.data[(i0 + r) * a.ld..][..k].as_chunks::<2>();
+            let row = &a.data[(i0 + r) * a.ld..][2 * p16..k];
+            let (pairs, tail) = row.as_chunks::<2>();
             for (o, &[x, y]) in slots.zip(pairs) {
                 *o = pair(x, y);
             }
             if let [last] = tail {
-                out[(k / 2) * MR + r] = pair(*last, zero);
+                out[full * MR + r] = pair(*last, zero);
             }
         }
     }
@@ -295,40 +429,42 @@ fn pack_a_rows(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut [
     }
 }
 
-/// Columns `j0..j0 + w` of `op(b)` as `[pair][column]`, `NC` columns per pair, as many pairs
-/// as `out` holds (zeros past `w` and past the depth).
+/// Columns `j0..j0 + w` of `op(b)` as `[pair][column]`, `nc` columns per pair (a multiple of
+/// 16), as many pairs as `out` holds (zeros past `w` and past the depth).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut [u32]) {
+unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut [u32], nc: usize) {
     let zero = bf16::ZERO;
     if b.trans {
         // Column j of op(b) is row j of the data: its pairs are adjacent dwords (first element
-        // in the low half, so rotated by 16). Blocks of 16 columns × 16 pairs are transposed
-        // in registers; the rest goes one dword at a time.
-        let full = k / 2;
-        let (c16, p16) = (w / 16 * 16, full / 16 * 16);
+        // in the low half, so rotated by 16). Blocks of 16 columns × up to 16 pairs are
+        // transposed in registers; the rest goes one dword at a time.
+        let (full, c16) = (k / 2, w / 16 * 16);
         let col = |c: usize| &b.data[(j0 + c) * b.ld..][..k];
         for c0 in (0..c16).step_by(16) {
-            for p0 in (0..p16).step_by(16) {
-                // SAFETY: columns c0..c0 + 16 hold pairs p0..p0 + 16; out holds NC per pair.
+            for p0 in (0..full).step_by(16) {
+                let np = (full - p0).min(16);
+                // SAFETY: columns c0..c0 + 16 hold pairs p0..p0 + np (the load is masked to
+                // them); out holds nc per pair.
                 unsafe {
                     let rows: [__m512i; 16] = std::array::from_fn(|j| {
                         let src = col(c0 + j)[2 * p0..].as_ptr();
-                        _mm512_rol_epi32::<16>(_mm512_loadu_si512(src.cast()))
+                        let v = _mm512_maskz_loadu_epi32(low_bits(np), src.cast());
+                        _mm512_rol_epi32::<16>(v)
                     });
-                    for (p, v) in transpose16(rows).into_iter().enumerate() {
-                        _mm512_storeu_si512(out[(p0 + p) * NC + c0..].as_mut_ptr().cast(), v);
+                    for (p, v) in transpose16(rows).into_iter().take(np).enumerate() {
+                        _mm512_storeu_si512(out[(p0 + p) * nc + c0..].as_mut_ptr().cast(), v);
                     }
                 }
             }
         }
-        for c in 0..NC {
+        for c in 0..nc {
             let (from, src) = if c < c16 {
-                (p16, Some(col(c)))
+                (full, Some(col(c)))
             } else {
                 (0, (c < w).then(|| col(c)))
             };
-            for p in from..out.len() / NC {
-                out[p * NC + c] = match src {
+            for p in from..out.len() / nc {
+                out[p * nc + c] = match src {
                     Some(s) if 2 * p + 1 < k => pair(s[2 * p], s[2 * p + 1]),
                     Some(s) if 2 * p < k => pair(s[2 * p], zero),
                     _ => 0,
@@ -336,45 +472,53 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
             }
         }
     } else {
-        for (p, o) in out.chunks_exact_mut(NC).enumerate() {
+        // Rows 2p and 2p + 1 of the data, 16 columns at a time, zero-extended and merged.
+        for (p, o) in out.chunks_exact_mut(nc).enumerate() {
             let row = |kk: usize| (kk < k).then(|| &b.data[kk * b.ld + j0..][..w]);
-            match (row(2 * p), row(2 * p + 1)) {
-                (Some(lo), Some(hi)) => {
-                    for ((o, &l), &h) in o.iter_mut().zip(lo).zip(hi) {
-                        *o = pair(l, h);
-                    }
-                }
-                (Some(lo), None) => {
-                    for (o, &l) in o.iter_mut().zip(lo) {
-                        *o = pair(l, zero);
-                    }
-                }
+            let (Some(first), second) = (row(2 * p), row(2 * p + 1)) else {
                 // Depth padding (AMX packs whole tile steps).
-                (None, _) => o.fill(0),
+                o.fill(0);
+                continue;
+            };
+            for (c0, o) in (0..w).step_by(16).zip(o.chunks_exact_mut(16)) {
+                let mask = low_bits(w - c0) as __mmask16;
+                // SAFETY: the loads are masked to the row's w columns; o holds 16 dwords.
+                unsafe {
+                    let load = |r: &[bf16]| {
+                        let v = _mm256_maskz_loadu_epi16(mask, r[c0..].as_ptr().cast());
+                        _mm512_cvtepu16_epi32(v)
+                    };
+                    let hi = _mm512_slli_epi32::<16>(load(first));
+                    let v = second.map_or(hi, |s| _mm512_or_si512(hi, load(s)));
+                    _mm512_storeu_si512(o.as_mut_ptr().cast(), v);
+                }
             }
-            o[w..].fill(0);
+            o[w.div_ceil(16) * 16..].fill(0);
         }
     }
 }
 
-/// One `MR × NC` tile over `kp` pairs: `tile = Σ_p a[p] · b[p]`.
+/// A mask of the lowest `n` of 16 lanes.
+#[inline(always)]
+fn low_bits(n: usize) -> u16 {
+    ((1u32 << n.min(16)) - 1) as u16
+}
+
+/// One `MR × 16·R` tile over `kp` pairs: `tile = Σ_p a[p] · b[p]`, rows `16·R` apart.
 ///
 /// # Safety
-/// `a` holds `kp · MR` and `b` `kp · NC` dwords, `tile` at least `MR · NC`; the CPU has
+/// `a` holds `kp · MR` and `b` `kp · 16·R` dwords, `tile` at least `MR · 16·R`; the CPU has
 /// AVX512-BF16.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: &mut [f32]) {
-    debug_assert!(tile.len() >= MR * NC);
+unsafe fn micro<const R: usize>(kp: usize, a: *const u32, b: *const u32, tile: &mut [f32]) {
+    debug_assert!(tile.len() >= MR * 16 * R);
     // SAFETY: in bounds by the contract; unaligned loads and stores.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        let mut acc = [[_mm512_setzero_ps(); R]; MR];
         for p in 0..kp {
-            let bp = b.add(p * NC);
-            let bv: [__m512bh; NR] = [
-                bh(_mm512_loadu_si512(bp.cast())),
-                bh(_mm512_loadu_si512(bp.add(16).cast())),
-                bh(_mm512_loadu_si512(bp.add(32).cast())),
-            ];
+            let bp = b.add(p * 16 * R);
+            let bv: [__m512bh; R] =
+                std::array::from_fn(|j| bh(_mm512_loadu_si512(bp.add(16 * j).cast())));
             let ap = a.add(p * MR);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let av = bh(_mm512_set1_epi32(*ap.add(r) as i32));
@@ -385,7 +529,7 @@ unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: &mut [f32]) {
         }
         for (r, acc) in acc.iter().enumerate() {
             for (j, &v) in acc.iter().enumerate() {
-                _mm512_storeu_ps(tile.as_mut_ptr().add(r * NC + 16 * j), v);
+                _mm512_storeu_ps(tile.as_mut_ptr().add((r * R + j) * 16), v);
             }
         }
     }
@@ -453,7 +597,12 @@ mod tests {
     /// that holds everything: passes of rows and fewer slots only reorder the same work.
     #[test]
     fn row_passes_and_fewer_slots_give_the_same_bits() {
-        let (m, k, n) = (37, 70, 100);
+        for (m, k, n) in [(37, 70, 100), (37, 71, 16), (40, 16, 100)] {
+            same_bits_in_any_scratch((m, k, n));
+        }
+    }
+
+    fn same_bits_in_any_scratch((m, k, n): (usize, usize, usize)) {
         let a: Vec<bf16> = (0..m * k).map(value).collect();
         let b: Vec<bf16> = (0..k * n).map(|i| value(i + 5)).collect();
         let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
@@ -479,7 +628,7 @@ mod tests {
                 c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
             let kp = engine.pairs(k);
-            let (a_block, b_len) = (kp * engine.rows(), kp * NC);
+            let (a_block, b_len) = (kp * engine.rows(), kp * 16 * engine.vectors(n));
             for b_trans in [false, true] {
                 let whole = run(1 << 16, b_trans);
                 assert_eq!(
@@ -493,13 +642,23 @@ mod tests {
         }
     }
 
+    /// Shapes off every block edge (rows not a multiple of 16, columns of 48, depth odd and not
+    /// a multiple of 32), and LoRA's thin ones: outputs one or two vectors wide (narrowed
+    /// panels, packed whole) and a depth shorter than 16 pairs (masked register transposes).
+    const SHAPES: [(usize, usize, usize); 4] =
+        [(37, 71, 100), (37, 71, 16), (40, 16, 100), (40, 70, 20)];
+
     /// Every engine gives the exact (f64) product within the rounding of an f32 sum over the
     /// depth, for each operand stored either way, with its packs in the scratch or (a scratch
-    /// too short) on the heap, and a shape off every block edge (rows not a multiple of 16,
-    /// columns of 48, depth odd and not a multiple of 32).
+    /// too short) on the heap, for every shape of [`SHAPES`].
     #[test]
     fn every_engine_matches_the_f64_product() {
-        let (m, k, n) = (37, 71, 100);
+        for (m, k, n) in SHAPES {
+            matches_the_f64_product((m, k, n));
+        }
+    }
+
+    fn matches_the_f64_product((m, k, n): (usize, usize, usize)) {
         let a: Vec<bf16> = (0..m * k).map(value).collect();
         let b: Vec<bf16> = (0..k * n).map(|i| value(3 * i + 5)).collect();
         let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
@@ -535,6 +694,53 @@ mod tests {
                         (got - sum).abs() <= bound,
                         "{engine:?} a_trans {a_trans} b_trans {b_trans} short {short} ({i}, {j}): \
                          {got} vs {sum} (bound {bound})"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A bf16 output is the f32 result rounded once: added to the prior value (`Init::Read`)
+    /// or alone (`Init::Zero`), as the slice casts round.
+    #[test]
+    fn bf16_outputs_round_the_f32_result_once() {
+        for engine in engines() {
+            for (m, k, n) in SHAPES {
+                let a: Vec<bf16> = (0..m * k).map(value).collect();
+                let b: Vec<bf16> = (0..k * n).map(|i| value(5 * i + 1)).collect();
+                let prior: Vec<bf16> = (0..m * n).map(|i| value(i + 3)).collect();
+                let (oa, ob) = (
+                    Operand::new(&a[..], k, false),
+                    Operand::new(&b[..], n, false),
+                );
+                let scratch = &mut vec![0f32; 1 << 16];
+                let mut exact = vec![0f32; m * n];
+                let zero = || Init::<f32>::Zero;
+                product_on(engine, &mut exact, oa, ob, (m, k, n), zero(), scratch);
+                let mut sum = prior.clone();
+                product_on(
+                    engine,
+                    &mut sum,
+                    oa,
+                    ob,
+                    (m, k, n),
+                    Init::<f32>::Read,
+                    scratch,
+                );
+                let mut alone = vec![bf16::ZERO; m * n];
+                product_on(engine, &mut alone, oa, ob, (m, k, n), zero(), scratch);
+                for i in 0..m * n {
+                    let want = bf16::from_f32(prior[i].to_f32() + exact[i]);
+                    assert_eq!(
+                        sum[i].to_bits(),
+                        want.to_bits(),
+                        "{engine:?} {m}×{k}×{n} [{i}]"
+                    );
+                    let want = bf16::from_f32(exact[i]);
+                    assert_eq!(
+                        alone[i].to_bits(),
+                        want.to_bits(),
+                        "{engine:?} {m}×{k}×{n} [{i}]"
                     );
                 }
             }
