@@ -20,5 +20,6 @@ mod e2e;
 mod estimate_cli;
 mod prometheus;
 mod security;
+mod slurm;
 mod train_cli;
 mod train_rss;

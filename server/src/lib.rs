@@ -14,6 +14,7 @@ pub mod routes;
 pub mod scheduling;
 pub mod session;
 pub mod settings;
+pub mod slurm;
 pub mod state;
 pub mod store;
 pub mod throttle;

@@ -1,0 +1,334 @@
+//! A real Slurm on localhost (issue 40): munged, slurmctld and two slurmd (`-N n1`, `-N n2`),
+//! Debian's slurm-wlm and munge (scripts/test installs them), with their own key, ports, state
+//! and logs in a temporary folder, and CPU nodes only (fake GPU GRES would need character
+//! devices). Each test starts its own cluster and [`Cluster`]'s drop cancels every job and stops
+//! every daemon it started, then checks that none is left.
+//!
+//! The daemons run as root (`SlurmUser=root`), as CI runs the tests. Without slurm-wlm, munge
+//! or root the tests fail saying so, unless `ZEROTRAIN_SKIP_SLURM=1`: then they say what they
+//! did not check and pass.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use server::slurm::{self, SlurmNode};
+
+/// Set to 1 to pass, saying so, where Slurm cannot run.
+const SKIP: &str = "ZEROTRAIN_SKIP_SLURM";
+
+/// The nodes every test cluster has: CPUs and MiB of memory Slurm schedules on each.
+const NODES: [(&str, usize, u64); 2] = [("n1", 2, 3000), ("n2", 2, 3000)];
+const PARTITION: &str = "debug";
+
+/// A running cluster; dropping it stops it.
+struct Cluster {
+    dir: tempfile::TempDir,
+    daemons: Vec<(String, Child)>,
+}
+
+/// Why Slurm cannot run here, if it cannot.
+fn missing() -> Option<String> {
+    let tools = [
+        "munged",
+        "munge",
+        "slurmctld",
+        "slurmd",
+        "scontrol",
+        "sbatch",
+        "squeue",
+    ];
+    let absent: Vec<&str> = tools
+        .into_iter()
+        .filter(|t| {
+            Command::new("sh")
+                .args(["-c", &format!("command -v {t}")])
+                .stdout(Stdio::null())
+                .status()
+                .map_or(true, |s| !s.success())
+        })
+        .collect();
+    if !absent.is_empty() {
+        return Some(format!(
+            "{} not on PATH (Debian: slurm-wlm, munge)",
+            absent.join(", ")
+        ));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("the daemons need root (SlurmUser=root)".into());
+    }
+    None
+}
+
+/// The cluster, or `None` (after saying why) where Slurm cannot run and `ZEROTRAIN_SKIP_SLURM=1`.
+fn cluster(test: &str) -> Option<Cluster> {
+    if let Some(why) = missing() {
+        if std::env::var(SKIP).as_deref() == Ok("1") {
+            eprintln!("{test}: not checked, {SKIP}=1 and {why}");
+            return None;
+        }
+        panic!("{test}: Slurm cannot run here: {why}; set {SKIP}=1 to pass without it");
+    }
+    Some(Cluster::start())
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let root = dir.path().to_owned();
+        let at = |p: &str| root.join(p);
+        for d in ["state", "spool", "log"] {
+            std::fs::create_dir(at(d)).expect("mkdir");
+        }
+        let mut key = vec![0u8; 1024];
+        std::io::Read::read_exact(
+            &mut std::fs::File::open("/dev/urandom").expect("urandom"),
+            &mut key,
+        )
+        .expect("random key");
+        write_private(&at("munge.key"), &key);
+        let mut cluster = Cluster {
+            daemons: Vec::new(),
+            dir,
+        };
+        let path = |p: &str| root.join(p).display().to_string();
+        cluster.spawn(
+            "munged",
+            Command::new("munged").args([
+                "--foreground",
+                "--force",
+                &format!("--socket={}", path("munge.sock")),
+                &format!("--key-file={}", path("munge.key")),
+                &format!("--pid-file={}", path("munged.pid")),
+                &format!("--log-file={}", path("log/munged.log")),
+                &format!("--seed-file={}", path("munged.seed")),
+            ]),
+        );
+        let mut conf = format!(
+            "ClusterName=zerotrain-test\n\
+             SlurmctldHost=localhost(127.0.0.1)\n\
+             SlurmctldPort={}\n\
+             AuthType=auth/munge\n\
+             AuthInfo=socket={}\n\
+             CryptoType=crypto/munge\n\
+             StateSaveLocation={}\n\
+             SlurmdSpoolDir={}/%n\n\
+             SlurmctldPidFile={}\n\
+             SlurmdPidFile={}/slurmd.%n.pid\n\
+             SlurmctldLogFile={}\n\
+             SlurmdLogFile={}/slurmd.%n.log\n\
+             SlurmUser=root\nSlurmdUser=root\n\
+             ProctrackType=proctrack/linuxproc\n\
+             TaskPlugin=task/none\n\
+             SelectType=select/cons_tres\n\
+             SelectTypeParameters=CR_Core_Memory\n\
+             SchedulerType=sched/builtin\n\
+             ReturnToService=2\nMpiDefault=none\n\
+             JobAcctGatherType=jobacct_gather/none\n\
+             AccountingStorageType=accounting_storage/none\n\
+             SlurmdTimeout=10\nInactiveLimit=0\nMinJobAge=2\n",
+            free_port(),
+            path("munge.sock"),
+            path("state"),
+            path("spool"),
+            path("slurmctld.pid"),
+            path("spool"),
+            path("log/slurmctld.log"),
+            path("log"),
+        );
+        for (name, cpus, mib) in NODES {
+            conf += &format!(
+                "NodeName={name} NodeAddr=127.0.0.1 Port={} CPUs={cpus} RealMemory={mib} State=UNKNOWN\n",
+                free_port()
+            );
+        }
+        let names: Vec<&str> = NODES.iter().map(|n| n.0).collect();
+        conf += &format!(
+            "PartitionName={PARTITION} Nodes={} Default=YES MaxTime=INFINITE State=UP\n",
+            names.join(",")
+        );
+        std::fs::write(at("slurm.conf"), conf).expect("slurm.conf");
+        cluster.wait_for("munge", |_| {
+            cluster_cmd(&root, "munge")
+                .args(["-n", "-S", &path("munge.sock")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+        let conf = path("slurm.conf");
+        cluster.spawn(
+            "slurmctld",
+            cluster_cmd(&root, "slurmctld").args(["-D", "-f", &conf]),
+        );
+        for name in names {
+            let mut c = cluster_cmd(&root, "slurmd");
+            cluster.spawn(
+                &format!("slurmd {name}"),
+                c.args(["-D", "-f", &conf, "-N", name]),
+            );
+        }
+        cluster.wait_for("both nodes idle", |cluster| {
+            cluster
+                .output("sinfo", &["-h", "-N", "-o", "%N %T"])
+                .is_some_and(|s| {
+                    s.lines().count() == NODES.len() && s.lines().all(|l| l.ends_with(" idle"))
+                })
+        });
+        cluster
+    }
+
+    /// Starts a daemon in the foreground, its output in the log folder.
+    fn spawn(&mut self, name: &str, cmd: &mut Command) {
+        let log = self
+            .dir
+            .path()
+            .join("log")
+            .join(format!("{}.out", name.replace(' ', "-")));
+        let log = std::fs::File::create(log).expect("log");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        self.daemons.push((name.to_owned(), child));
+    }
+
+    /// Polls `ready` (a daemon's own answer) until it holds; a daemon that exits or 60 s
+    /// without it fail the test with the daemons' logs.
+    fn wait_for(&mut self, what: &str, ready: impl Fn(&Self) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut pause = Duration::from_millis(20);
+        while !ready(self) {
+            let exited = self.daemons.iter_mut().find_map(|(name, child)| {
+                let status = child.try_wait().ok().flatten()?;
+                Some(format!("{name} exited ({status})"))
+            });
+            if let Some(exited) = exited {
+                panic!("{exited} before {what}:\n{}", self.logs());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {what} after 60 s:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// The daemons' logs, for a failure's message.
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for entry in std::fs::read_dir(self.dir.path().join("log"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(20).collect();
+            out += &format!("--- {}\n", entry.path().display());
+            tail.into_iter()
+                .rev()
+                .for_each(|l| out += &format!("{l}\n"));
+        }
+        out
+    }
+
+    /// `program args…` against this cluster.
+    fn command(&self, program: &str) -> Command {
+        cluster_cmd(self.dir.path(), program)
+    }
+
+    /// The standard output of a successful `program args…`.
+    fn output(&self, program: &str, args: &[&str]) -> Option<String> {
+        let out = self.command(program).args(args).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+/// `program` with `SLURM_CONF` naming the cluster in `dir`.
+fn cluster_cmd(dir: &Path, program: &str) -> Command {
+    let mut c = Command::new(program);
+    c.env("SLURM_CONF", dir.join("slurm.conf"));
+    c
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self
+            .command("scancel")
+            .args(["--full", "--partition", PARTITION])
+            .status();
+        // slurmd first (their jobs' steps end with them), slurmctld, then munged.
+        for (name, child) in self.daemons.iter_mut().rev() {
+            // SAFETY: kill has no preconditions; the pid is our child's.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            if let Err(e) = child.wait() {
+                eprintln!("{name}: {e}");
+            }
+        }
+        if std::thread::panicking() {
+            return;
+        }
+        let conf = self.dir.path().join("slurm.conf");
+        let left = Command::new("pgrep")
+            .args(["-f", &conf.display().to_string()])
+            .output();
+        let left = left.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+        assert_eq!(
+            left.as_deref().unwrap_or(""),
+            "",
+            "processes of {} left",
+            conf.display()
+        );
+    }
+}
+
+/// Writes `bytes` to a new file only its owner may read (munged refuses any other key).
+fn write_private(path: &PathBuf, bytes: &[u8]) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .expect("key file");
+    f.write_all(bytes).expect("key");
+}
+
+/// What zerotrain reads of the cluster's nodes is what the cluster was configured with.
+#[test]
+fn the_nodes_read_from_scontrol_are_the_configured_ones() {
+    let Some(cluster) = cluster("the_nodes_read_from_scontrol") else {
+        return;
+    };
+    // The server reads with the environment it has: here the cluster's SLURM_CONF.
+    let text = cluster
+        .output("scontrol", &["show", "node", "-o"])
+        .expect("scontrol show node");
+    let nodes: Vec<SlurmNode> =
+        slurm::parse_nodes(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"));
+    let seen: Vec<(&str, usize, u64)> = nodes
+        .iter()
+        .map(|n| (n.name.as_str(), n.cpus, n.memory_bytes >> 20))
+        .collect();
+    assert_eq!(seen, NODES);
+    for n in &nodes {
+        assert_eq!(n.addr, "127.0.0.1");
+        assert!(n.gpus.is_empty(), "{n:?}");
+        assert!(n.usable() && n.in_partition(PARTITION), "{n:?}");
+    }
+}
