@@ -18,6 +18,7 @@ mod dashboard;
 mod docs;
 mod e2e;
 mod estimate_cli;
+mod kubernetes;
 mod prometheus;
 mod security;
 mod slurm;
