@@ -644,6 +644,24 @@ async fn a_sharded_export_is_pulled_as_transformers_lays_it_out_and_fine_tuned_f
     agent.wait().unwrap();
 }
 
+/// SIGTERM (what Kubernetes, systemd and Slurm send an agent first) stops `zerotrain agent`
+/// cleanly: status 0, not death by the signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_stops_cleanly_on_sigterm() {
+    let s = service().await;
+    let work = tempfile::tempdir().unwrap();
+    let mut agent = agent_process(&s, work.path(), "terminated", 1, &[]);
+    s.wait_nodes(1).await;
+    // SAFETY: kill has no preconditions; the pid is our child's.
+    assert_eq!(unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) }, 0);
+    let status = poll(Duration::from_secs(30), Duration::from_millis(20), || {
+        let exited = agent.try_wait().unwrap();
+        async move { exited.ok_or("still running after SIGTERM".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "the agent ended with {status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen2_job_from_a_hugging_face_directory_trains_and_is_pulled_in_transformers_form() {
     let s = service().await;

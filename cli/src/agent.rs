@@ -1,12 +1,12 @@
 //! `zerotrain agent --server URL --token T [--gpus all|none|0,1,…] [--cpu-devices N
 //! --device-memory SIZE] [--data-root DIR]... [--export-shard-bytes SIZE]`: a runner agent
 //! offering this machine's GPUs (a build with feature `cuda`) or virtual CPU devices to a
-//! server until the process ends; jobs read input files only inside its data roots.
+//! server until SIGTERM or Ctrl-C stops it; jobs read input files only inside its data roots.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use runner::agent::AgentMetrics;
@@ -125,7 +125,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cfg.server,
         roots_list(&cfg.data_roots)
     );
-    runner::agent::run(&cfg, &AtomicBool::new(false), &metrics)?;
+    // SIGTERM (what Kubernetes, systemd and Slurm send first) or Ctrl-C stops the ranks and
+    // ends the process with status 0, as `up` does.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let worker = std::thread::spawn(move || runner::agent::run(&cfg, &flag, &metrics));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let ended = runtime.block_on(async {
+        let mut ended = tokio::task::spawn_blocking(move || worker.join());
+        tokio::select! {
+            joined = &mut ended => joined,
+            () = super::serve::stop_requested() => {
+                stop.store(true, Ordering::Relaxed);
+                ended.await
+            }
+        }
+    })?;
+    ended.map_err(|_| anyhow::anyhow!("the agent panicked"))??;
     Ok(())
 }
 
