@@ -11,7 +11,6 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use server::slurm::{self, SlurmNode};
 
@@ -100,18 +99,19 @@ impl Cluster {
             dir,
         };
         let path = |p: &str| root.join(p).display().to_string();
-        cluster.spawn(
-            "munged",
-            Command::new("munged").args([
-                "--foreground",
+        // munged forks, and its parent exits once the daemon serves its socket.
+        let munged = Command::new("munged")
+            .args([
                 "--force",
                 &format!("--socket={}", path("munge.sock")),
                 &format!("--key-file={}", path("munge.key")),
                 &format!("--pid-file={}", path("munged.pid")),
                 &format!("--log-file={}", path("log/munged.log")),
                 &format!("--seed-file={}", path("munged.seed")),
-            ]),
-        );
+            ])
+            .status();
+        let munged_ok = munged.as_ref().is_ok_and(|s| s.success());
+        assert!(munged_ok, "munged: {munged:?}:\n{}", cluster.logs());
         let mut conf = format!(
             "ClusterName=zerotrain-test\n\
              SlurmctldHost=localhost(127.0.0.1)\n\
@@ -156,33 +156,30 @@ impl Cluster {
             names.join(",")
         );
         std::fs::write(at("slurm.conf"), conf).expect("slurm.conf");
-        cluster.wait_for("munge", |_| {
-            cluster_cmd(&root, "munge")
-                .args(["-n", "-S", &path("munge.sock")])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        });
         let conf = path("slurm.conf");
         cluster.spawn(
             "slurmctld",
             cluster_cmd(&root, "slurmctld").args(["-D", "-f", &conf]),
         );
-        for name in names {
+        for &name in &names {
             let mut c = cluster_cmd(&root, "slurmd");
             cluster.spawn(
                 &format!("slurmd {name}"),
                 c.args(["-D", "-f", &conf, "-N", name]),
             );
         }
-        cluster.wait_for("both nodes idle", |cluster| {
-            cluster
-                .output("sinfo", &["-h", "-N", "-o", "%N %T"])
-                .is_some_and(|s| {
-                    s.lines().count() == NODES.len() && s.lines().all(|l| l.ends_with(" idle"))
-                })
-        });
+        // A job on both nodes runs once the controller answers (srun retries it) and both
+        // nodes have registered: the cluster is ready.
+        let mut ready = cluster.command("timeout");
+        let ready = ready
+            .args(["60", "srun", "-N2", "-w", &names.join(","), "true"])
+            .output();
+        let ready_ok = ready.as_ref().is_ok_and(|o| o.status.success());
+        assert!(
+            ready_ok,
+            "no job ran on both nodes within 60 s: {ready:?}:\n{}",
+            cluster.logs()
+        );
         cluster
     }
 
@@ -201,29 +198,6 @@ impl Cluster {
             .spawn()
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         self.daemons.push((name.to_owned(), child));
-    }
-
-    /// Polls `ready` (a daemon's own answer) until it holds; a daemon that exits or 60 s
-    /// without it fail the test with the daemons' logs.
-    fn wait_for(&mut self, what: &str, ready: impl Fn(&Self) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut pause = Duration::from_millis(20);
-        while !ready(self) {
-            let exited = self.daemons.iter_mut().find_map(|(name, child)| {
-                let status = child.try_wait().ok().flatten()?;
-                Some(format!("{name} exited ({status})"))
-            });
-            if let Some(exited) = exited {
-                panic!("{exited} before {what}:\n{}", self.logs());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no {what} after 60 s:\n{}",
-                self.logs()
-            );
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(500));
-        }
     }
 
     /// The daemons' logs, for a failure's message.
@@ -271,7 +245,8 @@ impl Drop for Cluster {
             .command("scancel")
             .args(["--full", "--partition", PARTITION])
             .status();
-        // slurmd first (their jobs' steps end with them), slurmctld, then munged.
+        // slurmd first (their jobs' steps end with them), slurmctld, then munged, which
+        // `--stop` ends and waits for.
         for (name, child) in self.daemons.iter_mut().rev() {
             // SAFETY: kill has no preconditions; the pid is our child's.
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -279,20 +254,20 @@ impl Drop for Cluster {
                 eprintln!("{name}: {e}");
             }
         }
+        let socket = self.dir.path().join("munge.sock");
+        let stopped = Command::new("munged")
+            .arg("--stop")
+            .arg(format!("--socket={}", socket.display()))
+            .status();
         if std::thread::panicking() {
             return;
         }
-        let conf = self.dir.path().join("slurm.conf");
-        let left = Command::new("pgrep")
-            .args(["-f", &conf.display().to_string()])
-            .output();
+        assert!(stopped.is_ok_and(|s| s.success()), "munged --stop failed");
+        // Every daemon names a file of the cluster's folder on its command line.
+        let dir = self.dir.path().display().to_string();
+        let left = Command::new("pgrep").args(["-f", &dir]).output();
         let left = left.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-        assert_eq!(
-            left.as_deref().unwrap_or(""),
-            "",
-            "processes of {} left",
-            conf.display()
-        );
+        assert_eq!(left.as_deref().unwrap_or(""), "", "processes of {dir} left");
     }
 }
 
