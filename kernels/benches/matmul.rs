@@ -167,7 +167,9 @@ fn lora_table() {
         let times = [lora::<f32>(k, n), lora::<bf16>(k, n)];
         let per_layer = if name.contains(',') { 2.0 } else { 1.0 };
         for ((dtype, (ad, base)), sum) in ["f32", "bf16"].into_iter().zip(times).zip(&mut step) {
-            let ad_flops = 8.0 * (LORA_M * LORA_RANK * (k + n)) as f64;
+            // Six products of 2·M·rank FLOPs times k or n: three as deep as the input, three
+            // as the output.
+            let ad_flops = 6.0 * (LORA_M * LORA_RANK * (k + n)) as f64;
             let base_flops = 4.0 * (LORA_M * k * n) as f64;
             println!(
                 "| {name} | {dtype} | {:.3} | {:.0} | {:.3} | {:.0} | {:.2} |",

@@ -113,8 +113,9 @@ pub(super) fn packs_len(k: usize) -> usize {
 /// one row block of A, then as many row blocks of A as fit in the rest, a pass of rows at a
 /// time. A B small enough ([`WHOLE_B_BYTES`], or one panel: LoRA's rank-wide and rank-deep
 /// products) is packed whole first, and each row block of A just before its tiles, in a slot
-/// of its thread, where it stays in cache; each thread takes a range of whole output rows. Only a scratch too short for one slot and one row block ([`packs_len`]; the
-/// trainer's is sized for its deepest product) sends the packs to the heap. Callers check
+/// of its thread, where it stays in cache; each thread takes a range of whole output rows.
+/// Only a scratch too short for one slot and one row block ([`packs_len`]; the trainer's is
+/// sized for its deepest product) sends the packs to the heap. Callers check
 /// [`available`] and pass a depth `k > 0`.
 pub(super) fn product<C: Float, I: Float>(
     c: &mut [C],
@@ -149,6 +150,8 @@ fn product_on<C: Float, I: Float>(
         &mut heap
     };
     let out = SharedMut::new(c);
+    // The first column and the width of panel `panel` of B and of c.
+    let span = |panel: usize| (panel * nc, nc.min(n - panel * nc));
     // Row block `rb` of A (packed at `pa`) times the B panel at `pb`, columns j0..j0 + w, into
     // c through the slot's tile buffer `t`.
     let tile = |rb: usize, pa: &[u32], pb: &[u32], (j0, w): (usize, usize), t: &mut Tile| {
@@ -188,7 +191,7 @@ fn product_on<C: Float, I: Float>(
             let dst = SharedMut::new(pbs);
             for_ranges(panels, 1, |r| {
                 for panel in r {
-                    let (j0, w) = (panel * nc, nc.min(n - panel * nc));
+                    let (j0, w) = span(panel);
                     // SAFETY: each panel owns its part of the pack; `available` was checked
                     // by the caller.
                     unsafe {
@@ -212,8 +215,7 @@ fn product_on<C: Float, I: Float>(
             for rb in blocks * slot / slots..blocks * (slot + 1) / slots {
                 pack_a_block(rb, pa);
                 for (panel, pb) in pbs.chunks_exact(b_len).enumerate() {
-                    let (j0, w) = (panel * nc, nc.min(n - panel * nc));
-                    tile(rb, pa, pb, (j0, w), t);
+                    tile(rb, pa, pb, span(panel), t);
                 }
             }
         });
@@ -251,7 +253,7 @@ fn product_on<C: Float, I: Float>(
             let (_tiles, t) = (configure(), &mut [0f32; TILE]);
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
-                let (j0, w) = (panel * nc, nc.min(n - panel * nc));
+                let (j0, w) = span(panel);
                 // SAFETY: `available` was checked by the caller.
                 unsafe { pack_b(&b, j0, w, k, pb, nc) };
                 for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
@@ -481,7 +483,7 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
                 continue;
             };
             for (c0, o) in (0..w).step_by(16).zip(o.chunks_exact_mut(16)) {
-                let mask = low_bits(w - c0) as __mmask16;
+                let mask = low_bits(w - c0);
                 // SAFETY: the loads are masked to the row's w columns; o holds 16 dwords.
                 unsafe {
                     let load = |r: &[bf16]| {

@@ -30,28 +30,27 @@ pub struct Gres {
 }
 
 impl SlurmNode {
-    /// Whether Slurm would start a job on it: not down, drained, failed or not responding.
+    /// Whether Slurm would start a job on it: not down, drained, failed or not responding
+    /// (`NOT_RESPONDING`, or sinfo's `*` mark).
     pub fn usable(&self) -> bool {
-        let state = self
-            .state
-            .trim_end_matches(['*', '~', '#', '!', '%', '$', '@', '^', '-']);
-        !state.split('+').any(|word| {
-            matches!(
-                word,
-                "DOWN"
-                    | "DRAIN"
-                    | "DRAINED"
-                    | "DRAINING"
-                    | "FAIL"
-                    | "FAILING"
-                    | "FUTURE"
-                    | "NOT_RESPONDING"
-                    | "POWERED_DOWN"
-                    | "POWERING_DOWN"
-                    | "REBOOT_REQUESTED"
-                    | "UNKNOWN"
-            )
-        }) && !self.state.ends_with('*')
+        !self.state.ends_with('*')
+            && !self.state.split('+').any(|word| {
+                matches!(
+                    word,
+                    "DOWN"
+                        | "DRAIN"
+                        | "DRAINED"
+                        | "DRAINING"
+                        | "FAIL"
+                        | "FAILING"
+                        | "FUTURE"
+                        | "NOT_RESPONDING"
+                        | "POWERED_DOWN"
+                        | "POWERING_DOWN"
+                        | "REBOOT_REQUESTED"
+                        | "UNKNOWN"
+                )
+            })
     }
 
     /// Whether it belongs to `partition`.
