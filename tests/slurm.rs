@@ -2,7 +2,9 @@
 //! Debian's slurm-wlm and munge (scripts/test installs them), with their own key, ports, state
 //! and logs in a temporary folder, and CPU nodes only (fake GPU GRES would need character
 //! devices). Each test starts its own cluster and [`Cluster`]'s drop cancels every job and stops
-//! every daemon it started, then checks that none is left.
+//! every daemon it started, then checks that none is left. The server under test runs in this
+//! process with the cluster's partition as its pool (one CPU device of 1 GiB a node); the
+//! agents its allocations start are `zerotrain agent --slurm` processes that slurmd runs.
 //!
 //! The daemons run as root (`SlurmUser=root`), as CI runs the tests. Without slurm-wlm, munge
 //! or root the tests fail saying so, unless `ZEROTRAIN_SKIP_SLURM=1`: then they say what they
@@ -11,8 +13,15 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
+use runner::train::{Options, run};
+use scheduler::plan::plan_local;
+use scheduler::spec::{JobSpec, Purpose};
+use serde_json::{Value, json};
 use server::slurm::{self, SlurmNode};
+
+use crate::live::{self, Live, poll};
 
 /// Set to 1 to pass, saying so, where Slurm cannot run.
 const SKIP: &str = "ZEROTRAIN_SKIP_SLURM";
@@ -306,4 +315,248 @@ fn the_nodes_read_from_scontrol_are_the_configured_ones() {
         assert!(n.gpus.is_empty(), "{n:?}");
         assert!(n.usable() && n.in_partition(PARTITION), "{n:?}");
     }
+}
+
+/// A server whose pool is `cluster`'s partition, one CPU device of 1 GiB a node; agents lost
+/// after 5 s of silence.
+async fn server(cluster: &Cluster) -> Live {
+    let conf = cluster.dir.path().join("slurm.conf");
+    live::start_with(None, |s| {
+        s.heartbeat_interval = Duration::from_millis(200);
+        s.heartbeat_timeout = Duration::from_secs(5);
+        s.scheduling_interval = Duration::from_millis(200);
+        s.slurm.partitions = vec![PARTITION.into()];
+        s.slurm.conf = Some(conf);
+        s.slurm.agent_binary = Some(env!("CARGO_BIN_EXE_zerotrain").into());
+        s.slurm.device_memory = 1 << 30;
+    })
+    .await
+}
+
+/// `method path` on `live` as its admin, with `body`: the status and the JSON answer.
+async fn call(
+    live: &Live,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .request(method, format!("{}{path}", live.server.url()))
+        .bearer_auth(&live.admin);
+    if let Some(body) = body {
+        req = req.json(body);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+async fn get(live: &Live, path: &str) -> Value {
+    let (status, body) = call(live, reqwest::Method::GET, path, None).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
+}
+
+/// Submits `spec`, which must be queued; its id.
+async fn submit(live: &Live, spec: &Value) -> String {
+    let (status, created) = call(live, reqwest::Method::POST, "/v1/jobs", Some(spec)).await;
+    assert_eq!(status, 201, "{created}");
+    created["id"].as_str().unwrap().to_string()
+}
+
+/// The job's log, one string.
+async fn logs(live: &Live, id: &str) -> String {
+    get(live, &format!("/v1/jobs/{id}/logs?limit=1000"))
+        .await
+        .to_string()
+}
+
+/// Waits until Slurm lists no job (every allocation released, finished ones forgotten after
+/// `MinJobAge`).
+async fn until_squeue_is_empty(cluster: &Cluster) {
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let out = cluster
+                .output("squeue", &["-h", "-o", "%i %j %T"])
+                .unwrap_or_else(|| "squeue failed".into());
+            out.trim().is_empty().then_some(()).ok_or(out)
+        },
+    )
+    .await;
+}
+
+/// A two-rank ZeRO-2 job of `steps` steps, checkpointing every `every` steps.
+fn two_rank_job(steps: u32, every: u32) -> Value {
+    json!({"model": {"preset": "gpt2-tiny"}, "world_size": 2, "zero": {"stage": 2},
+        "training": {"steps": steps, "micro_batch_size": 2},
+        "checkpoint": {"every_steps": every}})
+}
+
+/// The loss `spec` ends at when trained uninterrupted in this process.
+async fn reference_loss(spec: &Value) -> f64 {
+    let spec = JobSpec::parse(&spec.to_string(), Purpose::Train)
+        .unwrap()
+        .spec;
+    let plan = plan_local(&spec, None).unwrap();
+    let done = tokio::task::spawn_blocking(move || {
+        run(&spec, &plan, &Options::default(), &mut |_| {}).unwrap()
+    });
+    done.await.unwrap().final_loss
+}
+
+/// The job's last step's loss.
+async fn final_loss(live: &Live, id: &str) -> f64 {
+    let m = get(live, &format!("/v1/jobs/{id}/metrics")).await;
+    let steps = m["steps"].as_array().unwrap();
+    steps.last().unwrap()["loss"].as_f64().unwrap()
+}
+
+/// The whole life of a job through Slurm: an allocation of both nodes, an agent on each that
+/// serves it alone, the losses of an uninterrupted run in one process, and the allocation gone
+/// once the job succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_node_zero2_job_placed_through_slurm_trains_as_in_one_process() {
+    let Some(cluster) = cluster("a_two_node_zero2_job_placed_through_slurm") else {
+        return;
+    };
+    let spec = two_rank_job(10, 5);
+    let want = reference_loss(&spec).await;
+    let live = server(&cluster).await;
+    let url = live.server.url();
+    let id = submit(&live, &spec).await;
+    let job = live::until_state(
+        &url,
+        &live.admin,
+        &id,
+        &["succeeded"],
+        Duration::from_secs(240),
+    )
+    .await;
+    assert_eq!(job["attempt"], 1, "{job}");
+    assert_eq!(final_loss(&live, &id).await, want);
+    let nodes = get(&live, "/v1/nodes").await;
+    let mut names: Vec<&str> = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["reserved_for"] == id.as_str())
+        .map(|n| n["name"].as_str().unwrap())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["n1", "n2"], "{nodes}");
+    until_squeue_is_empty(&cluster).await;
+    // The allocation's end reaches the log once the server saw Slurm release it.
+    poll(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async {
+            let log = logs(&live, &id).await;
+            let ended = log.contains("released: the job succeeded") || log.contains("ended: ");
+            ended.then_some(log.clone()).ok_or(log)
+        },
+    )
+    .await;
+    let log = logs(&live, &id).await;
+    for line in [
+        "submitted Slurm job ",
+        "--nodes=2 --ntasks-per-node=1",
+        "agent --slurm --gpus none --cpu-devices 1",
+        ": RUNNING (None) on n[1-2]",
+        "n1: starting ranks",
+        "n2: starting ranks",
+    ] {
+        assert!(log.contains(line), "{line:?} not in the log: {log}");
+    }
+}
+
+/// Admission checks a job against the partition's nodes: what no node could hold, or more
+/// ranks than it has devices, is refused at submission with the memory model's numbers, and
+/// Slurm is asked for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_larger_than_the_partition_is_refused_at_submission() {
+    let Some(cluster) = cluster("a_job_larger_than_the_partition_is_refused") else {
+        return;
+    };
+    let live = server(&cluster).await;
+    let too_big = json!({"model": {"preset": "gpt2-350M"}, "zero": {"stage": 0}});
+    let (status, problem) = call(&live, reqwest::Method::POST, "/v1/jobs", Some(&too_big)).await;
+    assert_eq!(status, 422, "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("per rank at stage 0") && detail.contains("largest device has 1.0 GB"),
+        "{problem}"
+    );
+    let wide = json!({"model": {"preset": "gpt2-tiny"}, "world_size": 3});
+    let (status, problem) = call(&live, reqwest::Method::POST, "/v1/jobs", Some(&wide)).await;
+    assert_eq!(status, 422, "{problem}");
+    let out = cluster.output("squeue", &["-h"]).unwrap();
+    assert_eq!(out.trim(), "", "nothing asked of Slurm");
+}
+
+/// While Slurm holds the allocation back, the job says why, in its reason and its log; `zerotrain
+/// cancel` then cancels the allocation too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waiting_for_nodes_shows_slurms_reason_and_cancel_releases_it() {
+    let Some(cluster) = cluster("a_job_waiting_for_nodes_shows_slurms_reason") else {
+        return;
+    };
+    // Another user's job holds both nodes' memory.
+    let blocker = cluster
+        .output(
+            "sbatch",
+            &["--parsable", "-N2", "-w", "n1,n2", "--wrap", "sleep 600"],
+        )
+        .expect("sbatch");
+    let blocker = blocker.trim().to_string();
+    poll(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async {
+            let state = cluster
+                .output("squeue", &["-h", "-j", &blocker, "-o", "%T"])
+                .unwrap_or_default();
+            (state.trim() == "RUNNING").then_some(()).ok_or(state)
+        },
+    )
+    .await;
+    let live = server(&cluster).await;
+    let id = submit(&live, &two_rank_job(5, 5)).await;
+    let reason = poll(
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async {
+            let job = get(&live, &format!("/v1/jobs/{id}")).await;
+            let reason = job["reason"].as_str().unwrap_or_default().to_string();
+            // Slurm says `None` until its scheduler has looked at the job.
+            let why = reason.contains(": PENDING (") && !reason.ends_with("(None)");
+            why.then_some(reason.clone()).ok_or(reason)
+        },
+    )
+    .await;
+    assert!(reason.starts_with("waiting for Slurm job "), "{reason}");
+    assert!(reason.ends_with("PENDING (Resources)"), "{reason}");
+    let log = logs(&live, &id).await;
+    assert!(log.contains(": PENDING (Resources)"), "{log}");
+    let cancelled = Command::new(env!("CARGO_BIN_EXE_zerotrain"))
+        .args(["cancel", &id, "--url", &live.server.url()])
+        .env("ZEROTRAIN_TOKEN", &live.admin)
+        .output()
+        .unwrap();
+    assert!(cancelled.status.success(), "{cancelled:?}");
+    // Only the blocker is left.
+    poll(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async {
+            let out = cluster
+                .output("squeue", &["-h", "-o", "%i"])
+                .unwrap_or_default();
+            (out.trim() == blocker).then_some(()).ok_or(out)
+        },
+    )
+    .await;
+    assert!(cluster.output("scancel", &[&blocker]).is_some());
+    until_squeue_is_empty(&cluster).await;
 }

@@ -84,6 +84,7 @@ async fn drain(jobs: usize) -> f64 {
         data_roots: state.data_roots.clone(),
         work_dir: dir.path().join("agents/bench"),
         export_shard_bytes: runner::checkpoint::EXPORT_SHARD_BYTES,
+        one_job: false,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

@@ -1,7 +1,8 @@
 //! `zerotrain agent --server URL --token T [--gpus all|none|0,1,…] [--cpu-devices N
-//! --device-memory SIZE] [--data-root DIR]... [--export-shard-bytes SIZE]`: a runner agent
-//! offering this machine's GPUs (a build with feature `cuda`) or virtual CPU devices to a
-//! server until SIGTERM or Ctrl-C stops it; jobs read input files only inside its data roots.
+//! --device-memory SIZE] [--data-root DIR]... [--export-shard-bytes SIZE] [--slurm]`: a runner
+//! agent offering this machine's GPUs (a build with feature `cuda`) or virtual CPU devices to a
+//! server until SIGTERM or Ctrl-C stops it (`--slurm`: until its one job ends); jobs read input
+//! files only inside its data roots.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -60,6 +61,11 @@ pub struct Args {
     work_dir: Option<PathBuf>,
     #[command(flatten)]
     export: crate::train::Export,
+    /// Run as the server's Slurm allocations start agents (their batch script passes it):
+    /// named after the Slurm node (`SLURMD_NODENAME`), serving the allocation's job only,
+    /// leaving when it ends so that the allocation is released.
+    #[arg(long)]
+    slurm: bool,
 }
 
 /// What a node offers, shared by `agent` and `up`'s local agent.
@@ -175,7 +181,12 @@ pub(super) fn serve_metrics(
 }
 
 fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
-    let name = args.name.unwrap_or_else(hostname);
+    let name = match (args.name, args.slurm) {
+        (Some(name), _) => name,
+        (None, true) => std::env::var("SLURMD_NODENAME")
+            .context("--slurm: SLURMD_NODENAME is not set (srun sets it on the node)")?,
+        (None, false) => hostname(),
+    };
     let (devices, gpus) = args.offer.devices(&format!("agent {name}"), 1)?;
     let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
     let data_roots = DataRoots::for_data_dir(&args.data_roots, &data_dir, &[])?;
@@ -192,6 +203,7 @@ fn config(args: Args) -> anyhow::Result<runner::agent::AgentConfig> {
         data_roots,
         work_dir,
         export_shard_bytes: args.export.export_shard_bytes,
+        one_job: args.slurm,
     })
 }
 

@@ -67,6 +67,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .join("agents")
                 .join("local"),
             export_shard_bytes: args.export.export_shard_bytes,
+            one_job: false,
         };
         let flag = stop.clone();
         let local = std::thread::spawn(move || runner::agent::run(&cfg, &flag, &metrics));

@@ -3,7 +3,8 @@
 //! submission order; gang placement of all of a job's ranks on devices of its plan's kind
 //! ([`crate::placement::place`]'s choices, with the safety margin); and backfill: while the
 //! head of the queue waits for devices of a kind, jobs of that kind smaller than it that fit now
-//! start (a job waiting for GPUs holds up no CPU job). A pass places at most
+//! start (a job waiting for GPUs holds up no CPU job). Nodes a cluster manager started for one
+//! job (a Slurm allocation's) take that job only, and that job waits for them. A pass places at most
 //! [`RANKS_PER_PASS`] ranks; the server's loop runs the next one at once when a pass stopped
 //! there, so filling an empty cluster is a few short passes rather than one long write.
 
@@ -46,6 +47,8 @@ pub struct BoardNode {
     pub id: NodeId,
     pub name: String,
     pub devices: Vec<BoardDevice>,
+    /// The job whose allocation started this node's agent: it serves that job only.
+    pub reserved_for: Option<JobId>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -92,7 +95,13 @@ pub fn decide<'a>(
     max_ranks: u32,
 ) -> Decided {
     let mut held: HeldRanks = quota.held.clone();
-    let mut free = Free::new(nodes);
+    let mut reserved: HashMap<&JobId, Vec<&BoardNode>> = HashMap::new();
+    for n in nodes {
+        if let Some(job) = &n.reserved_for {
+            reserved.entry(job).or_default().push(n);
+        }
+    }
+    let mut free = Free::new(nodes.iter().filter(|n| n.reserved_for.is_none()));
     let mut decided = Decided::default();
     let mut ranks: u32 = 0;
     // Per kind, bytes the first job that had to wait needs in all; only smaller jobs may pass.
@@ -100,8 +109,25 @@ pub fn decide<'a>(
     // Free devices only shrink during a pass, so a shape that did not fit never will.
     let mut failed: HashSet<(u32, u64, DeviceKind)> = HashSet::new();
     for job in queue {
+        // All of its allocation's nodes or none; until they are all there it waits.
+        if let Some(own) = reserved.get(&job.id) {
+            let slots =
+                Free::new(own.iter().copied()).place(job.world_size as usize, margin, &job.plan);
+            if let Some(slots) = slots {
+                *held.entry(job.owner.clone()).or_default() += job.world_size;
+                ranks += job.world_size;
+                decided.decisions.push(Decision {
+                    job_id: job.id.clone(),
+                    slots,
+                });
+            }
+            continue;
+        }
         if free.pool.is_empty() {
-            break;
+            if reserved.is_empty() {
+                break;
+            }
+            continue;
         }
         let plan = &job.plan;
         let base = plan.need_on(plan.device);
@@ -148,9 +174,9 @@ struct Free<'a> {
 }
 
 impl<'a> Free<'a> {
-    fn new(nodes: &'a [BoardNode]) -> Free<'a> {
+    fn new(nodes: impl IntoIterator<Item = &'a BoardNode>) -> Free<'a> {
         let mut order: Vec<&BoardNode> = nodes
-            .iter()
+            .into_iter()
             .filter(|n| n.devices.iter().any(|d| !d.held))
             .collect();
         order.sort_unstable_by(|a, b| a.id.cmp(&b.id));
@@ -245,6 +271,15 @@ mod tests {
                     held: false,
                 })
                 .collect(),
+            reserved_for: None,
+        }
+    }
+
+    /// `node` started for job `job` alone.
+    fn reserved(id: &str, gbs: &[u64], job: &str) -> BoardNode {
+        BoardNode {
+            reserved_for: Some(job.into()),
+            ..node(id, gbs)
         }
     }
 
@@ -311,6 +346,22 @@ mod tests {
         let d = decide(&queue, &[node("n", &[16, 16, 16])], 0.0);
         assert_eq!(placed(&d), ["a"]);
         assert_eq!(d[0].slots.len(), 2);
+    }
+
+    #[test]
+    fn an_allocations_nodes_take_its_job_only_and_all_at_once() {
+        let queue = [job("first", 2, 10), job("slurm", 2, 10)];
+        // Only "slurm"'s node is free: "first" may not take it.
+        let one = [reserved("s1", &[16], "slurm")];
+        assert!(decide(&queue, &one, 0.0).is_empty(), "half its gang");
+        let both = [one[0].clone(), reserved("s2", &[16], "slurm")];
+        let d = decide(&queue, &both, 0.0);
+        assert_eq!(placed(&d), ["slurm"]);
+        assert_eq!(d[0].slots, slots(&[("s1", 0), ("s2", 0)]));
+        // With an open node as well, "slurm" still waits for its own.
+        let open = [node("n", &[16, 16, 16, 16]), one[0].clone()];
+        let d = decide(&queue, &open, 0.0);
+        assert_eq!(placed(&d), ["first"]);
     }
 
     #[test]

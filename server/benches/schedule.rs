@@ -192,6 +192,7 @@ async fn populate(store: &Store) {
                 &format!("10.0.{}.{}", n / 256, n % 256),
                 &devices,
                 &token_hash(&format!("node-{n}")),
+                None,
             )
             .await
             .unwrap();

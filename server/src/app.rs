@@ -176,6 +176,19 @@ pub async fn build(
         source,
     })?;
     let state = AppState::new(store, settings)?;
+    if let Some(slurm) = &state.slurm {
+        let url = slurm
+            .settings
+            .server_url
+            .as_ref()
+            .or(state.settings.public_url.as_ref());
+        let url = url.map_or_else(
+            || local_url(addr),
+            |u| u.as_str().trim_end_matches('/').to_string(),
+        );
+        let _ = slurm.server_url.set(url);
+        slurm.refresh_if_due().await;
+    }
     let scheduler = tokio::spawn(scheduling::run(state.clone()));
     let mut stop = state.shutdown.subscribe();
     let app = router(state.clone());
@@ -205,11 +218,7 @@ impl Server {
 
     /// `http://ADDR`, with a wildcard listen address replaced by loopback.
     pub fn url(&self) -> String {
-        let mut addr = self.addr;
-        if addr.ip().is_unspecified() {
-            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        format!("http://{addr}")
+        local_url(self.addr)
     }
 
     pub fn state(&self) -> &AppState {
@@ -242,4 +251,12 @@ impl Server {
             }
         }
     }
+}
+
+/// `http://ADDR`, with a wildcard listen address replaced by loopback.
+fn local_url(mut addr: SocketAddr) -> String {
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    format!("http://{addr}")
 }

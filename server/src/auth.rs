@@ -10,7 +10,7 @@ use axum::extract::{FromRequestParts, Path as UrlPath};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, header};
 
-use crate::domain::{NodeRecord, Role};
+use crate::domain::{NodeRecord, Role, SlurmAllocation};
 use crate::error::ApiError;
 use crate::session;
 use crate::state::AppState;
@@ -93,8 +93,33 @@ role_extractor! {
     Submitter => Role::Submitter;
     /// Also cancels anyone's jobs.
     Admin => Role::Admin;
-    /// Registers runner agents.
-    AgentJoin => Role::AgentJoin;
+}
+
+/// Who registers a node: an agent with a join token, or one a Slurm allocation started, with
+/// the token the server gave that allocation alone (its node then serves the allocation's job
+/// only, and the token stops working when the allocation ends).
+pub enum Joining {
+    Agent,
+    Allocation(SlurmAllocation),
+}
+
+impl FromRequestParts<AppState> for Joining {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let token = bearer(&parts.headers)?;
+        let allocation = state
+            .store
+            .allocation_by_token(&token_hash(token))
+            .await
+            .map_err(unavailable)?;
+        match allocation {
+            Some(a) => Ok(Joining::Allocation(a)),
+            None => authorize(parts, state, Role::AgentJoin)
+                .await
+                .map(|_| Joining::Agent),
+        }
+    }
 }
 
 /// The node whose agent token authenticates the request; the `{node}` in the path must be it.

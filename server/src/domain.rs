@@ -131,6 +131,10 @@ pub struct NodeRecord {
     pub last_heartbeat: i64,
     /// Silent past the heartbeat timeout; its jobs were requeued.
     pub lost: bool,
+    /// The job whose Slurm allocation started this node's agent: it serves that job only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
+    pub reserved_for: Option<JobId>,
 }
 
 /// Rank `rank` of attempt `attempt` of a job runs on device `device` of node `node_id`.
@@ -256,4 +260,19 @@ mod tests {
             assert_eq!(Role::parse(role.as_str()), Some(role));
         }
     }
+}
+
+/// An allocation the scheduler asked Slurm for, to run attempt `attempt` of job `job_id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmAllocation {
+    pub slurm_job_id: u64,
+    pub job_id: JobId,
+    pub attempt: u32,
+    pub partition: String,
+    pub nodes: u32,
+    /// What `squeue` said last (`PENDING`, `RUNNING`, …; `SUBMITTED` before it said anything).
+    pub state: String,
+    /// Slurm's reason for that state (`Resources`, `Priority`, `None`, …).
+    pub reason: String,
+    pub submitted_at: i64,
 }

@@ -7,10 +7,11 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use scheduler::queue::{OwnerQuota, RANKS_PER_PASS, decide};
+use scheduler::queue::{OwnerQuota, QueuedJob, RANKS_PER_PASS, decide};
 
 use crate::domain::{JobId, JobState, NodeId};
 use crate::retention;
+use crate::slurm;
 use crate::state::{AppState, JobEvent};
 use crate::store::{Placement, StoreError};
 
@@ -44,11 +45,15 @@ pub async fn run(state: AppState) {
 }
 
 /// One pass: requeue the jobs of lost nodes, place what fits (if this replica is the
-/// scheduler; a pass capped at [`RANKS_PER_PASS`] wakes the loop for the next), refresh the job
-/// gauges and drop the series of jobs that ended a while ago. Returns the placements made.
+/// scheduler; a pass capped at [`RANKS_PER_PASS`] wakes the loop for the next), follow and ask
+/// for Slurm allocations (the scheduler too), refresh the job gauges and drop the series of
+/// jobs that ended a while ago. Returns the placements made.
 pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
     let start = Instant::now();
     reap(state).await?;
+    if let Some(slurm) = &state.slurm {
+        slurm.refresh_if_due().await;
+    }
     let margin = state.settings.safety_margin;
     let limit = state.settings.limits.running_ranks_per_owner;
     let mut board = state.board.lock().await;
@@ -69,10 +74,16 @@ pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
         .nodes()
         .iter()
         .any(|n| n.devices.iter().any(|d| !d.held));
+    // Jobs left waiting, for Slurm to find nodes for (only the scheduler asks it).
+    let waiting: Vec<QueuedJob> = match (&state.slurm, &done) {
+        (Some(_), Some(_)) => board.queue().cloned().collect(),
+        _ => Vec::new(),
+    };
     drop(board);
     if capped {
         state.wake_scheduler.notify_one();
     }
+    let done_by_me = done.is_some();
     let placed = match done {
         Some(pass) => {
             tracing::debug!(
@@ -108,6 +119,15 @@ pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
     nodes.dedup();
     for node in nodes {
         state.wake_agents(Some(node));
+    }
+    if let Some(slurm) = &state.slurm
+        && done_by_me
+    {
+        let waiting = waiting
+            .into_iter()
+            .filter(|j| !placed.iter().any(|p| p.job_id == j.id))
+            .collect();
+        slurm::allocations::pass(state, slurm, waiting).await?;
     }
     housekeeping(state).await?;
     state

@@ -89,6 +89,9 @@ pub struct Settings {
     /// What one owner (token name) may ask of the service.
     #[command(flatten)]
     pub limits: Limits,
+    /// Where Slurm hands the service nodes.
+    #[command(flatten)]
+    pub slurm: SlurmSettings,
     /// `/readyz` waits for an agent to register (`zerotrain up` sets it for its local agent).
     #[arg(skip)]
     pub expect_local_agent: bool,
@@ -158,6 +161,72 @@ pub struct Limits {
     /// its requests get 429 with `Retry-After`; 0 turns the limit off.
     #[arg(long, env = "ZEROTRAIN_AUTH_FAILURES_PER_MINUTE", default_value_t = 30)]
     pub auth_failures_per_minute: u32,
+}
+
+/// Slurm partitions as pools of nodes (docs/operations.md, "On Slurm"). The server runs
+/// `scontrol`, `sbatch`, `squeue` and `scancel` as the user it runs as, with its environment
+/// less the `ZEROTRAIN_*` variables.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct SlurmSettings {
+    /// A Slurm partition to run jobs on (repeatable; the variable is comma-separated): jobs are
+    /// admitted against its nodes' shape, and a queued job no registered node takes gets an
+    /// allocation of its own there, whose agents serve it alone.
+    #[arg(
+        long = "slurm-partition",
+        value_name = "NAME",
+        env = "ZEROTRAIN_SLURM_PARTITION",
+        value_delimiter = ','
+    )]
+    pub partitions: Vec<String>,
+    /// The memory of a GPU GRES type, e.g. a100=80GiB (repeatable; the variable is
+    /// comma-separated), over the built-in table (docs/operations.md). A node whose GPUs'
+    /// type is in neither offers none.
+    #[arg(
+        long = "slurm-gpu-memory",
+        value_name = "TYPE=SIZE",
+        env = "ZEROTRAIN_SLURM_GPU_MEMORY",
+        value_delimiter = ',',
+        value_parser = parse_gpu_memory
+    )]
+    pub gpu_memory: Vec<(String, u64)>,
+    /// Virtual CPU devices a partition node without GPUs offers (0: none).
+    #[arg(
+        long = "slurm-cpu-devices",
+        env = "ZEROTRAIN_SLURM_CPU_DEVICES",
+        default_value_t = 1
+    )]
+    pub cpu_devices: usize,
+    /// The memory budget of each such device, at most the node's memory shared among them.
+    #[arg(long = "slurm-device-memory", env = "ZEROTRAIN_SLURM_DEVICE_MEMORY", default_value = "2GiB", value_parser = parse_size)]
+    pub device_memory: u64,
+    /// The `zerotrain` binary as the partition's nodes see it [default: this server's own
+    /// path, for nodes that share its filesystem].
+    #[arg(
+        long = "slurm-agent-binary",
+        env = "ZEROTRAIN_SLURM_AGENT_BINARY",
+        value_name = "PATH"
+    )]
+    pub agent_binary: Option<PathBuf>,
+    /// The cluster's slurm.conf, as `SLURM_CONF` for the Slurm commands the server runs
+    /// [default: Slurm's own lookup].
+    #[arg(long = "slurm-conf", env = "ZEROTRAIN_SLURM_CONF", value_name = "PATH")]
+    pub conf: Option<PathBuf>,
+    /// The URL the allocations' agents reach this server at [default: the public URL, else
+    /// the address it listens on].
+    #[arg(long = "slurm-server-url", env = "ZEROTRAIN_SLURM_SERVER_URL", value_parser = parse_public_url)]
+    pub server_url: Option<url::Url>,
+}
+
+/// `TYPE=SIZE`, e.g. `h100=80GiB`.
+fn parse_gpu_memory(s: &str) -> Result<(String, u64), String> {
+    let (kind, size) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not TYPE=SIZE"))?;
+    if kind.is_empty() {
+        return Err(format!("{s:?} names no GPU type"));
+    }
+    let bytes = parse_size(size).map_err(|e| e.to_string())?;
+    Ok((kind.to_ascii_lowercase(), bytes))
 }
 
 impl Default for Limits {

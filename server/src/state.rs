@@ -16,6 +16,7 @@ use crate::artifacts::Artifacts;
 use crate::domain::{Job, JobId, JobState, LogLine, NodeId, StepRecord};
 use crate::metrics::Metrics;
 use crate::settings::Settings;
+use crate::slurm::Slurm;
 use crate::store::{Board, Store, StoreError};
 use crate::throttle::AuthThrottle;
 
@@ -55,6 +56,8 @@ pub struct App {
     /// When this server started, by the store's clock (nodes are not declared lost in its
     /// first heartbeat timeout).
     pub started_ms: i64,
+    /// The Slurm partitions jobs run on, if any (`--slurm-partition`).
+    pub slurm: Option<Slurm>,
 }
 
 #[derive(Clone)]
@@ -122,6 +125,7 @@ impl AppState {
         let artifacts = Artifacts::open(&settings.artifacts(), &settings.s3)?;
         let auth_throttle = AuthThrottle::new(settings.limits.auth_failures_per_minute);
         let started_ms = store.clock().now_ms();
+        let slurm = Slurm::new(&settings.slurm);
         Ok(AppState(Arc::new(App {
             store,
             settings,
@@ -136,6 +140,7 @@ impl AppState {
             shutdown: watch::channel(false).0,
             auth_throttle,
             started_ms,
+            slurm,
         })))
     }
 }
@@ -212,5 +217,33 @@ impl App {
 
     pub fn publish(&self, event: JobEvent) {
         let _ = self.events.send(event);
+    }
+
+    /// Appends `lines` to job `job_id`'s log, now, and tells its followers.
+    pub async fn append_logs(&self, job_id: &JobId, lines: Vec<String>) -> Result<(), StoreError> {
+        let at = self.now_ms();
+        self.append_logs_at(job_id, lines.into_iter().map(|l| (at, l)).collect())
+            .await
+    }
+
+    /// Appends `lines` (each with its time) to job `job_id`'s log and tells its followers.
+    pub async fn append_logs_at(
+        &self,
+        job_id: &JobId,
+        lines: Vec<(i64, String)>,
+    ) -> Result<(), StoreError> {
+        let last = self.store.append_logs(job_id, &lines).await?;
+        let first = last - lines.len() as i64 + 1;
+        for (i, (at, line)) in lines.into_iter().enumerate() {
+            self.publish(JobEvent::Log {
+                job_id: job_id.clone(),
+                line: LogLine {
+                    seq: first + i as i64,
+                    at,
+                    line,
+                },
+            });
+        }
+        Ok(())
     }
 }

@@ -277,6 +277,7 @@ async fn node(store: &Store, name: &str, count: usize) -> server::domain::NodeRe
             "127.0.0.1",
             &devices(count),
             &token_hash(&format!("{name}-token")),
+            None,
         )
         .await
         .unwrap()
@@ -944,7 +945,7 @@ async fn a_registered_node_is_found_by_its_token_hash(db: TestDb) {
     };
     let n = db
         .store
-        .register_node("gpu-1", "10.0.0.7", &devs, &token_hash("secret"))
+        .register_node("gpu-1", "10.0.0.7", &devs, &token_hash("secret"), None)
         .await
         .unwrap();
     assert_eq!(
@@ -968,7 +969,7 @@ async fn a_registered_node_is_found_by_its_token_hash(db: TestDb) {
     );
     let empty = db
         .store
-        .register_node("no-devices", "h", &[], &token_hash("t2"))
+        .register_node("no-devices", "h", &[], &token_hash("t2"), None)
         .await
         .unwrap();
     assert_eq!(db.store.nodes().await.unwrap(), vec![n, empty]);
@@ -1082,6 +1083,7 @@ async fn registering_again_with_a_known_token_keeps_the_id_and_requeues_its_jobs
             "10.0.0.9",
             &devices(3),
             &token_hash("n-token"),
+            None,
         )
         .await
         .unwrap();
@@ -1093,7 +1095,7 @@ async fn registering_again_with_a_known_token_keeps_the_id_and_requeues_its_jobs
     assert_eq!(applied.len(), 1);
     assert_eq!(s.get_job(&j.id).await.unwrap().unwrap().attempt, 2);
     // Registering again while it holds a job sends that job back too.
-    s.register_node("n", "10.0.0.9", &devices(3), &token_hash("n-token"))
+    s.register_node("n", "10.0.0.9", &devices(3), &token_hash("n-token"), None)
         .await
         .unwrap();
     let j = s.get_job(&j.id).await.unwrap().unwrap();
@@ -2250,7 +2252,7 @@ async fn a_board_kept_between_passes_matches_one_loaded_afresh(db: TestDb) {
     assert!(!lost.is_empty());
     kept_pass(s, &mut board).await;
     other
-        .register_node("n2", "10.0.0.2", &devices(1), &token_hash("n2-token"))
+        .register_node("n2", "10.0.0.2", &devices(1), &token_hash("n2-token"), None)
         .await
         .unwrap();
     let pass = kept_pass(s, &mut board).await;

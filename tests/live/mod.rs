@@ -107,6 +107,7 @@ pub fn agent_at(
         // Its own folder, which neither the server nor another agent reads.
         work_dir: server.state().settings.data_dir.join("agents").join(name),
         export_shard_bytes: runner::checkpoint::EXPORT_SHARD_BYTES,
+        one_job: false,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();

@@ -50,6 +50,10 @@ pub struct RegisterResponse {
     /// Bearer token for this node's heartbeats.
     pub agent_token: String,
     pub heartbeat_interval_ms: u64,
+    /// Where other nodes reach this node's ranks, when the server knows better than the agent
+    /// (Slurm's address for a node of an allocation): the agent's rendezvous uses it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 /// One attempt of one job, as much of it as runs on this node.

@@ -50,6 +50,10 @@ pub struct AgentConfig {
     /// The largest file of a job's export: a larger one is sharded
     /// (`checkpoint::EXPORT_SHARD_BYTES` by default).
     pub export_shard_bytes: u64,
+    /// Serve one attempt of one job, then stop (an agent a Slurm allocation started: the
+    /// server gives it that job only, and its leaving releases the allocation). It also stops,
+    /// rather than registering again, when the server no longer knows the node.
+    pub one_job: bool,
 }
 
 /// The devices a node offers: each GPU, then `cpus` virtual CPU devices of `cpu_memory` bytes.
@@ -93,9 +97,9 @@ impl AgentConfig {
 /// Longest an HTTP call may take, a long-poll's wait included.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Runs the agent until `stop` is set: registers (trying again with backoff until the server
-/// answers), then heartbeats; when the server has declared the node lost, stops every rank
-/// it ran and registers again.
+/// Runs the agent until `stop` is set (or its one job ended): registers (trying again with
+/// backoff until the server answers), then heartbeats; when the server has declared the node
+/// lost, stops every rank it ran and registers again.
 pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Result<(), Error> {
     cfg.check_devices()?;
     metrics.watch_gpus(&cfg.gpus);
@@ -124,8 +128,26 @@ pub fn run(cfg: &AgentConfig, stop: &AtomicBool, metrics: &AgentMetrics) -> Resu
             return Ok(());
         };
         metrics.series.registrations_total.inc();
+        let placed_cfg;
+        let cfg = match &registered.host {
+            Some(host) => {
+                placed_cfg = AgentConfig {
+                    host: host.clone(),
+                    ..cfg.clone()
+                };
+                &placed_cfg
+            }
+            None => cfg,
+        };
         match Registration::new(cfg, &client, metrics, registered).run(stop) {
             Ended::Stopped => return Ok(()),
+            Ended::Lost if cfg.one_job => {
+                eprintln!(
+                    "agent {}: the server no longer knows this node; leaving",
+                    cfg.name
+                );
+                return Ok(());
+            }
             Ended::Lost => eprintln!(
                 "agent {}: the server no longer knows this node; its ranks stopped, registering again",
                 cfg.name

@@ -93,6 +93,9 @@ pub(super) struct Registration<'a> {
     /// After a failed request: when the next may go, and the delays still to come.
     retry_at: Option<Instant>,
     backoff: Option<ExponentialBackoff>,
+    /// An agent of one job (`AgentConfig::one_job`) whose attempt ended: it sends what is
+    /// left to send, then stops.
+    leaving: bool,
 }
 
 impl<'a> Registration<'a> {
@@ -117,6 +120,7 @@ impl<'a> Registration<'a> {
             immediate: false,
             retry_at: None,
             backoff: None,
+            leaving: false,
         }
     }
 
@@ -125,12 +129,17 @@ impl<'a> Registration<'a> {
             if stop.load(Ordering::Relaxed) {
                 break Ended::Stopped;
             }
+            if self.leaving && self.unsent.is_empty() && !self.waiting && !self.immediate {
+                break Ended::Stopped;
+            }
             let now = Instant::now();
             let may_send = self.retry_at.is_none_or(|t| now >= t);
-            if may_send && !self.waiting {
+            if may_send && !self.waiting && !self.leaving {
                 self.send(true);
             }
-            if may_send && !self.immediate && self.unsent.iter().any(Report::is_urgent) {
+            let urgent = self.unsent.iter().any(Report::is_urgent);
+            let last = self.leaving && !self.unsent.is_empty();
+            if may_send && !self.immediate && (urgent || last) {
                 self.send(false);
             }
             let tick = self
@@ -287,6 +296,7 @@ impl<'a> Registration<'a> {
         {
             // It sent its last report; a panic there has been printed already.
             let _ = thread.join();
+            self.leaving = self.cfg.one_job;
         }
         self.attempts.retain(|_, run| match run {
             Run::Ended(at) => now.duration_since(*at) < REMEMBER_ENDED,

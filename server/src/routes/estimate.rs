@@ -81,7 +81,7 @@ pub async fn estimate(
     };
     let parsed = JobSpec::parse_value(value, Purpose::Estimate)?;
     let records = state.store.nodes().await?;
-    let inventory = planning_inventory(&records, &state.settings);
+    let inventory = planning_inventory(&records, state.slurm.as_ref(), &state.settings);
     let kind = plan::device_kind(&parsed.spec, &inventory);
     let nodes = records
         .iter()
@@ -104,7 +104,7 @@ fn node_fit(
     node: &NodeRecord,
     settings: &Settings,
 ) -> Result<NodeFit, ApiError> {
-    let one = planning_inventory(std::slice::from_ref(node), settings);
+    let one = planning_inventory(std::slice::from_ref(node), None, settings);
     let spec = JobSpec {
         device: Auto::Fixed(kind),
         ..spec.clone()

@@ -18,6 +18,7 @@ use utoipa_axum::routes;
 
 use crate::domain::NodeRecord;
 use crate::settings::Settings;
+use crate::slurm::Slurm;
 use crate::state::AppState;
 use scheduler::inventory::{DeviceSlot, Inventory, Node};
 
@@ -74,16 +75,24 @@ pub fn routes() -> Api {
     }
 }
 
-/// The live nodes' devices as the planner sees them: each device less the safety margin
-/// placement keeps free, so a job admitted here can always be placed once devices are free.
-pub(crate) fn planning_inventory(nodes: &[NodeRecord], settings: &Settings) -> Inventory {
+/// The live nodes' devices as the planner sees them, and those of the Slurm partitions'
+/// nodes (`slurm`): each device less the safety margin placement keeps free, so a job admitted
+/// here can always be placed once devices are free.
+pub(crate) fn planning_inventory(
+    nodes: &[NodeRecord],
+    slurm: Option<&Slurm>,
+    settings: &Settings,
+) -> Inventory {
     let keep = 1.0 - settings.safety_margin;
+    let registered = nodes.iter().filter(|n| !n.lost).map(|n| Node {
+        name: n.id.to_string(),
+        devices: n.devices.clone(),
+    });
+    let partitions = slurm.map(|s| s.inventory(None, false)).unwrap_or_default();
     Inventory {
-        nodes: nodes
-            .iter()
-            .filter(|n| !n.lost)
+        nodes: registered
+            .chain(partitions)
             .map(|n| Node {
-                name: n.id.to_string(),
                 devices: n
                     .devices
                     .iter()
@@ -92,6 +101,7 @@ pub(crate) fn planning_inventory(nodes: &[NodeRecord], settings: &Settings) -> I
                         memory_bytes: (d.memory_bytes as f64 * keep) as u64,
                     })
                     .collect(),
+                ..n
             })
             .collect(),
     }

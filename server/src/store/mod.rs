@@ -19,6 +19,7 @@ mod reports;
 mod rows;
 mod schedule;
 mod sessions;
+mod slurm;
 mod tokens;
 
 use std::time::Duration;
@@ -37,7 +38,7 @@ pub use tokens::{Revoked, token_hash};
 use crate::clock::Clock;
 use crate::domain::{
     AssignmentRecord, Job, JobId, JobState, LogLine, NodeId, NodeRecord, RankMemoryRecord, Role,
-    StepRecord, TokenRecord, Transition,
+    SlurmAllocation, StepRecord, TokenRecord, Transition,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -308,12 +309,14 @@ impl Store {
     /// Registers a node; `token_hash` authenticates its heartbeats. Registering again with the
     /// `token_hash` of a known node is the same agent restarted: the node keeps its id, comes
     /// back live with the new name, host and devices, and the jobs it held go back to the queue.
+    /// A node of Slurm `allocation` (its id and job) serves that job only.
     pub async fn register_node(
         &self,
         name: &str,
         host: &str,
         devices: &[DeviceSlot],
         token_hash: &str,
+        allocation: Option<(u64, &JobId)>,
     ) -> Result<NodeRecord, StoreError> {
         let mut tx = self.pool.write().await?;
         let node = nodes::register(
@@ -322,6 +325,7 @@ impl Store {
             host,
             devices,
             token_hash,
+            allocation,
             self.clock.now_ms(),
         )
         .await?;
@@ -554,6 +558,90 @@ impl Store {
             checkpoints_only,
         )
         .await
+    }
+
+    /// Records allocation `a`, whose agents join with the token of hash `token_hash`.
+    pub async fn insert_allocation(
+        &self,
+        a: &SlurmAllocation,
+        token_hash: &str,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.write().await?;
+        slurm::insert(&mut tx.conn(), a, token_hash).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Every live allocation, oldest first.
+    pub async fn live_allocations(&self) -> Result<Vec<SlurmAllocation>, StoreError> {
+        slurm::live(&mut self.pool.acquire().await?.conn(), "TRUE", None).await
+    }
+
+    /// The live allocation whose agents join with the token of hash `token_hash`.
+    pub async fn allocation_by_token(
+        &self,
+        token_hash: &str,
+    ) -> Result<Option<SlurmAllocation>, StoreError> {
+        let mut c = self.pool.acquire().await?;
+        let found = slurm::live(&mut c.conn(), "token_hash = $1", Some(token_hash)).await?;
+        Ok(found.into_iter().next())
+    }
+
+    /// Records what `squeue` said of allocation `slurm_job_id`.
+    pub async fn allocation_seen(
+        &self,
+        slurm_job_id: u64,
+        state: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.write().await?;
+        slurm::seen(&mut tx.conn(), slurm_job_id, state, reason).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Ends allocation `slurm_job_id`: its nodes are lost and the jobs running there go back
+    /// to the queue with `reason` (returned).
+    pub async fn end_allocation(
+        &self,
+        slurm_job_id: u64,
+        reason: &str,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let mut tx = self.pool.write().await?;
+        let requeued =
+            slurm::end(&mut tx.conn(), slurm_job_id, reason, self.clock.now_ms()).await?;
+        tx.commit().await?;
+        Ok(requeued)
+    }
+
+    /// Whether attempt `attempt` of `job` holds devices on nodes of allocation `slurm_job_id`.
+    pub async fn runs_on_allocation(
+        &self,
+        slurm_job_id: u64,
+        job: &JobId,
+        attempt: u32,
+    ) -> Result<bool, StoreError> {
+        slurm::runs_on(
+            &mut self.pool.acquire().await?.conn(),
+            slurm_job_id,
+            job,
+            attempt,
+        )
+        .await
+    }
+
+    /// Sets what job `id`, queued at `attempt`, waits for; the job if it is still so.
+    pub async fn set_waiting_reason(
+        &self,
+        id: &JobId,
+        attempt: u32,
+        reason: &str,
+    ) -> Result<Option<Job>, StoreError> {
+        let mut tx = self.pool.write().await?;
+        let now = self.clock.now_ms();
+        let job = slurm::set_waiting_reason(&mut tx.conn(), id, attempt, reason, now).await?;
+        tx.commit().await?;
+        Ok(job)
     }
 
     /// Stores a bearer token (only its SHA-256 is kept) under `name` with `role`. Storing a

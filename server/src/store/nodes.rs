@@ -18,8 +18,12 @@ pub(super) async fn register(
     host: &str,
     devices: &[DeviceSlot],
     token_hash: &str,
+    allocation: Option<(u64, &JobId)>,
     now: i64,
 ) -> Result<NodeRecord, StoreError> {
+    let (slurm_job, reserved_for) = allocation.unzip();
+    let slurm_job = slurm_job.map(|id| id as i64);
+    let reserved_for = reserved_for.map(JobId::as_str);
     // Devices change: no scheduling pass may be placing on them meanwhile.
     lock_scheduling(c).await?;
     let existing = on!(c, c => {
@@ -36,11 +40,14 @@ pub(super) async fn register(
             on!(c, c => {
                 sqlx::query(
                     "UPDATE nodes SET name = $1, host = $2, registered_at = $3, \
-                     last_heartbeat = $3, lost = FALSE WHERE id = $4",
+                     last_heartbeat = $3, lost = FALSE, allocation = $4, reserved_for = $5 \
+                     WHERE id = $6",
                 )
                 .bind(name)
                 .bind(host)
                 .bind(now)
+                .bind(slurm_job)
+                .bind(reserved_for)
                 .bind(id.as_str())
                 .execute(&mut **c)
                 .await?;
@@ -56,13 +63,16 @@ pub(super) async fn register(
             on!(c, c => {
                 sqlx::query(
                     "INSERT INTO nodes (id, name, host, token_hash, registered_at, \
-                     last_heartbeat, lost) VALUES ($1, $2, $3, $4, $5, $5, FALSE)",
+                     last_heartbeat, lost, allocation, reserved_for) \
+                     VALUES ($1, $2, $3, $4, $5, $5, FALSE, $6, $7)",
                 )
                 .bind(id.as_str())
                 .bind(name)
                 .bind(host)
                 .bind(token_hash)
                 .bind(now)
+                .bind(slurm_job)
+                .bind(reserved_for)
                 .execute(&mut **c)
                 .await?;
             });
@@ -91,6 +101,7 @@ pub(super) async fn register(
         registered_at: now,
         last_heartbeat: now,
         lost: false,
+        reserved_for: reserved_for.map(JobId::from),
     })
 }
 
@@ -152,7 +163,7 @@ pub(super) async fn reap(
 
 /// Sends the jobs holding devices on nodes matching `condition` back to the queue, the reason
 /// naming the node (`what` = "lost", or a full reason when `arg` is given).
-async fn requeue_jobs_on(
+pub(super) async fn requeue_jobs_on(
     c: &mut Conn<'_>,
     condition: &str,
     arg: Option<&str>,

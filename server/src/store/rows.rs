@@ -153,6 +153,7 @@ pub(super) struct NodeDeviceRow {
     registered_at: i64,
     last_heartbeat: i64,
     lost: bool,
+    reserved_for: Option<String>,
     idx: Option<i64>,
     kind: Option<String>,
     memory_bytes: Option<i64>,
@@ -160,7 +161,7 @@ pub(super) struct NodeDeviceRow {
 
 /// The columns of `nodes n LEFT JOIN devices d` that make a [`NodeDeviceRow`].
 pub(super) const NODE_DEVICE_COLUMNS: &str = "n.id, n.name, n.host, n.registered_at, \
-     n.last_heartbeat, n.lost, d.idx, d.kind, d.memory_bytes";
+     n.last_heartbeat, n.lost, n.reserved_for, d.idx, d.kind, d.memory_bytes";
 
 /// Groups rows ordered by node, then device index, into nodes.
 pub(super) fn nodes_from_rows(rows: Vec<NodeDeviceRow>) -> Result<Vec<NodeRecord>, StoreError> {
@@ -175,6 +176,7 @@ pub(super) fn nodes_from_rows(rows: Vec<NodeDeviceRow>) -> Result<Vec<NodeRecord
                 registered_at: r.registered_at,
                 last_heartbeat: r.last_heartbeat,
                 lost: r.lost,
+                reserved_for: r.reserved_for.map(JobId::from),
             });
         }
         let node = nodes.last_mut().expect("pushed above");

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use wire::agent::{Refusal, RefusalReason, Report};
 
 use crate::artifacts;
-use crate::domain::{Job, JobId, JobState, LogLine, NodeRecord, RankMemoryRecord, StepRecord};
+use crate::domain::{Job, JobId, JobState, NodeRecord, RankMemoryRecord, StepRecord};
 use crate::error::ApiError;
 use crate::state::{App, JobEvent};
 
@@ -261,18 +261,7 @@ impl Pending {
             }
         }
         for (job_id, lines) in self.logs.drain() {
-            let last = app.store.append_logs(&job_id, &lines).await?;
-            let first = last - lines.len() as i64 + 1;
-            for (i, (at, line)) in lines.into_iter().enumerate() {
-                app.publish(JobEvent::Log {
-                    job_id: job_id.clone(),
-                    line: LogLine {
-                        seq: first + i as i64,
-                        at,
-                        line,
-                    },
-                });
-            }
+            app.append_logs_at(&job_id, lines).await?;
         }
         Ok(())
     }

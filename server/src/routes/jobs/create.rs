@@ -115,7 +115,10 @@ pub async fn create(
         resumes_from(&state, &parsed.spec, from).await?;
     }
     let nodes = state.store.nodes().await?;
-    let plan = match plan::plan(&parsed.spec, &planning_inventory(&nodes, &state.settings)) {
+    let plan = match plan::plan(
+        &parsed.spec,
+        &planning_inventory(&nodes, state.slurm.as_ref(), &state.settings),
+    ) {
         // The operator queues jobs for capacity still to come: planned on unbounded devices
         // of that kind, they wait until placement finds devices that hold them.
         Err(scheduler::Error::NoDevicesOfKind(kind))
