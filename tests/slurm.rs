@@ -209,6 +209,27 @@ impl Cluster {
         self.daemons.push((name.to_owned(), child));
     }
 
+    /// Kills node `name`'s slurmd (SIGKILL: the node as if it died).
+    fn kill_slurmd(&mut self, name: &str) {
+        let label = format!("slurmd {name}");
+        let at = self
+            .daemons
+            .iter()
+            .position(|(n, _)| *n == label)
+            .expect("a slurmd");
+        let (_, mut child) = self.daemons.remove(at);
+        child.kill().expect("kill slurmd");
+        child.wait().expect("reap slurmd");
+    }
+
+    /// Starts node `name`'s slurmd again (the node came back).
+    fn start_slurmd(&mut self, name: &str) {
+        let conf = self.dir.path().join("slurm.conf").display().to_string();
+        let mut c = self.command("slurmd");
+        c.args(["-D", "-f", &conf, "-N", name]);
+        self.spawn(&format!("slurmd {name}"), &mut c);
+    }
+
     /// The daemons' logs, for a failure's message.
     fn logs(&self) -> String {
         let mut out = String::new();
@@ -558,5 +579,80 @@ async fn a_job_waiting_for_nodes_shows_slurms_reason_and_cancel_releases_it() {
     )
     .await;
     assert!(cluster.output("scancel", &[&blocker]).is_some());
+    until_squeue_is_empty(&cluster).await;
+}
+
+/// The pids of the `zerotrain agent --slurm` processes Slurm runs on node `name`.
+fn agents_on(name: &str) -> Vec<i32> {
+    let node = format!("SLURMD_NODENAME={name}");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let read =
+                |what: &str| std::fs::read(format!("/proc/{pid}/{what}")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&read("cmdline")).replace('\0', " ");
+            let environ = read("environ");
+            cmdline.contains(" agent --slurm ")
+                && environ.split(|&b| b == 0).any(|v| v == node.as_bytes())
+        })
+        .collect()
+}
+
+/// A node that dies mid-job (its slurmd and its agent killed) costs the job its attempt, not
+/// its progress: the job goes back to the queue, gets a new allocation once the node is back,
+/// resumes from its last checkpoint and ends at the loss of an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_node_dies_is_requeued_and_resumes_from_its_checkpoint() {
+    let Some(mut cluster) = cluster("a_job_whose_node_dies_is_requeued") else {
+        return;
+    };
+    let spec = two_rank_job(80, 10);
+    let want = reference_loss(&spec).await;
+    let live = server(&cluster).await;
+    let id = submit(&live, &spec).await;
+    poll(
+        Duration::from_secs(180),
+        Duration::from_millis(20),
+        || async {
+            let m = get(&live, &format!("/v1/jobs/{id}/metrics")).await;
+            let steps = m["steps"].as_array().map_or(0, Vec::len);
+            (steps >= 25)
+                .then_some(())
+                .ok_or(format!("no progress: {steps} steps"))
+        },
+    )
+    .await;
+    cluster.kill_slurmd("n1");
+    let agents = agents_on("n1");
+    assert!(!agents.is_empty(), "no agent runs on n1");
+    for pid in agents {
+        // SAFETY: kill has no preconditions.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let url = live.server.url();
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async {
+            let job = get(&live, &format!("/v1/jobs/{id}")).await;
+            (job["attempt"] == 2).then_some(()).ok_or(job.to_string())
+        },
+    )
+    .await;
+    cluster.start_slurmd("n1");
+    let job = live::until_state(
+        &url,
+        &live.admin,
+        &id,
+        &["succeeded"],
+        Duration::from_secs(300),
+    )
+    .await;
+    let log = logs(&live, &id).await;
+    assert_eq!(job["attempt"], 2, "{}\n{log}", job["transitions"]);
+    assert_eq!(final_loss(&live, &id).await, want);
+    assert!(log.contains("resumed from the checkpoint of step"), "{log}");
     until_squeue_is_empty(&cluster).await;
 }

@@ -15,6 +15,8 @@ CREATE TABLE slurm_allocations (
 );
 CREATE INDEX slurm_allocations_live ON slurm_allocations (job_id) WHERE ended_at IS NULL;
 
--- The allocation that started a node's agent, and its job: the node serves that job only.
+-- The allocation that started a node's agent, and its job and attempt: the node serves that
+-- attempt only.
 ALTER TABLE nodes ADD COLUMN allocation INTEGER;
 ALTER TABLE nodes ADD COLUMN reserved_for TEXT;
+ALTER TABLE nodes ADD COLUMN reserved_attempt INTEGER;

@@ -47,8 +47,9 @@ pub struct BoardNode {
     pub id: NodeId,
     pub name: String,
     pub devices: Vec<BoardDevice>,
-    /// The job whose allocation started this node's agent: it serves that job only.
-    pub reserved_for: Option<JobId>,
+    /// The job and attempt whose allocation started this node's agent: it serves that
+    /// attempt only (a later attempt of the job gets an allocation of its own).
+    pub reserved_for: Option<(JobId, u32)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -95,10 +96,10 @@ pub fn decide<'a>(
     max_ranks: u32,
 ) -> Decided {
     let mut held: HeldRanks = quota.held.clone();
-    let mut reserved: HashMap<&JobId, Vec<&BoardNode>> = HashMap::new();
+    let mut reserved: HashMap<(&JobId, u32), Vec<&BoardNode>> = HashMap::new();
     for n in nodes {
-        if let Some(job) = &n.reserved_for {
-            reserved.entry(job).or_default().push(n);
+        if let Some((job, attempt)) = &n.reserved_for {
+            reserved.entry((job, *attempt)).or_default().push(n);
         }
     }
     let mut free = Free::new(nodes.iter().filter(|n| n.reserved_for.is_none()));
@@ -110,7 +111,7 @@ pub fn decide<'a>(
     let mut failed: HashSet<(u32, u64, DeviceKind)> = HashSet::new();
     for job in queue {
         // All of its allocation's nodes or none; until they are all there it waits.
-        if let Some(own) = reserved.get(&job.id) {
+        if let Some(own) = reserved.get(&(&job.id, job.attempt)) {
             let slots =
                 Free::new(own.iter().copied()).place(job.world_size as usize, margin, &job.plan);
             if let Some(slots) = slots {
@@ -275,10 +276,10 @@ mod tests {
         }
     }
 
-    /// `node` started for job `job` alone.
+    /// `node` started for attempt 1 of job `job` alone.
     fn reserved(id: &str, gbs: &[u64], job: &str) -> BoardNode {
         BoardNode {
-            reserved_for: Some(job.into()),
+            reserved_for: Some((job.into(), 1)),
             ..node(id, gbs)
         }
     }
@@ -362,6 +363,10 @@ mod tests {
         let open = [node("n", &[16, 16, 16, 16]), one[0].clone()];
         let d = decide(&queue, &open, 0.0);
         assert_eq!(placed(&d), ["first"]);
+        // Its next attempt waits for an allocation of its own.
+        let mut again = queue[1].clone();
+        again.attempt = 2;
+        assert!(decide(&[again], &both, 0.0).is_empty());
     }
 
     #[test]

@@ -15,7 +15,8 @@ use futures::StreamExt;
 use scheduler::plan::Plan;
 use scheduler::spec::{Auto, ZeroStage};
 use serde_json::json;
-use server::domain::{JobId, JobState};
+use server::domain::{JobId, JobState, SlurmAllocation};
+use server::store::token_hash;
 use tower::ServiceExt;
 use wire::agent::{Heartbeat, HeartbeatResponse, RankSlot, RankTransport, RefusalReason, Report};
 
@@ -288,6 +289,7 @@ async fn a_failed_report_fails_the_job_with_the_error_as_its_reason() {
         job_id: id.clone(),
         attempt: 1,
         error: "rank 0 needs 3 GB, its device has 2 GB".into(),
+        peer: false,
     };
     app.beat(&node, vec![failed], vec![]).await;
     let job = app.job(&id).await;
@@ -296,6 +298,116 @@ async fn a_failed_report_fails_the_job_with_the_error_as_its_reason() {
         job["reason"],
         "failed on n1: rank 0 needs 3 GB, its device has 2 GB"
     );
+}
+
+/// A Slurm allocation's token registers nodes that serve its job alone: the scheduler gives
+/// that job those nodes and no other job, and once the allocation ends its nodes are lost, the
+/// job goes back to the queue and the token registers nothing more.
+#[tokio::test]
+async fn an_allocations_token_registers_nodes_for_its_job_only() {
+    let app = TestApp::new().await;
+    let open = app.register("open", 1, 2 * GIB).await;
+    let busy: JobId = app.submit_ok(&tiny_spec(1)).await.into();
+    assert_eq!(app.schedule().await, 1);
+    let mine: JobId = app.submit_ok(&tiny_spec(1)).await.into();
+    let other: JobId = app.submit_ok(&tiny_spec(1)).await.into();
+    let allocation = SlurmAllocation {
+        slurm_job_id: 7,
+        job_id: mine.clone(),
+        attempt: 1,
+        partition: "gpu".into(),
+        nodes: 1,
+        state: "SUBMITTED".into(),
+        reason: "None".into(),
+        submitted_at: 0,
+    };
+    let store = &app.state.store;
+    store
+        .insert_allocation(&allocation, &token_hash("alloc-token"))
+        .await
+        .unwrap();
+    let req = json!({"name": "s1", "host": "10.9.9.9",
+        "devices": [{"kind": "cpu", "memory_bytes": 2 * GIB}]});
+    let register = || {
+        app.call(
+            Method::POST,
+            "/v1/agents/register",
+            Some("alloc-token"),
+            Some(&req),
+        )
+    };
+    let a = register().await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    // `other` is ahead of nothing but may not take the allocation's node; `mine` takes it.
+    assert_eq!(app.schedule().await, 1);
+    let placed = app.job(&mine).await;
+    assert_eq!(placed["state"], "scheduled", "{placed}");
+    assert!(
+        placed["reason"].as_str().unwrap().contains("s1"),
+        "{placed}"
+    );
+    assert_eq!(app.job(&other).await["state"], "queued");
+    let nodes = app.get("/v1/nodes").await.json();
+    let reserved: Vec<(&str, &serde_json::Value)> = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| (n["name"].as_str().unwrap(), &n["reserved_for"]))
+        .collect();
+    assert_eq!(
+        reserved,
+        [
+            ("open", &serde_json::Value::Null),
+            ("s1", &json!(mine.as_str()))
+        ]
+    );
+
+    let requeued = store
+        .end_allocation(7, "Slurm job 7 ended: TIMEOUT")
+        .await
+        .unwrap();
+    assert_eq!(requeued, [mine.clone()]);
+    let job = app.job(&mine).await;
+    assert_eq!(
+        (&job["state"], &job["attempt"]),
+        (&json!("queued"), &json!(2))
+    );
+    assert_eq!(job["reason"], "Slurm job 7 ended: TIMEOUT");
+    assert_eq!(register().await.status, StatusCode::UNAUTHORIZED);
+    drop((open, busy));
+}
+
+/// A node whose ranks failed only because a peer on another node went away requeues the job
+/// (the peer's node may have died and will never report), three times; the fourth such failure
+/// fails it.
+#[tokio::test]
+async fn a_peers_loss_requeues_the_job_three_times_then_fails_it() {
+    let app = TestApp::new().await;
+    let node = app.register("n1", 1, 2 * GIB).await;
+    let id: JobId = app.submit_ok(&tiny_spec(1)).await.into();
+    let peer_failed = |attempt| Report::Failed {
+        job_id: id.clone(),
+        attempt,
+        error: "rank 1: peer rank 0 closed its connection (it exited or failed)".into(),
+        peer: true,
+    };
+    for attempt in 1..=3 {
+        app.schedule().await;
+        app.beat(&node, vec![peer_failed(attempt)], vec![]).await;
+        let job = app.job(&id).await;
+        assert_eq!(job["state"], "queued", "{job}");
+        assert_eq!(job["attempt"], attempt + 1);
+        assert_eq!(
+            job["reason"],
+            "requeued, a peer was lost on n1: rank 1: peer rank 0 closed its connection \
+             (it exited or failed)"
+        );
+    }
+    app.schedule().await;
+    app.beat(&node, vec![peer_failed(4)], vec![]).await;
+    let job = app.job(&id).await;
+    assert_eq!(job["state"], "failed", "{job}");
+    assert_eq!(job["attempt"], 4);
 }
 
 #[tokio::test]
@@ -353,6 +465,7 @@ async fn a_lost_node_sends_its_jobs_back_to_the_queue_and_must_register_again() 
         job_id: id.clone(),
         attempt: 1,
         error: "late".into(),
+        peer: false,
     };
     let reply = app.beat(&other, vec![late], vec![(id.clone(), 1)]).await;
     assert_eq!(app.job(&id).await["state"], "scheduled");
@@ -513,6 +626,7 @@ async fn following_logs_streams_every_line_then_ends_with_the_job() {
         job_id: id.clone(),
         attempt: 1,
         error: "boom".into(),
+        peer: false,
     };
     app.beat(&node, vec![log("three"), failed], vec![]).await;
     events.extend(follower.take(usize::MAX).await);
@@ -564,6 +678,7 @@ async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_coun
             job_id: id.clone(),
             attempt: 1,
             error: "forged".into(),
+            peer: false,
         },
         Report::Finished {
             job_id: id.clone(),
@@ -574,6 +689,7 @@ async fn a_node_s_reports_for_a_job_running_on_another_node_are_refused_and_coun
             job_id: "no-such-job".into(),
             attempt: 1,
             error: "forged".into(),
+            peer: false,
         },
     ];
     let reply = app.beat(&intruder, forged, vec![]).await;

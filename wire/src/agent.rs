@@ -172,6 +172,11 @@ pub enum Report {
         job_id: JobId,
         attempt: u32,
         error: String,
+        /// Every rank here failed only because a rank on another node left or failed (its
+        /// connection closed, it stalled): the cause lies elsewhere, perhaps in a node that
+        /// died and will never report.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        peer: bool,
     },
     /// Ranks stopped on a cancellation.
     Cancelled { job_id: JobId, attempt: u32 },

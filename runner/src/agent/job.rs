@@ -108,6 +108,7 @@ pub(super) fn start(
                     job_id: job_id.clone(),
                     attempt,
                     error: e.to_string(),
+                    peer: matches!(e, Error::Peer { .. }),
                 });
             }
         }

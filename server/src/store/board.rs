@@ -412,11 +412,23 @@ pub(super) async fn sync(
     Ok(true)
 }
 
+/// A live node's device, with the job and attempt the node is reserved for.
+type NodeRow = (
+    String,
+    String,
+    Option<String>,
+    Option<i64>,
+    i64,
+    String,
+    i64,
+);
+
 /// Reads the devices of live nodes again and marks those the board's holds hold.
 async fn load_nodes(c: &mut Conn<'_>, board: &mut Board) -> Result<(), StoreError> {
     let rows = on!(c, c => {
-        sqlx::query_as::<_, (String, String, Option<String>, i64, String, i64)>(
-            "SELECT d.node_id, n.name, n.reserved_for, d.idx, d.kind, d.memory_bytes \
+        sqlx::query_as::<_, NodeRow>(
+            "SELECT d.node_id, n.name, n.reserved_for, n.reserved_attempt, d.idx, d.kind, \
+             d.memory_bytes \
              FROM devices d JOIN nodes n ON n.id = d.node_id \
              WHERE NOT n.lost ORDER BY n.registered_at, n.id, d.idx",
         )
@@ -425,7 +437,7 @@ async fn load_nodes(c: &mut Conn<'_>, board: &mut Board) -> Result<(), StoreErro
     });
     board.nodes.clear();
     board.node_at.clear();
-    for (node_id, name, reserved_for, index, kind_name, bytes) in rows {
+    for (node_id, name, job, attempt, index, kind_name, bytes) in rows {
         let node_id = NodeId::from(node_id);
         if board.nodes.last().is_none_or(|n| n.id != node_id) {
             board.node_at.insert(node_id.clone(), board.nodes.len());
@@ -433,7 +445,10 @@ async fn load_nodes(c: &mut Conn<'_>, board: &mut Board) -> Result<(), StoreErro
                 id: node_id,
                 name,
                 devices: Vec::new(),
-                reserved_for: reserved_for.map(JobId::from),
+                reserved_for: match (job, attempt) {
+                    (Some(job), Some(attempt)) => Some((job.into(), to_u32(attempt, "attempt")?)),
+                    _ => None,
+                },
             });
         }
         board

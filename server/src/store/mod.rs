@@ -309,14 +309,14 @@ impl Store {
     /// Registers a node; `token_hash` authenticates its heartbeats. Registering again with the
     /// `token_hash` of a known node is the same agent restarted: the node keeps its id, comes
     /// back live with the new name, host and devices, and the jobs it held go back to the queue.
-    /// A node of Slurm `allocation` (its id and job) serves that job only.
+    /// A node of Slurm `allocation` serves that allocation's attempt of its job only.
     pub async fn register_node(
         &self,
         name: &str,
         host: &str,
         devices: &[DeviceSlot],
         token_hash: &str,
-        allocation: Option<(u64, &JobId)>,
+        allocation: Option<&SlurmAllocation>,
     ) -> Result<NodeRecord, StoreError> {
         let mut tx = self.pool.write().await?;
         let node = nodes::register(

@@ -10,7 +10,9 @@ use super::rows::{
     nodes_from_rows, to_u32,
 };
 use super::{jobs, lease};
-use crate::domain::{AssignmentRecord, Job, JobId, JobState, NodeId, NodeRecord, mint};
+use crate::domain::{
+    AssignmentRecord, Job, JobId, JobState, NodeId, NodeRecord, SlurmAllocation, mint,
+};
 
 pub(super) async fn register(
     c: &mut Conn<'_>,
@@ -18,12 +20,12 @@ pub(super) async fn register(
     host: &str,
     devices: &[DeviceSlot],
     token_hash: &str,
-    allocation: Option<(u64, &JobId)>,
+    allocation: Option<&SlurmAllocation>,
     now: i64,
 ) -> Result<NodeRecord, StoreError> {
-    let (slurm_job, reserved_for) = allocation.unzip();
-    let slurm_job = slurm_job.map(|id| id as i64);
-    let reserved_for = reserved_for.map(JobId::as_str);
+    let slurm_job = allocation.map(|a| a.slurm_job_id as i64);
+    let reserved_for = allocation.map(|a| a.job_id.as_str());
+    let reserved_attempt = allocation.map(|a| i64::from(a.attempt));
     // Devices change: no scheduling pass may be placing on them meanwhile.
     lock_scheduling(c).await?;
     let existing = on!(c, c => {
@@ -40,14 +42,15 @@ pub(super) async fn register(
             on!(c, c => {
                 sqlx::query(
                     "UPDATE nodes SET name = $1, host = $2, registered_at = $3, \
-                     last_heartbeat = $3, lost = FALSE, allocation = $4, reserved_for = $5 \
-                     WHERE id = $6",
+                     last_heartbeat = $3, lost = FALSE, allocation = $4, reserved_for = $5, \
+                     reserved_attempt = $6 WHERE id = $7",
                 )
                 .bind(name)
                 .bind(host)
                 .bind(now)
                 .bind(slurm_job)
                 .bind(reserved_for)
+                .bind(reserved_attempt)
                 .bind(id.as_str())
                 .execute(&mut **c)
                 .await?;
@@ -63,8 +66,8 @@ pub(super) async fn register(
             on!(c, c => {
                 sqlx::query(
                     "INSERT INTO nodes (id, name, host, token_hash, registered_at, \
-                     last_heartbeat, lost, allocation, reserved_for) \
-                     VALUES ($1, $2, $3, $4, $5, $5, FALSE, $6, $7)",
+                     last_heartbeat, lost, allocation, reserved_for, reserved_attempt) \
+                     VALUES ($1, $2, $3, $4, $5, $5, FALSE, $6, $7, $8)",
                 )
                 .bind(id.as_str())
                 .bind(name)
@@ -73,6 +76,7 @@ pub(super) async fn register(
                 .bind(now)
                 .bind(slurm_job)
                 .bind(reserved_for)
+                .bind(reserved_attempt)
                 .execute(&mut **c)
                 .await?;
             });

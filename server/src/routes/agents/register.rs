@@ -54,10 +54,7 @@ pub async fn register(
         Joining::Agent => (None, None),
         Joining::Allocation(a) => {
             let slurm_node = state.slurm.as_ref().and_then(|s| s.node(&req.name));
-            (
-                slurm_node.map(|n| n.addr),
-                Some((a.slurm_job_id, &a.job_id)),
-            )
+            (slurm_node.map(|n| n.addr), Some(a))
         }
     };
     let host = slurm_host.clone().unwrap_or_else(|| req.host.clone());

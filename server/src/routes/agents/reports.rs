@@ -15,6 +15,13 @@ use crate::state::{App, JobEvent};
 
 const LIVE: [JobState; 2] = [JobState::Scheduled, JobState::Running];
 
+/// How a requeue after a peer's loss starts its reason.
+const PEER_LOST: &str = "requeued, a peer was lost";
+/// Attempts a job may lose to a peer's loss before such a failure fails it: a node that died
+/// never reports, so its peers' reports requeue the job (sooner than the heartbeat timeout
+/// would), but a rank that fails the same way every attempt must not requeue it forever.
+const PEER_REQUEUES: usize = 3;
+
 /// Steps and log lines of one beat, stored together per job before anything moves the job, so
 /// a follower that sees the job end has seen its last lines.
 #[derive(Default)]
@@ -233,11 +240,21 @@ pub(super) async fn apply(
                     refresh(&mut views, moved);
                 }
             }
-            Report::Failed { error, .. } => {
+            Report::Failed { error, peer, .. } => {
                 pending.flush(app).await?;
-                let reason = format!("failed on {}: {error}", node.name);
+                let (to, reason) = if peer && peer_requeues(app, &job.id).await? < PEER_REQUEUES {
+                    (
+                        JobState::Queued,
+                        format!("{PEER_LOST} on {}: {error}", node.name),
+                    )
+                } else {
+                    (
+                        JobState::Failed,
+                        format!("failed on {}: {error}", node.name),
+                    )
+                };
                 let moved = app
-                    .transition_attempt(&job.id, attempt, &LIVE, JobState::Failed, &reason)
+                    .transition_attempt(&job.id, attempt, &LIVE, to, &reason)
                     .await?;
                 refresh(&mut views, moved);
             }
@@ -274,4 +291,13 @@ fn refresh(views: &mut HashMap<JobId, View>, moved: Option<Job>) {
     {
         view.job = Some(job);
     }
+}
+
+/// How often job `id` went back to the queue for a lost peer.
+async fn peer_requeues(app: &App, id: &JobId) -> Result<usize, ApiError> {
+    let transitions = app.store.transitions(id).await?;
+    Ok(transitions
+        .iter()
+        .filter(|t| t.to == JobState::Queued && t.reason.starts_with(PEER_LOST))
+        .count())
 }
