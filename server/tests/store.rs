@@ -182,6 +182,7 @@ suite! {
     #[tokio::test] heartbeats_of_unknown_or_lost_nodes_are_refused,
     #[tokio::test] reaping_requeues_the_jobs_of_silent_nodes_and_frees_their_devices,
     #[tokio::test] registering_again_with_a_known_token_keeps_the_id_and_requeues_its_jobs,
+    #[tokio::test] an_allocation_lives_until_ended_and_its_end_requeues_the_job_on_its_nodes,
     #[tokio::test] schedule_shows_the_queue_by_priority_then_age_and_the_free_devices,
     #[tokio::test] schedule_never_hands_out_a_held_device,
     #[tokio::test] schedule_drops_invalid_decisions,
@@ -1101,6 +1102,95 @@ async fn registering_again_with_a_known_token_keeps_the_id_and_requeues_its_jobs
     let j = s.get_job(&j.id).await.unwrap().unwrap();
     assert_eq!((j.state, j.attempt), (JobState::Queued, 3));
     assert_eq!(j.reason, "node n registered again");
+}
+
+async fn an_allocation_lives_until_ended_and_its_end_requeues_the_job_on_its_nodes(db: TestDb) {
+    let s = &db.store;
+    let j = submit(s, "j", 0, 1).await;
+    let a = server::domain::SlurmAllocation {
+        slurm_job_id: 4_000_000_001,
+        job_id: j.id.clone(),
+        attempt: 1,
+        partition: "gpu".into(),
+        nodes: 1,
+        state: "SUBMITTED".into(),
+        reason: "None".into(),
+        submitted_at: 5,
+    };
+    s.insert_allocation(&a, &token_hash("alloc")).await.unwrap();
+    assert_eq!(s.live_allocations().await.unwrap(), [a.clone()]);
+    assert_eq!(
+        s.allocation_by_token(&token_hash("alloc")).await.unwrap(),
+        Some(a.clone())
+    );
+    assert_eq!(
+        s.allocation_by_token(&token_hash("other")).await.unwrap(),
+        None
+    );
+    s.allocation_seen(a.slurm_job_id, "PENDING", "Resources")
+        .await
+        .unwrap();
+    let waiting = s
+        .set_waiting_reason(
+            &j.id,
+            1,
+            "waiting for Slurm job 4000000001: PENDING (Resources)",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((waiting.state, waiting.attempt), (JobState::Queued, 1));
+    assert_eq!(s.set_waiting_reason(&j.id, 2, "stale").await.unwrap(), None);
+    let seen = &s.live_allocations().await.unwrap()[0];
+    assert_eq!(
+        (seen.state.as_str(), seen.reason.as_str()),
+        ("PENDING", "Resources")
+    );
+
+    let n = s
+        .register_node(
+            "s1",
+            "10.0.0.1",
+            &devices(1),
+            &token_hash("s1-token"),
+            Some(&a),
+        )
+        .await
+        .unwrap();
+    assert_eq!(n.reserved_for.as_ref(), Some(&j.id));
+    let other = node(s, "open", 1).await;
+    assert_eq!(other.reserved_for, None);
+    assert!(
+        !s.runs_on_allocation(a.slurm_job_id, &j.id, 1)
+            .await
+            .unwrap()
+    );
+    let (_, applied) = schedule_first_fit(s).await;
+    assert_eq!(applied.len(), 1);
+    // First fit takes the node registered first: the allocation's.
+    assert_eq!(applied[0].slots[0].0, n.id);
+    assert!(
+        s.runs_on_allocation(a.slurm_job_id, &j.id, 1)
+            .await
+            .unwrap()
+    );
+
+    let requeued = s
+        .end_allocation(a.slurm_job_id, "Slurm job ended: TIMEOUT")
+        .await
+        .unwrap();
+    assert_eq!(requeued, [j.id.clone()]);
+    let j = s.get_job(&j.id).await.unwrap().unwrap();
+    assert_eq!((j.state, j.attempt), (JobState::Queued, 2));
+    assert_eq!(j.reason, "Slurm job ended: TIMEOUT");
+    assert!(s.live_allocations().await.unwrap().is_empty());
+    assert_eq!(
+        s.allocation_by_token(&token_hash("alloc")).await.unwrap(),
+        None
+    );
+    let nodes = s.nodes().await.unwrap();
+    assert!(nodes.iter().find(|x| x.id == n.id).unwrap().lost);
+    assert!(!nodes.iter().find(|x| x.id == other.id).unwrap().lost);
 }
 
 // ---------------------------------------------------------------------------------------------
