@@ -366,7 +366,7 @@ async fn an_allocations_token_registers_nodes_for_its_job_only() {
         .end_allocation(7, "Slurm job 7 ended: TIMEOUT")
         .await
         .unwrap();
-    assert_eq!(requeued, [mine.clone()]);
+    assert_eq!(requeued, std::slice::from_ref(&mine));
     let job = app.job(&mine).await;
     assert_eq!(
         (&job["state"], &job["attempt"]),

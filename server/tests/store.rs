@@ -1118,7 +1118,7 @@ async fn an_allocation_lives_until_ended_and_its_end_requeues_the_job_on_its_nod
         submitted_at: 5,
     };
     s.insert_allocation(&a, &token_hash("alloc")).await.unwrap();
-    assert_eq!(s.live_allocations().await.unwrap(), [a.clone()]);
+    assert_eq!(s.live_allocations().await.unwrap(), std::slice::from_ref(&a));
     assert_eq!(
         s.allocation_by_token(&token_hash("alloc")).await.unwrap(),
         Some(a.clone())
@@ -1179,7 +1179,7 @@ async fn an_allocation_lives_until_ended_and_its_end_requeues_the_job_on_its_nod
         .end_allocation(a.slurm_job_id, "Slurm job ended: TIMEOUT")
         .await
         .unwrap();
-    assert_eq!(requeued, [j.id.clone()]);
+    assert_eq!(requeued, std::slice::from_ref(&j.id));
     let j = s.get_job(&j.id).await.unwrap().unwrap();
     assert_eq!((j.state, j.attempt), (JobState::Queued, 2));
     assert_eq!(j.reason, "Slurm job ended: TIMEOUT");
