@@ -1118,7 +1118,10 @@ async fn an_allocation_lives_until_ended_and_its_end_requeues_the_job_on_its_nod
         submitted_at: 5,
     };
     s.insert_allocation(&a, &token_hash("alloc")).await.unwrap();
-    assert_eq!(s.live_allocations().await.unwrap(), std::slice::from_ref(&a));
+    assert_eq!(
+        s.live_allocations().await.unwrap(),
+        std::slice::from_ref(&a)
+    );
     assert_eq!(
         s.allocation_by_token(&token_hash("alloc")).await.unwrap(),
         Some(a.clone())

@@ -16,19 +16,37 @@ use scheduler::queue::QueuedJob;
 use super::batch::{self, Queued, Request};
 use super::{Script, Slurm, SlurmError};
 use crate::auth::new_token;
-use crate::domain::{JobState, SlurmAllocation};
+use crate::domain::{JobId, JobState, SlurmAllocation};
 use crate::state::AppState;
 use crate::store::{StoreError, token_hash};
 
 /// How long a job whose `sbatch` failed waits before the next try.
 const RETRY_AFTER: Duration = Duration::from_secs(60);
+/// Queued jobs a pass looks at for an allocation, in scheduling order (the rest wait for the
+/// next pass: each costs a placement over the partitions' nodes).
+const CONSIDERED_PER_PASS: usize = 256;
 /// Lines of an allocation's output file copied into its job's log.
 const OUTPUT_LINES: usize = 200;
 
-/// Jobs whose last `sbatch` failed, and when.
+/// Attempts of jobs whose last allocation Slurm refused or ended before the job ran on it,
+/// and when: they wait [`RETRY_AFTER`] before the next (a node that cannot run the agent must
+/// not cost an allocation a pass).
 #[derive(Default)]
 pub struct Progress {
-    refused: HashMap<(crate::domain::JobId, u32), Instant>,
+    refused: HashMap<(JobId, u32), Instant>,
+}
+
+impl Progress {
+    fn refuse(&mut self, key: (JobId, u32)) {
+        self.refused.retain(|_, t| t.elapsed() < RETRY_AFTER);
+        self.refused.insert(key, Instant::now());
+    }
+
+    fn refused_lately(&self, key: &(JobId, u32)) -> bool {
+        self.refused
+            .get(key)
+            .is_some_and(|t| t.elapsed() < RETRY_AFTER)
+    }
 }
 
 /// One pass over the allocations, then allocations for `waiting` (queued jobs this pass did
@@ -40,7 +58,7 @@ pub async fn pass(
 ) -> Result<(), StoreError> {
     let progress = &slurm.progress;
     let live = state.store.live_allocations().await?;
-    let mut covered: HashSet<(crate::domain::JobId, u32)> = HashSet::new();
+    let mut covered: HashSet<(JobId, u32)> = HashSet::new();
     if !live.is_empty() {
         let queue = match squeue(slurm).await {
             Ok(q) => q,
@@ -55,24 +73,17 @@ pub async fn pass(
             }
         }
     }
-    for job in waiting {
+    for job in waiting.into_iter().take(CONSIDERED_PER_PASS) {
         let key = (job.id.clone(), job.attempt);
-        let refused_lately = progress
-            .lock()
-            .expect("not poisoned")
-            .refused
-            .get(&key)
-            .is_some_and(|t| t.elapsed() < RETRY_AFTER);
-        if covered.contains(&key) || refused_lately {
+        let refused = progress.lock().expect("not poisoned").refused_lately(&key);
+        if covered.contains(&key) || refused {
             continue;
         }
         let Some(request) = request_for(state, slurm, &job) else {
             continue;
         };
         if !submit(state, slurm, &request).await? {
-            let mut p = progress.lock().expect("not poisoned");
-            p.refused.retain(|_, t| t.elapsed() < RETRY_AFTER);
-            p.refused.insert(key, Instant::now());
+            progress.lock().expect("not poisoned").refuse(key);
         }
     }
     Ok(())
@@ -118,9 +129,18 @@ async fn follow(
         return Ok(false);
     }
     let Some(q) = queued.filter(|_| running) else {
-        let what = queued.map_or("Slurm no longer lists it".to_string(), |q| {
+        let mut what = queued.map_or("Slurm no longer lists it".to_string(), |q| {
             format!("{} ({})", q.state, q.reason)
         });
+        // Ended before the job ran on it: the next allocation waits a while.
+        if current.is_some_and(|j| j.state == JobState::Queued) {
+            slurm
+                .progress
+                .lock()
+                .expect("not poisoned")
+                .refuse((a.job_id.clone(), a.attempt));
+            what += &format!(" before the job ran on it; asking again in {RETRY_AFTER:?}");
+        }
         end(state, slurm, a, &format!("Slurm job {id} ended: {what}")).await?;
         return Ok(false);
     };
