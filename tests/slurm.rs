@@ -527,7 +527,15 @@ async fn a_job_waiting_for_nodes_shows_slurms_reason_and_cancel_releases_it() {
     let blocker = cluster
         .output(
             "sbatch",
-            &["--parsable", "-N2", "-w", "n1,n2", "--wrap", "sleep 600"],
+            &[
+                "--parsable",
+                "--output=/dev/null",
+                "-N2",
+                "-w",
+                "n1,n2",
+                "--wrap",
+                "sleep 600",
+            ],
         )
         .expect("sbatch");
     let blocker = blocker.trim().to_string();
