@@ -172,6 +172,7 @@ pub struct SlurmSettings {
     /// admitted against its nodes' shape, and a queued job no registered node takes gets an
     /// allocation of its own there, whose agents serve it alone.
     #[arg(
+        id = "slurm_partition",
         long = "slurm-partition",
         value_name = "NAME",
         env = "ZEROTRAIN_SLURM_PARTITION",
@@ -182,6 +183,7 @@ pub struct SlurmSettings {
     /// comma-separated), over the built-in table (docs/operations.md). A node whose GPUs'
     /// type is in neither offers none.
     #[arg(
+        id = "slurm_gpu_memory",
         long = "slurm-gpu-memory",
         value_name = "TYPE=SIZE",
         env = "ZEROTRAIN_SLURM_GPU_MEMORY",
@@ -191,17 +193,25 @@ pub struct SlurmSettings {
     pub gpu_memory: Vec<(String, u64)>,
     /// Virtual CPU devices a partition node without GPUs offers (0: none).
     #[arg(
+        id = "slurm_cpu_devices",
         long = "slurm-cpu-devices",
         env = "ZEROTRAIN_SLURM_CPU_DEVICES",
         default_value_t = 1
     )]
     pub cpu_devices: usize,
     /// The memory budget of each such device, at most the node's memory shared among them.
-    #[arg(long = "slurm-device-memory", env = "ZEROTRAIN_SLURM_DEVICE_MEMORY", default_value = "2GiB", value_parser = parse_size)]
+    #[arg(
+        id = "slurm_device_memory",
+        long = "slurm-device-memory",
+        env = "ZEROTRAIN_SLURM_DEVICE_MEMORY",
+        default_value = "2GiB",
+        value_parser = parse_size
+    )]
     pub device_memory: u64,
     /// The `zerotrain` binary as the partition's nodes see it [default: this server's own
     /// path, for nodes that share its filesystem].
     #[arg(
+        id = "slurm_agent_binary",
         long = "slurm-agent-binary",
         env = "ZEROTRAIN_SLURM_AGENT_BINARY",
         value_name = "PATH"
@@ -209,11 +219,21 @@ pub struct SlurmSettings {
     pub agent_binary: Option<PathBuf>,
     /// The cluster's slurm.conf, as `SLURM_CONF` for the Slurm commands the server runs
     /// [default: Slurm's own lookup].
-    #[arg(long = "slurm-conf", env = "ZEROTRAIN_SLURM_CONF", value_name = "PATH")]
+    #[arg(
+        id = "slurm_conf",
+        long = "slurm-conf",
+        env = "ZEROTRAIN_SLURM_CONF",
+        value_name = "PATH"
+    )]
     pub conf: Option<PathBuf>,
     /// The URL the allocations' agents reach this server at [default: the public URL, else
     /// the address it listens on].
-    #[arg(long = "slurm-server-url", env = "ZEROTRAIN_SLURM_SERVER_URL", value_parser = parse_public_url)]
+    #[arg(
+        id = "slurm_server_url",
+        long = "slurm-server-url",
+        env = "ZEROTRAIN_SLURM_SERVER_URL",
+        value_parser = parse_public_url
+    )]
     pub server_url: Option<url::Url>,
 }
 
