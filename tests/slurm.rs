@@ -523,7 +523,7 @@ async fn a_job_waiting_for_nodes_shows_slurms_reason_and_cancel_releases_it() {
     let Some(cluster) = cluster("a_job_waiting_for_nodes_shows_slurms_reason") else {
         return;
     };
-    // Another user's job holds both nodes' memory.
+    // Another user's job holds both nodes' memory until it is cancelled.
     let blocker = cluster
         .output(
             "sbatch",
@@ -534,7 +534,7 @@ async fn a_job_waiting_for_nodes_shows_slurms_reason_and_cancel_releases_it() {
                 "-w",
                 "n1,n2",
                 "--wrap",
-                "sleep 600",
+                "exec tail -f /dev/null",
             ],
         )
         .expect("sbatch");

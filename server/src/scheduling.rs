@@ -76,7 +76,10 @@ pub async fn pass(state: &AppState) -> Result<Vec<Placement>, StoreError> {
         .any(|n| n.devices.iter().any(|d| !d.held));
     // Jobs left waiting, for Slurm to find nodes for (only the scheduler asks it).
     let waiting: Vec<QueuedJob> = match (&state.slurm, &done) {
-        (Some(_), Some(_)) => board.queue().cloned().collect(),
+        (Some(_), Some(_)) => {
+            let first = board.queue().take(slurm::allocations::CONSIDERED_PER_PASS);
+            first.cloned().collect()
+        }
         _ => Vec::new(),
     };
     drop(board);

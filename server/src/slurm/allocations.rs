@@ -14,7 +14,7 @@ use scheduler::placement;
 use scheduler::queue::QueuedJob;
 
 use super::batch::{self, Queued, Request};
-use super::{Script, Slurm, SlurmError};
+use super::{Script, Slurm, SlurmError, output_dir};
 use crate::auth::new_token;
 use crate::domain::{JobId, JobState, SlurmAllocation};
 use crate::state::AppState;
@@ -24,7 +24,7 @@ use crate::store::{StoreError, token_hash};
 const RETRY_AFTER: Duration = Duration::from_secs(60);
 /// Queued jobs a pass looks at for an allocation, in scheduling order (the rest wait for the
 /// next pass: each costs a placement over the partitions' nodes).
-const CONSIDERED_PER_PASS: usize = 256;
+pub const CONSIDERED_PER_PASS: usize = 256;
 /// Lines of an allocation's output file copied into its job's log.
 const OUTPUT_LINES: usize = 200;
 
@@ -50,7 +50,8 @@ impl Progress {
 }
 
 /// One pass over the allocations, then allocations for `waiting` (queued jobs this pass did
-/// not place, in scheduling order). Slurm failing is logged and tried again next pass.
+/// not place, in scheduling order, at most [`CONSIDERED_PER_PASS`]). Slurm failing is logged
+/// and tried again next pass.
 pub async fn pass(
     state: &AppState,
     slurm: &Slurm,
@@ -73,13 +74,18 @@ pub async fn pass(
             }
         }
     }
-    for job in waiting.into_iter().take(CONSIDERED_PER_PASS) {
+    let pools = if waiting.is_empty() {
+        Vec::new()
+    } else {
+        pools(slurm)
+    };
+    for job in waiting {
         let key = (job.id.clone(), job.attempt);
         let refused = progress.lock().expect("not poisoned").refused_lately(&key);
         if covered.contains(&key) || refused {
             continue;
         }
-        let Some(request) = request_for(state, slurm, &job) else {
+        let Some(request) = request_for(state, slurm, &pools, &job) else {
             continue;
         };
         if !submit(state, slurm, &request).await? {
@@ -125,7 +131,7 @@ async fn follow(
             Some(j) if j.attempt == a.attempt => format!("the job {}", j.state.as_str()),
             _ => format!("attempt {} of the job is over", a.attempt),
         };
-        end(state, slurm, a, &format!("Slurm job {id} released: {why}")).await?;
+        end(state, a, &format!("Slurm job {id} released: {why}")).await?;
         return Ok(false);
     }
     let Some(q) = queued.filter(|_| running) else {
@@ -141,7 +147,7 @@ async fn follow(
                 .refuse((a.job_id.clone(), a.attempt));
             what += &format!(" before the job ran on it; asking again in {RETRY_AFTER:?}");
         }
-        end(state, slurm, a, &format!("Slurm job {id} ended: {what}")).await?;
+        end(state, a, &format!("Slurm job {id} ended: {what}")).await?;
         return Ok(false);
     };
     if (q.state.as_str(), q.reason.as_str()) != (a.state.as_str(), a.reason.as_str()) {
@@ -165,16 +171,11 @@ async fn follow(
 
 /// Ends allocation `a` for `why`: a job running there goes back to the queue, and its log
 /// gets the reason and the tail of Slurm's output file.
-async fn end(
-    state: &AppState,
-    slurm: &Slurm,
-    a: &SlurmAllocation,
-    why: &str,
-) -> Result<(), StoreError> {
+async fn end(state: &AppState, a: &SlurmAllocation, why: &str) -> Result<(), StoreError> {
     let requeued = state.store.end_allocation(a.slurm_job_id, why).await?;
     tracing::info!(job = %a.job_id, slurm_job = a.slurm_job_id, "{why}");
     let mut lines = vec![why.to_string()];
-    let output = slurm.output_file(state, a.slurm_job_id);
+    let output = output_dir(&state.settings.data_dir).join(format!("slurm-{}.out", a.slurm_job_id));
     if let Ok(text) = std::fs::read_to_string(&output) {
         let all: Vec<&str> = text.lines().collect();
         let tail = &all[all.len().saturating_sub(OUTPUT_LINES)..];
@@ -191,18 +192,30 @@ async fn end(
     Ok(())
 }
 
-/// The allocation `job` would take in the first partition whose nodes hold it: free nodes
-/// first, else any (Slurm then says what it waits for).
-fn request_for(state: &AppState, slurm: &Slurm, job: &QueuedJob) -> Option<Request> {
+/// A partition's nodes as a pass sees them: those Slurm would start a job on, then all.
+type Pools = Vec<(String, [Inventory; 2])>;
+
+fn pools(slurm: &Slurm) -> Pools {
+    let inventory = |p: &str, usable| Inventory {
+        nodes: slurm.inventory(Some(p), usable),
+    };
+    let partitions = &slurm.settings.partitions;
+    partitions
+        .iter()
+        .map(|p| (p.clone(), [inventory(p, true), inventory(p, false)]))
+        .collect()
+}
+
+/// The allocation `job` would take in the first partition of `pools` whose nodes hold it:
+/// free nodes first, else any (Slurm then says what it waits for).
+fn request_for(state: &AppState, slurm: &Slurm, pools: &Pools, job: &QueuedJob) -> Option<Request> {
     let kind = job.plan.device;
     let need = job.plan.need_on(kind);
     let margin = state.settings.safety_margin;
-    slurm.settings.partitions.iter().find_map(|partition| {
-        let (nodes, slots) = [true, false].into_iter().find_map(|usable| {
-            let nodes = slurm.inventory(Some(partition), usable);
-            let inventory = Inventory { nodes };
-            let slots = placement::place(&inventory, job.world_size as usize, margin, kind, need)?;
-            Some((inventory.nodes, slots))
+    pools.iter().find_map(|(partition, inventories)| {
+        let (inventory, slots) = inventories.iter().find_map(|inventory| {
+            let slots = placement::place(inventory, job.world_size as usize, margin, kind, need)?;
+            Some((inventory, slots))
         })?;
         let mut per_node: HashMap<usize, usize> = HashMap::new();
         for s in &slots {
@@ -210,7 +223,7 @@ fn request_for(state: &AppState, slurm: &Slurm, job: &QueuedJob) -> Option<Reque
         }
         let cpu_device_memory = slots
             .iter()
-            .map(|s| nodes[s.node].devices[s.device].memory_bytes)
+            .map(|s| inventory.nodes[s.node].devices[s.device].memory_bytes)
             .min()?;
         Some(Request {
             job_id: job.id.clone(),
@@ -222,8 +235,7 @@ fn request_for(state: &AppState, slurm: &Slurm, job: &QueuedJob) -> Option<Reque
             cpu_device_memory,
             time_limit: state.settings.limits.max_wall_time,
             binary: slurm.agent_binary(),
-            output: slurm
-                .output_dir(state)
+            output: output_dir(&state.settings.data_dir)
                 .join("slurm-%j.out")
                 .display()
                 .to_string(),
@@ -234,7 +246,7 @@ fn request_for(state: &AppState, slurm: &Slurm, job: &QueuedJob) -> Option<Reque
 /// Submits `r` held, records it, then lets Slurm start it (so its agents never join before
 /// the server knows their token); false when Slurm refused it.
 async fn submit(state: &AppState, slurm: &Slurm, r: &Request) -> Result<bool, StoreError> {
-    let dir = slurm.output_dir(state);
+    let dir = output_dir(&state.settings.data_dir);
     if let Err(e) = std::fs::create_dir_all(&dir) {
         tracing::warn!("creating {}: {e}", dir.display());
         return Ok(false);
@@ -312,7 +324,6 @@ async fn submit(state: &AppState, slurm: &Slurm, r: &Request) -> Result<bool, St
         let _ = slurm.run("scancel", &[&id.to_string()], None).await;
         end(
             state,
-            slurm,
             &allocation,
             &format!("Slurm job {id} not released: {e}"),
         )

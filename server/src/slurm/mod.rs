@@ -9,7 +9,7 @@ pub mod batch;
 pub mod gpus;
 pub mod nodes;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
@@ -18,7 +18,6 @@ use scheduler::inventory::{DeviceSlot, Node};
 use scheduler::memory::DeviceKind;
 
 use crate::settings::SlurmSettings;
-use crate::state::App;
 pub use nodes::{Gres, SlurmNode, parse_nodes};
 
 /// How often the partitions' nodes are read again.
@@ -130,7 +129,7 @@ impl Slurm {
 
     /// A CPU device's budget on `node`: `--slurm-device-memory`, or an equal share of the
     /// node's memory where that is less.
-    pub fn cpu_device_memory(&self, node: &SlurmNode) -> u64 {
+    fn cpu_device_memory(&self, node: &SlurmNode) -> u64 {
         let share = node.memory_bytes / self.settings.cpu_devices.max(1) as u64;
         self.settings.device_memory.min(share)
     }
@@ -140,17 +139,6 @@ impl Slurm {
         let own = || std::env::current_exe().unwrap_or_else(|_| "zerotrain".into());
         let path = self.settings.agent_binary.clone().unwrap_or_else(own);
         path.display().to_string()
-    }
-
-    /// Where Slurm writes the allocations' output files.
-    pub fn output_dir(&self, state: &App) -> PathBuf {
-        state.settings.data_dir.join("slurm")
-    }
-
-    /// Allocation `slurm_job_id`'s output file.
-    pub fn output_file(&self, state: &App, slurm_job_id: u64) -> PathBuf {
-        self.output_dir(state)
-            .join(format!("slurm-{slurm_job_id}.out"))
     }
 
     /// [`run`] with this cluster's configuration.
@@ -168,6 +156,11 @@ impl Slurm {
         let nodes = self.nodes.read().expect("not poisoned");
         nodes.iter().find(|n| n.name == name).cloned()
     }
+}
+
+/// Where Slurm writes the output of the allocations of a server with data dir `data_dir`.
+pub fn output_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("slurm")
 }
 
 /// A batch script and the variables its job gets beside the server's own.
