@@ -218,6 +218,7 @@ fn layers<X: Float>() -> Vec<Row> {
                 &hp,
                 step,
                 1.0,
+                1.0,
             )
         }),
     );

@@ -1,5 +1,7 @@
 //! Per-thread CPU settings for training threads.
 
+use crate::simd::{self, Level};
+
 /// Set FTZ (flush-to-zero) and DAZ (denormals-are-zero) in the calling thread's MXCSR.
 ///
 /// Optimizer states decay towards denormals, which are ~100x slower on x86; llm.c gets the
@@ -37,22 +39,38 @@ fn mxcsr() -> u32 {
     csr
 }
 
-/// Which build of the kernels' inner loops a pool's threads run (see [`thread_pool_with`]).
+/// Which build of the kernels' inner loops (and of the bf16 casts) a pool's threads run (see
+/// [`thread_pool_with`]). Every build gives the same bits.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Simd {
-    /// The AVX-512 build where the CPU has it, else the baseline one.
+    /// The best build the CPU has: AVX-512, else AVX2, else the baseline one.
     #[default]
     Detect,
-    /// Always the baseline build (it gives the same bits; for tests and comparisons).
+    /// At most the AVX2 build: on an AVX-512 CPU, what an AVX2-only CPU runs (for tests and
+    /// comparisons).
+    Avx2,
+    /// Always the baseline build (for tests and comparisons).
     Portable,
+}
+
+impl Simd {
+    fn cap(self) -> Level {
+        match self {
+            Simd::Detect => Level::Avx512,
+            Simd::Avx2 => Level::Avx2,
+            Simd::Portable => Level::Baseline,
+        }
+    }
 }
 
 /// Whether this CPU runs the AVX-512 build of the inner loops (in pools that detect it).
 pub fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return crate::simd::avx512_detected();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    simd::detected() >= Level::Avx512
+}
+
+/// Whether this CPU runs the AVX2 build of the inner loops (at least; in pools that allow it).
+pub fn has_avx2() -> bool {
+    simd::detected() >= Level::Avx2
 }
 
 /// A rayon pool of `threads` threads, each with denormals flushed; run kernels inside
@@ -80,7 +98,7 @@ pub fn pool_builder(threads: usize, simd: Simd) -> rayon::ThreadPoolBuilder {
         .thread_name(|i| format!("kernels-{i}"))
         .start_handler(move |_| {
             flush_denormals();
-            crate::simd::set_portable(simd == Simd::Portable);
+            simd::set_cap(simd.cap());
         })
 }
 

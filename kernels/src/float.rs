@@ -1,11 +1,15 @@
 //! The compute dtypes and vectorised casts between them and `f32`.
 //!
 //! Conversions round to nearest even and match `half`'s scalar conversions bit for bit,
-//! including NaN (quieted, payload kept), infinities and subnormals. On x86_64 with AVX-512
-//! the casts use 16-lane code chosen at run time: bf16 by integer rounding (not
-//! `vcvtneps2bf16`, which flushes subnormal inputs to zero), f16 by `vcvtps2ph`/`vcvtph2ps`,
-//! which ignore MXCSR's FTZ/DAZ bits, so casts give the same bits in flushed training threads.
+//! including NaN (quieted, payload kept), infinities and subnormals. On x86_64 the casts use
+//! the vector build [`crate::simd::level`] gives the calling thread: with AVX-512, 16 lanes, bf16
+//! by integer rounding (not `vcvtneps2bf16`, which flushes subnormal inputs to zero) and f16 by
+//! `vcvtps2ph`/`vcvtph2ps`; with AVX2, bf16 by the same integer rounding in 8 lanes and f16 by
+//! `half`'s F16C casts. None reads MXCSR's FTZ/DAZ bits, so casts give the same bits in
+//! flushed training threads.
 
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{self, Level};
 use half::{bf16, f16};
 use std::fmt::Debug;
 
@@ -119,18 +123,22 @@ impl Float for bf16 {
         Some(s)
     }
     fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
+        // SAFETY (each arm): the build's CPU features were detected at run time.
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
-            // SAFETY: the required CPU features were detected at run time.
-            return unsafe { x86::bf16_to_f32(src, dst) };
+        match simd::level() {
+            Level::Avx512 => return unsafe { x86::bf16_to_f32(src, dst) },
+            Level::Avx2 => return unsafe { x86::bf16_to_f32_avx2(src, dst) },
+            Level::Baseline => {}
         }
         src.iter().zip(dst).for_each(|(s, d)| *d = s.to_f32());
     }
     fn cast_from_f32(src: &[f32], dst: &mut [Self]) {
+        // SAFETY (each arm): the build's CPU features were detected at run time.
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
-            // SAFETY: the required CPU features were detected at run time.
-            return unsafe { x86::f32_to_bf16(src, dst) };
+        match simd::level() {
+            Level::Avx512 => return unsafe { x86::f32_to_bf16(src, dst) },
+            Level::Avx2 => return unsafe { x86::f32_to_bf16_avx2(src, dst) },
+            Level::Baseline => {}
         }
         src.iter()
             .zip(dst)
@@ -162,29 +170,23 @@ impl Float for f16 {
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
+    // Below AVX-512, `half`'s slice casts (F16C where the CPU has it).
     fn cast_to_f32(src: &[Self], dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
-            // SAFETY: the required CPU features were detected at run time.
+        if simd::level() == Level::Avx512 {
+            // SAFETY: the build's CPU features were detected at run time.
             return unsafe { x86::f16_to_f32(src, dst) };
         }
         half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
     }
     fn cast_from_f32(src: &[f32], dst: &mut [Self]) {
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
-            // SAFETY: the required CPU features were detected at run time.
+        if simd::level() == Level::Avx512 {
+            // SAFETY: the build's CPU features were detected at run time.
             return unsafe { x86::f32_to_f16(src, dst) };
         }
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -245,6 +247,66 @@ pub(crate) mod x86 {
             unsafe {
                 let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
                 _mm512_storeu_ps(dst.as_mut_ptr().add(i), widen_bf16(h));
+            }
+        }
+        for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
+            *d = s.to_f32();
+        }
+    }
+
+    /// 8 f32 rounded to bf16 as [`round_to_bf16`] rounds them.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn round_to_bf16_avx2(x: __m256) -> __m128i {
+        let x = _mm256_castps_si256(x);
+        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff));
+        // Signed compare: `abs` has its sign bit clear.
+        let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+        let lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb);
+        let rounded = _mm256_srli_epi32(_mm256_add_epi32(x, bias), 16);
+        let nan = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+        let r = _mm256_blendv_epi8(rounded, nan, is_nan);
+        // Each lane holds 16 bits: pack them within the 128-bit halves, then take the low
+        // 64 bits of each half.
+        let packed = _mm256_packus_epi32(r, r);
+        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b10_00>(packed))
+    }
+
+    /// 8 bf16 widened as [`widen_bf16`] widens them.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn widen_bf16_avx2(h: __m128i) -> __m256 {
+        let h = _mm256_cvtepu16_epi32(h);
+        let abs = _mm256_and_si256(h, _mm256_set1_epi32(0x7fff));
+        let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80));
+        let h = _mm256_or_si256(h, _mm256_and_si256(is_nan, _mm256_set1_epi32(0x40)));
+        _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn f32_to_bf16_avx2(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices; unaligned loads and stores.
+            unsafe {
+                let x = _mm256_loadu_ps(src.as_ptr().add(i));
+                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), round_to_bf16_avx2(x));
+            }
+        }
+        for (s, d) in src[n..].iter().zip(&mut dst[n..]) {
+            *d = bf16::from_f32(*s);
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn bf16_to_f32_avx2(src: &[bf16], dst: &mut [f32]) {
+        let n = src.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices; unaligned loads and stores.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), widen_bf16_avx2(h));
             }
         }
         for (s, d) in src[n..].iter().zip(&mut dst[n..]) {

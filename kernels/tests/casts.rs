@@ -96,7 +96,13 @@ fn all_casts_match_half() {
 
 #[test]
 fn casts_round_to_nearest_even_like_half() {
+    // On this thread (the best build the CPU has) and on pools capped at each build.
     all_casts_match_half();
+    for simd in [cpu::Simd::Avx2, cpu::Simd::Portable] {
+        cpu::thread_pool_with(1, simd)
+            .unwrap()
+            .install(all_casts_match_half);
+    }
     // Ties go to even: 1 + 2^-8 lies halfway between bf16 neighbours 1 and 1 + 2^-7.
     assert_eq!(bf16::from_f32(1.0 + 2f32.powi(-8)), bf16::ONE);
     let mut out = [bf16::ZERO; 17];

@@ -844,6 +844,9 @@ fn bias_correction(lr: f32, beta1: f32, beta2: f32, step: u64) -> (f32, f32) {
     ((lr as f64 / bc1) as f32, bc2.sqrt() as f32)
 }
 
+/// The elementwise updates' weight-decay factor in these checks (1 - lr·wd for lr 1e-2, wd 0.1).
+const DECAY: f32 = 0.999;
+
 fn pair<G: Float, X: Float>(kernel: &str) -> String {
     format!("{kernel}_{}_{}", G::NAME, X::NAME)
 }
@@ -874,10 +877,11 @@ fn elementwise_optimizers_match_cpu<G: Float, X: Float>() {
             val(len(n)),
             val(0.1f32),
             val(0.5f32),
+            val(DECAY),
         ],
     );
     let (mut wm, mut wo) = (master.clone(), vec![X::ZERO; n]);
-    optim::sgd_step(&mut wm, &grad, Some(&mut wo), 0.1, 0.5);
+    optim::sgd_step(&mut wm, &grad, Some(&mut wo), 0.1, 0.5, DECAY);
     check("sgd", &m, &o, &wm, &wo);
 
     let hp = Momentum {
@@ -899,10 +903,11 @@ fn elementwise_optimizers_match_cpu<G: Float, X: Float>() {
             val(hp.momentum),
             val(hp.nesterov as i32),
             val(0.5f32),
+            val(DECAY),
         ],
     );
     let (mut wm, mut wb, mut wo) = (master.clone(), state.clone(), vec![X::ZERO; n]);
-    optim::momentum_step(&mut wm, &grad, &mut wb, Some(&mut wo), &hp, 0.5);
+    optim::momentum_step(&mut wm, &grad, &mut wb, Some(&mut wo), &hp, 0.5, DECAY);
     check("momentum", &m, &o, &wm, &wo);
     close(&format!("{} buf", what("momentum")), &buf, &wb, 1e-6);
 
@@ -930,6 +935,7 @@ fn elementwise_optimizers_match_cpu<G: Float, X: Float>() {
             val(step_size),
             val(bc2_sqrt),
             val(0.5f32),
+            val(DECAY),
         ],
     );
     let (mut wm, mut w1, mut w2, mut wo) =
@@ -943,6 +949,7 @@ fn elementwise_optimizers_match_cpu<G: Float, X: Float>() {
         &hp,
         step,
         0.5,
+        DECAY,
     );
     check("adamw", &m, &o, &wm, &wo);
     close(&format!("{} m", what("adamw")), &s1, &w1, 1e-6);
@@ -967,10 +974,11 @@ fn elementwise_optimizers_match_cpu<G: Float, X: Float>() {
             val(hp.beta1),
             val(hp.beta2),
             val(0.5f32),
+            val(DECAY),
         ],
     );
     let (mut wm, mut w1) = (master.clone(), state.clone());
-    optim::lion_step::<G, X>(&mut wm, &grad, &mut w1, None, &hp, 0.5);
+    optim::lion_step::<G, X>(&mut wm, &grad, &mut w1, None, &hp, 0.5, DECAY);
     close(&format!("{} master", what("lion")), &m, &wm, 1e-6);
     close(&format!("{} m", what("lion")), &s1, &w1, 1e-6);
 }

@@ -905,10 +905,11 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         Some(&mut out.as_view_mut()),
         0.1,
         0.5,
+        0.999,
     )
     .unwrap();
     let (mut wm, mut wo) = (master.clone(), vec![X::ZERO; n]);
-    optim::sgd_step(&mut wm, &grad, Some(&mut wo), 0.1, 0.5);
+    optim::sgd_step(&mut wm, &grad, Some(&mut wo), 0.1, 0.5, 0.999);
     check("sgd", &m, &out, &wm, &wo);
 
     let hp = Momentum {
@@ -925,10 +926,11 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         Some(&mut out.as_view_mut()),
         &hp,
         0.5,
+        0.999,
     )
     .unwrap();
     let (mut wm, mut wb, mut wo) = (master.clone(), state.clone(), vec![X::ZERO; n]);
-    optim::momentum_step(&mut wm, &grad, &mut wb, Some(&mut wo), &hp, 0.5);
+    optim::momentum_step(&mut wm, &grad, &mut wb, Some(&mut wo), &hp, 0.5, 0.999);
     check("momentum", &m, &out, &wm, &wo);
     close("momentum buf", &down(d, &buf), &wb, 1e-6);
 
@@ -953,11 +955,22 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         &hp,
         3,
         0.5,
+        0.999,
     )
     .unwrap();
     let (mut wm, mut w1, mut w2, mut wo) =
         (master.clone(), state.clone(), v0.clone(), vec![X::ZERO; n]);
-    optim::adamw_step(&mut wm, &grad, &mut w1, &mut w2, Some(&mut wo), &hp, 3, 0.5);
+    optim::adamw_step(
+        &mut wm,
+        &grad,
+        &mut w1,
+        &mut w2,
+        Some(&mut wo),
+        &hp,
+        3,
+        0.5,
+        0.999,
+    );
     check("adamw", &m, &out, &wm, &wo);
     close("adamw m", &down(d, &s1), &w1, 1e-6);
     close("adamw v", &down(d, &s2), &w2, 1e-6);
@@ -975,10 +988,11 @@ fn elementwise_optimizers_match_cpu<X: DeviceFloat>() {
         None,
         &hp,
         0.5,
+        0.999,
     )
     .unwrap();
     let (mut wm, mut w1) = (master.clone(), state.clone());
-    optim::lion_step::<X, X>(&mut wm, &grad, &mut w1, None, &hp, 0.5);
+    optim::lion_step::<X, X>(&mut wm, &grad, &mut w1, None, &hp, 0.5, 0.999);
     close("lion master", &down(d, &m), &wm, 1e-6);
     close("lion m", &down(d, &s1), &w1, 1e-6);
 

@@ -1,6 +1,6 @@
 //! Every kernel gives bit-identical results on a 1-thread and a 2-thread pool (and twice in a
 //! row), at sizes large enough for gemm and rayon to actually split the work, and the same
-//! bits from its baseline build as from its AVX-512 build.
+//! bits from its baseline, AVX2 and AVX-512 builds (those this CPU has).
 
 use crate::common;
 
@@ -29,12 +29,14 @@ fn same_on_1_and_2_threads(run: impl Fn() -> Bits + Send + Sync) {
     let two = pool.install(&run);
     assert!(one == two, "1 and 2 threads differ");
     assert!(pool.install(&run) == two, "two runs on 2 threads differ");
-    // The AVX-512 build of the inner loops (where the CPU has it) and the baseline build.
-    let portable = cpu::thread_pool_with(2, cpu::Simd::Portable).unwrap();
-    assert!(
-        portable.install(&run) == two,
-        "the portable and the detected builds differ"
-    );
+    // The best build of the inner loops this CPU has, against the AVX2 and baseline builds.
+    for simd in [cpu::Simd::Avx2, cpu::Simd::Portable] {
+        let capped = cpu::thread_pool_with(2, simd).unwrap();
+        assert!(
+            capped.install(&run) == two,
+            "the {simd:?} and the detected builds differ"
+        );
+    }
 }
 
 fn matmul_bits<X: Float>(layout: Layout) -> Bits {
@@ -306,6 +308,7 @@ fn optimizer_bits<G: Float>() -> Bits {
         &AdamW::default(),
         3,
         0.5,
+        0.999,
     );
     let (mut qm, mut qv, mut am, mut av) = (
         vec![0u8; n],

@@ -14,7 +14,7 @@ fn sgd_step_matches_hand_computation() {
     let mut p = vec![1.0f32, -2.0, 0.5];
     let mut out = vec![bf16::ZERO; 3];
     // g = grad · 2 = [1, 0.5, -2]; p -= 0.5 · g
-    sgd_step(&mut p, &[0.5f32, 0.25, -1.0], Some(&mut out), 0.5, 2.0);
+    sgd_step(&mut p, &[0.5f32, 0.25, -1.0], Some(&mut out), 0.5, 2.0, 1.0);
     assert_eq!(p, [0.5, -2.25, 1.5]);
     assert_eq!(out, [0.5, -2.25, 1.5].map(bf16::from_f32));
 }
@@ -32,10 +32,10 @@ fn momentum_step_matches_hand_computation() {
         nesterov: false,
     };
     let (mut p, mut buf) = (vec![1.0f32, -2.0, 0.5], vec![0f32; 3]);
-    momentum_step(&mut p, &g, &mut buf, NO_OUT, &hp, 1.0);
+    momentum_step(&mut p, &g, &mut buf, NO_OUT, &hp, 1.0, 1.0);
     assert_eq!(buf, [1.0, 0.5, -2.0]); // first step: buf = g
     assert_eq!(p, [0.75, -2.125, 1.0]);
-    momentum_step(&mut p, &g, &mut buf, NO_OUT, &hp, 1.0);
+    momentum_step(&mut p, &g, &mut buf, NO_OUT, &hp, 1.0, 1.0);
     assert_eq!(buf, [1.5, 0.75, -3.0]); // 0.5·buf + g
     assert_eq!(p, [0.375, -2.3125, 1.75]);
 
@@ -44,7 +44,7 @@ fn momentum_step_matches_hand_computation() {
         ..hp
     };
     let (mut p, mut buf) = (vec![1.0f32, -2.0, 0.5], vec![0f32; 3]);
-    momentum_step(&mut p, &g, &mut buf, NO_OUT, &hp, 1.0);
+    momentum_step(&mut p, &g, &mut buf, NO_OUT, &hp, 1.0, 1.0);
     assert_eq!(p, [0.625, -2.1875, 1.25]); // p -= lr · (g + 0.5·buf) = lr · 1.5g
 }
 
@@ -67,6 +67,7 @@ fn adamw_step_matches_hand_computation() {
         &hp,
         1,
         1.0,
+        1.0,
     );
     assert_eq!(m, [0.5, 0.25, -1.0, 0.125]);
     assert_eq!(v, [0.25, 0.0625, 1.0, 0.015625]);
@@ -82,6 +83,7 @@ fn adamw_step_matches_hand_computation() {
         Some(&mut out[..]),
         &hp,
         2,
+        1.0,
         1.0,
     );
     assert_eq!(m, [0.75, -0.125, -0.5, 0.1875]);
@@ -106,7 +108,15 @@ fn lion_step_matches_hand_computation() {
         beta2: 0.75,
     };
     let (mut p, mut m) = (vec![1.0f32, -2.0, 0.5, 3.0], vec![0f32; 4]);
-    lion_step(&mut p, &[1.0f32, 0.5, -2.0, 0.0], &mut m, NO_OUT, &hp, 1.0);
+    lion_step(
+        &mut p,
+        &[1.0f32, 0.5, -2.0, 0.0],
+        &mut m,
+        NO_OUT,
+        &hp,
+        1.0,
+        1.0,
+    );
     assert_eq!(p, [0.875, -2.125, 0.625, 3.0]); // sign(0) = 0 leaves p[3]
     assert_eq!(m, [0.25, 0.125, -0.5, 0.0]);
     // c = 0.5·m + 0.5·g = [0, -0.1875, 0.25, 0]
@@ -116,6 +126,7 @@ fn lion_step_matches_hand_computation() {
         &mut m,
         NO_OUT,
         &hp,
+        1.0,
         1.0,
     );
     assert_eq!(p, [0.875, -2.0, 0.5, 3.0]);
@@ -127,6 +138,62 @@ fn decay_scales_master() {
     let mut p = vec![1.0f32, -2.0, 0.5];
     decay(&mut p, 0.75);
     assert_eq!(p, [0.75, -1.5, 0.375]);
+}
+
+/// Each elementwise update's `decay` factor gives the bits of [`decay`] followed by the update
+/// without it (what the trainer ran before the two were fused), in master, states and
+/// `param_out`, on random values across several blocks and tasks.
+#[test]
+fn fused_decay_matches_decay_then_update() {
+    let mut rng = Rng::new(17);
+    let n = 40_000;
+    let master: Vec<f32> = common::to_x(&rng.vec(n, 1.0));
+    let grad: Vec<bf16> = common::to_x(&rng.vec(n, 1e-2));
+    let state: Vec<f32> = common::to_x(&rng.vec(n, 1e-2));
+    let sq: Vec<f32> = state.iter().map(|s| s * s).collect();
+    let factor = 1.0 - 3e-4f32 * 0.1;
+    type Update<'a> = dyn Fn(&mut [f32], &mut [f32], &mut [f32], &mut [bf16], f32) + 'a;
+    let momentum = Momentum {
+        lr: 1e-3,
+        momentum: 0.9,
+        nesterov: true,
+    };
+    let adamw = AdamW {
+        lr: 3e-4,
+        ..AdamW::default()
+    };
+    let lion = Lion::default();
+    let updates: [(&str, &Update<'_>); 4] = [
+        ("sgd", &|p, _, _, o, d| {
+            sgd_step(p, &grad, Some(o), 1e-3, 0.5, d)
+        }),
+        ("momentum", &|p, b, _, o, d| {
+            momentum_step(p, &grad, b, Some(o), &momentum, 0.5, d)
+        }),
+        ("adamw", &|p, m, v, o, d| {
+            adamw_step(p, &grad, m, v, Some(o), &adamw, 7, 0.5, d)
+        }),
+        ("lion", &|p, m, _, o, d| {
+            lion_step(p, &grad, m, Some(o), &lion, 0.5, d)
+        }),
+    ];
+    for (name, update) in updates {
+        // `factor` fused into the update, applied first by `decay`, or not at all.
+        let run = |fused: f32, first: f32| {
+            let (mut p, mut s1, mut s2) = (master.clone(), state.clone(), sq.clone());
+            let mut out = vec![bf16::ZERO; n];
+            decay(&mut p, first);
+            update(&mut p, &mut s1, &mut s2, &mut out, fused);
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&p), bits(&s1), bits(&s2), out)
+        };
+        let fused = run(factor, 1.0);
+        assert!(
+            fused == run(1.0, factor),
+            "{name}: fused decay changed the result"
+        );
+        assert_ne!(fused.0, run(1.0, 1.0).0, "{name}: decay had no effect");
+    }
 }
 
 /// Run `steps` Adafactor steps on a (rows, cols) matrix, either whole or cut into ranges at
@@ -354,7 +421,7 @@ fn adam8bit_tracks_fp32_adamw() {
     let mut worst = 0f32;
     for t in 1..=steps {
         let (g32, g8) = (grad(&p32), grad(&p8));
-        adamw_step(&mut p32, &g32, &mut m, &mut v, NO_OUT, &hp, t, 1.0);
+        adamw_step(&mut p32, &g32, &mut m, &mut v, NO_OUT, &hp, t, 1.0, 1.0);
         adam8bit_step(
             &mut p8,
             &g8,

@@ -1,6 +1,7 @@
 //! One rank's optimizer: its states over the part of each unit it updates (the whole unit at
 //! stage 0, its shard otherwise), and the update dispatched to the kernels. Weight decay is
-//! decoupled and applied first, to matrices only.
+//! decoupled and applied first, to matrices only: in the update's own pass for the elementwise
+//! optimizers, as a pass of its own for 8-bit Adam and Adafactor.
 
 use std::ops::Range;
 
@@ -177,80 +178,122 @@ impl<D: Device> OptimizerState<D> {
         s: Step,
         shards: Option<&mut Communicator>,
     ) -> Result<(), Error> {
-        let wd = self.spec.weight_decay() as f32;
-        if wd > 0.0 {
-            for sl in slices.iter_mut() {
-                for (i, dims, r) in pieces(sl.unit, &sl.held) {
-                    if matches!(dims, TensorDims::Matrix(..)) {
-                        let at = sl.unit.tensors[i].offset + r.start - sl.held.start;
-                        let master = D::slice_mut(D::reborrow(&mut sl.master), at..at + r.len());
-                        dev.decay(master, 1.0 - s.lr * wd)?;
-                    }
-                }
-            }
-        }
+        let decay = 1.0 - s.lr * self.spec.weight_decay() as f32;
         let units = match &mut self.states {
-            States::Adafactor(a) => return a.step(dev, slices, s, shards),
             States::Elementwise(units) => units,
+            States::Adafactor(a) => {
+                decay_matrices(dev, slices, decay)?;
+                return a.step(dev, slices, s, shards);
+            }
         };
         for (state, sl) in units.iter_mut().zip(slices.iter_mut()) {
-            let (p, g) = (D::reborrow(&mut sl.master), D::share(&sl.grads));
-            let out = sl.param_out.as_mut().map(D::reborrow);
-            match (state, self.spec) {
-                (UnitState::Stateless, _) => dev.sgd_step(p, g, out, s.lr, s.grad_scale)?,
-                (UnitState::One(buf), Optimizer::Momentum(m)) => {
-                    let hp = k::Momentum {
-                        lr: s.lr,
-                        momentum: m.momentum as f32,
-                        nesterov: m.nesterov,
-                    };
-                    dev.momentum_step(p, g, buf.view_mut(), out, &hp, s.grad_scale)?
+            let runs = if matches!(state, UnitState::Adam8bit { .. }) {
+                // Its blocks count from the held range's start: one call over the range,
+                // decayed first.
+                decay_matrices(dev, std::slice::from_mut(sl), decay)?;
+                vec![(0..sl.held.len(), 1.0)]
+            } else {
+                decay_runs(sl.unit, &sl.held, decay)
+            };
+            // One call per run of equal decay, which the update applies in its own pass.
+            for (r, decay) in runs {
+                let p = D::slice_mut(D::reborrow(&mut sl.master), r.clone());
+                let g = D::slice(D::share(&sl.grads), r.clone());
+                let out = sl
+                    .param_out
+                    .as_mut()
+                    .map(|o| D::slice_mut(D::reborrow(o), r.clone()));
+                let gs = s.grad_scale;
+                match (&mut *state, self.spec) {
+                    (UnitState::Stateless, _) => dev.sgd_step(p, g, out, s.lr, gs, decay)?,
+                    (UnitState::One(buf), Optimizer::Momentum(m)) => {
+                        let hp = k::Momentum {
+                            lr: s.lr,
+                            momentum: m.momentum as f32,
+                            nesterov: m.nesterov,
+                        };
+                        let buf = D::slice_mut(buf.view_mut(), r);
+                        dev.momentum_step(p, g, buf, out, &hp, gs, decay)?
+                    }
+                    (UnitState::One(m), Optimizer::Lion(l)) => {
+                        let hp = k::Lion {
+                            lr: s.lr,
+                            beta1: l.betas[0] as f32,
+                            beta2: l.betas[1] as f32,
+                        };
+                        let m = D::slice_mut(m.view_mut(), r);
+                        dev.lion_step(p, g, m, out, &hp, gs, decay)?
+                    }
+                    (UnitState::Adam { m, v }, Optimizer::Adamw(a)) => {
+                        let hp = adam_hp(s.lr, a.betas, a.eps);
+                        let m = D::slice_mut(m.view_mut(), r.clone());
+                        let v = D::slice_mut(v.view_mut(), r);
+                        dev.adamw_step(p, g, m, v, out, &hp, s.t, gs, decay)?
+                    }
+                    (
+                        UnitState::Adam8bit {
+                            m,
+                            v,
+                            absmax_m,
+                            absmax_v,
+                        },
+                        Optimizer::Adam8bit(a),
+                    ) => {
+                        let hp = adam_hp(s.lr, a.betas, a.eps);
+                        let state = Adam8bitState {
+                            m: m.view_mut(),
+                            v: v.view_mut(),
+                            absmax_m: absmax_m.view_mut(),
+                            absmax_v: absmax_v.view_mut(),
+                        };
+                        let block = a.block_size as usize;
+                        dev.adam8bit_step(p, g, state, out, &hp, s.t, gs, block)?
+                    }
+                    _ => unreachable!("optimizer state is built for its spec"),
                 }
-                (UnitState::One(m), Optimizer::Lion(l)) => {
-                    let hp = k::Lion {
-                        lr: s.lr,
-                        beta1: l.betas[0] as f32,
-                        beta2: l.betas[1] as f32,
-                    };
-                    dev.lion_step(p, g, m.view_mut(), out, &hp, s.grad_scale)?
-                }
-                (UnitState::Adam { m, v }, Optimizer::Adamw(a)) => {
-                    let hp = adam_hp(s.lr, a.betas, a.eps);
-                    dev.adamw_step(
-                        p,
-                        g,
-                        m.view_mut(),
-                        v.view_mut(),
-                        out,
-                        &hp,
-                        s.t,
-                        s.grad_scale,
-                    )?
-                }
-                (
-                    UnitState::Adam8bit {
-                        m,
-                        v,
-                        absmax_m,
-                        absmax_v,
-                    },
-                    Optimizer::Adam8bit(a),
-                ) => {
-                    let hp = adam_hp(s.lr, a.betas, a.eps);
-                    let state = Adam8bitState {
-                        m: m.view_mut(),
-                        v: v.view_mut(),
-                        absmax_m: absmax_m.view_mut(),
-                        absmax_v: absmax_v.view_mut(),
-                    };
-                    let block = a.block_size as usize;
-                    dev.adam8bit_step(p, g, state, out, &hp, s.t, s.grad_scale, block)?
-                }
-                _ => unreachable!("optimizer state is built for its spec"),
             }
         }
         Ok(())
     }
+}
+
+/// `master *= decay` over the matrices of each slice's held range, as its own pass (for the
+/// updates that do not take a decay factor: 8-bit Adam's blocks, Adafactor).
+fn decay_matrices<X, D: Device, K>(
+    dev: &D,
+    slices: &mut [Slices<'_, X, D, K>],
+    decay: f32,
+) -> Result<(), Error> {
+    for sl in slices.iter_mut() {
+        for (r, factor) in decay_runs(sl.unit, &sl.held, decay) {
+            if factor != 1.0 {
+                dev.decay(D::slice_mut(D::reborrow(&mut sl.master), r), factor)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `held`, relative to its start, cut into runs of one decay factor each: `decay` over the
+/// matrices, 1 elsewhere (vectors, and any gap between tensors). One run when `decay` is 1.
+fn decay_runs<K>(unit: &Unit<K>, held: &Range<usize>, decay: f32) -> Vec<(Range<usize>, f32)> {
+    let mut runs: Vec<(Range<usize>, f32)> = Vec::new();
+    let mut push = |r: Range<usize>, f: f32| match runs.last_mut() {
+        _ if r.is_empty() => {}
+        Some((last, lf)) if *lf == f && last.end == r.start => last.end = r.end,
+        _ => runs.push((r, f)),
+    };
+    let mut at = 0;
+    for (i, dims, r) in pieces(unit, held) {
+        if matches!(dims, TensorDims::Matrix(..)) {
+            let start = unit.tensors[i].offset + r.start - held.start;
+            push(at..start, 1.0);
+            push(start..start + r.len(), decay);
+            at = start + r.len();
+        }
+    }
+    push(at..held.len(), 1.0);
+    runs
 }
 
 fn adam_hp(lr: f32, betas: [f64; 2], eps: f64) -> k::AdamW {
@@ -259,5 +302,45 @@ fn adam_hp(lr: f32, betas: [f64; 2], eps: f64) -> k::AdamW {
         beta1: betas[0] as f32,
         beta2: betas[1] as f32,
         eps: eps as f32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use scheduler::spec::{JobSpec, Purpose};
+
+    /// Every element of every shard of every unit gets the decay of its tensor's kind (padding
+    /// none), in runs that tile the shard and change factor at each boundary.
+    #[test]
+    fn decay_runs_cover_matrices_only() {
+        let json = r#"{"model": {"preset": "llama-tiny"}}"#;
+        let spec = JobSpec::parse(json, Purpose::Train).unwrap().spec;
+        let model = spec.architecture().model().unwrap();
+        let units = model.units(3);
+        for unit in units.iter() {
+            let matrix = |i: usize| {
+                unit.tensors
+                    .iter()
+                    .any(|t| t.range().contains(&i) && matches!(t.dims, TensorDims::Matrix(..)))
+            };
+            for rank in 0..3 {
+                let held = unit.shard_range(rank);
+                let runs = decay_runs(unit, &held, 0.5);
+                assert_eq!(runs.first().unwrap().0.start, 0);
+                assert_eq!(runs.last().unwrap().0.end, held.len());
+                for w in runs.windows(2) {
+                    assert_eq!(w[0].0.end, w[1].0.start, "runs tile the shard");
+                    assert_ne!(w[0].1, w[1].1, "neighbouring runs differ");
+                }
+                for (r, f) in runs {
+                    for i in r {
+                        let want = if matrix(held.start + i) { 0.5 } else { 1.0 };
+                        assert_eq!(f, want, "{:?} rank {rank} element {i}", unit.kind);
+                    }
+                }
+                assert_eq!(decay_runs(unit, &held, 1.0).len(), 1);
+            }
+        }
     }
 }

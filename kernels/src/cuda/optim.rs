@@ -1,6 +1,7 @@
 //! Fused optimizer updates on the GPU, with the semantics of `crate::optim`: fp32 master
 //! weights and states, gradients of dtype `G` times `grad_scale`, and when `param_out` is given
-//! the rounded compute copy of the new master. Buffers are a whole tensor or a ZeRO shard.
+//! the rounded compute copy of the new master, `decay` multiplying master first in the same pass.
+//! Buffers are a whole tensor or a ZeRO shard.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 
@@ -26,7 +27,7 @@ pub fn decay(dev: &Gpu, master: &mut CudaViewMut<'_, f32>, factor: f32) -> Resul
     Ok(())
 }
 
-/// Plain SGD: `p -= lr·g`.
+/// Plain SGD: `p = p·decay - lr·g`.
 pub fn sgd_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
@@ -34,17 +35,20 @@ pub fn sgd_step<G: DeviceFloat, X: DeviceFloat>(
     mut param_out: Option<&mut CudaViewMut<'_, X>>,
     lr: f32,
     grad_scale: f32,
+    decay: f32,
 ) -> Result<(), Error> {
     let len = master.len();
     assert_eq!(grad.len(), len, "grad must match master");
     check_out(&param_out, len);
     let (n, cfg) = (len as i64, elementwise(len));
     let (out, _sync) = optional_ptr(&mut param_out, dev.stream());
-    launch!(dev, "optim.cu", name::<G, X>("sgd_step"), cfg; master, grad, &out, &n, &lr, &grad_scale);
+    launch!(dev, "optim.cu", name::<G, X>("sgd_step"), cfg;
+        master, grad, &out, &n, &lr, &grad_scale, &decay);
     Ok(())
 }
 
 /// SGD with momentum (PyTorch semantics, dampening 0).
+#[allow(clippy::too_many_arguments)]
 pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
@@ -53,6 +57,7 @@ pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
     mut param_out: Option<&mut CudaViewMut<'_, X>>,
     hp: &Momentum,
     grad_scale: f32,
+    decay: f32,
 ) -> Result<(), Error> {
     let len = master.len();
     assert!(
@@ -63,11 +68,11 @@ pub fn momentum_step<G: DeviceFloat, X: DeviceFloat>(
     let (n, cfg, nesterov) = (len as i64, elementwise(len), hp.nesterov as i32);
     let (out, _sync) = optional_ptr(&mut param_out, dev.stream());
     launch!(dev, "optim.cu", name::<G, X>("momentum_step"), cfg;
-        master, grad, buf, &out, &n, &hp.lr, &hp.momentum, &nesterov, &grad_scale);
+        master, grad, buf, &out, &n, &hp.lr, &hp.momentum, &nesterov, &grad_scale, &decay);
     Ok(())
 }
 
-/// AdamW step `t ≥ 1` (weight decay is [`decay`]).
+/// AdamW step `t ≥ 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Gpu,
@@ -79,6 +84,7 @@ pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
     hp: &AdamW,
     step: u64,
     grad_scale: f32,
+    decay: f32,
 ) -> Result<(), Error> {
     let len = master.len();
     assert!(
@@ -90,11 +96,13 @@ pub fn adamw_step<G: DeviceFloat, X: DeviceFloat>(
     let (n, cfg) = (len as i64, elementwise(len));
     let (out, _sync) = optional_ptr(&mut param_out, dev.stream());
     launch!(dev, "optim.cu", name::<G, X>("adamw_step"), cfg;
-        master, grad, m, v, &out, &n, &hp.beta1, &hp.beta2, &hp.eps, &step_size, &bc2_sqrt, &grad_scale);
+        master, grad, m, v, &out, &n, &hp.beta1, &hp.beta2, &hp.eps, &step_size, &bc2_sqrt,
+        &grad_scale, &decay);
     Ok(())
 }
 
-/// Lion: `p -= lr·sign(β1·m + (1-β1)·g)`, then `m = β2·m + (1-β2)·g`.
+/// Lion: `p = p·decay - lr·sign(β1·m + (1-β1)·g)`, then `m = β2·m + (1-β2)·g`.
+#[allow(clippy::too_many_arguments)]
 pub fn lion_step<G: DeviceFloat, X: DeviceFloat>(
     dev: &Gpu,
     master: &mut CudaViewMut<'_, f32>,
@@ -103,6 +111,7 @@ pub fn lion_step<G: DeviceFloat, X: DeviceFloat>(
     mut param_out: Option<&mut CudaViewMut<'_, X>>,
     hp: &Lion,
     grad_scale: f32,
+    decay: f32,
 ) -> Result<(), Error> {
     let len = master.len();
     assert!(
@@ -113,7 +122,7 @@ pub fn lion_step<G: DeviceFloat, X: DeviceFloat>(
     let (n, cfg) = (len as i64, elementwise(len));
     let (out, _sync) = optional_ptr(&mut param_out, dev.stream());
     launch!(dev, "optim.cu", name::<G, X>("lion_step"), cfg;
-        master, grad, m, &out, &n, &hp.lr, &hp.beta1, &hp.beta2, &grad_scale);
+        master, grad, m, &out, &n, &hp.lr, &hp.beta1, &hp.beta2, &grad_scale, &decay);
     Ok(())
 }
 

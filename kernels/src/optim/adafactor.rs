@@ -212,7 +212,7 @@ pub fn adafactor_apply<G: Float, X: Float>(
         (Some(m), Some(b1)) => elementwise(
             master,
             grad,
-            grad_scale,
+            (grad_scale, 1.0),
             [m],
             param_out,
             |off, p, g, [m]| {
@@ -222,11 +222,18 @@ pub fn adafactor_apply<G: Float, X: Float>(
                 }
             },
         ),
-        (None, None) => elementwise(master, grad, grad_scale, [], param_out, |off, p, g, []| {
-            for (i, (p, &g)) in p.iter_mut().zip(g).enumerate() {
-                *p -= u(off + i, g);
-            }
-        }),
+        (None, None) => elementwise(
+            master,
+            grad,
+            (grad_scale, 1.0),
+            [],
+            param_out,
+            |off, p, g, []| {
+                for (i, (p, &g)) in p.iter_mut().zip(g).enumerate() {
+                    *p -= u(off + i, g);
+                }
+            },
+        ),
         _ => panic!("exp_avg must be given exactly when beta1 is set"),
     }
 }

@@ -3,9 +3,11 @@
 //! Every step reads gradients of any [`Float`] dtype times `grad_scale` (the trainer folds
 //! 1/loss_scale, the clipping coefficient and averaging into it), updates `master` and the
 //! states over the same slice (a whole buffer or a ZeRO shard) and, when `param_out` is given,
-//! writes the rounded compute copy of the new master. None applies weight decay: call
-//! [`decay`] first (decoupled decay for every optimizer). All updates are elementwise or use
-//! fixed blocks, so they are deterministic.
+//! writes the rounded compute copy of the new master. Decoupled weight decay (PyTorch's
+//! `p.mul_(1 - lr·wd)` before the update) is the elementwise steps' `decay` factor, applied in
+//! the same pass (1 for none), so master is read and written once a step; the block-wise and
+//! factored optimizers (8-bit Adam, Adafactor) take [`decay`] first. All updates are
+//! elementwise or use fixed blocks, so they are deterministic.
 
 mod adafactor;
 mod adam8bit;
@@ -35,18 +37,19 @@ pub fn decay(master: &mut [f32], factor: f32) {
     });
 }
 
-/// Plain SGD: `p -= lr · g`.
+/// Plain SGD: `p = p·decay - lr · g`.
 pub fn sgd_step<G: Float, X: Float>(
     master: &mut [f32],
     grad: &[G],
     param_out: Option<&mut [X]>,
     lr: f32,
     grad_scale: f32,
+    decay: f32,
 ) {
     elementwise(
         master,
         grad,
-        grad_scale,
+        (grad_scale, decay),
         [],
         param_out,
         #[inline(always)]
@@ -64,8 +67,8 @@ pub struct Momentum {
     pub nesterov: bool,
 }
 
-/// `buf = μ·buf + g`; `p -= lr · (nesterov ? g + μ·buf : buf)`. `buf` starts at zero, which
-/// makes the first step `buf = g` exactly as PyTorch's.
+/// `buf = μ·buf + g`; `p = p·decay - lr · (nesterov ? g + μ·buf : buf)`. `buf` starts at
+/// zero, which makes the first step `buf = g` exactly as PyTorch's.
 pub fn momentum_step<G: Float, X: Float>(
     master: &mut [f32],
     grad: &[G],
@@ -73,6 +76,7 @@ pub fn momentum_step<G: Float, X: Float>(
     param_out: Option<&mut [X]>,
     hp: &Momentum,
     grad_scale: f32,
+    decay: f32,
 ) {
     let Momentum {
         lr,
@@ -82,7 +86,7 @@ pub fn momentum_step<G: Float, X: Float>(
     elementwise(
         master,
         grad,
-        grad_scale,
+        (grad_scale, decay),
         [buf],
         param_out,
         #[inline(always)]
@@ -116,7 +120,7 @@ impl Default for AdamW {
 }
 
 /// Adam step `t ≥ 1` as PyTorch computes it: `m = β1·m + (1-β1)·g`,
-/// `v = β2·v + (1-β2)·g²`, `p -= (lr / bc1) · m / (sqrt(v) / sqrt(bc2) + eps)` with
+/// `v = β2·v + (1-β2)·g²`, `p = p·decay - (lr / bc1) · m / (sqrt(v) / sqrt(bc2) + eps)` with
 /// `bc_i = 1 - β_i^t` evaluated in f64 and rounded once.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step<G: Float, X: Float>(
@@ -128,6 +132,7 @@ pub fn adamw_step<G: Float, X: Float>(
     hp: &AdamW,
     step: u64,
     grad_scale: f32,
+    decay: f32,
 ) {
     let AdamW {
         lr,
@@ -139,7 +144,7 @@ pub fn adamw_step<G: Float, X: Float>(
     elementwise(
         master,
         grad,
-        grad_scale,
+        (grad_scale, decay),
         [m, v],
         param_out,
         #[inline(always)]
@@ -180,7 +185,7 @@ impl Default for Lion {
     }
 }
 
-/// `p -= lr · sign(β1·m + (1-β1)·g)` (sign 0 at 0), then `m = β2·m + (1-β2)·g`.
+/// `p = p·decay - lr · sign(β1·m + (1-β1)·g)` (sign 0 at 0), then `m = β2·m + (1-β2)·g`.
 pub fn lion_step<G: Float, X: Float>(
     master: &mut [f32],
     grad: &[G],
@@ -188,12 +193,13 @@ pub fn lion_step<G: Float, X: Float>(
     param_out: Option<&mut [X]>,
     hp: &Lion,
     grad_scale: f32,
+    decay: f32,
 ) {
     let Lion { lr, beta1, beta2 } = *hp;
     elementwise(
         master,
         grad,
-        grad_scale,
+        (grad_scale, decay),
         [m],
         param_out,
         #[inline(always)]
@@ -214,12 +220,13 @@ pub fn lion_step<G: Float, X: Float>(
     );
 }
 
-/// Drive an elementwise update over fixed chunks: `f(offset, master, scaled grad, states)` per block
-/// of at most [`BLOCK`] elements, then round the new master into `param_out`.
+/// Drive an elementwise update over fixed chunks: per block of at most [`BLOCK`] elements,
+/// `master *= decay`, then `f(offset, master, grad · grad_scale, states)`, then round the new
+/// master into `param_out`.
 pub(crate) fn elementwise<G: Float, X: Float, const S: usize>(
     master: &mut [f32],
     grad: &[G],
-    grad_scale: f32,
+    (grad_scale, decay): (f32, f32),
     states: [&mut [f32]; S],
     param_out: Option<&mut [X]>,
     f: impl Fn(usize, &mut [f32], &[f32], [&mut [f32]; S]) + Sync + Send,
@@ -248,6 +255,7 @@ pub(crate) fn elementwise<G: Float, X: Float, const S: usize>(
                     g.iter_mut().for_each(|g| *g *= grad_scale);
                     // SAFETY: blocks of different tasks are disjoint; each state is its own slice.
                     let p = unsafe { master.slice(blk.clone()) };
+                    p.iter_mut().for_each(|p| *p *= decay);
                     f(b, p, g, states.map(|s| unsafe { s.slice(blk.clone()) }));
                     if let Some(out) = &out {
                         // SAFETY: as above.

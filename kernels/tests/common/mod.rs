@@ -13,6 +13,9 @@ pub fn note_unexercised_cpu_paths() {
     static NOTE: Once = Once::new();
     NOTE.call_once(|| {
         let mut missing = Vec::new();
+        if !kernels::cpu::has_avx2() {
+            missing.push("AVX2 (the AVX2 build of the inner loops and bf16 casts)");
+        }
         if !kernels::cpu::has_avx512() {
             missing.push("AVX-512 (the AVX-512 build of the inner loops and casts)");
         }

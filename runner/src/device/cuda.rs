@@ -612,6 +612,7 @@ impl Device for Cuda {
         mut param_out: Option<CudaViewMut<'_, X>>,
         lr: f32,
         grad_scale: f32,
+        decay: f32,
     ) -> Result<(), Error> {
         Ok(k::optim::sgd_step(
             &self.dev,
@@ -620,6 +621,7 @@ impl Device for Cuda {
             opt(&mut param_out),
             lr,
             grad_scale,
+            decay,
         )?)
     }
     fn momentum_step<X: Num>(
@@ -630,6 +632,7 @@ impl Device for Cuda {
         mut param_out: Option<CudaViewMut<'_, X>>,
         hp: &Momentum,
         grad_scale: f32,
+        decay: f32,
     ) -> Result<(), Error> {
         Ok(k::optim::momentum_step(
             &self.dev,
@@ -639,6 +642,7 @@ impl Device for Cuda {
             opt(&mut param_out),
             hp,
             grad_scale,
+            decay,
         )?)
     }
     fn lion_step<X: Num>(
@@ -649,6 +653,7 @@ impl Device for Cuda {
         mut param_out: Option<CudaViewMut<'_, X>>,
         hp: &Lion,
         grad_scale: f32,
+        decay: f32,
     ) -> Result<(), Error> {
         Ok(k::optim::lion_step(
             &self.dev,
@@ -658,6 +663,7 @@ impl Device for Cuda {
             opt(&mut param_out),
             hp,
             grad_scale,
+            decay,
         )?)
     }
     fn adamw_step<X: Num>(
@@ -670,6 +676,7 @@ impl Device for Cuda {
         hp: &AdamW,
         step: u64,
         grad_scale: f32,
+        decay: f32,
     ) -> Result<(), Error> {
         Ok(k::optim::adamw_step(
             &self.dev,
@@ -681,6 +688,7 @@ impl Device for Cuda {
             hp,
             step,
             grad_scale,
+            decay,
         )?)
     }
     fn adam8bit_step<X: Num>(

@@ -220,6 +220,7 @@ macro_rules! kernels {
                 param_out: Option<Self::ViewMut<'_, X>>,
                 lr: f32,
                 grad_scale: f32,
+                decay: f32,
             );
             k::momentum_step<X: Num>(
                 master: Self::ViewMut<'_, f32>,
@@ -228,6 +229,7 @@ macro_rules! kernels {
                 param_out: Option<Self::ViewMut<'_, X>>,
                 hp: &Momentum,
                 grad_scale: f32,
+                decay: f32,
             );
             k::lion_step<X: Num>(
                 master: Self::ViewMut<'_, f32>,
@@ -236,6 +238,7 @@ macro_rules! kernels {
                 param_out: Option<Self::ViewMut<'_, X>>,
                 hp: &Lion,
                 grad_scale: f32,
+                decay: f32,
             );
             k::adamw_step<X: Num>(
                 master: Self::ViewMut<'_, f32>,
@@ -246,6 +249,7 @@ macro_rules! kernels {
                 hp: &AdamW,
                 step: u64,
                 grad_scale: f32,
+                decay: f32,
             );
             k::adafactor_sq_sums<X: Num>(
                 grad: Self::View<'_, X>,
