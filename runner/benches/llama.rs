@@ -16,7 +16,8 @@
 //! dtype and in NF4 (QLoRA; PEFT on bitsandbytes' CPU 4-bit).
 //!
 //! Run: `cargo bench -p runner --bench llama [-- FILTER…]` (`fp32` or `bf16` selects rows,
-//! `lora` the LoRA table's, `qlora` its QLoRA rows).
+//! LoRA's among them, `=bf16` the full model's alone, `lora` the LoRA table's, `qlora` its
+//! QLoRA rows).
 //! With `ZEROTRAIN_TORCH_PYTHON` naming a Python that has torch and transformers, each row
 //! also runs `scripts/bench_torch_cpu.py` (transformers' `LlamaForCausalLM`, eager attention,
 //! the same shape, batch and thread count) in the same run and prints the ratio; the LoRA rows

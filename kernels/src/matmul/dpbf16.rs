@@ -45,6 +45,9 @@ type Tile = [f32; TILE];
 const WHOLE_B_BYTES: usize = 256 << 10;
 /// Fewest rows of a task that splits rows: each task packs its panel of B again.
 const MIN_CHUNK_ROWS: usize = 64;
+/// Depth of the blocks a deeper product runs in (the LM head's input gradient, as deep as the
+/// vocabulary): packs of its whole depth would leave room for one thread's panel of B.
+const DEPTH_BLOCK: usize = 4096;
 
 /// Whether this CPU has the instructions the kernel uses.
 pub(super) fn available() -> bool {
@@ -114,12 +117,14 @@ pub(super) fn packs_len(k: usize) -> usize {
 /// time. A B small enough ([`WHOLE_B_BYTES`], or one panel: LoRA's rank-wide and rank-deep
 /// products) is packed whole first, and each row block of A just before its tiles, in a slot
 /// of its thread, where it stays in cache; each thread takes a range of whole output rows.
+/// A product deeper than [`DEPTH_BLOCK`] runs in blocks of that depth, summed in f32 in order
+/// (in `c` itself, or in the scratch where it holds the f32 result beside the packs).
 /// Only a scratch too short for one slot and one row block ([`packs_len`]; the trainer's is
 /// sized for its deepest product) sends the packs to the heap. Callers check
 /// [`available`] and pass a depth `k > 0`.
-pub(super) fn product<C: Float, I: Float>(
+pub(super) fn product<A: Source, C: Float, I: Float>(
     c: &mut [C],
-    a: Operand<'_, bf16>,
+    a: Operand<'_, A>,
     b: Operand<'_, bf16>,
     dims: (usize, usize, usize),
     init: Init<'_, I>,
@@ -129,15 +134,45 @@ pub(super) fn product<C: Float, I: Float>(
 }
 
 /// [`product`] on the given engine.
-fn product_on<C: Float, I: Float>(
+fn product_on<A: Source, C: Float, I: Float>(
     engine: Engine,
     c: &mut [C],
-    a: Operand<'_, bf16>,
+    a: Operand<'_, A>,
     b: Operand<'_, bf16>,
     (m, k, n): (usize, usize, usize),
     init: Init<'_, I>,
     scratch: &mut [f32],
 ) {
+    if k > DEPTH_BLOCK {
+        // Block `i` of the depth into `acc`: the first with `init`, the rest added to it.
+        let blocks = |acc: &mut [f32], init: Init<'_, I>, scratch: &mut [f32]| {
+            let mut init = Some(init);
+            for k0 in (0..k).step_by(DEPTH_BLOCK) {
+                let (a, b) = (a.from(0, k0), b.from(k0, 0));
+                let d = DEPTH_BLOCK.min(k - k0);
+                let init = init.take().unwrap_or(Init::Read);
+                product_on(engine, acc, a, b, (m, d, n), init, scratch);
+            }
+        };
+        if let Some(c) = C::as_f32_mut(c) {
+            return blocks(c, init, scratch);
+        }
+        if scratch.len() >= m * n + packs_len(DEPTH_BLOCK) {
+            let (acc, scratch) = scratch.split_at_mut(m * n);
+            blocks(acc, Init::Zero, scratch);
+            let out = SharedMut::new(c);
+            for_ranges(m, 1, |rows| {
+                for i in rows {
+                    // SAFETY: each row of c is one task's.
+                    let row = unsafe { out.slice(i * n..(i + 1) * n) };
+                    for (j0, t) in (0..n).step_by(NC).zip(acc[i * n..(i + 1) * n].chunks(NC)) {
+                        store(&mut row[j0..j0 + t.len()], t, &init, j0);
+                    }
+                }
+            });
+            return;
+        }
+    }
     let (mr, kp, nr) = (engine.rows(), engine.pairs(k), engine.vectors(n));
     let (blocks, nc) = (m.div_ceil(mr), 16 * nr);
     let (a_block, b_len) = (kp * mr, kp * nc);
@@ -173,10 +208,12 @@ fn product_on<C: Float, I: Float>(
             store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
         }
     };
-    let pack_a_block = |rb: usize, out: &mut [u32]| match engine {
-        // SAFETY: `available` was checked by the caller.
-        Engine::Vector => unsafe { pack_a(&a, rb * mr, m, k, out) },
-        Engine::Tiles => pack_a_rows(&a, rb * mr, m, k, out),
+    // SAFETY: `available` was checked by the caller.
+    let pack_a_block = |rb: usize, out: &mut [u32]| unsafe {
+        match engine {
+            Engine::Vector => pack_a(&a, rb * mr, m, k, out),
+            Engine::Tiles => pack_a_rows(&a, rb * mr, m, k, out),
+        }
     };
     // The tiles stay configured for a slot's whole run: nothing in a slot calls into rayon,
     // where its thread could steal another slot and reconfigure them.
@@ -305,11 +342,66 @@ fn store_bf16(row: &mut [bf16], t: &[f32], add: bool) {
     }
 }
 
+/// What an A operand holds: bf16, or f32 (the LM head's dlogits) rounded to bf16 as it is
+/// packed, as autocast rounds the gradient of the head's output; the packs are the same.
+pub(super) trait Source: Copy + Sync {
+    fn to_bf16(self) -> bf16;
+
+    /// The `mask`ed of 16 consecutive elements at `src` as bf16 bits (zeros elsewhere).
+    ///
+    /// # Safety
+    /// The masked elements are readable; the CPU has AVX-512 (F, BW, VL).
+    unsafe fn load16(src: *const Self, mask: u16) -> __m256i;
+}
+
+impl Source for bf16 {
+    #[inline(always)]
+    fn to_bf16(self) -> bf16 {
+        self
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(src: *const Self, mask: u16) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_maskz_loadu_epi16(mask, src.cast()) }
+    }
+}
+
+impl Source for f32 {
+    #[inline(always)]
+    fn to_bf16(self) -> bf16 {
+        bf16::from_f32(self)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(src: *const Self, mask: u16) -> __m256i {
+        // SAFETY: the caller's contract; `round_to_bf16` rounds as `bf16::from_f32`.
+        unsafe { round_to_bf16(_mm512_maskz_loadu_ps(mask, src)) }
+    }
+}
+
+/// 32 consecutive elements at `src` as 16 pairs: dword `p` is `pair(src[2p], src[2p + 1])`.
+///
+/// # Safety
+/// 32 elements are readable; the CPU has AVX-512 (F, BW, VL).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn load_pairs<T: Source>(src: *const T) -> __m512i {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let (lo, hi) = (T::load16(src, !0), T::load16(src.add(16), !0));
+        // In memory element 2p is the low half of dword p: rotate it into the high half.
+        _mm512_rol_epi32::<16>(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi))
+    }
+}
+
 /// Elements `2p` and `2p + 1` of a pair as one dword. The instruction adds the product of
 /// the high halves first, so element `2p` goes there: the accumulation runs in k order.
 #[inline(always)]
-fn pair(first: bf16, second: bf16) -> u32 {
-    u32::from(first.to_bits()) << 16 | u32::from(second.to_bits())
+fn pair<T: Source>(first: T, second: T) -> u32 {
+    u32::from(first.to_bf16().to_bits()) << 16 | u32::from(second.to_bf16().to_bits())
 }
 
 /// Rows `i0..i0 + MR` of `op(a)` as `[pair][row]`; rows past `m` and the odd tail of k are 0.
@@ -317,22 +409,25 @@ fn pair(first: bf16, second: bf16) -> u32 {
 /// two interleaved runs of rows per pair, a plain one 16 pairs at a time through a register
 /// transpose; the rest one pair at a time.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut [u32]) {
-    let (h, zero, full) = (MR.min(m - i0), bf16::ZERO, k / 2);
+unsafe fn pack_a<T: Source>(a: &Operand<'_, T>, i0: usize, m: usize, k: usize, out: &mut [u32]) {
+    let h = MR.min(m - i0);
+    let full = k / 2;
     if a.trans && h == MR {
         // Element (i, kk) is data[kk·ld + i]: each pair is two runs of MR rows, interleaved.
         let (run, ld) = (&a.data[i0..(k - 1) * a.ld + i0 + MR], a.ld);
-        let at = |kk: usize| run[kk * ld..][..MR].as_ptr().cast::<__m128i>();
+        let rows = (1u16 << MR) - 1;
+        // SAFETY: each run holds MR = 8 values.
+        let at =
+            |kk: usize| unsafe { _mm256_castsi256_si128(T::load16(run[kk * ld..].as_ptr(), rows)) };
         for (p, o) in out.chunks_exact_mut(MR).enumerate() {
-            // SAFETY: each run holds MR = 8 values, o as many dwords; unaligned.
+            let (x, y) = match 2 * p + 1 < k {
+                true => (at(2 * p), at(2 * p + 1)),
+                false => (at(2 * p), _mm_setzero_si128()),
+            };
+            // Dword j of an unpack is y[j] | x[j] << 16: `pair(x[j], y[j])`.
+            let o = o.as_mut_ptr().cast::<__m128i>();
+            // SAFETY: o holds MR = 8 dwords; unaligned.
             unsafe {
-                let x = _mm_loadu_si128(at(2 * p));
-                let y = match 2 * p + 1 < k {
-                    true => _mm_loadu_si128(at(2 * p + 1)),
-                    false => _mm_setzero_si128(),
-                };
-                // Dword j of an unpack is y[j] | x[j] << 16: `pair(x[j], y[j])`.
-                let o = o.as_mut_ptr().cast::<__m128i>();
                 _mm_storeu_si128(o, _mm_unpacklo_epi16(y, x));
                 _mm_storeu_si128(o.add(1), _mm_unpackhi_epi16(y, x));
             }
@@ -349,7 +444,7 @@ unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut
                 }
                 (Some(x), None) => {
                     for (o, &x) in o.iter_mut().zip(x) {
-                        *o = pair(x, zero);
+                        *o = pair(x.to_bf16(), bf16::ZERO);
                     }
                 }
                 _ => unreachable!("pairs cover k"),
@@ -357,17 +452,14 @@ unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut
             o[h..].fill(0);
         }
     } else {
-        // Row i is data[i·ld..][..k]: its pairs are adjacent dwords (first element in the low
-        // half, so rotated by 16); 16 of them from each row are transposed in registers.
+        // Row i is data[i·ld..][..k]: its pairs are adjacent; 16 of them from each row are
+        // transposed in registers.
         let p16 = full / 16 * 16;
         for p0 in (0..p16).step_by(16) {
             // SAFETY: rows below h hold pairs p0..p0 + 16; out holds MR dwords a pair.
             unsafe {
                 let rows: [__m512i; 16] = std::array::from_fn(|r| match r < h {
-                    true => {
-                        let src = a.data[(i0 + r) * a.ld + 2 * p0..].as_ptr();
-                        _mm512_rol_epi32::<16>(_mm512_loadu_si512(src.cast()))
-                    }
+                    true => load_pairs(a.data[(i0 + r) * a.ld + 2 * p0..].as_ptr()),
                     false => _mm512_setzero_si512(),
                 });
                 for (p, v) in transpose16(rows).into_iter().enumerate() {
@@ -388,45 +480,72 @@ unsafe fn pack_a(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut
                 *o = pair(x, y);
             }
             if let [last] = tail {
-                out[full * MR + r] = pair(*last, zero);
+                out[full * MR + r] = pair(last.to_bf16(), bf16::ZERO);
             }
         }
     }
 }
 
 /// Rows `i0..i0 + 16` of `op(a)` as `[row][pair]`, `out.len() / 16` pairs a row (the AMX
-/// layout); rows past `m` and depth past `k` are 0.
-fn pack_a_rows(a: &Operand<'_, bf16>, i0: usize, m: usize, k: usize, out: &mut [u32]) {
-    let (h, zero) = (amx::ROWS.min(m - i0), bf16::ZERO);
+/// layout, a whole number of 16-pair steps); rows past `m` and depth past `k` are 0. A plain
+/// A goes 16 pairs of a row at a time through a vector register, a transposed one as 16
+/// pairs of all 16 rows through a register transpose; the tail of a plain row one pair at a
+/// time.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack_a_rows<T: Source>(
+    a: &Operand<'_, T>,
+    i0: usize,
+    m: usize,
+    k: usize,
+    out: &mut [u32],
+) {
+    let h = amx::ROWS.min(m - i0);
     let kp = out.len() / amx::ROWS;
-    let full = k / 2;
-    out[h * kp..].fill(0);
     if a.trans {
-        // Element (i, kk) is data[kk·ld + i]: pair p of every row from two runs of h rows.
-        let at = |kk: usize, r: usize| {
-            if kk < k {
-                a.data[kk * a.ld + i0 + r]
-            } else {
-                zero
+        // Element (i, kk) is data[kk·ld + i]: pair p of every row from two runs of h rows,
+        // widened to dwords and merged, then 16 pairs transposed to rows.
+        let mask = low_bits(h);
+        // SAFETY: run kk < k holds the h masked rows.
+        let run = |kk: usize| unsafe {
+            match kk < k {
+                true => _mm512_cvtepu16_epi32(T::load16(a.data[kk * a.ld + i0..].as_ptr(), mask)),
+                false => _mm512_setzero_si512(),
             }
         };
-        for p in 0..kp {
-            for r in 0..h {
-                out[r * kp + p] = pair(at(2 * p, r), at(2 * p + 1, r));
+        for p0 in (0..kp).step_by(16) {
+            let pairs: [__m512i; 16] = std::array::from_fn(|p| {
+                let kk = 2 * (p0 + p);
+                _mm512_or_si512(_mm512_slli_epi32::<16>(run(kk)), run(kk + 1))
+            });
+            // SAFETY: out holds 16 rows of kp dwords; rows past h are zeros from the masks.
+            unsafe {
+                for (r, v) in transpose16(pairs).into_iter().enumerate() {
+                    _mm512_storeu_si512(out[r * kp + p0..].as_mut_ptr().cast(), v);
+                }
             }
         }
-    } else {
-        // Row i is data[i·ld..][..k]: its pairs are adjacent.
-        for (r, o) in out.chunks_exact_mut(kp).take(h).enumerate() {
-            let (pairs, tail) = a.data[(i0 + r) * a.ld..][..k].as_chunks::<2>();
-            for (o, &[x, y]) in o.iter_mut().zip(pairs) {
-                *o = pair(x, y);
+        return;
+    }
+    out[h * kp..].fill(0);
+    let (full, p16) = (k / 2, k / 32 * 16);
+    // Row i is data[i·ld..][..k]: its pairs are adjacent.
+    for (r, o) in out.chunks_exact_mut(kp).take(h).enumerate() {
+        let row = &a.data[(i0 + r) * a.ld..][..k];
+        for p0 in (0..p16).step_by(16) {
+            // SAFETY: the row holds 32 elements from 2·p0; o holds 16 dwords from p0.
+            unsafe {
+                let v = load_pairs(row[2 * p0..].as_ptr());
+                _mm512_storeu_si512(o[p0..].as_mut_ptr().cast(), v);
             }
-            let rest = &mut o[full..];
-            rest.fill(0);
-            if let [last] = tail {
-                rest[0] = pair(*last, zero);
-            }
+        }
+        let (pairs, tail) = row[2 * p16..].as_chunks::<2>();
+        for (o, &[x, y]) in o[p16..].iter_mut().zip(pairs) {
+            *o = pair(x, y);
+        }
+        let rest = &mut o[full..];
+        rest.fill(0);
+        if let [last] = tail {
+            rest[0] = pair(last.to_bf16(), bf16::ZERO);
         }
     }
 }
@@ -645,10 +764,62 @@ mod tests {
     }
 
     /// Shapes off every block edge (rows not a multiple of 16, columns of 48, depth odd and not
-    /// a multiple of 32), and LoRA's thin ones: outputs one or two vectors wide (narrowed
-    /// panels, packed whole) and a depth shorter than 16 pairs (masked register transposes).
-    const SHAPES: [(usize, usize, usize); 4] =
-        [(37, 71, 100), (37, 71, 16), (40, 16, 100), (40, 70, 20)];
+    /// a multiple of 32), LoRA's thin ones: outputs one or two vectors wide (narrowed panels,
+    /// packed whole) and a depth shorter than 16 pairs (masked register transposes); and one
+    /// deeper than [`DEPTH_BLOCK`], in two blocks, the second odd.
+    const SHAPES: [(usize, usize, usize); 5] = [
+        (37, 71, 100),
+        (37, 71, 16),
+        (40, 16, 100),
+        (40, 70, 20),
+        (20, DEPTH_BLOCK + 99, 40),
+    ];
+
+    /// A scratch that holds the deep shape's f32 result beside the packs of a block.
+    const SCRATCH: usize = 1 << 18;
+
+    /// An f32 A (the LM head's dlogits) gives the bits of its bf16 rounding, in every layout
+    /// and engine, through the vector packs and their scalar tails alike.
+    #[test]
+    fn an_f32_a_is_its_bf16_rounding() {
+        for engine in engines() {
+            for (m, k, n) in SHAPES {
+                let a: Vec<f32> = (0..m * k)
+                    .map(|i| value(i).to_f32() * 1.003 + 1e-4)
+                    .collect();
+                let rounded: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+                assert!(a.iter().zip(&rounded).any(|(x, r)| *x != r.to_f32()));
+                let b: Vec<bf16> = (0..k * n).map(|i| value(3 * i + 1)).collect();
+                for (a_trans, b_trans) in [(false, false), (true, true)] {
+                    let (a_ld, b_ld) = (if a_trans { m } else { k }, if b_trans { k } else { n });
+                    let ob = Operand::new(&b[..], b_ld, b_trans);
+                    let run = |c: &mut [bf16], a: Operand<'_, f32>| {
+                        let init = Init::<f32>::Zero;
+                        product_on(engine, c, a, ob, (m, k, n), init, &mut vec![0f32; SCRATCH]);
+                    };
+                    let (mut got, mut want) = (vec![bf16::ZERO; m * n], vec![bf16::ZERO; m * n]);
+                    run(&mut got, Operand::new(&a[..], a_ld, a_trans));
+                    let or = Operand::new(&rounded[..], a_ld, a_trans);
+                    let init = Init::<f32>::Zero;
+                    product_on(
+                        engine,
+                        &mut want,
+                        or,
+                        ob,
+                        (m, k, n),
+                        init,
+                        &mut vec![0f32; SCRATCH],
+                    );
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "{engine:?} {m}×{k}×{n} a_trans {a_trans}"
+                    );
+                }
+            }
+        }
+    }
 
     /// Every engine gives the exact (f64) product within the rounding of an f32 sum over the
     /// depth, for each operand stored either way, with its packs in the scratch or (a scratch
@@ -715,7 +886,7 @@ mod tests {
                     Operand::new(&a[..], k, false),
                     Operand::new(&b[..], n, false),
                 );
-                let scratch = &mut vec![0f32; 1 << 16];
+                let scratch = &mut vec![0f32; SCRATCH];
                 let mut exact = vec![0f32; m * n];
                 let zero = || Init::<f32>::Zero;
                 product_on(engine, &mut exact, oa, ob, (m, k, n), zero(), scratch);

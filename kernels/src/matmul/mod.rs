@@ -233,9 +233,14 @@ impl<T> Clone for Operand<'_, T> {
 }
 impl<T> Copy for Operand<'_, T> {}
 
-impl<'a, T: Float> Operand<'a, T> {
+impl<'a, T> Operand<'a, T> {
     fn new(data: &'a [T], ld: usize, trans: bool) -> Self {
         Self { data, ld, trans }
+    }
+
+    /// The operand from logical element (i0, j0) on: a block of depth cut from its start.
+    fn from(&self, i0: usize, j0: usize) -> Self {
+        Self::new(&self.data[self.offset(i0, j0)..], self.ld, self.trans)
     }
 
     /// Strides (row, column) of the logical matrix in `data`.
@@ -255,7 +260,9 @@ impl<'a, T: Float> Operand<'a, T> {
             i * self.ld + j
         }
     }
+}
 
+impl<T: Float> Operand<'_, T> {
     /// Widen the logical block rows `i0..i0+r`, cols `j0..j0+c` into `buf`, copying source rows
     /// as they lie; returns the block's strides in `buf`.
     fn widen(
@@ -338,7 +345,7 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
     }
     // A product without depth is its `init`, which the widening path writes.
     #[cfg(target_arch = "x86_64")]
-    if let (Some(ab), Some(bb)) = (A::as_bf16(a.data), B::as_bf16(b.data))
+    if let Some(bb) = B::as_bf16(b.data)
         && k > 0
         && dpbf16::available()
     {
@@ -348,11 +355,16 @@ fn product<A: Float, B: Float, C: Float, I: Float>(
             "matmul scratch of {} f32 is too short for ({m}, {k}) · ({k}, {n}); at least {MIN_SCRATCH} needed",
             scratch.len()
         );
-        let (a, b) = (
-            Operand::new(ab, a.ld, a.trans),
-            Operand::new(bb, b.ld, b.trans),
-        );
-        return dpbf16::product(c, a, b, (m, k, n), init, scratch);
+        let b = Operand::new(bb, b.ld, b.trans);
+        if let Some(ab) = A::as_bf16(a.data) {
+            let a = Operand::new(ab, a.ld, a.trans);
+            return dpbf16::product(c, a, b, (m, k, n), init, scratch);
+        }
+        // The LM head's f32 dlogits beside bf16 weights or inputs, rounded as they are packed.
+        if let Some(af) = A::as_f32(a.data) {
+            let a = Operand::new(af, a.ld, a.trans);
+            return dpbf16::product(c, a, b, (m, k, n), init, scratch);
+        }
     }
     let af = A::as_f32(a.data).map(|d| Operand::new(d, a.ld, a.trans));
     let bf = B::as_f32(b.data).map(|d| Operand::new(d, b.ld, b.trans));

@@ -100,7 +100,8 @@ pub fn cpu_step_seconds(spec: &JobSpec, warmup: usize, what: &str) -> Vec<f64> {
 }
 
 /// The row filters given on the command line (`cargo bench … -- FILTER…`): a row runs when
-/// there are none or its name contains one.
+/// there are none or its name contains one, or equals one given as `=NAME` (`=bf16` runs the
+/// `bf16` row without `bf16 lora`).
 pub struct Filters(Vec<String>);
 
 impl Filters {
@@ -114,7 +115,11 @@ impl Filters {
     }
 
     pub fn keeps(&self, row: &str) -> bool {
-        self.0.is_empty() || self.0.iter().any(|f| row.contains(f.as_str()))
+        self.0.is_empty()
+            || self.0.iter().any(|f| match f.strip_prefix('=') {
+                Some(name) => row == name,
+                None => row.contains(f.as_str()),
+            })
     }
 }
 
