@@ -24,7 +24,7 @@
 //! need peft there too, the QLoRA rows bitsandbytes.
 
 use common::roofline;
-use runner::step_timers::{self, Group};
+use runner::step_timers;
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -37,11 +37,8 @@ const MEASURED: usize = 5;
 /// The LoRA rows' adapters: PEFT's `r` and `lora_alpha`, on every linear projection.
 const LORA_RANK: usize = 16;
 
-/// A mean step: its seconds, and those in each kernel group.
-type MeanStep = (f64, Vec<(Group, f64)>);
-
 /// zerotrain's median step seconds (and the spread) for `dtype`, and its mean step.
-fn ours(dtype: &str) -> ((f64, f64, f64), MeanStep) {
+fn ours(dtype: &str) -> ((f64, f64, f64), common::MeanStep) {
     let model = format!(r#"{{"preset": "{MODEL}"}}"#);
     let spec = common::adamw_job(&model, dtype, (B, T), WARMUP + MEASURED);
     let seconds = common::cpu_step_seconds(&spec, WARMUP, dtype);
@@ -119,30 +116,9 @@ fn main() {
         );
     }
     if !breakdown.is_empty() {
-        print_breakdown(breakdown);
+        common::print_breakdown(breakdown);
     }
     lora_rows(&filters, python.as_deref(), threads);
-}
-
-/// The kernel-group split of each row's mean step.
-fn print_breakdown(breakdown: Vec<(String, MeanStep)>) {
-    println!();
-    let names: Vec<&str> = Group::ALL.iter().map(|g| g.name()).collect();
-    println!(
-        "| dtype | mean s/step | {} | outside kernels |",
-        names.join(" | ")
-    );
-    println!("|---|---|{}---|", "---|".repeat(names.len()));
-    for (dtype, (mean, groups)) in breakdown {
-        let cell = |s: f64| format!("{s:.3} ({:.0}%)", 100.0 * s / mean);
-        let cells: Vec<String> = groups.iter().map(|&(_, s)| cell(s)).collect();
-        let outside = mean - groups.iter().map(|&(_, s)| s).sum::<f64>();
-        println!(
-            "| {dtype} | {mean:.3} | {} | {} |",
-            cells.join(" | "),
-            cell(outside)
-        );
-    }
 }
 
 /// The LoRA table: zerotrain's adapters on the frozen model beside PEFT's, per dtype, on a
@@ -204,5 +180,5 @@ fn lora_rows(filters: &common::Filters, python: Option<&str>, threads: usize) {
             tokens / step
         );
     }
-    print_breakdown(breakdown);
+    common::print_breakdown(breakdown);
 }

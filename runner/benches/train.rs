@@ -1,14 +1,19 @@
 //! Training throughput of the in-process trainer: median step time, tokens/s, achieved
 //! GFLOP/s and model-FLOPs utilisation (MFU) for gpt2-tiny and gpt2-124M at micro-batch 4,
-//! seq 64, fp32 and bf16, AdamW, on all cores.
+//! seq 64, fp32 and bf16, AdamW, on all cores; then each row's mean step by kernel group
+//! (`runner::step_timers`).
 //!
 //! Run: `cargo bench -p runner --bench train [-- FILTER…]` (a filter such as `124M` or
 //! `tiny/bf16` selects rows). FLOPs per step use llm.c's count, `6·N + 6·L·C·T` per token;
 //! the MFU denominator is the machine's 2048³ sgemm rate measured at start-up
 //! (`kernels::matmul::measure_peak_gflops`). With `LLMC_STEP_SECONDS` set to a step time of
 //! llm.c's `train_gpt2.c` measured on the same machine (gpt2-124M fp32, B=4, T=64), the
-//! gpt2-124M rows also print the speed-up over it.
+//! gpt2-124M rows also print the speed-up over it; with `ZEROTRAIN_TORCH_PYTHON` naming a
+//! Python that has torch and transformers, they also run PyTorch eager on the same shape
+//! (`scripts/bench_torch_cpu.py --model gpt2-124M`: `GPT2LMHeadModel`, eager attention, fp32
+//! or bf16 autocast, the same batch, length and threads) in the same run and print the ratio.
 
+use runner::step_timers;
 use scheduler::spec::{JobSpec, Purpose};
 
 mod common;
@@ -81,8 +86,10 @@ fn time_case(case: &Case) -> Timing {
 
 fn main() {
     common::setup();
+    step_timers::enable();
     let filters = common::Filters::from_args();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let python = std::env::var("ZEROTRAIN_TORCH_PYTHON").ok();
     let llmc: Option<f64> = std::env::var("LLMC_STEP_SECONDS")
         .ok()
         .map(|s| s.parse().expect("LLMC_STEP_SECONDS is a number of seconds"));
@@ -98,28 +105,50 @@ fn main() {
     }
     println!();
     println!(
-        "| model | dtype | steps | median step s | min–max s | tokens/s | GFLOP/s | MFU | × llm.c |"
+        "| model | dtype | steps | median step s | min–max s | tokens/s | GFLOP/s | MFU | × llm.c | PyTorch tokens/s | × PyTorch |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut breakdown = Vec::new();
     for case in &CASES {
         let name = format!("{}/{}", case.model, case.dtype);
         if !filters.keeps(&name) {
             continue;
         }
         let t = time_case(case);
+        let mean = t.seconds.iter().sum::<f64>() / t.seconds.len() as f64;
+        breakdown.push((name, (mean, common::kernel_groups(case.measured))));
         let (step, lo, hi) = common::median_min_max(&t.seconds);
         let gflops = t.flops_per_step / step / 1e9;
         let versus = match llmc {
             Some(s) if case.model == "gpt2-124M" => format!("{:.2}×", s / step),
             _ => "—".into(),
         };
+        let (torch, ratio) = match &python {
+            Some(py) if case.model == "gpt2-124M" => {
+                let (batch, seq) = (B.to_string(), T.to_string());
+                let args = [
+                    "--model", case.model, "--dtype", case.dtype, "--batch", &batch, "--seq", &seq,
+                ];
+                let s =
+                    common::torch_step_seconds(py, &args, threads, (case.warmup, case.measured))
+                        .unwrap_or_else(|e| panic!("bench_torch_cpu.py {args:?} {e}"));
+                (
+                    format!("{:.0}", t.tokens_per_step / s),
+                    format!("{:.2}×", s / step),
+                )
+            }
+            _ => ("—".into(), "—".into()),
+        };
         println!(
-            "| {} | {} | {} | {step:.4} | {lo:.4}–{hi:.4} | {:.0} | {gflops:.1} | {:.1}% | {versus} |",
+            "| {} | {} | {} | {step:.4} | {lo:.4}–{hi:.4} | {:.0} | {gflops:.1} | {:.1}% | {versus} | {torch} | {ratio} |",
             case.model,
             case.dtype,
             t.seconds.len(),
             t.tokens_per_step / step,
             100.0 * gflops / peak,
         );
+    }
+    if !breakdown.is_empty() {
+        common::print_breakdown(breakdown);
     }
 }

@@ -67,6 +67,30 @@ pub fn kernel_groups(measured: usize) -> Vec<(step_timers::Group, f64)> {
         .collect()
 }
 
+/// A mean step: its seconds, and those in each kernel group.
+pub type MeanStep = (f64, Vec<(step_timers::Group, f64)>);
+
+/// The kernel-group split of each row's mean step.
+pub fn print_breakdown(breakdown: Vec<(String, MeanStep)>) {
+    println!();
+    let names: Vec<&str> = step_timers::Group::ALL.iter().map(|g| g.name()).collect();
+    println!(
+        "| row | mean s/step | {} | outside kernels |",
+        names.join(" | ")
+    );
+    println!("|---|---|{}---|", "---|".repeat(names.len()));
+    for (dtype, (mean, groups)) in breakdown {
+        let cell = |s: f64| format!("{s:.3} ({:.0}%)", 100.0 * s / mean);
+        let cells: Vec<String> = groups.iter().map(|&(_, s)| cell(s)).collect();
+        let outside = mean - groups.iter().map(|&(_, s)| s).sum::<f64>();
+        println!(
+            "| {dtype} | {mean:.3} | {} | {} |",
+            cells.join(" | "),
+            cell(outside)
+        );
+    }
+}
+
 /// The job the CPU benches compare with PyTorch's: `model` (a spec's model block) in `dtype`,
 /// AdamW (betas 0.9/0.95, weight decay 0.1, as `scripts/bench_torch_cpu.py`), `b` sequences of
 /// `t` tokens, `steps` steps, stage 0, no checkpointing.
