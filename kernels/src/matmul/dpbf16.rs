@@ -43,9 +43,8 @@ type Tile = [f32; TILE];
 /// Most bytes of B packed whole before the tiles (a shallow product's: LoRA's `V·Bᵀ`, the LM
 /// head's weight gradient, whose B is the chunk's inputs): each thread then takes whole rows
 /// of the output, every panel of them, with its row block of A in L1 and B in L2. At 256 KiB
-/// the head's B (400 KiB at its 341-row and 256-row chunks) went to the per-task panels, which
-/// stream A from memory once per panel: its weight gradient ran at 281-300 GFLOP/s on AMX
-/// (gpt2-124M), 437-451 packed whole.
+/// the head's B (about 400 KiB) went to the per-task panels, which stream A from memory once
+/// per panel (kernels/README.md has the figures).
 const WHOLE_B_BYTES: usize = 512 << 10;
 /// Fewest rows of a task that splits rows: each task packs its panel of B again.
 const MIN_CHUNK_ROWS: usize = 64;

@@ -9,7 +9,9 @@
 //! AVX512-BF16, products of two bf16 operands run on `vdpbf16ps` instead (`dpbf16`): the
 //! same f32 multiply-add chain in k order at twice the rate (bit-identical to the sgemm path
 //! when the depth fits one of gemm's depth blocks, ≤ 512); on CPUs with AMX, on its tiles
-//! (`amx`: the same products, summed per 32 of depth before they reach the accumulator).
+//! (`amx`: the same products, summed per 32 of depth before they reach the accumulator). There
+//! an f32 A beside a bf16 B (the LM head's dlogits, in both of its backward products) is
+//! rounded to bf16 as it is packed, as autocast and the CUDA back end round it.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
