@@ -42,9 +42,10 @@ fn ours(dtype: &str) -> ((f64, f64, f64), common::MeanStep) {
     let model = format!(r#"{{"preset": "{MODEL}"}}"#);
     let spec = common::adamw_job(&model, dtype, (B, T), WARMUP + MEASURED);
     let seconds = common::cpu_step_seconds(&spec, WARMUP, dtype);
-    let mean = seconds.iter().sum::<f64>() / seconds.len() as f64;
-    let groups = common::kernel_groups(MEASURED);
-    (common::median_min_max(&seconds), (mean, groups))
+    (
+        common::median_min_max(&seconds),
+        common::mean_step(&seconds),
+    )
 }
 
 /// transformers' median step seconds for `dtype`, when a Python with torch is named.
@@ -155,12 +156,8 @@ fn lora_rows(filters: &common::Filters, python: Option<&str>, threads: usize) {
         let spec = common::adamw_job_with(&model, dtype, (B, T), WARMUP + MEASURED, &lora);
         let what = format!("{dtype} {kind}");
         let seconds = common::cpu_step_seconds(&spec, WARMUP, &what);
-        let mean = seconds.iter().sum::<f64>() / seconds.len() as f64;
         let name = if nf4 { "QLoRA" } else { "LoRA" };
-        breakdown.push((
-            format!("{dtype} {name}"),
-            (mean, common::kernel_groups(MEASURED)),
-        ));
+        breakdown.push((format!("{dtype} {name}"), common::mean_step(&seconds)));
         let (step, lo, hi) = common::median_min_max(&seconds);
         let (peft, ratio) = match python {
             Some(py) => {

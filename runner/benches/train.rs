@@ -115,8 +115,7 @@ fn main() {
             continue;
         }
         let t = time_case(case);
-        let mean = t.seconds.iter().sum::<f64>() / t.seconds.len() as f64;
-        breakdown.push((name, (mean, common::kernel_groups(case.measured))));
+        breakdown.push((name, common::mean_step(&t.seconds)));
         let (step, lo, hi) = common::median_min_max(&t.seconds);
         let gflops = t.flops_per_step / step / 1e9;
         let versus = match llmc {

@@ -147,7 +147,7 @@ fn product_on<A: Source, C: Float, I: Float>(
     scratch: &mut [f32],
 ) {
     if k > DEPTH_BLOCK {
-        // Block `i` of the depth into `acc`: the first with `init`, the rest added to it.
+        // Each block of the depth into `acc`: the first with `init`, the rest added to it.
         let blocks = |acc: &mut [f32], init: Init<'_, I>, scratch: &mut [f32]| {
             let mut init = Some(init);
             for k0 in (0..k).step_by(DEPTH_BLOCK) {
@@ -796,22 +796,13 @@ mod tests {
                 for (a_trans, b_trans) in [(false, false), (true, true)] {
                     let (a_ld, b_ld) = (if a_trans { m } else { k }, if b_trans { k } else { n });
                     let ob = Operand::new(&b[..], b_ld, b_trans);
-                    let run = |c: &mut [bf16], a: Operand<'_, f32>| {
-                        let init = Init::<f32>::Zero;
-                        product_on(engine, c, a, ob, (m, k, n), init, &mut vec![0f32; SCRATCH]);
-                    };
-                    let (mut got, mut want) = (vec![bf16::ZERO; m * n], vec![bf16::ZERO; m * n]);
-                    run(&mut got, Operand::new(&a[..], a_ld, a_trans));
-                    let or = Operand::new(&rounded[..], a_ld, a_trans);
-                    let init = Init::<f32>::Zero;
-                    product_on(
+                    let got =
+                        bf16_product(engine, Operand::new(&a[..], a_ld, a_trans), ob, (m, k, n));
+                    let want = bf16_product(
                         engine,
-                        &mut want,
-                        or,
+                        Operand::new(&rounded[..], a_ld, a_trans),
                         ob,
                         (m, k, n),
-                        init,
-                        &mut vec![0f32; SCRATCH],
                     );
                     assert!(
                         got.iter()
@@ -822,6 +813,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `op(a) (m, k) · op(b) (k, n)` as bf16, with [`SCRATCH`].
+    fn bf16_product<A: Source>(
+        engine: Engine,
+        a: Operand<'_, A>,
+        b: Operand<'_, bf16>,
+        (m, k, n): (usize, usize, usize),
+    ) -> Vec<bf16> {
+        let mut c = vec![bf16::ZERO; m * n];
+        let scratch = &mut vec![0f32; SCRATCH];
+        product_on(engine, &mut c, a, b, (m, k, n), Init::<f32>::Zero, scratch);
+        c
     }
 
     /// Every engine gives the exact (f64) product within the rounding of an f32 sum over the

@@ -58,17 +58,19 @@ pub fn step_seconds(
     seconds
 }
 
-/// Seconds a step spent in each kernel group, the mean over the `measured` steps after the
-/// last [`step_seconds`]'s warmup (`runner::step_timers`, enabled by the bench).
-pub fn kernel_groups(measured: usize) -> Vec<(step_timers::Group, f64)> {
-    step_timers::take()
-        .into_iter()
-        .map(|(g, d)| (g, d.as_secs_f64() / measured as f64))
-        .collect()
-}
-
 /// A mean step: its seconds, and those in each kernel group.
 pub type MeanStep = (f64, Vec<(step_timers::Group, f64)>);
+
+/// The mean of the measured step `seconds` the last [`step_seconds`] returned, and of the
+/// seconds each kernel group took in them (`runner::step_timers`, enabled by the bench).
+pub fn mean_step(seconds: &[f64]) -> MeanStep {
+    let steps = seconds.len() as f64;
+    let groups = step_timers::take()
+        .into_iter()
+        .map(|(g, d)| (g, d.as_secs_f64() / steps))
+        .collect();
+    (seconds.iter().sum::<f64>() / steps, groups)
+}
 
 /// The kernel-group split of each row's mean step.
 pub fn print_breakdown(breakdown: Vec<(String, MeanStep)>) {
@@ -79,12 +81,12 @@ pub fn print_breakdown(breakdown: Vec<(String, MeanStep)>) {
         names.join(" | ")
     );
     println!("|---|---|{}---|", "---|".repeat(names.len()));
-    for (dtype, (mean, groups)) in breakdown {
+    for (row, (mean, groups)) in breakdown {
         let cell = |s: f64| format!("{s:.3} ({:.0}%)", 100.0 * s / mean);
         let cells: Vec<String> = groups.iter().map(|&(_, s)| cell(s)).collect();
         let outside = mean - groups.iter().map(|&(_, s)| s).sum::<f64>();
         println!(
-            "| {dtype} | {mean:.3} | {} | {} |",
+            "| {row} | {mean:.3} | {} | {} |",
             cells.join(" | "),
             cell(outside)
         );
