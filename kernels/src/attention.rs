@@ -8,11 +8,17 @@
 //! `TILE × TILE` blocks of scores in f32 scratch (a few tiles, in L2), computed as small
 //! matrix products whose vector lanes run along a tile, so no sum is horizontal; every sum
 //! runs in one fixed order within one task, so the bits do not depend on the thread count.
+//! bf16 on a CPU with AVX512-BF16 runs those products on `matmul`'s bf16 dot-product kernels
+//! (`vdpbf16ps`, or AMX tiles) instead, with f32 accumulation ([`Dot`]).
 
 use crate::Float;
 use crate::math::{dot, exp, view};
+#[cfg(target_arch = "x86_64")]
+use crate::matmul::{self, Panels, Residual, Small};
 use crate::par::{SharedMut, for_ranges};
 use crate::simd;
+#[cfg(target_arch = "x86_64")]
+use half::bf16;
 
 /// Largest head size any back end runs (CPU stack rows, CUDA shared memory).
 ///
@@ -331,6 +337,228 @@ fn accumulate_block<const W: usize>(
     W
 }
 
+/// How a task multiplies its tiles: f32 FMA tiles for any X ([`Fma`]), or bf16 dot products
+/// on AVX512-BF16 or AMX ([`Dot`], bf16 only). `'a` is the operands' lifetime.
+trait Products<'a, X: Float> {
+    /// Rows `t0..t0 + n` of a head: the left factor of [`Products::scores`] and the right one
+    /// of [`Products::accumulate`].
+    type Rows;
+    /// The same rows transposed: the right factor of [`Products::scores`], loaded once and used
+    /// against every tile of the other side.
+    type Columns;
+
+    /// The products of one task, on its thread.
+    fn new() -> Self;
+    fn rows_tile(d: &AttentionDims) -> Self::Rows;
+    fn columns_tile(d: &AttentionDims) -> Self::Columns;
+    /// Rows `span` of head h of batch b into `dst`.
+    fn rows(
+        &self,
+        op: &Operand<'a, X>,
+        d: &AttentionDims,
+        bh: (usize, usize),
+        span: (usize, usize),
+        dst: &mut Self::Rows,
+    );
+    /// The same rows into `dst`, transposed.
+    fn columns(
+        &self,
+        op: &Operand<'a, X>,
+        d: &AttentionDims,
+        bh: (usize, usize),
+        span: (usize, usize),
+        dst: &mut Self::Columns,
+    );
+    /// `out[r][m] = Σ_j a[r][j] · b[j][m]` over `j < hs` for rows `r < n`, lanes `m < TILE`
+    /// (zero past b's columns).
+    fn scores(&mut self, out: &mut [f32], a: &Self::Rows, b: &Self::Columns, n: usize, hs: usize);
+    /// `acc[m][c] += Σ_r w[r][m] · src[r][c]` over `r < n`, for rows `m < rows`: `acc (TILE,
+    /// padded hs)`, `w (TILE, TILE)`.
+    fn accumulate(
+        &mut self,
+        acc: &mut [f32],
+        w: &[f32],
+        src: &Self::Rows,
+        n: usize,
+        rows: usize,
+        hs: usize,
+    );
+}
+
+/// f32 FMA tiles: operands widened into f32 tiles, vector lanes along a tile.
+struct Fma;
+
+impl<'a, X: Float> Products<'a, X> for Fma {
+    type Rows = Vec<f32>;
+    type Columns = Vec<f32>;
+
+    fn new() -> Self {
+        Fma
+    }
+
+    fn rows_tile(d: &AttentionDims) -> Vec<f32> {
+        let [t] = tiles::<1>(d);
+        t
+    }
+
+    fn columns_tile(d: &AttentionDims) -> Vec<f32> {
+        let [t] = tiles::<1>(d);
+        t
+    }
+
+    #[inline(always)]
+    fn rows(
+        &self,
+        op: &Operand<'a, X>,
+        d: &AttentionDims,
+        bh: (usize, usize),
+        span: (usize, usize),
+        dst: &mut Vec<f32>,
+    ) {
+        op.rows(d, bh, span, dst);
+    }
+
+    #[inline(always)]
+    fn columns(
+        &self,
+        op: &Operand<'a, X>,
+        d: &AttentionDims,
+        bh: (usize, usize),
+        span: (usize, usize),
+        dst: &mut Vec<f32>,
+    ) {
+        op.columns(d, bh, span, dst);
+    }
+
+    #[inline(always)]
+    fn scores(&mut self, out: &mut [f32], a: &Vec<f32>, b: &Vec<f32>, n: usize, hs: usize) {
+        scores(out, a, b, n, hs);
+    }
+
+    #[inline(always)]
+    fn accumulate(
+        &mut self,
+        acc: &mut [f32],
+        w: &[f32],
+        src: &Vec<f32>,
+        n: usize,
+        rows: usize,
+        hs: usize,
+    ) {
+        accumulate(acc, w, src, n, rows, padded(hs));
+    }
+}
+
+/// bf16 dot products (`matmul::Small`): rows read where they lie, columns packed once. The
+/// probabilities and their gradients, f32 tiles, go in twice, as their bf16 rounding and as
+/// its [`Residual`], which keeps 16 of their bits: rounded once (as FlashAttention-2 rounds
+/// them), their sums over a column of queries, which cancel, missed the bf16 tests' bound.
+#[cfg(target_arch = "x86_64")]
+struct Dot {
+    small: Small,
+    /// The right factor of `accumulate`, packed per call.
+    b: Panels,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a, X: Float> Products<'a, X> for Dot {
+    type Rows = matmul::Operand<'a, bf16>;
+    type Columns = Panels;
+
+    fn new() -> Self {
+        Dot {
+            small: Small::new().expect("chosen where the CPU has AVX512-BF16"),
+            b: Panels::default(),
+        }
+    }
+
+    fn rows_tile(_: &AttentionDims) -> Self::Rows {
+        matmul::Operand::new(&[], 0, false)
+    }
+
+    fn columns_tile(_: &AttentionDims) -> Panels {
+        Panels::default()
+    }
+
+    #[inline(always)]
+    fn rows(
+        &self,
+        op: &Operand<'a, X>,
+        d: &AttentionDims,
+        bh: (usize, usize),
+        (t0, _): (usize, usize),
+        dst: &mut Self::Rows,
+    ) {
+        *dst = op.view(d, bh, t0, false);
+    }
+
+    #[inline(always)]
+    fn columns(
+        &self,
+        op: &Operand<'a, X>,
+        d: &AttentionDims,
+        bh: (usize, usize),
+        (t0, n): (usize, usize),
+        dst: &mut Panels,
+    ) {
+        self.small
+            .pack(op.view(d, bh, t0, true), (d.head_size, n), dst);
+    }
+
+    #[inline(always)]
+    fn scores(&mut self, out: &mut [f32], a: &Self::Rows, b: &Panels, n: usize, _: usize) {
+        self.small.product(out, TILE, *a, n, b, false);
+        for row in out.chunks_exact_mut(TILE).take(n) {
+            row[b.width()..].fill(0.0);
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate(
+        &mut self,
+        acc: &mut [f32],
+        w: &[f32],
+        src: &Self::Rows,
+        n: usize,
+        rows: usize,
+        hs: usize,
+    ) {
+        self.small.pack(*src, (n, hs), &mut self.b);
+        let (hi, lo) = (
+            matmul::Operand::new(w, TILE, true),
+            matmul::Operand::new(Residual::of(w), TILE, true),
+        );
+        self.small.product(acc, padded(hs), hi, rows, &self.b, true);
+        self.small.product(acc, padded(hs), lo, rows, &self.b, true);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a, X: Float> Operand<'a, X> {
+    /// Rows from t0 on of head h of batch b, as a bf16 matrix in place (or transposed), for
+    /// [`Dot`].
+    fn view(
+        &self,
+        d: &AttentionDims,
+        (b, h): (usize, usize),
+        t0: usize,
+        trans: bool,
+    ) -> matmul::Operand<'a, bf16> {
+        let data = X::as_bf16(self.data).expect("dot products run on bf16");
+        matmul::Operand::new(
+            &data[self.heads.at(d, b, t0, h)..],
+            self.heads.stride,
+            trans,
+        )
+    }
+}
+
+/// Whether X's tiles run on bf16 dot products on this CPU.
+#[cfg(target_arch = "x86_64")]
+fn dot_products<X: Float>() -> bool {
+    X::as_bf16(&[]).is_some() && matmul::has_bf16_dot_product()
+}
+
 /// Forward: `out (B, T, C)` and `lse (B, NH, T)`, each query row's log-sum-exp of its scaled
 /// scores, from `qkv (B, T, 3C)` laid out `[q | k | v]`, head h in columns `h·hs..(h+1)·hs` of
 /// each part (`d.kv_heads == d.nh`).
@@ -380,14 +608,30 @@ pub fn gqa_attention_forward<X: Float>(
 fn forward<X: Float>(
     out: Output<X>,
     lse: &mut [f32],
-    [q, k, v]: [Operand<'_, X>; 3],
+    operands: [Operand<'_, X>; 3],
+    d: AttentionDims,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dot_products::<X>() {
+        return forward_on::<X, Dot>(out, lse, operands, d);
+    }
+    forward_on::<X, Fma>(out, lse, operands, d);
+}
+
+/// [`forward`] with its tile products on `P`.
+fn forward_on<'a, X: Float, P: Products<'a, X>>(
+    out: Output<X>,
+    lse: &mut [f32],
+    [q, k, v]: [Operand<'a, X>; 3],
     d: AttentionDims,
 ) {
     let (hs, n_tiles) = (d.head_size, d.t.div_ceil(TILE));
     let (hsp, scale) = (padded(hs), 1.0 / (hs as f32).sqrt());
     let lse = SharedMut::new(lse);
     for_ranges(d.b * d.nh * n_tiles, 1, |tasks| {
-        let [qt, kr, vr, s, o] = &mut tiles::<5>(&d);
+        let (mut p, qt) = (P::new(), &mut P::columns_tile(&d));
+        let (kr, vr) = (&mut P::rows_tile(&d), &mut P::rows_tile(&d));
+        let [s, o] = &mut tiles::<2>(&d);
         for task in tasks {
             let (bh, qi) = (task / n_tiles, task % n_tiles);
             let (b, h) = (bh / d.nh, bh % d.nh);
@@ -397,16 +641,16 @@ fn forward<X: Float>(
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    q.columns(&d, (b, h), (t0, nq), qt);
+                    p.columns(&q, &d, (b, h), (t0, nq), qt);
                     // Per query row (lane i): the running maximum and sum of exp(score - max).
                     let (mut max, mut sum) = ([f32::NEG_INFINITY; TILE], [0f32; TILE]);
                     o.fill(0.0);
                     for kj in 0..=qi {
                         let keys = span(&d, kj);
-                        k.rows(&d, kv, keys, kr);
-                        v.rows(&d, kv, keys, vr);
+                        p.rows(&k, &d, kv, keys, kr);
+                        p.rows(&v, &d, kv, keys, vr);
                         // sᵀ: row j holds key j's scores against the tile's query rows.
-                        scores(s, kr, qt, keys.1, hs);
+                        p.scores(s, kr, qt, keys.1, hs);
                         let mut new = max;
                         for (j, s) in s.chunks_exact_mut(TILE).take(keys.1).enumerate() {
                             s.iter_mut().for_each(|s| *s *= scale);
@@ -431,7 +675,7 @@ fn forward<X: Float>(
                         for (o, a) in o.chunks_exact_mut(hsp).zip(alpha).take(rows) {
                             o.iter_mut().for_each(|o| *o *= a);
                         }
-                        accumulate(o, s, vr, keys.1, rows, hsp);
+                        p.accumulate(o, s, vr, keys.1, rows, hs);
                     }
                     let at = (bh * d.t) + t0;
                     // SAFETY: rows t0..t0 + nq of head h of batch b, in out and in lse, belong to
@@ -527,10 +771,26 @@ pub fn gqa_attention_backward<X: Float>(
 /// `P = exp(scale·q·kᵀ - lse)` tile by tile and write each gradient row once: dq (and delta)
 /// per (b, query head, query tile), then dk and dv per (b, key/value head, key tile).
 fn backward<X: Float>(
+    outputs: [Output<X>; 3],
+    delta: &mut [f32],
+    dout_out: [Operand<'_, X>; 2],
+    inputs: [Operand<'_, X>; 3],
+    lse: &[f32],
+    d: AttentionDims,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dot_products::<X>() {
+        return backward_on::<X, Dot>(outputs, delta, dout_out, inputs, lse, d);
+    }
+    backward_on::<X, Fma>(outputs, delta, dout_out, inputs, lse, d);
+}
+
+/// [`backward`] with its tile products on `P`.
+fn backward_on<'a, X: Float, P: Products<'a, X>>(
     [dq, dk, dv]: [Output<X>; 3],
     delta: &mut [f32],
-    [dout, out]: [Operand<'_, X>; 2],
-    [q, k, v]: [Operand<'_, X>; 3],
+    [dout, out]: [Operand<'a, X>; 2],
+    [q, k, v]: [Operand<'a, X>; 3],
     lse: &[f32],
     d: AttentionDims,
 ) {
@@ -539,7 +799,9 @@ fn backward<X: Float>(
     let shared = SharedMut::new(delta);
     // dS = P ∘ (dout·vᵀ - delta), dq = scale · dS·k, over the key tiles up to the diagonal.
     for_ranges(d.b * d.nh * n_tiles, 1, |tasks| {
-        let [qt, yt, kr, vr, s, dp, gq] = &mut tiles::<7>(&d);
+        let (mut p, qt, yt) = (P::new(), &mut P::columns_tile(&d), &mut P::columns_tile(&d));
+        let (kr, vr) = (&mut P::rows_tile(&d), &mut P::rows_tile(&d));
+        let [s, dp, gq] = &mut tiles::<3>(&d);
         for task in tasks {
             let (bh, qi) = (task / n_tiles, task % n_tiles);
             let (b, h) = (bh / d.nh, bh % d.nh);
@@ -552,8 +814,8 @@ fn backward<X: Float>(
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    q.columns(&d, (b, h), (t0, nq), qt);
-                    dout.columns(&d, (b, h), (t0, nq), yt);
+                    p.columns(&q, &d, (b, h), (t0, nq), qt);
+                    p.columns(&dout, &d, (b, h), (t0, nq), yt);
                     let (mut lse_i, mut delta_i) = ([0f32; TILE], [0f32; TILE]);
                     let (mut yb, mut ob) = ([0f32; MAX_HEAD_SIZE], [0f32; MAX_HEAD_SIZE]);
                     for i in 0..nq {
@@ -572,11 +834,11 @@ fn backward<X: Float>(
                     gq.fill(0.0);
                     for kj in 0..=qi {
                         let keys = span(&d, kj);
-                        k.rows(&d, kv, keys, kr);
-                        v.rows(&d, kv, keys, vr);
+                        p.rows(&k, &d, kv, keys, kr);
+                        p.rows(&v, &d, kv, keys, vr);
                         // Transposed, as in the forward: row j for key j, lane i for query row i.
-                        scores(s, kr, qt, keys.1, hs);
-                        scores(dp, vr, yt, keys.1, hs);
+                        p.scores(s, kr, qt, keys.1, hs);
+                        p.scores(dp, vr, yt, keys.1, hs);
                         for (j, (s, dp)) in s
                             .chunks_exact_mut(TILE)
                             .zip(dp.chunks_exact(TILE))
@@ -591,7 +853,7 @@ fn backward<X: Float>(
                                 s[..j].fill(0.0);
                             }
                         }
-                        accumulate(gq, s, kr, keys.1, nq, hsp);
+                        p.accumulate(gq, s, kr, keys.1, nq, hs);
                     }
                     for (i, g) in gq.chunks_exact_mut(hsp).take(nq).enumerate() {
                         g[..hs].iter_mut().for_each(|g| *g *= scale);
@@ -606,7 +868,9 @@ fn backward<X: Float>(
     // dv = Pᵀ·dout, dk = scale · dSᵀ·q, over the group's query heads in order, then the query
     // tiles from the diagonal on.
     for_ranges(d.b * d.kv_heads * n_tiles, 1, |tasks| {
-        let [kt, vt, qr, yr, s, ds, gk, gv] = &mut tiles::<8>(&d);
+        let (mut p, kt, vt) = (P::new(), &mut P::columns_tile(&d), &mut P::columns_tile(&d));
+        let (qr, yr) = (&mut P::rows_tile(&d), &mut P::rows_tile(&d));
+        let [s, ds, gk, gv] = &mut tiles::<4>(&d);
         for task in tasks {
             let (bg, kj) = (task / n_tiles, task % n_tiles);
             let (b, g) = (bg / d.kv_heads, bg % d.kv_heads);
@@ -614,18 +878,18 @@ fn backward<X: Float>(
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    k.columns(&d, (b, g), (k0, nk), kt);
-                    v.columns(&d, (b, g), (k0, nk), vt);
+                    p.columns(&k, &d, (b, g), (k0, nk), kt);
+                    p.columns(&v, &d, (b, g), (k0, nk), vt);
                     gk.fill(0.0);
                     gv.fill(0.0);
                     for h in g * group..(g + 1) * group {
                         for qi in kj..n_tiles {
                             let (t0, nq) = span(&d, qi);
-                            q.rows(&d, (b, h), (t0, nq), qr);
-                            dout.rows(&d, (b, h), (t0, nq), yr);
+                            p.rows(&q, &d, (b, h), (t0, nq), qr);
+                            p.rows(&dout, &d, (b, h), (t0, nq), yr);
                             // Row i for query row i, lane j for key j.
-                            scores(s, qr, kt, nq, hs);
-                            scores(ds, yr, vt, nq, hs);
+                            p.scores(s, qr, kt, nq, hs);
+                            p.scores(ds, yr, vt, nq, hs);
                             let at = (b * d.nh + h) * d.t + t0;
                             for (i, (s, ds)) in s
                                 .chunks_exact_mut(TILE)
@@ -643,8 +907,8 @@ fn backward<X: Float>(
                                     ds[i + 1..].fill(0.0);
                                 }
                             }
-                            accumulate(gv, s, yr, nq, nk, hsp);
-                            accumulate(gk, ds, qr, nq, nk, hsp);
+                            p.accumulate(gv, s, yr, nq, nk, hs);
+                            p.accumulate(gk, ds, qr, nq, nk, hs);
                         }
                     }
                     for (i, (gk, gv)) in gk

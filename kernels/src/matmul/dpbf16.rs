@@ -87,13 +87,16 @@ impl Engine {
         }
     }
 
-    /// zmm registers of a micro-tile row for an output `n` wide: the vector engine narrows its
+    /// zmm registers of a micro-tile row for an output `n` wide: the vector engine sizes its
     /// panels to the output (LoRA's rank-16 products would leave two thirds of a 48-wide
-    /// panel zero); AMX tiles are always [`NC`] wide.
+    /// panel zero, attention's 64-wide tiles a third of two), 3 where that pads no more than
+    /// 2; AMX tiles are always [`NC`] wide.
     fn vectors(self, n: usize) -> usize {
+        let padded = |r: usize| n.div_ceil(16 * r) * 16 * r;
         match self {
-            Self::Vector => n.div_ceil(16).clamp(1, NR),
-            Self::Tiles => NR,
+            Self::Vector if n <= 16 => 1,
+            Self::Vector if padded(2) < padded(NR) => 2,
+            Self::Vector | Self::Tiles => NR,
         }
     }
 
@@ -103,6 +106,48 @@ impl Engine {
         match self {
             Self::Vector => k.div_ceil(2),
             Self::Tiles => k.div_ceil(2 * amx::PAIRS) * amx::PAIRS,
+        }
+    }
+}
+
+impl Engine {
+    /// One micro-tile, `t = a · b` over `kp` pairs, rows `16·nr` apart.
+    ///
+    /// # Safety
+    /// `a` and `b` hold `kp` pairs of the engine's rows and of `16·nr` columns; the CPU has
+    /// AVX512-BF16 ([`available`]); for `Tiles`, [`amx::Tiles`] is configured on this thread.
+    #[inline]
+    unsafe fn micro(self, nr: usize, kp: usize, a: &[u32], b: &[u32], t: &mut Tile) {
+        let (a, b) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (self, nr) {
+                (Self::Vector, 1) => micro::<1>(kp, a, b, t),
+                (Self::Vector, 2) => micro::<2>(kp, a, b, t),
+                (Self::Vector, _) => micro::<NR>(kp, a, b, t),
+                (Self::Tiles, _) => amx::micro(kp, a, b, t.as_mut_ptr()),
+            }
+        }
+    }
+
+    /// Rows `i0..` of `op(a)` packed as this engine's row block (`kp` pairs of its rows).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 (F, BW, VL).
+    unsafe fn pack_a<T: Source>(
+        self,
+        a: &Operand<'_, T>,
+        i0: usize,
+        m: usize,
+        k: usize,
+        out: &mut [u32],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Self::Vector => pack_a(a, i0, m, k, out),
+                Self::Tiles => pack_a_rows(a, i0, m, k, out),
+            }
         }
     }
 }
@@ -195,15 +240,7 @@ fn product_on<A: Source, C: Float, I: Float>(
     let tile = |rb: usize, pa: &[u32], pb: &[u32], (j0, w): (usize, usize), t: &mut Tile| {
         // SAFETY: the packs hold kp pairs of the engine's rows and nc columns; features
         // checked by the caller; tiles configured on this thread by the caller.
-        unsafe {
-            let (pa, pb) = (pa.as_ptr(), pb.as_ptr());
-            match (engine, nr) {
-                (Engine::Vector, 1) => micro::<1>(kp, pa, pb, t),
-                (Engine::Vector, 2) => micro::<2>(kp, pa, pb, t),
-                (Engine::Vector, _) => micro::<NR>(kp, pa, pb, t),
-                (Engine::Tiles, _) => amx::micro(kp, pa, pb, t.as_mut_ptr()),
-            }
-        }
+        unsafe { engine.micro(nr, kp, pa, pb, t) };
         let i0 = rb * mr;
         for (r, t) in t.chunks_exact(nc).take(mr.min(m - i0)).enumerate() {
             let at = (i0 + r) * n + j0;
@@ -212,12 +249,8 @@ fn product_on<A: Source, C: Float, I: Float>(
         }
     };
     // SAFETY: `available` was checked by the caller.
-    let pack_a_block = |rb: usize, out: &mut [u32]| unsafe {
-        match engine {
-            Engine::Vector => pack_a(&a, rb * mr, m, k, out),
-            Engine::Tiles => pack_a_rows(&a, rb * mr, m, k, out),
-        }
-    };
+    let pack_a_block =
+        |rb: usize, out: &mut [u32]| unsafe { engine.pack_a(&a, rb * mr, m, k, out) };
     // The tiles stay configured for a slot's whole run: nothing in a slot calls into rayon,
     // where its thread could steal another slot and reconfigure them.
     // SAFETY: `Engine::Tiles` is chosen only where `amx::available`.
@@ -304,6 +337,106 @@ fn product_on<A: Source, C: Float, I: Float>(
     }
 }
 
+/// A B operand packed whole for [`Small`]: every panel of its `n` columns, `k` deep in `kp`
+/// pairs.
+#[derive(Default)]
+pub(crate) struct Panels {
+    data: Vec<u32>,
+    k: usize,
+    kp: usize,
+    n: usize,
+    nr: usize,
+}
+
+impl Panels {
+    /// Columns of the packed operand.
+    pub(crate) fn width(&self) -> usize {
+        self.n
+    }
+}
+
+/// Products small enough for one thread (attention's tiles, 64 rows or columns and 64 deep),
+/// on the engine [`product`] chooses: B packed whole once ([`Panels`]: a tile that meets every
+/// tile of the other side), A one row block at a time just before its micro-tiles, the f32
+/// results written or added into the caller's tile. Each element is [`product`]'s chain, so
+/// its bits do not depend on which of the two computed it. While it lives it holds its
+/// thread's AMX tile configuration: keep it on one thread, out of rayon.
+pub(crate) struct Small {
+    engine: Engine,
+    a: Vec<u32>,
+    _tiles: Option<amx::Tiles>,
+}
+
+impl Small {
+    /// None where the CPU lacks AVX512-BF16.
+    pub(crate) fn new() -> Option<Self> {
+        available().then(|| Self::on(Engine::best()))
+    }
+
+    /// On `engine`, which this CPU runs.
+    fn on(engine: Engine) -> Self {
+        // SAFETY: `Engine::Tiles` is passed only where `amx::available`.
+        let _tiles = (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
+        Self {
+            engine,
+            a: Vec::new(),
+            _tiles,
+        }
+    }
+
+    /// Packs `op(b) (k, n)` into `panels` (its buffer reused).
+    pub(crate) fn pack(&self, b: Operand<'_, bf16>, (k, n): (usize, usize), panels: &mut Panels) {
+        let (kp, nr) = (self.engine.pairs(k), self.engine.vectors(n));
+        let nc = 16 * nr;
+        panels.data.resize(n.div_ceil(nc) * kp * nc, 0);
+        for (j0, out) in (0..n)
+            .step_by(nc)
+            .zip(panels.data.chunks_exact_mut(kp * nc))
+        {
+            // SAFETY: `available` held when `self` was made.
+            unsafe { pack_b(&b, j0, nc.min(n - j0), k, out, nc) };
+        }
+        *panels = Panels {
+            data: std::mem::take(&mut panels.data),
+            k,
+            kp,
+            n,
+            nr,
+        };
+    }
+
+    /// `c (m, n) = op(a) (m, k) · b`, or with `add` `c += …`; `c` row-major, `ldc` apart.
+    pub(crate) fn product<A: Source>(
+        &mut self,
+        c: &mut [f32],
+        ldc: usize,
+        a: Operand<'_, A>,
+        m: usize,
+        b: &Panels,
+        add: bool,
+    ) {
+        let (engine, mr, nc) = (self.engine, self.engine.rows(), 16 * b.nr);
+        self.a.resize(b.kp * mr, 0);
+        let t = &mut [0f32; TILE];
+        for i0 in (0..m).step_by(mr) {
+            // SAFETY: `available` held when `self` was made.
+            unsafe { engine.pack_a(&a, i0, m, b.k, &mut self.a) };
+            for (j0, pb) in (0..b.n).step_by(nc).zip(b.data.chunks_exact(b.kp * nc)) {
+                // SAFETY: both packs hold kp pairs; tiles configured by `new` on this thread.
+                unsafe { engine.micro(b.nr, b.kp, &self.a, pb, t) };
+                let w = nc.min(b.n - j0);
+                for (r, t) in t.chunks_exact(nc).take(mr.min(m - i0)).enumerate() {
+                    let row = &mut c[(i0 + r) * ldc + j0..][..w];
+                    match add {
+                        true => row.iter_mut().zip(t).for_each(|(c, t)| *c += t),
+                        false => row.copy_from_slice(&t[..w]),
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `row = round(init + t)` for the columns `j0..` of one output row.
 #[inline]
 fn store<C: Float, I: Float>(row: &mut [C], t: &[f32], init: &Init<'_, I>, j0: usize) {
@@ -347,7 +480,7 @@ fn store_bf16(row: &mut [bf16], t: &[f32], add: bool) {
 
 /// What an A operand holds: bf16, or f32 (the LM head's dlogits) rounded to bf16 as it is
 /// packed, as autocast rounds the gradient of the head's output; the packs are the same.
-pub(super) trait Source: Copy + Sync {
+pub(crate) trait Source: Copy + Sync {
     fn to_bf16(self) -> bf16;
 
     /// The `mask`ed of 16 consecutive elements at `src` as bf16 bits (zeros elsewhere).
@@ -382,6 +515,39 @@ impl Source for f32 {
     unsafe fn load16(src: *const Self, mask: u16) -> __m256i {
         // SAFETY: the caller's contract; `round_to_bf16` rounds as `bf16::from_f32`.
         unsafe { round_to_bf16(_mm512_maskz_loadu_ps(mask, src)) }
+    }
+}
+
+/// What an f32 leaves after its bf16 rounding, `x - bf16(x)`, itself rounded to bf16: an A of
+/// f32 values packed once as themselves and once as this (two products into one sum) keeps 16
+/// of their bits, not 8 (attention's probabilities and their gradients, whose sums over a
+/// column of queries cancel). Exact in f32; finite where `x` is.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub(crate) struct Residual(f32);
+
+impl Residual {
+    /// The residuals of `x`, read in place.
+    pub(crate) fn of(x: &[f32]) -> &[Residual] {
+        // SAFETY: `Residual` is a transparent f32.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
+    }
+}
+
+impl Source for Residual {
+    #[inline(always)]
+    fn to_bf16(self) -> bf16 {
+        bf16::from_f32(self.0 - bf16::from_f32(self.0).to_f32())
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(src: *const Self, mask: u16) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let x = _mm512_maskz_loadu_ps(mask, src.cast());
+            round_to_bf16(_mm512_sub_ps(x, widen_bf16(round_to_bf16(x))))
+        }
     }
 }
 
@@ -923,6 +1089,99 @@ mod tests {
                         "{engine:?} {m}×{k}×{n} [{i}]"
                     );
                 }
+            }
+        }
+    }
+
+    /// [`Small`]'s products are [`product`]'s, bit for bit, written or added, for A as bf16 or
+    /// as an f32 transpose (attention's probabilities), B packed plain or transposed, shapes
+    /// off the micro-tile's edges.
+    #[test]
+    fn small_products_are_products() {
+        for engine in engines() {
+            let mut small = Small::on(engine);
+            let mut panels = Panels::default();
+            for (m, k, n) in [
+                (64, 64, 64),
+                (37, 20, 64),
+                (64, 64, 20),
+                (5, 3, 17),
+                (9, 7, 256),
+            ] {
+                let a16: Vec<bf16> = (0..m * k).map(value).collect();
+                let a32: Vec<f32> = (0..m * k).map(|i| value(i).to_f32() * 1.003).collect();
+                let b: Vec<bf16> = (0..k * n).map(|i| value(3 * i + 1)).collect();
+                let prior: Vec<f32> = (0..m * n).map(|i| value(i + 2).to_f32()).collect();
+                for b_trans in [false, true] {
+                    let ob = Operand::new(&b[..], if b_trans { k } else { n }, b_trans);
+                    small.pack(ob, (k, n), &mut panels);
+                    let check = |got: &[f32], want: &[f32], what: &str| {
+                        let same = got
+                            .iter()
+                            .zip(want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(same, "{engine:?} {m}×{k}×{n} b_trans {b_trans}: {what}");
+                    };
+                    let scratch = &mut vec![0f32; SCRATCH];
+                    let oa = Operand::new(&a16[..], k, false);
+                    let (mut got, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    small.product(&mut got, n, oa, m, &panels, false);
+                    product_on(
+                        engine,
+                        &mut want,
+                        oa,
+                        ob,
+                        (m, k, n),
+                        Init::<f32>::Zero,
+                        scratch,
+                    );
+                    check(&got, &want, "bf16 A, written");
+                    let oa = Operand::new(&a32[..], m, true);
+                    let (mut got, mut want) = (prior.clone(), prior.clone());
+                    small.product(&mut got, n, oa, m, &panels, true);
+                    product_on(
+                        engine,
+                        &mut want,
+                        oa,
+                        ob,
+                        (m, k, n),
+                        Init::<f32>::Read,
+                        scratch,
+                    );
+                    check(&got, &want, "f32 A transposed, added");
+                }
+            }
+        }
+    }
+
+    /// A [`Residual`] A packs as the bf16 rounding of `x - bf16(x)`, through the vector loads
+    /// and the scalar tails; with the value's own rounding it keeps 16 of its bits.
+    #[test]
+    fn a_residual_is_what_the_rounding_leaves() {
+        let (m, k, n) = (40, 70, 20);
+        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        for &x in &x {
+            let (hi, lo) = (bf16::from_f32(x), Residual(x).to_bf16());
+            let kept = f64::from(hi) + f64::from(lo);
+            assert!(
+                (kept - f64::from(x)).abs() <= f64::from(x).abs() * 2f64.powi(-16),
+                "{x}"
+            );
+        }
+        let lo: Vec<bf16> = x.iter().map(|&x| Residual(x).to_bf16()).collect();
+        let b: Vec<bf16> = (0..k * n).map(|i| value(3 * i + 1)).collect();
+        let ob = Operand::new(&b[..], n, false);
+        for engine in engines() {
+            for a_trans in [false, true] {
+                let ld = if a_trans { m } else { k };
+                let got = bf16_product(
+                    engine,
+                    Operand::new(Residual::of(&x), ld, a_trans),
+                    ob,
+                    (m, k, n),
+                );
+                let want = bf16_product(engine, Operand::new(&lo[..], ld, a_trans), ob, (m, k, n));
+                assert_eq!(got, want, "{engine:?} a_trans {a_trans}");
             }
         }
     }

@@ -19,6 +19,9 @@ mod amx;
 mod dpbf16;
 mod workspace;
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) use dpbf16::{Panels, Residual, Small};
+
 use crate::Float;
 use crate::math::BLOCK;
 use gemm::Parallelism;
@@ -221,7 +224,7 @@ fn column_sums<X: Float, G: Float>(db: &mut [X], dout: &[G], n: usize) {
 }
 
 /// A row-major matrix `data` with leading dimension `ld`, used as itself or transposed.
-struct Operand<'a, T> {
+pub(crate) struct Operand<'a, T> {
     data: &'a [T],
     ld: usize,
     trans: bool,
@@ -236,7 +239,7 @@ impl<T> Clone for Operand<'_, T> {
 impl<T> Copy for Operand<'_, T> {}
 
 impl<'a, T> Operand<'a, T> {
-    fn new(data: &'a [T], ld: usize, trans: bool) -> Self {
+    pub(crate) fn new(data: &'a [T], ld: usize, trans: bool) -> Self {
         Self { data, ld, trans }
     }
 
