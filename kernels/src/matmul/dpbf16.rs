@@ -48,6 +48,8 @@ type Tile = [f32; TILE];
 const WHOLE_B_BYTES: usize = 512 << 10;
 /// Fewest rows of a task that splits rows: each task packs its panel of B again.
 const MIN_CHUNK_ROWS: usize = 64;
+/// Pairs of depth a plain B's pack prefetches ahead of the pair it packs.
+const PREFETCH: usize = 8;
 /// Depth of the blocks a deeper product runs in (the LM head's input gradient, as deep as the
 /// vocabulary): packs of its whole depth would leave room for one thread's panel of B.
 const DEPTH_BLOCK: usize = 4096;
@@ -770,6 +772,16 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
                 o.fill(0);
                 continue;
             };
+            // Each row is a new page or two when B is wide: ask for the rows PREFETCH pairs on
+            // now, or the loads below wait on them (kernels/README.md has the figures).
+            for r in [row(2 * (p + PREFETCH)), row(2 * (p + PREFETCH) + 1)]
+                .into_iter()
+                .flatten()
+            {
+                for at in [0, 32.min(w - 1), w - 1] {
+                    _mm_prefetch::<_MM_HINT_T0>(r[at..].as_ptr().cast());
+                }
+            }
             for (c0, o) in (0..w).step_by(16).zip(o.chunks_exact_mut(16)) {
                 let mask = low_bits(w - c0);
                 // SAFETY: the loads are masked to the row's w columns; o holds 16 dwords.
