@@ -240,14 +240,17 @@ fn product_on<A: Source, C: Float, I: Float>(
     // Row block `rb` of A (packed at `pa`) times the B panel at `pb`, columns j0..j0 + w, into
     // c through the slot's tile buffer `t`.
     let tile = |rb: usize, pa: &[u32], pb: &[u32], (j0, w): (usize, usize), t: &mut Tile| {
+        let (i0, rows) = (rb * mr, mr.min(m - rb * mr));
+        // SAFETY: tasks own disjoint (row range, panel) blocks of c.
+        let row = |r: usize| unsafe { out.slice((i0 + r) * n + j0..(i0 + r) * n + j0 + w) };
+        // The rows a tile stores (and reads, to add to them) are a page each when c is wide:
+        // asked for now, they arrive while the tile computes.
+        (0..rows).for_each(|r| prefetch(row(r)));
         // SAFETY: the packs hold kp pairs of the engine's rows and nc columns; features
         // checked by the caller; tiles configured on this thread by the caller.
         unsafe { engine.micro(nr, kp, pa, pb, t) };
-        let i0 = rb * mr;
-        for (r, t) in t.chunks_exact(nc).take(mr.min(m - i0)).enumerate() {
-            let at = (i0 + r) * n + j0;
-            // SAFETY: tasks own disjoint (row range, panel) blocks of c.
-            store(unsafe { out.slice(at..at + w) }, &t[..w], &init, j0);
+        for (r, t) in t.chunks_exact(nc).take(rows).enumerate() {
+            store(row(r), &t[..w], &init, j0);
         }
     };
     // SAFETY: `available` was checked by the caller.
@@ -774,14 +777,8 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
             };
             // Each row is a new page or two when B is wide: ask for the rows PREFETCH pairs on
             // now, or the loads below wait on them (kernels/README.md has the figures).
-            for r in [row(2 * (p + PREFETCH)), row(2 * (p + PREFETCH) + 1)]
-                .into_iter()
-                .flatten()
-            {
-                for at in [0, 32.min(w - 1), w - 1] {
-                    _mm_prefetch::<_MM_HINT_T0>(r[at..].as_ptr().cast());
-                }
-            }
+            let ahead = [row(2 * (p + PREFETCH)), row(2 * (p + PREFETCH) + 1)];
+            ahead.into_iter().flatten().for_each(prefetch);
             for (c0, o) in (0..w).step_by(16).zip(o.chunks_exact_mut(16)) {
                 let mask = low_bits(w - c0);
                 // SAFETY: the loads are masked to the row's w columns; o holds 16 dwords.
@@ -797,6 +794,16 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
             }
             o[w.div_ceil(16) * 16..].fill(0);
         }
+    }
+}
+
+/// Asks for the cache lines of `s` (a prefetch neither faults nor waits).
+#[inline(always)]
+fn prefetch<T>(s: &[T]) {
+    let (p, bytes) = (s.as_ptr().cast::<i8>(), std::mem::size_of_val(s));
+    for at in (0..bytes).step_by(64).chain([bytes.saturating_sub(1)]) {
+        // SAFETY: SSE is x86-64's baseline; a prefetch of any address is harmless.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at)) };
     }
 }
 
