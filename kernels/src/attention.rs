@@ -221,45 +221,64 @@ fn widen<X: Float>(src: &[X], dst: &mut [f32]) {
     }
 }
 
-impl<X: Float> Operand<'_, X> {
-    /// Row t of head h of batch b, widened into `dst` (head-size long).
+impl<'a, X> Operand<'a, X> {
+    /// Rows `span` = `(t0, n)` of head h of batch b.
     #[inline(always)]
-    fn widen_row(&self, d: &AttentionDims, (b, h): (usize, usize), t: usize, dst: &mut [f32]) {
-        let at = self.heads.at(d, b, t, h);
-        widen(&self.data[at..at + d.head_size], dst);
+    fn block<'o>(
+        &'o self,
+        d: &'o AttentionDims,
+        bh: (usize, usize),
+        span: (usize, usize),
+    ) -> Block<'o, 'a, X> {
+        Block {
+            op: self,
+            d,
+            bh,
+            span,
+        }
+    }
+}
+
+/// Rows `t0..t0 + n` (`span`) of head h of batch b (`bh`) of an operand: what a task loads.
+struct Block<'o, 'a, X> {
+    op: &'o Operand<'a, X>,
+    d: &'o AttentionDims,
+    bh: (usize, usize),
+    span: (usize, usize),
+}
+
+impl<X: Float> Block<'_, '_, X> {
+    /// Row t0 + i, widened into `dst` (head-size long).
+    #[inline(always)]
+    fn widen_row(&self, i: usize, dst: &mut [f32]) {
+        let ((b, h), d) = (self.bh, self.d);
+        let at = self.op.heads.at(d, b, self.span.0 + i, h);
+        widen(&self.op.data[at..at + d.head_size], dst);
     }
 
-    /// Rows `t0..t0 + n` of head h of batch b, widened into rows of `dst (TILE, padded hs)`
-    /// with zero padding; rows from n on keep what they held (no result read depends on them).
+    /// The rows, widened into rows of `dst (TILE, padded hs)` with zero padding; rows from n on
+    /// keep what they held (no result read depends on them).
     #[inline(always)]
-    fn rows(
-        &self,
-        d: &AttentionDims,
-        (b, h): (usize, usize),
-        (t0, n): (usize, usize),
-        dst: &mut [f32],
-    ) {
-        let hs = d.head_size;
-        for (i, row) in dst.chunks_exact_mut(padded(hs)).take(n).enumerate() {
-            self.widen_row(d, (b, h), t0 + i, &mut row[..hs]);
+    fn widen(&self, dst: &mut [f32]) {
+        let hs = self.d.head_size;
+        for (i, row) in dst
+            .chunks_exact_mut(padded(hs))
+            .take(self.span.1)
+            .enumerate()
+        {
+            self.widen_row(i, &mut row[..hs]);
             row[hs..].fill(0.0);
         }
     }
 
-    /// The same rows transposed into `dst (hs, TILE)`: column i is row t0 + i, columns from n
-    /// on are zero.
+    /// The rows transposed into `dst (hs, TILE)`: column i is row t0 + i, columns from n on
+    /// are zero.
     #[inline(always)]
-    fn columns(
-        &self,
-        d: &AttentionDims,
-        (b, h): (usize, usize),
-        (t0, n): (usize, usize),
-        dst: &mut [f32],
-    ) {
-        let hs = d.head_size;
+    fn widen_transposed(&self, dst: &mut [f32]) {
+        let (hs, n) = (self.d.head_size, self.span.1);
         let mut buf = [0f32; MAX_HEAD_SIZE];
         for i in 0..n {
-            self.widen_row(d, (b, h), t0 + i, &mut buf[..hs]);
+            self.widen_row(i, &mut buf[..hs]);
             for (j, &x) in buf[..hs].iter().enumerate() {
                 dst[j * TILE + i] = x;
             }
@@ -351,24 +370,10 @@ trait Products<'a, X: Float> {
     fn new() -> Self;
     fn rows_tile(d: &AttentionDims) -> Self::Rows;
     fn columns_tile(d: &AttentionDims) -> Self::Columns;
-    /// Rows `span` of head h of batch b into `dst`.
-    fn rows(
-        &self,
-        op: &Operand<'a, X>,
-        d: &AttentionDims,
-        bh: (usize, usize),
-        span: (usize, usize),
-        dst: &mut Self::Rows,
-    );
-    /// The same rows into `dst`, transposed.
-    fn columns(
-        &self,
-        op: &Operand<'a, X>,
-        d: &AttentionDims,
-        bh: (usize, usize),
-        span: (usize, usize),
-        dst: &mut Self::Columns,
-    );
+    /// A block of rows into `dst`.
+    fn rows(&self, rows: Block<'_, 'a, X>, dst: &mut Self::Rows);
+    /// A block of rows into `dst`, transposed.
+    fn columns(&self, rows: Block<'_, 'a, X>, dst: &mut Self::Columns);
     /// `out[r][m] = Σ_j a[r][j] · b[j][m]` over `j < hs` for rows `r < n`, lanes `m < TILE`
     /// (zero past b's columns).
     fn scores(&mut self, out: &mut [f32], a: &Self::Rows, b: &Self::Columns, n: usize, hs: usize);
@@ -407,27 +412,13 @@ impl<'a, X: Float> Products<'a, X> for Fma {
     }
 
     #[inline(always)]
-    fn rows(
-        &self,
-        op: &Operand<'a, X>,
-        d: &AttentionDims,
-        bh: (usize, usize),
-        span: (usize, usize),
-        dst: &mut Vec<f32>,
-    ) {
-        op.rows(d, bh, span, dst);
+    fn rows(&self, rows: Block<'_, 'a, X>, dst: &mut Vec<f32>) {
+        rows.widen(dst);
     }
 
     #[inline(always)]
-    fn columns(
-        &self,
-        op: &Operand<'a, X>,
-        d: &AttentionDims,
-        bh: (usize, usize),
-        span: (usize, usize),
-        dst: &mut Vec<f32>,
-    ) {
-        op.columns(d, bh, span, dst);
+    fn columns(&self, rows: Block<'_, 'a, X>, dst: &mut Vec<f32>) {
+        rows.widen_transposed(dst);
     }
 
     #[inline(always)]
@@ -481,28 +472,14 @@ impl<'a, X: Float> Products<'a, X> for Dot {
     }
 
     #[inline(always)]
-    fn rows(
-        &self,
-        op: &Operand<'a, X>,
-        d: &AttentionDims,
-        bh: (usize, usize),
-        (t0, _): (usize, usize),
-        dst: &mut Self::Rows,
-    ) {
-        *dst = op.view(d, bh, t0, false);
+    fn rows(&self, rows: Block<'_, 'a, X>, dst: &mut Self::Rows) {
+        *dst = rows.view(false);
     }
 
     #[inline(always)]
-    fn columns(
-        &self,
-        op: &Operand<'a, X>,
-        d: &AttentionDims,
-        bh: (usize, usize),
-        (t0, n): (usize, usize),
-        dst: &mut Panels,
-    ) {
-        self.small
-            .pack(op.view(d, bh, t0, true), (d.head_size, n), dst);
+    fn columns(&self, rows: Block<'_, 'a, X>, dst: &mut Panels) {
+        let (k, n) = (rows.d.head_size, rows.span.1);
+        self.small.pack(rows.view(true), (k, n), dst);
     }
 
     #[inline(always)]
@@ -534,22 +511,13 @@ impl<'a, X: Float> Products<'a, X> for Dot {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl<'a, X: Float> Operand<'a, X> {
-    /// Rows from t0 on of head h of batch b, as a bf16 matrix in place (or transposed), for
-    /// [`Dot`].
-    fn view(
-        &self,
-        d: &AttentionDims,
-        (b, h): (usize, usize),
-        t0: usize,
-        trans: bool,
-    ) -> matmul::Operand<'a, bf16> {
-        let data = X::as_bf16(self.data).expect("dot products run on bf16");
-        matmul::Operand::new(
-            &data[self.heads.at(d, b, t0, h)..],
-            self.heads.stride,
-            trans,
-        )
+impl<'a, X: Float> Block<'_, 'a, X> {
+    /// The rows as a bf16 matrix in place (or transposed), for [`Dot`].
+    fn view(&self, trans: bool) -> matmul::Operand<'a, bf16> {
+        let ((b, h), heads) = (self.bh, self.op.heads);
+        let data = X::as_bf16(self.op.data).expect("dot products run on bf16");
+        let at = heads.at(self.d, b, self.span.0, h);
+        matmul::Operand::new(&data[at..], heads.stride, trans)
     }
 }
 
@@ -641,14 +609,14 @@ fn forward_on<'a, X: Float, P: Products<'a, X>>(
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    p.columns(&q, &d, (b, h), (t0, nq), qt);
+                    p.columns(q.block(&d, (b, h), (t0, nq)), qt);
                     // Per query row (lane i): the running maximum and sum of exp(score - max).
                     let (mut max, mut sum) = ([f32::NEG_INFINITY; TILE], [0f32; TILE]);
                     o.fill(0.0);
                     for kj in 0..=qi {
                         let keys = span(&d, kj);
-                        p.rows(&k, &d, kv, keys, kr);
-                        p.rows(&v, &d, kv, keys, vr);
+                        p.rows(k.block(&d, kv, keys), kr);
+                        p.rows(v.block(&d, kv, keys), vr);
                         // sᵀ: row j holds key j's scores against the tile's query rows.
                         p.scores(s, kr, qt, keys.1, hs);
                         let mut new = max;
@@ -814,8 +782,8 @@ fn backward_on<'a, X: Float, P: Products<'a, X>>(
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    p.columns(&q, &d, (b, h), (t0, nq), qt);
-                    p.columns(&dout, &d, (b, h), (t0, nq), yt);
+                    p.columns(q.block(&d, (b, h), (t0, nq)), qt);
+                    p.columns(dout.block(&d, (b, h), (t0, nq)), yt);
                     let (mut lse_i, mut delta_i) = ([0f32; TILE], [0f32; TILE]);
                     let (mut yb, mut ob) = ([0f32; MAX_HEAD_SIZE], [0f32; MAX_HEAD_SIZE]);
                     for i in 0..nq {
@@ -834,8 +802,8 @@ fn backward_on<'a, X: Float, P: Products<'a, X>>(
                     gq.fill(0.0);
                     for kj in 0..=qi {
                         let keys = span(&d, kj);
-                        p.rows(&k, &d, kv, keys, kr);
-                        p.rows(&v, &d, kv, keys, vr);
+                        p.rows(k.block(&d, kv, keys), kr);
+                        p.rows(v.block(&d, kv, keys), vr);
                         // Transposed, as in the forward: row j for key j, lane i for query row i.
                         p.scores(s, kr, qt, keys.1, hs);
                         p.scores(dp, vr, yt, keys.1, hs);
@@ -878,15 +846,15 @@ fn backward_on<'a, X: Float, P: Products<'a, X>>(
             simd::dispatch(
                 #[inline(always)]
                 || {
-                    p.columns(&k, &d, (b, g), (k0, nk), kt);
-                    p.columns(&v, &d, (b, g), (k0, nk), vt);
+                    p.columns(k.block(&d, (b, g), (k0, nk)), kt);
+                    p.columns(v.block(&d, (b, g), (k0, nk)), vt);
                     gk.fill(0.0);
                     gv.fill(0.0);
                     for h in g * group..(g + 1) * group {
                         for qi in kj..n_tiles {
                             let (t0, nq) = span(&d, qi);
-                            p.rows(&q, &d, (b, h), (t0, nq), qr);
-                            p.rows(&dout, &d, (b, h), (t0, nq), yr);
+                            p.rows(q.block(&d, (b, h), (t0, nq)), qr);
+                            p.rows(dout.block(&d, (b, h), (t0, nq)), yr);
                             // Row i for query row i, lane j for key j.
                             p.scores(s, qr, kt, nq, hs);
                             p.scores(ds, yr, vt, nq, hs);

@@ -1134,43 +1134,54 @@ mod tests {
                 for b_trans in [false, true] {
                     let ob = Operand::new(&b[..], if b_trans { k } else { n }, b_trans);
                     small.pack(ob, (k, n), &mut panels);
-                    let check = |got: &[f32], want: &[f32], what: &str| {
+                    let zeros = vec![0f32; m * n];
+                    let cases = [
+                        compare(
+                            &mut small,
+                            &panels,
+                            Operand::new(&a16[..], k, false),
+                            ob,
+                            &zeros,
+                        ),
+                        compare(
+                            &mut small,
+                            &panels,
+                            Operand::new(&a32[..], m, true),
+                            ob,
+                            &prior,
+                        ),
+                    ];
+                    for ((got, want), what) in cases
+                        .iter()
+                        .zip(["bf16 A, written", "f32 A transposed, added"])
+                    {
                         let same = got
                             .iter()
                             .zip(want)
                             .all(|(g, w)| g.to_bits() == w.to_bits());
                         assert!(same, "{engine:?} {m}×{k}×{n} b_trans {b_trans}: {what}");
-                    };
-                    let scratch = &mut vec![0f32; SCRATCH];
-                    let oa = Operand::new(&a16[..], k, false);
-                    let (mut got, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
-                    small.product(&mut got, n, oa, m, &panels, false);
-                    product_on(
-                        engine,
-                        &mut want,
-                        oa,
-                        ob,
-                        (m, k, n),
-                        Init::<f32>::Zero,
-                        scratch,
-                    );
-                    check(&got, &want, "bf16 A, written");
-                    let oa = Operand::new(&a32[..], m, true);
-                    let (mut got, mut want) = (prior.clone(), prior.clone());
-                    small.product(&mut got, n, oa, m, &panels, true);
-                    product_on(
-                        engine,
-                        &mut want,
-                        oa,
-                        ob,
-                        (m, k, n),
-                        Init::<f32>::Read,
-                        scratch,
-                    );
-                    check(&got, &want, "f32 A transposed, added");
+                    }
                 }
             }
         }
+    }
+
+    /// `small`'s product and [`product_on`]'s onto `prior` (zeros: written, else added).
+    fn compare<A: Source>(
+        small: &mut Small,
+        panels: &Panels,
+        a: Operand<'_, A>,
+        b: Operand<'_, bf16>,
+        prior: &[f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (m, n, k) = (prior.len() / panels.n, panels.n, panels.k);
+        let add = prior.iter().any(|&x| x != 0.0);
+        let (mut got, mut want) = (prior.to_vec(), prior.to_vec());
+        small.product(&mut got, n, a, m, panels, add);
+        let init = if add { Init::<f32>::Read } else { Init::Zero };
+        let scratch = &mut vec![0f32; SCRATCH];
+        product_on(small.engine, &mut want, a, b, (m, k, n), init, scratch);
+        (got, want)
     }
 
     /// A [`Residual`] A packs as the bf16 rounding of `x - bf16(x)`, through the vector loads
