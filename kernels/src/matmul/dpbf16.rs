@@ -110,9 +110,7 @@ impl Engine {
             Self::Tiles => k.div_ceil(2 * amx::PAIRS) * amx::PAIRS,
         }
     }
-}
 
-impl Engine {
     /// One micro-tile, `t = a · b` over `kp` pairs, rows `16·nr` apart.
     ///
     /// # Safety
@@ -393,6 +391,7 @@ impl Small {
     pub(crate) fn pack(&self, b: Operand<'_, bf16>, (k, n): (usize, usize), panels: &mut Panels) {
         let (kp, nr) = (self.engine.pairs(k), self.engine.vectors(n));
         let nc = 16 * nr;
+        (panels.k, panels.kp, panels.n, panels.nr) = (k, kp, n, nr);
         panels.data.resize(n.div_ceil(nc) * kp * nc, 0);
         for (j0, out) in (0..n)
             .step_by(nc)
@@ -401,13 +400,6 @@ impl Small {
             // SAFETY: `available` held when `self` was made.
             unsafe { pack_b(&b, j0, nc.min(n - j0), k, out, nc) };
         }
-        *panels = Panels {
-            data: std::mem::take(&mut panels.data),
-            k,
-            kp,
-            n,
-            nr,
-        };
     }
 
     /// `c (m, n) = op(a) (m, k) · b`, or with `add` `c += …`; `c` row-major, `ldc` apart.
