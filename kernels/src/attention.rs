@@ -205,9 +205,14 @@ fn span(d: &AttentionDims, i: usize) -> (usize, usize) {
     (i * TILE, TILE.min(d.t - i * TILE))
 }
 
-/// `N` zeroed scratch tiles of one task, each `TILE` rows of a padded head or of `TILE` scores.
+/// A zeroed scratch tile of one task, `TILE` rows of a padded head or of `TILE` scores.
+fn tile(d: &AttentionDims) -> Vec<f32> {
+    vec![0f32; TILE * padded(d.head_size).max(TILE)]
+}
+
+/// `N` of them.
 fn tiles<const N: usize>(d: &AttentionDims) -> [Vec<f32>; N] {
-    std::array::from_fn(|_| vec![0f32; TILE * padded(d.head_size).max(TILE)])
+    std::array::from_fn(|_| tile(d))
 }
 
 /// `src` widened into `dst`; f32 and bf16 (a shift) inline, so that a row of a tile costs
@@ -402,13 +407,11 @@ impl<'a, X: Float> Products<'a, X> for Fma {
     }
 
     fn rows_tile(d: &AttentionDims) -> Vec<f32> {
-        let [t] = tiles::<1>(d);
-        t
+        tile(d)
     }
 
     fn columns_tile(d: &AttentionDims) -> Vec<f32> {
-        let [t] = tiles::<1>(d);
-        t
+        tile(d)
     }
 
     #[inline(always)]

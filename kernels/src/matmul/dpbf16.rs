@@ -340,15 +340,12 @@ fn product_on<A: Source, C: Float, I: Float>(
     }
 }
 
-/// A B operand packed whole for [`Small`]: every panel of its `n` columns, `k` deep in `kp`
-/// pairs.
+/// A B operand packed whole for [`Small`]: every panel of its `n` columns, `k` deep.
 #[derive(Default)]
 pub(crate) struct Panels {
     data: Vec<u32>,
     k: usize,
-    kp: usize,
     n: usize,
-    nr: usize,
 }
 
 impl Panels {
@@ -391,7 +388,7 @@ impl Small {
     pub(crate) fn pack(&self, b: Operand<'_, bf16>, (k, n): (usize, usize), panels: &mut Panels) {
         let (kp, nr) = (self.engine.pairs(k), self.engine.vectors(n));
         let nc = 16 * nr;
-        (panels.k, panels.kp, panels.n, panels.nr) = (k, kp, n, nr);
+        (panels.k, panels.n) = (k, n);
         panels.data.resize(n.div_ceil(nc) * kp * nc, 0);
         for (j0, out) in (0..n)
             .step_by(nc)
@@ -412,15 +409,17 @@ impl Small {
         b: &Panels,
         add: bool,
     ) {
-        let (engine, mr, nc) = (self.engine, self.engine.rows(), 16 * b.nr);
-        self.a.resize(b.kp * mr, 0);
+        let engine = self.engine;
+        let (mr, kp, nr) = (engine.rows(), engine.pairs(b.k), engine.vectors(b.n));
+        let nc = 16 * nr;
+        self.a.resize(kp * mr, 0);
         let t = &mut [0f32; TILE];
         for i0 in (0..m).step_by(mr) {
             // SAFETY: `available` held when `self` was made.
             unsafe { engine.pack_a(&a, i0, m, b.k, &mut self.a) };
-            for (j0, pb) in (0..b.n).step_by(nc).zip(b.data.chunks_exact(b.kp * nc)) {
+            for (j0, pb) in (0..b.n).step_by(nc).zip(b.data.chunks_exact(kp * nc)) {
                 // SAFETY: both packs hold kp pairs; tiles configured by `new` on this thread.
-                unsafe { engine.micro(b.nr, b.kp, &self.a, pb, t) };
+                unsafe { engine.micro(nr, kp, &self.a, pb, t) };
                 let w = nc.min(b.n - j0);
                 for (r, t) in t.chunks_exact(nc).take(mr.min(m - i0)).enumerate() {
                     let row = &mut c[(i0 + r) * ldc + j0..][..w];
@@ -1126,21 +1125,22 @@ mod tests {
                 for b_trans in [false, true] {
                     let ob = Operand::new(&b[..], if b_trans { k } else { n }, b_trans);
                     small.pack(ob, (k, n), &mut panels);
-                    let zeros = vec![0f32; m * n];
                     let cases = [
                         compare(
                             &mut small,
                             &panels,
                             Operand::new(&a16[..], k, false),
                             ob,
-                            &zeros,
+                            m,
+                            None,
                         ),
                         compare(
                             &mut small,
                             &panels,
                             Operand::new(&a32[..], m, true),
                             ob,
-                            &prior,
+                            m,
+                            Some(&prior),
                         ),
                     ];
                     for ((got, want), what) in cases
@@ -1158,26 +1158,44 @@ mod tests {
         }
     }
 
-    /// `small`'s product and [`product_on`]'s onto `prior` (zeros: written, else added).
+    /// `small`'s product, written (`prior` None, over NaN) or added to `prior`, beside
+    /// [`product_on`]'s; `small` writes rows `LDC` apart and must leave the rest of them alone.
     fn compare<A: Source>(
         small: &mut Small,
         panels: &Panels,
         a: Operand<'_, A>,
         b: Operand<'_, bf16>,
-        prior: &[f32],
+        m: usize,
+        prior: Option<&[f32]>,
     ) -> (Vec<f32>, Vec<f32>) {
-        let (m, n, k) = (prior.len() / panels.n, panels.n, panels.k);
-        let add = prior.iter().any(|&x| x != 0.0);
-        let (mut got, mut want) = (prior.to_vec(), prior.to_vec());
-        small.product(&mut got, n, a, m, panels, add);
-        let init = if add { Init::<f32>::Read } else { Init::Zero };
+        const LDC: usize = 300;
+        let (n, k) = (panels.n, panels.k);
+        let (mut want, init) = match prior {
+            Some(p) => (p.to_vec(), Init::<f32>::Read),
+            None => (vec![f32::NAN; m * n], Init::Zero),
+        };
+        let mut got = vec![f32::NAN; m * LDC];
+        for (row, w) in got.chunks_exact_mut(LDC).zip(want.chunks_exact(n)) {
+            row[..n].copy_from_slice(w);
+        }
+        small.product(&mut got, LDC, a, m, panels, prior.is_some());
+        assert!(
+            got.chunks_exact(LDC)
+                .all(|r| r[n..].iter().all(|x| x.is_nan()))
+        );
         let scratch = &mut vec![0f32; SCRATCH];
         product_on(small.engine, &mut want, a, b, (m, k, n), init, scratch);
+        let got = got
+            .chunks_exact(LDC)
+            .flat_map(|r| &r[..n])
+            .copied()
+            .collect();
         (got, want)
     }
 
     /// A [`Residual`] A packs as the bf16 rounding of `x - bf16(x)`, through the vector loads
-    /// and the scalar tails; with the value's own rounding it keeps 16 of its bits.
+    /// and the scalar tails; with the value's own rounding it is within 2⁻¹⁷ of the value (the
+    /// residual is at most 2⁻⁸ of it, and its own rounding loses at most 2⁻⁹ of that).
     #[test]
     fn a_residual_is_what_the_rounding_leaves() {
         let (m, k, n) = (40, 70, 20);
@@ -1186,7 +1204,7 @@ mod tests {
             let (hi, lo) = (bf16::from_f32(x), Residual(x).to_bf16());
             let kept = f64::from(hi) + f64::from(lo);
             assert!(
-                (kept - f64::from(x)).abs() <= f64::from(x).abs() * 2f64.powi(-16),
+                (kept - f64::from(x)).abs() <= f64::from(x).abs() * 2f64.powi(-17),
                 "{x}"
             );
         }
