@@ -260,29 +260,31 @@ fn product_on<A: Source, C: Float, I: Float>(
     let configure = || (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
     let panels = n.div_ceil(nc);
     let whole = panels * b_len;
+    // Every panel of B, packed in parallel into `dst` (`whole` long).
+    let pack_panels = |dst: &mut [u32]| {
+        let dst = SharedMut::new(dst);
+        for_ranges(panels, 1, |r| {
+            for panel in r {
+                let (j0, w) = span(panel);
+                // SAFETY: each panel owns its part of the pack; `available` was checked by
+                // the caller.
+                unsafe {
+                    pack_b(
+                        &b,
+                        j0,
+                        w,
+                        k,
+                        dst.slice(panel * b_len..(panel + 1) * b_len),
+                        nc,
+                    )
+                };
+            }
+        });
+    };
     if (panels == 1 || whole * 4 <= WHOLE_B_BYTES) && packs.len() >= whole + a_block {
         let (pbs, pas) = packs.split_at_mut(whole);
         let slots = rayon::current_num_threads().min(pas.len() / a_block).max(1);
-        {
-            let dst = SharedMut::new(pbs);
-            for_ranges(panels, 1, |r| {
-                for panel in r {
-                    let (j0, w) = span(panel);
-                    // SAFETY: each panel owns its part of the pack; `available` was checked
-                    // by the caller.
-                    unsafe {
-                        pack_b(
-                            &b,
-                            j0,
-                            w,
-                            k,
-                            dst.slice(panel * b_len..(panel + 1) * b_len),
-                            nc,
-                        )
-                    };
-                }
-            });
-        }
+        pack_panels(pbs);
         let (pbs, pas) = (&*pbs, SharedMut::new(pas));
         (0..slots).into_par_iter().for_each(|slot| {
             // SAFETY: slots are disjoint.
@@ -297,11 +299,22 @@ fn product_on<A: Source, C: Float, I: Float>(
         });
         return;
     }
+    // B is packed once, whole, where the scratch holds it beside a row block of A; else each
+    // task packs its panel into its thread's slot.
+    let shared = packs.len() >= whole + a_block;
     let slots = rayon::current_num_threads()
         .min((packs.len() - a_block) / b_len)
         .max(1);
-    let pass = ((packs.len() - slots * b_len) / a_block).min(blocks);
-    let (pbs, pa) = packs.split_at_mut(slots * b_len);
+    let b_room = if shared { whole } else { slots * b_len };
+    let pass = ((packs.len() - b_room) / a_block).min(blocks);
+    let (pbs, pa) = packs.split_at_mut(b_room);
+    let pbs = SharedMut::new(pbs);
+    let whole_b: Option<&[u32]> = shared.then(|| {
+        // SAFETY: the only slice taken of `pbs` with `shared`; read only once packed.
+        let packed = unsafe { pbs.slice(0..whole) };
+        pack_panels(packed);
+        &*packed
+    });
     for first in (0..blocks).step_by(pass) {
         let rows = pass.min(blocks - first);
         {
@@ -315,23 +328,28 @@ fn product_on<A: Source, C: Float, I: Float>(
                 }
             });
         }
-        // Rows are split among tasks only while each keeps MIN_CHUNK_ROWS: every task packs
-        // its panel of B.
+        // Rows are split among tasks only while each keeps MIN_CHUNK_ROWS: each task reads its
+        // panel of B into its core's cache (packs it, without `shared`) once.
         let most = (rows * mr / MIN_CHUNK_ROWS).max(1);
         let per_chunk = rows.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, most));
         let chunks = rows.div_ceil(per_chunk);
         let tasks = panels * chunks;
-        let (pa, pbs) = (&*pa, SharedMut::new(pbs));
+        let pa = &*pa;
         // Slot s takes every slots-th task, so a slot is one thread's at a time.
         (0..slots).into_par_iter().for_each(|slot| {
-            // SAFETY: slots are disjoint.
-            let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
             let (_tiles, t) = (configure(), &mut [0f32; TILE]);
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
                 let (j0, w) = span(panel);
-                // SAFETY: `available` was checked by the caller.
-                unsafe { pack_b(&b, j0, w, k, pb, nc) };
+                let pb: &[u32] = match whole_b {
+                    Some(packed) => &packed[panel * b_len..(panel + 1) * b_len],
+                    // SAFETY: slots are disjoint; `available` was checked by the caller.
+                    None => unsafe {
+                        let pb = pbs.slice(slot * b_len..(slot + 1) * b_len);
+                        pack_b(&b, j0, w, k, pb, nc);
+                        pb
+                    },
+                };
                 for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
                     tile(first + rb, &pa[rb * a_block..], pb, (j0, w), t);
                 }
@@ -727,13 +745,14 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
         let (full, c16) = (k / 2, w / 16 * 16);
         let col = |c: usize| &b.data[(j0 + c) * b.ld..][..k];
         for c0 in (0..c16).step_by(16) {
+            let cols: [*const bf16; 16] = std::array::from_fn(|j| col(c0 + j).as_ptr());
             for p0 in (0..full).step_by(16) {
                 let np = (full - p0).min(16);
                 // SAFETY: columns c0..c0 + 16 hold pairs p0..p0 + np (the load is masked to
                 // them); out holds nc per pair.
                 unsafe {
                     let rows: [__m512i; 16] = std::array::from_fn(|j| {
-                        let src = col(c0 + j)[2 * p0..].as_ptr();
+                        let src = cols[j].add(2 * p0);
                         let v = _mm512_maskz_loadu_epi32(low_bits(np), src.cast());
                         _mm512_rol_epi32::<16>(v)
                     });
@@ -758,28 +777,38 @@ unsafe fn pack_b(b: &Operand<'_, bf16>, j0: usize, w: usize, k: usize, out: &mut
             }
         }
     } else {
-        // Rows 2p and 2p + 1 of the data, 16 columns at a time, zero-extended and merged.
+        // Rows 2p and 2p + 1 of the data, 16 columns at a time, zero-extended and merged; an
+        // odd depth's last row pairs with zeros.
+        let zeros = [zero; NC];
+        let row = |kk: usize| &b.data[kk * b.ld + j0..][..w];
         for (p, o) in out.chunks_exact_mut(nc).enumerate() {
-            let row = |kk: usize| (kk < k).then(|| &b.data[kk * b.ld + j0..][..w]);
-            let (Some(first), second) = (row(2 * p), row(2 * p + 1)) else {
+            if 2 * p >= k {
                 // Depth padding (AMX packs whole tile steps).
                 o.fill(0);
                 continue;
+            }
+            let first = row(2 * p);
+            let second = if 2 * p + 1 < k {
+                row(2 * p + 1)
+            } else {
+                &zeros[..w]
             };
             // Each row is a new page or two when B is wide: ask for the rows PREFETCH pairs on
             // now, or the loads below wait on them (kernels/README.md has the figures).
-            let ahead = [row(2 * (p + PREFETCH)), row(2 * (p + PREFETCH) + 1)];
-            ahead.into_iter().flatten().for_each(prefetch);
+            let ahead = 2 * (p + PREFETCH);
+            if ahead + 1 < k {
+                prefetch(row(ahead));
+                prefetch(row(ahead + 1));
+            }
             for (c0, o) in (0..w).step_by(16).zip(o.chunks_exact_mut(16)) {
                 let mask = low_bits(w - c0);
-                // SAFETY: the loads are masked to the row's w columns; o holds 16 dwords.
+                // SAFETY: the loads are masked to the rows' w columns; o holds 16 dwords.
                 unsafe {
                     let load = |r: &[bf16]| {
                         let v = _mm256_maskz_loadu_epi16(mask, r[c0..].as_ptr().cast());
                         _mm512_cvtepu16_epi32(v)
                     };
-                    let hi = _mm512_slli_epi32::<16>(load(first));
-                    let v = second.map_or(hi, |s| _mm512_or_si512(hi, load(s)));
+                    let v = _mm512_or_si512(_mm512_slli_epi32::<16>(load(first)), load(second));
                     _mm512_storeu_si512(o.as_mut_ptr().cast(), v);
                 }
             }
@@ -894,10 +923,11 @@ mod tests {
     }
 
     /// A scratch that holds one B slot and one row block of A at a time gives the bits of one
-    /// that holds everything: passes of rows and fewer slots only reorder the same work.
+    /// that holds everything: passes of rows and fewer slots only reorder the same work. The
+    /// last shape's B is past [`WHOLE_B_BYTES`]: packed once for all tasks, or per task.
     #[test]
     fn row_passes_and_fewer_slots_give_the_same_bits() {
-        for (m, k, n) in [(37, 70, 100), (37, 71, 16), (40, 16, 100)] {
+        for (m, k, n) in [(37, 70, 100), (37, 71, 16), (40, 16, 100), (40, 530, 530)] {
             same_bits_in_any_scratch((m, k, n));
         }
     }
@@ -928,9 +958,16 @@ mod tests {
                 c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
             let kp = engine.pairs(k);
-            let (a_block, b_len) = (kp * engine.rows(), kp * 16 * engine.vectors(n));
+            let nc = 16 * engine.vectors(n);
+            let (a_block, b_len) = (kp * engine.rows(), kp * nc);
+            let packed_b = n.div_ceil(nc) * b_len;
             for b_trans in [false, true] {
-                let whole = run(1 << 16, b_trans);
+                let whole = run(packed_b + (m + 16) * kp, b_trans);
+                assert_eq!(
+                    run(packed_b + a_block, b_trans),
+                    whole,
+                    "{engine:?}: B packed once, one block a pass"
+                );
                 assert_eq!(
                     run(a_block + b_len, b_trans),
                     whole,
