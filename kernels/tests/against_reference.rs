@@ -441,13 +441,16 @@ fn rmsnorm_matches<X: Float>() {
     }
 }
 
+/// Also at the widest head, where a task's 64 rows are cast in several groups of 16.
 fn rope_matches<X: Float>() {
     let mut rng = Rng::new(11);
-    let d = RopeDims {
-        t: 7,
-        heads: 3,
-        head_dim: 20,
-    };
+    for (t, heads, head_dim) in [(7, 3, 20), (9, 5, 256)] {
+        let d = RopeDims { t, heads, head_dim };
+        rope_matches_at::<X>(&mut rng, d);
+    }
+}
+
+fn rope_matches_at<X: Float>(rng: &mut Rng, d: RopeDims) {
     let n = 2 * d.t * d.heads * d.head_dim;
     let (cos, sin) = rope_tables(d.t + 2, d.head_dim);
     let (c64, s64) = (to_f64(&cos), to_f64(&sin));
