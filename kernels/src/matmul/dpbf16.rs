@@ -260,31 +260,29 @@ fn product_on<A: Source, C: Float, I: Float>(
     let configure = || (engine == Engine::Tiles).then(|| unsafe { amx::Tiles::configure() });
     let panels = n.div_ceil(nc);
     let whole = panels * b_len;
-    // Every panel of B, packed in parallel into `dst` (`whole` long).
-    let pack_panels = |dst: &mut [u32]| {
-        let dst = SharedMut::new(dst);
-        for_ranges(panels, 1, |r| {
-            for panel in r {
-                let (j0, w) = span(panel);
-                // SAFETY: each panel owns its part of the pack; `available` was checked by
-                // the caller.
-                unsafe {
-                    pack_b(
-                        &b,
-                        j0,
-                        w,
-                        k,
-                        dst.slice(panel * b_len..(panel + 1) * b_len),
-                        nc,
-                    )
-                };
-            }
-        });
-    };
     if (panels == 1 || whole * 4 <= WHOLE_B_BYTES) && packs.len() >= whole + a_block {
         let (pbs, pas) = packs.split_at_mut(whole);
         let slots = rayon::current_num_threads().min(pas.len() / a_block).max(1);
-        pack_panels(pbs);
+        {
+            let dst = SharedMut::new(pbs);
+            for_ranges(panels, 1, |r| {
+                for panel in r {
+                    let (j0, w) = span(panel);
+                    // SAFETY: each panel owns its part of the pack; `available` was checked
+                    // by the caller.
+                    unsafe {
+                        pack_b(
+                            &b,
+                            j0,
+                            w,
+                            k,
+                            dst.slice(panel * b_len..(panel + 1) * b_len),
+                            nc,
+                        )
+                    };
+                }
+            });
+        }
         let (pbs, pas) = (&*pbs, SharedMut::new(pas));
         (0..slots).into_par_iter().for_each(|slot| {
             // SAFETY: slots are disjoint.
@@ -299,22 +297,11 @@ fn product_on<A: Source, C: Float, I: Float>(
         });
         return;
     }
-    // B is packed once, whole, where the scratch holds it beside a row block of A; else each
-    // task packs its panel into its thread's slot.
-    let shared = packs.len() >= whole + a_block;
     let slots = rayon::current_num_threads()
         .min((packs.len() - a_block) / b_len)
         .max(1);
-    let b_room = if shared { whole } else { slots * b_len };
-    let pass = ((packs.len() - b_room) / a_block).min(blocks);
-    let (pbs, pa) = packs.split_at_mut(b_room);
-    let pbs = SharedMut::new(pbs);
-    let whole_b: Option<&[u32]> = shared.then(|| {
-        // SAFETY: the only slice taken of `pbs` with `shared`; read only once packed.
-        let packed = unsafe { pbs.slice(0..whole) };
-        pack_panels(packed);
-        &*packed
-    });
+    let pass = ((packs.len() - slots * b_len) / a_block).min(blocks);
+    let (pbs, pa) = packs.split_at_mut(slots * b_len);
     for first in (0..blocks).step_by(pass) {
         let rows = pass.min(blocks - first);
         {
@@ -328,28 +315,23 @@ fn product_on<A: Source, C: Float, I: Float>(
                 }
             });
         }
-        // Rows are split among tasks only while each keeps MIN_CHUNK_ROWS: each task reads its
-        // panel of B into its core's cache (packs it, without `shared`) once.
+        // Rows are split among tasks only while each keeps MIN_CHUNK_ROWS: every task packs
+        // its panel of B.
         let most = (rows * mr / MIN_CHUNK_ROWS).max(1);
         let per_chunk = rows.div_ceil(MIN_TASKS.div_ceil(panels).clamp(1, most));
         let chunks = rows.div_ceil(per_chunk);
         let tasks = panels * chunks;
-        let pa = &*pa;
+        let (pa, pbs) = (&*pa, SharedMut::new(pbs));
         // Slot s takes every slots-th task, so a slot is one thread's at a time.
         (0..slots).into_par_iter().for_each(|slot| {
+            // SAFETY: slots are disjoint.
+            let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
             let (_tiles, t) = (configure(), &mut [0f32; TILE]);
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
                 let (j0, w) = span(panel);
-                let pb: &[u32] = match whole_b {
-                    Some(packed) => &packed[panel * b_len..(panel + 1) * b_len],
-                    // SAFETY: slots are disjoint; `available` was checked by the caller.
-                    None => unsafe {
-                        let pb = pbs.slice(slot * b_len..(slot + 1) * b_len);
-                        pack_b(&b, j0, w, k, pb, nc);
-                        pb
-                    },
-                };
+                // SAFETY: `available` was checked by the caller.
+                unsafe { pack_b(&b, j0, w, k, pb, nc) };
                 for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
                     tile(first + rb, &pa[rb * a_block..], pb, (j0, w), t);
                 }
@@ -924,7 +906,7 @@ mod tests {
 
     /// A scratch that holds one B slot and one row block of A at a time gives the bits of one
     /// that holds everything: passes of rows and fewer slots only reorder the same work. The
-    /// last shape's B is past [`WHOLE_B_BYTES`]: packed once for all tasks, or per task.
+    /// last shape's B is past [`WHOLE_B_BYTES`], so each task packs its panels.
     #[test]
     fn row_passes_and_fewer_slots_give_the_same_bits() {
         for (m, k, n) in [(37, 70, 100), (37, 71, 16), (40, 16, 100), (40, 530, 530)] {
@@ -963,11 +945,6 @@ mod tests {
             let packed_b = n.div_ceil(nc) * b_len;
             for b_trans in [false, true] {
                 let whole = run(packed_b + (m + 16) * kp, b_trans);
-                assert_eq!(
-                    run(packed_b + a_block, b_trans),
-                    whole,
-                    "{engine:?}: B packed once, one block a pass"
-                );
                 assert_eq!(
                     run(a_block + b_len, b_trans),
                     whole,
