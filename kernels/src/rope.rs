@@ -8,9 +8,6 @@ use crate::simd;
 
 /// Rows (of one head at one position) per task.
 const CHUNK: usize = 64;
-/// Elements of the rows a task casts to f32 at a time (16 KiB of stack; whole rows, at most
-/// [`BLOCK`] long, so at least 16 of them).
-const GROUP: usize = 16 * BLOCK;
 
 /// Shapes of one call: sequence length, heads and head size D (even, at most 256).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,9 +52,6 @@ pub(crate) fn check(len: usize, cos: usize, sin: usize, d: &RopeDims) -> usize {
 fn rotate<X: Float>(x: &mut [X], cos: &[f32], sin: &[f32], d: RopeDims, back: bool) {
     let RopeDims { t, heads, head_dim } = d;
     let (rows, h) = (check(x.len(), cos.len(), sin.len(), &d), head_dim / 2);
-    // Rows cast to f32 together: one cast each way for many rows, not four calls a row
-    // (kernels/README.md has the figures).
-    let group = GROUP / head_dim;
     let x = SharedMut::new(x);
     for_ranges(rows, CHUNK, |r| {
         // SAFETY: ranges of rows are disjoint.
@@ -65,21 +59,20 @@ fn rotate<X: Float>(x: &mut [X], cos: &[f32], sin: &[f32], d: RopeDims, back: bo
         simd::dispatch(
             #[inline(always)]
             || {
-                let mut f = [0f32; GROUP];
-                for (first, x) in r.clone().step_by(group).zip(x.chunks_mut(group * head_dim)) {
-                    let f = &mut f[..x.len()];
-                    X::cast_to_f32(x, f);
-                    for (row, f) in (first..).zip(f.chunks_exact_mut(head_dim)) {
-                        let p = (row / heads) % t;
-                        let (c, s) = (&cos[p * h..][..h], &sin[p * h..][..h]);
-                        let (a, b) = f.split_at_mut(h);
-                        for (((a, b), &c), &s) in a.iter_mut().zip(b).zip(c).zip(s) {
-                            let (u, v, s) = (*a, *b, if back { -s } else { s });
-                            *a = u * c - v * s;
-                            *b = v * c + u * s;
-                        }
+                let (mut a, mut b) = ([0f32; BLOCK / 2], [0f32; BLOCK / 2]);
+                for (row, x) in r.clone().zip(x.chunks_exact_mut(head_dim)) {
+                    let p = (row / heads) % t;
+                    let (c, s) = (&cos[p * h..][..h], &sin[p * h..][..h]);
+                    let (x1, x2) = x.split_at_mut(h);
+                    X::cast_to_f32(x1, &mut a[..h]);
+                    X::cast_to_f32(x2, &mut b[..h]);
+                    for i in 0..h {
+                        let (u, v, s) = (a[i], b[i], if back { -s[i] } else { s[i] });
+                        a[i] = u * c[i] - v * s;
+                        b[i] = v * c[i] + u * s;
                     }
-                    X::cast_from_f32(f, x);
+                    X::cast_from_f32(&a[..h], x1);
+                    X::cast_from_f32(&b[..h], x2);
                 }
             },
         )

@@ -441,7 +441,7 @@ fn rmsnorm_matches<X: Float>() {
     }
 }
 
-/// Also at the widest head, where a task's 64 rows are cast in several groups of 16.
+/// Also at the widest head (256).
 fn rope_matches<X: Float>() {
     let mut rng = Rng::new(11);
     for (t, heads, head_dim) in [(7, 3, 20), (9, 5, 256)] {
