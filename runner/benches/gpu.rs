@@ -58,7 +58,7 @@ fn time(model: &'static str, b: usize, budget: u64) -> Row {
         ..Options::default()
     };
     let what = format!("{model} B={b}");
-    let seconds = common::step_seconds(&spec, &plan, &opts, WARMUP, &what);
+    let seconds = common::step_seconds(&spec, &plan, &opts, WARMUP, &what).measured;
     Row {
         model,
         batch: b,

@@ -1,6 +1,7 @@
 //! Llama-family training throughput on the CPU beside transformers': a SmolLM2-135M-shaped
 //! model (30 layers, C 576, 9 heads over 3 KV heads, MLP 1536, tied 49,152-token head), AdamW,
-//! micro-batch 4, seq 128, fp32 and bf16, on all cores; median step time and tokens/s.
+//! micro-batch 4, seq 128, fp32 and bf16, on all cores; median step time and tokens/s, and the
+//! first step's time (a job's start: its buffers mapped, its optimizer state first written).
 //!
 //! Each row also times the step's products alone (`common::roofline`: every linear layer and
 //! the LM head's chunks, forward and backward, in the row's dtype) and sets the step beside
@@ -37,14 +38,16 @@ const MEASURED: usize = 5;
 /// The LoRA rows' adapters: PEFT's `r` and `lora_alpha`, on every linear projection.
 const LORA_RANK: usize = 16;
 
-/// zerotrain's median step seconds (and the spread) for `dtype`, and its mean step.
-fn ours(dtype: &str) -> ((f64, f64, f64), common::MeanStep) {
+/// zerotrain's first step's seconds, median step seconds (and the spread) for `dtype`, and its
+/// mean step.
+fn ours(dtype: &str) -> (f64, (f64, f64, f64), common::MeanStep) {
     let model = format!(r#"{{"preset": "{MODEL}"}}"#);
     let spec = common::adamw_job(&model, dtype, (B, T), WARMUP + MEASURED);
-    let seconds = common::cpu_step_seconds(&spec, WARMUP, dtype);
+    let steps = common::cpu_step_seconds(&spec, WARMUP, dtype);
     (
-        common::median_min_max(&seconds),
-        common::mean_step(&seconds),
+        steps.first,
+        common::median_min_max(&steps.measured),
+        common::mean_step(&steps.measured),
     )
 }
 
@@ -82,15 +85,15 @@ fn main() {
     );
     println!();
     println!(
-        "| dtype | zerotrain s/step | min–max s | tokens/s | MFU | products s | products GFLOP/s | step ÷ products | transformers tokens/s | MFU | × transformers |"
+        "| dtype | zerotrain s/step | min–max s | first step s | tokens/s | MFU | products s | products GFLOP/s | step ÷ products | transformers tokens/s | MFU | × transformers |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut breakdown = Vec::new();
     for dtype in ["fp32", "bf16"] {
         if !filters.keeps(dtype) {
             continue;
         }
-        let ((step, lo, hi), mean_step) = ours(dtype);
+        let (first, (step, lo, hi), mean_step) = ours(dtype);
         breakdown.push((dtype.to_string(), mean_step));
         let peak = if dtype == "bf16" { bf16_peak } else { peak };
         let (gemm, rate) = pool.install(|| match dtype {
@@ -110,7 +113,7 @@ fn main() {
             None => ("—".into(), "—".into(), "—".into()),
         };
         println!(
-            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {:.1} | {:.1}% | {gemm:.3} | {rate:.0} | {:.2}× | {torch} | {torch_mfu} | {ratio} |",
+            "| {dtype} | {step:.3} | {lo:.3}–{hi:.3} | {first:.3} | {:.1} | {:.1}% | {gemm:.3} | {rate:.0} | {:.2}× | {torch} | {torch_mfu} | {ratio} |",
             tokens / step,
             mfu(step, peak),
             step / gemm
@@ -155,7 +158,7 @@ fn lora_rows(filters: &common::Filters, python: Option<&str>, threads: usize) {
         );
         let spec = common::adamw_job_with(&model, dtype, (B, T), WARMUP + MEASURED, &lora);
         let what = format!("{dtype} {kind}");
-        let seconds = common::cpu_step_seconds(&spec, WARMUP, &what);
+        let seconds = common::cpu_step_seconds(&spec, WARMUP, &what).measured;
         let name = if nf4 { "QLoRA" } else { "LoRA" };
         breakdown.push((format!("{dtype} {name}"), common::mean_step(&seconds)));
         let (step, lo, hi) = common::median_min_max(&seconds);

@@ -57,7 +57,7 @@ fn main() {
         if !filters.keeps(&format!("{model} T={t}")) {
             continue;
         }
-        let seconds = common::cpu_step_seconds(&spec(model, b, t), WARMUP, model);
+        let seconds = common::cpu_step_seconds(&spec(model, b, t), WARMUP, model).measured;
         let (step, _, _) = common::median_min_max(&seconds);
         let tokens = (b * t) as f64;
         let (torch, ratio) = match &python {

@@ -78,7 +78,7 @@ fn time_case(case: &Case) -> Timing {
     let tokens_per_step = (B * T) as f64;
     let what = format!("{}/{}", case.model, case.dtype);
     Timing {
-        seconds: common::cpu_step_seconds(&spec, case.warmup, &what),
+        seconds: common::cpu_step_seconds(&spec, case.warmup, &what).measured,
         flops_per_step: common::flops_per_token(&model, T) * tokens_per_step,
         tokens_per_step,
     }

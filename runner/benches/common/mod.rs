@@ -31,15 +31,24 @@ pub fn flops_per_token(model: &ModelShape, t: usize) -> f64 {
     6.0 * model.parameter_count() as f64 + 6.0 * attention as f64
 }
 
-/// Trains `spec` by `plan` and returns each step's seconds after the first `warmup`; fails
-/// naming `what` if the loss is not finite.
+/// A run's step times in seconds.
+pub struct Steps {
+    /// The first step: a job's start shows here (its buffers' pages are mapped as they are
+    /// first touched).
+    pub first: f64,
+    /// Each step after the warm-up.
+    pub measured: Vec<f64>,
+}
+
+/// Trains `spec` by `plan` and returns its first step's seconds and each step's after the
+/// first `warmup` (at least 1); fails naming `what` if the loss is not finite.
 pub fn step_seconds(
     spec: &JobSpec,
     plan: &Plan,
     opts: &Options,
     warmup: usize,
     what: &str,
-) -> Vec<f64> {
+) -> Steps {
     let mut seconds = Vec::new();
     let mut progress = |p: Progress| {
         seconds.push(p.step_seconds);
@@ -54,8 +63,12 @@ pub fn step_seconds(
         "{what}: loss {}",
         summary.final_loss
     );
+    let first = seconds[0];
     seconds.drain(..warmup);
-    seconds
+    Steps {
+        first,
+        measured: seconds,
+    }
 }
 
 /// A mean step: its seconds, and those in each kernel group.
@@ -120,7 +133,7 @@ pub fn adamw_job_with(
 }
 
 /// [`step_seconds`] of `spec` planned on this machine's CPU and run on the kernel pool.
-pub fn cpu_step_seconds(spec: &JobSpec, warmup: usize, what: &str) -> Vec<f64> {
+pub fn cpu_step_seconds(spec: &JobSpec, warmup: usize, what: &str) -> Steps {
     let plan = plan_local(spec, None).expect("the bench's specs fit");
     step_seconds(spec, &plan, &Options::default(), warmup, what)
 }
