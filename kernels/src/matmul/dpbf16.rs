@@ -484,6 +484,30 @@ pub(crate) trait Source: Copy + Sync {
     /// # Safety
     /// The masked elements are readable; the CPU has AVX-512 (F, BW, VL).
     unsafe fn load16(src: *const Self, mask: u16) -> __m256i;
+
+    /// Eight consecutive elements at `a` and eight at `b` as 16 bf16, `a`'s first: two runs of
+    /// a transposed A converted as one vector.
+    ///
+    /// # Safety
+    /// Both runs are readable; the CPU has AVX-512 (F, BW, VL).
+    unsafe fn load8x2(a: *const Self, b: *const Self) -> __m256i;
+}
+
+/// Eight f32 at `a` and eight at `b` in one vector, `a`'s first.
+///
+/// # Safety
+/// Both runs are readable; the CPU has AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn two_runs(a: *const f32, b: *const f32) -> __m512 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let (a, b) = (_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+        _mm512_castsi512_ps(_mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_castps_si256(a)),
+            _mm256_castps_si256(b),
+        ))
+    }
 }
 
 impl Source for bf16 {
@@ -498,6 +522,16 @@ impl Source for bf16 {
         // SAFETY: the caller's contract.
         unsafe { _mm256_maskz_loadu_epi16(mask, src.cast()) }
     }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load8x2(a: *const Self, b: *const Self) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let a = _mm256_castsi128_si256(_mm_loadu_si128(a.cast()));
+            _mm256_inserti128_si256::<1>(a, _mm_loadu_si128(b.cast()))
+        }
+    }
 }
 
 impl Source for f32 {
@@ -511,6 +545,13 @@ impl Source for f32 {
     unsafe fn load16(src: *const Self, mask: u16) -> __m256i {
         // SAFETY: the caller's contract; `round_to_bf16` rounds as `bf16::from_f32`.
         unsafe { round_to_bf16(_mm512_maskz_loadu_ps(mask, src)) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load8x2(a: *const Self, b: *const Self) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe { round_to_bf16(two_runs(a, b)) }
     }
 }
 
@@ -530,6 +571,15 @@ impl Residual {
     }
 }
 
+impl Residual {
+    /// The residuals of 16 f32 lanes, rounded to bf16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn round(x: __m512) -> __m256i {
+        round_to_bf16(_mm512_sub_ps(x, widen_bf16(round_to_bf16(x))))
+    }
+}
+
 impl Source for Residual {
     #[inline(always)]
     fn to_bf16(self) -> bf16 {
@@ -540,10 +590,14 @@ impl Source for Residual {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn load16(src: *const Self, mask: u16) -> __m256i {
         // SAFETY: the caller's contract.
-        unsafe {
-            let x = _mm512_maskz_loadu_ps(mask, src.cast());
-            round_to_bf16(_mm512_sub_ps(x, widen_bf16(round_to_bf16(x))))
-        }
+        unsafe { Residual::round(_mm512_maskz_loadu_ps(mask, src.cast())) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load8x2(a: *const Self, b: *const Self) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe { Residual::round(two_runs(a.cast(), b.cast())) }
     }
 }
 
@@ -584,12 +638,29 @@ unsafe fn pack_a<T: Source>(a: &Operand<'_, T>, i0: usize, m: usize, k: usize, o
         // SAFETY: each run holds MR = 8 values.
         let at =
             |kk: usize| unsafe { _mm256_castsi256_si128(T::load16(run[kk * ld..].as_ptr(), rows)) };
-        for (p, o) in out.chunks_exact_mut(MR).enumerate() {
+        // SAFETY: as above.
+        let at2 = |k0: usize, k1: usize| unsafe {
+            T::load8x2(run[k0 * ld..].as_ptr(), run[k1 * ld..].as_ptr())
+        };
+        // Two pairs at a time, their runs converted in one vector each: lane half h of an
+        // unpack is pair 2q + h's, so the halves are regrouped by pair before the stores.
+        let quads = k / 4;
+        for (q, o) in out.chunks_exact_mut(2 * MR).take(quads).enumerate() {
+            let (x, y) = (at2(4 * q, 4 * q + 2), at2(4 * q + 1, 4 * q + 3));
+            // Dword j of an unpack is y[j] | x[j] << 16: `pair(x[j], y[j])`.
+            let (lo, hi) = (_mm256_unpacklo_epi16(y, x), _mm256_unpackhi_epi16(y, x));
+            let o = o.as_mut_ptr().cast::<__m256i>();
+            // SAFETY: o holds 2·MR = 16 dwords; unaligned.
+            unsafe {
+                _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(lo, hi));
+                _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(lo, hi));
+            }
+        }
+        for (p, o) in out.chunks_exact_mut(MR).enumerate().skip(2 * quads) {
             let (x, y) = match 2 * p + 1 < k {
                 true => (at(2 * p), at(2 * p + 1)),
                 false => (at(2 * p), _mm_setzero_si128()),
             };
-            // Dword j of an unpack is y[j] | x[j] << 16: `pair(x[j], y[j])`.
             let o = o.as_mut_ptr().cast::<__m128i>();
             // SAFETY: o holds MR = 8 dwords; unaligned.
             unsafe {
