@@ -569,9 +569,7 @@ impl Residual {
         // SAFETY: `Residual` is a transparent f32.
         unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
     }
-}
 
-impl Residual {
     /// The residuals of 16 f32 lanes, rounded to bf16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]

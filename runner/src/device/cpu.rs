@@ -42,6 +42,7 @@ macro_rules! forward {
 /// SmolLM2-135M job that made the first step 3-6 s slower than the next ones (525k faults in
 /// its AdamW). Advice only: where the kernel declines (before Linux 5.14), pages are mapped on
 /// first touch as before.
+#[cfg_attr(not(target_os = "linux"), allow(unused_variables))]
 fn make_resident(buf: &mut [u8]) {
     #[cfg(target_os = "linux")]
     {
@@ -57,12 +58,17 @@ fn make_resident(buf: &mut [u8]) {
 /// The whole pages inside `buf`: their first address and their length in bytes (0 if none).
 #[cfg(target_os = "linux")]
 fn whole_pages(buf: &[u8]) -> (usize, usize) {
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    let page = page_size();
     let range = buf.as_ptr_range();
     let start = (range.start as usize).next_multiple_of(page);
     let end = range.end as usize / page * page;
     (start, end.saturating_sub(start))
+}
+
+#[cfg(target_os = "linux")]
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
 }
 
 /// Host memory and the CPU kernels (their thread pool is `kernels::cpu`'s).
@@ -269,8 +275,7 @@ mod tests {
     fn zeroed_buffers_are_resident_before_their_first_touch() {
         let buf: Vec<f32> = Cpu.zeros(4 << 20).unwrap();
         let (start, len) = whole_pages(bytemuck::cast_slice(&buf));
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let mut resident = vec![0u8; len / page];
+        let mut resident = vec![0u8; len / page_size()];
         // SAFETY: the range is page-aligned and mapped (it is inside `buf`); `resident` holds a
         // byte per page.
         let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, resident.as_mut_ptr()) };
