@@ -496,7 +496,7 @@ pub(crate) trait Source: Copy + Sync {
 /// Eight f32 at `a` and eight at `b` in one vector, `a`'s first.
 ///
 /// # Safety
-/// Both runs are readable; the CPU has AVX-512 F.
+/// Both runs are readable; the CPU has AVX-512 (F, BW, VL).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn two_runs(a: *const f32, b: *const f32) -> __m512 {

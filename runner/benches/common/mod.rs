@@ -33,8 +33,8 @@ pub fn flops_per_token(model: &ModelShape, t: usize) -> f64 {
 
 /// A run's step times in seconds.
 pub struct Steps {
-    /// The first step: a job's start shows here (its buffers' pages are mapped as they are
-    /// first touched).
+    /// The first step, which also pays for what a job does once (its first optimizer step
+    /// writes the optimizer state for the first time).
     pub first: f64,
     /// Each step after the warm-up.
     pub measured: Vec<f64>,

@@ -42,16 +42,13 @@ macro_rules! forward {
 /// SmolLM2-135M job that made the first step 3-6 s slower than the next ones (525k faults in
 /// its AdamW). Advice only: where the kernel declines (before Linux 5.14), pages are mapped on
 /// first touch as before.
-#[cfg_attr(not(target_os = "linux"), allow(unused_variables))]
+#[cfg(target_os = "linux")]
 fn make_resident(buf: &mut [u8]) {
-    #[cfg(target_os = "linux")]
-    {
-        let (start, len) = whole_pages(buf);
-        if len > 0 {
-            // SAFETY: the range is page-aligned and inside `buf`, which this function borrows
-            // exclusively; the advice does not change the bytes there.
-            unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
-        }
+    let (start, len) = whole_pages(buf);
+    if len > 0 {
+        // SAFETY: the range is page-aligned and inside `buf`, which this function borrows
+        // exclusively; the advice does not change the bytes there.
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
     }
 }
 
@@ -82,7 +79,9 @@ impl Device for Cpu {
     type ViewMut<'a, T: 'a> = &'a mut [T];
 
     fn zeros<T: Elem>(&self, len: usize) -> Result<Vec<T>, Error> {
+        #[cfg_attr(not(target_os = "linux"), allow(unused_mut))]
         let mut buf = vec![T::default(); len];
+        #[cfg(target_os = "linux")]
         make_resident(bytemuck::cast_slice_mut(&mut buf));
         Ok(buf)
     }
