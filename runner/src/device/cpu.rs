@@ -149,7 +149,7 @@ impl Device for Cpu {
         // One core's stores reach half the memory bandwidth of two (a step's gradients are
         // hundreds of megabytes: docs/benchmarks.md has the figures).
         const BYTES: usize = 1 << 20;
-        v.par_chunks_mut(BYTES / size_of::<T>().max(1))
+        v.par_chunks_mut(BYTES / size_of::<T>())
             .for_each(|c| c.fill(T::default()));
         Ok(())
     }
