@@ -81,16 +81,32 @@ impl Drop for Tiles {
 }
 
 /// `tile (16 × NC f32, row-major) = a · b` over `kp` pairs of depth, a multiple of [`PAIRS`]:
-/// `a` is 16 rows of `kp` dwords, `b` is `kp` rows of `NC` dwords.
+/// `a` is 16 rows `lda` dwords apart, `b` is `kp` rows of `NC` dwords. With `add`, the tile's
+/// values are the accumulators' start instead of zero: a depth block after the first adds
+/// onto the tile as the next steps of one call over the whole depth would (the same bits).
 ///
 /// # Safety
-/// [`Tiles`] is configured on this thread; `a`, `b` and `tile` hold `16·kp`, `kp·NC` and
-/// `16·NC` elements.
-pub(super) unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: *mut f32) {
-    debug_assert!(kp > 0 && kp.is_multiple_of(PAIRS));
+/// [`Tiles`] is configured on this thread; `a`, `b` and `tile` hold `16` rows of `lda ≥ kp`
+/// dwords, `kp·NC` and `16·NC` elements.
+pub(super) unsafe fn micro(
+    kp: usize,
+    a: *const u32,
+    lda: usize,
+    b: *const u32,
+    tile: *mut f32,
+    add: bool,
+) {
+    debug_assert!(kp > 0 && kp.is_multiple_of(PAIRS) && lda >= kp);
     // SAFETY: every load and store stays within the three buffers, by the contract.
     unsafe {
         asm!(
+            "test {add}, {add}",
+            "jz 3f",
+            "tileloadd tmm0, [{tile} + {ldb}]",
+            "tileloadd tmm1, [{tile} + {ldb} + 64]",
+            "tileloadd tmm2, [{tile} + {ldb} + 128]",
+            "jmp 2f",
+            "3:",
             "tilezero tmm0",
             "tilezero tmm1",
             "tilezero tmm2",
@@ -112,11 +128,12 @@ pub(super) unsafe fn micro(kp: usize, a: *const u32, b: *const u32, tile: *mut f
             a = inout(reg) a => _,
             b = inout(reg) b => _,
             steps = inout(reg) kp / PAIRS => _,
-            lda = in(reg) kp * 4,
+            lda = in(reg) lda * 4,
             ldb = in(reg) NC * 4,
             a_step = const PAIRS * 4,
             b_step = in(reg) PAIRS * NC * 4,
             tile = in(reg) tile,
+            add = in(reg) usize::from(add),
             options(nostack),
         );
     }

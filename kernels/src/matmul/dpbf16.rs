@@ -50,6 +50,12 @@ const WHOLE_B_BYTES: usize = 512 << 10;
 const MIN_CHUNK_ROWS: usize = 64;
 /// Pairs of depth a plain B's pack prefetches ahead of the pair it packs.
 const PREFETCH: usize = 8;
+/// Pairs of depth of the B block that AMX's tiles keep in L1 (24 KiB of a 48-wide panel) while
+/// a group of [`AMX_GROUP`] row blocks runs over it; a deeper panel streamed every tile's B
+/// from L2.
+const AMX_DEPTH_PAIRS: usize = 128;
+/// Row blocks whose AMX tiles run over one block of B's depth before the next block.
+const AMX_GROUP: usize = 16;
 /// Depth of the blocks a deeper product runs in (the LM head's input gradient, as deep as the
 /// vocabulary): packs of its whole depth would leave room for one thread's panel of B.
 const DEPTH_BLOCK: usize = 4096;
@@ -125,7 +131,7 @@ impl Engine {
                 (Self::Vector, 1) => micro::<1>(kp, a, b, t),
                 (Self::Vector, 2) => micro::<2>(kp, a, b, t),
                 (Self::Vector, _) => micro::<NR>(kp, a, b, t),
-                (Self::Tiles, _) => amx::micro(kp, a, b, t.as_mut_ptr()),
+                (Self::Tiles, _) => amx::micro(kp, a, kp, b, t.as_mut_ptr(), false),
             }
         }
     }
@@ -235,21 +241,29 @@ fn product_on<A: Source, C: Float, I: Float>(
     let out = SharedMut::new(c);
     // The first column and the width of panel `panel` of B and of c.
     let span = |panel: usize| (panel * nc, nc.min(n - panel * nc));
+    // Row `r` of row block `rb`'s output, columns j0..j0 + w.
+    let row = |rb: usize, r: usize, (j0, w): (usize, usize)| {
+        let i = rb * mr + r;
+        // SAFETY: tasks own disjoint (row range, panel) blocks of c.
+        unsafe { out.slice(i * n + j0..i * n + j0 + w) }
+    };
+    let rows_of = |rb: usize| mr.min(m - rb * mr);
+    // The rows a tile stores (and reads, to add to them) are a page each when c is wide:
+    // asked for before the tile computes, they arrive while it does.
+    let prefetch_rows = |rb: usize, span| (0..rows_of(rb)).for_each(|r| prefetch(row(rb, r, span)));
+    let put = |rb: usize, (j0, w): (usize, usize), t: &Tile| {
+        for (r, t) in t.chunks_exact(nc).take(rows_of(rb)).enumerate() {
+            store(row(rb, r, (j0, w)), &t[..w], &init, j0);
+        }
+    };
     // Row block `rb` of A (packed at `pa`) times the B panel at `pb`, columns j0..j0 + w, into
     // c through the slot's tile buffer `t`.
-    let tile = |rb: usize, pa: &[u32], pb: &[u32], (j0, w): (usize, usize), t: &mut Tile| {
-        let (i0, rows) = (rb * mr, mr.min(m - rb * mr));
-        // SAFETY: tasks own disjoint (row range, panel) blocks of c.
-        let row = |r: usize| unsafe { out.slice((i0 + r) * n + j0..(i0 + r) * n + j0 + w) };
-        // The rows a tile stores (and reads, to add to them) are a page each when c is wide:
-        // asked for now, they arrive while the tile computes.
-        (0..rows).for_each(|r| prefetch(row(r)));
+    let tile = |rb: usize, pa: &[u32], pb: &[u32], span: (usize, usize), t: &mut Tile| {
+        prefetch_rows(rb, span);
         // SAFETY: the packs hold kp pairs of the engine's rows and nc columns; features
         // checked by the caller; tiles configured on this thread by the caller.
         unsafe { engine.micro(nr, kp, pa, pb, t) };
-        for (r, t) in t.chunks_exact(nc).take(rows).enumerate() {
-            store(row(r), &t[..w], &init, j0);
-        }
+        put(rb, span, t);
     };
     // SAFETY: `available` was checked by the caller.
     let pack_a_block =
@@ -327,13 +341,45 @@ fn product_on<A: Source, C: Float, I: Float>(
             // SAFETY: slots are disjoint.
             let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
             let (_tiles, t) = (configure(), &mut [0f32; TILE]);
+            let group = &mut [[0f32; TILE]; AMX_GROUP];
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
                 let (j0, w) = span(panel);
                 // SAFETY: `available` was checked by the caller.
                 unsafe { pack_b(&b, j0, w, k, pb, nc) };
-                for rb in chunk * per_chunk..((chunk + 1) * per_chunk).min(rows) {
-                    tile(first + rb, &pa[rb * a_block..], pb, (j0, w), t);
+                let blocks = chunk * per_chunk..((chunk + 1) * per_chunk).min(rows);
+                if engine != Engine::Tiles || kp <= AMX_DEPTH_PAIRS {
+                    for rb in blocks {
+                        tile(first + rb, &pa[rb * a_block..], pb, (j0, w), t);
+                    }
+                    continue;
+                }
+                // AMX: the panel's depth a block at a time, so that the block of B stays in
+                // L1 for a group of row blocks, whose tiles wait in `group` between blocks.
+                for g0 in blocks.clone().step_by(AMX_GROUP) {
+                    let g = g0..(g0 + AMX_GROUP).min(blocks.end);
+                    g.clone().for_each(|rb| prefetch_rows(first + rb, (j0, w)));
+                    for p0 in (0..kp).step_by(AMX_DEPTH_PAIRS) {
+                        let pn = AMX_DEPTH_PAIRS.min(kp - p0);
+                        for (rb, t) in g.clone().zip(group.iter_mut()) {
+                            let pa = &pa[rb * a_block + p0..];
+                            // SAFETY: row block rb's pack holds kp pairs of 16 rows, kp apart;
+                            // the panel's pack kp rows of nc; tiles configured above.
+                            unsafe {
+                                amx::micro(
+                                    pn,
+                                    pa.as_ptr(),
+                                    kp,
+                                    pb[p0 * nc..].as_ptr(),
+                                    t.as_mut_ptr(),
+                                    p0 > 0,
+                                )
+                            };
+                        }
+                    }
+                    for (rb, t) in g.zip(group.iter()) {
+                        put(first + rb, (j0, w), t);
+                    }
                 }
             }
         });
@@ -975,10 +1021,20 @@ mod tests {
 
     /// A scratch that holds one B slot and one row block of A at a time gives the bits of one
     /// that holds everything: passes of rows and fewer slots only reorder the same work. The
-    /// last shape's B is past [`WHOLE_B_BYTES`], so each task packs its panels.
+    /// last shape's B is past [`WHOLE_B_BYTES`], so each task packs its panels. On AMX the
+    /// per-task panels deeper than [`AMX_DEPTH_PAIRS`] run a depth block at a time, and the
+    /// 300-deep shape's whole B (packed whole with room for it) runs the whole depth at once;
+    /// its 10 row blocks make two groups.
     #[test]
     fn row_passes_and_fewer_slots_give_the_same_bits() {
-        for (m, k, n) in [(37, 70, 100), (37, 71, 16), (40, 16, 100), (40, 530, 530)] {
+        let shapes = [
+            (37, 70, 100),
+            (37, 71, 16),
+            (40, 16, 100),
+            (150, 300, 100),
+            (40, 530, 530),
+        ];
+        for (m, k, n) in shapes {
             same_bits_in_any_scratch((m, k, n));
         }
     }
