@@ -16,9 +16,10 @@
 //! Layout: A is packed once per call, per row block (8 rows as `[pair][row]` u32, two bf16 in
 //! one dword; on AMX 16 rows as `[row][pair]`); each task packs one 48-column panel of B as
 //! `[pair][column]` u32 (a transposed B through 16 × 16 register transposes) and runs 8 × 48
-//! (AMX: 16 × 48) micro-tiles over every row block of its row range. The packs live in the
-//! caller's matmul scratch (which the memory model counts): `48·k` bf16 per B slot, and as
-//! many rows of A as then fit, a pass of rows at a time.
+//! (AMX: 16 × 48) micro-tiles over every row block of its row range (AMX: a block of the
+//! panel's depth that fits L1 at a time, over groups of row blocks whose tiles wait on the
+//! stack). The packs live in the caller's matmul scratch (which the memory model counts):
+//! `48·k` bf16 per B slot, and as many rows of A as then fit, a pass of rows at a time.
 
 use half::bf16;
 use rayon::prelude::*;
