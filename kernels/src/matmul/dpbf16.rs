@@ -41,6 +41,10 @@ const MIN_TASKS: usize = 16;
 /// A micro-tile's f32 results, on either engine.
 const TILE: usize = amx::ROWS * NC;
 type Tile = [f32; TILE];
+/// The tiles of an AMX group, on cache lines of their own: tile loads and stores that split
+/// lines were slower.
+#[repr(align(64))]
+struct Group([Tile; AMX_GROUP]);
 /// Most bytes of B packed whole before the tiles (a shallow product's: LoRA's `V·Bᵀ`, the LM
 /// head's weight gradient, whose B is the chunk's inputs): each thread then takes whole rows
 /// of the output, every panel of them, with its row block of A in L1 and B in L2. At 256 KiB
@@ -342,7 +346,7 @@ fn product_on<A: Source, C: Float, I: Float>(
             // SAFETY: slots are disjoint.
             let pb = unsafe { pbs.slice(slot * b_len..(slot + 1) * b_len) };
             let (_tiles, t) = (configure(), &mut [0f32; TILE]);
-            let group = &mut [[0f32; TILE]; AMX_GROUP];
+            let group = &mut Group([[0f32; TILE]; AMX_GROUP]).0;
             for task in (slot..tasks).step_by(slots) {
                 let (panel, chunk) = (task / chunks, task % chunks);
                 let (j0, w) = span(panel);
