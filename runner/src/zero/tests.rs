@@ -304,22 +304,28 @@ fn long_sequences_agree_with_the_materialising_f64_reference() {
         ]
     };
     let none = |_, _: &[f32]| Vec::new();
-    assert_eq!(
-        gradients_agree_with_finite_differences(&gpt(1024), 1, none, gpt_reference),
-        0
-    );
-    assert_eq!(
-        gradients_agree_with_finite_differences(&llama(1024), 1, none, llama_reference),
-        0
-    );
-    assert_eq!(
-        gradients_agree_with_finite_differences(&gpt(2048), 1, largest, gpt_reference),
-        16
-    );
-    assert_eq!(
-        gradients_agree_with_finite_differences(&llama(2048), 1, largest, llama_reference),
-        12
-    );
+    // The families side by side, a thread each: the f64 reference runs on one core.
+    std::thread::scope(|s| {
+        let gpt2 = s.spawn(|| {
+            assert_eq!(
+                gradients_agree_with_finite_differences(&gpt(1024), 1, none, gpt_reference),
+                0
+            );
+            assert_eq!(
+                gradients_agree_with_finite_differences(&gpt(2048), 1, largest, gpt_reference),
+                16
+            );
+        });
+        assert_eq!(
+            gradients_agree_with_finite_differences(&llama(1024), 1, none, llama_reference),
+            0
+        );
+        assert_eq!(
+            gradients_agree_with_finite_differences(&llama(2048), 1, largest, llama_reference),
+            12
+        );
+        gpt2.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+    });
 }
 
 #[test]
