@@ -229,13 +229,15 @@ pub fn run_ranks(
         }
     }
     // Before any buffer: what the process is before it trains. Its allocator, heap and kernel
-    // pool are the binary's (zerotrain's `cli/src/process.rs`); ranks are threads of their own,
-    // so one blocked on a neighbour holds no kernel thread of that pool.
+    // pool are the binary's (zerotrain's `cli/src/process.rs`).
     let resident_at_start = process::rss_bytes().unwrap_or(0);
     let gemm = kernels::matmul::gemm_workspace();
+    let pool_threads = kernels::cpu::pool_threads();
     let cpu_process = memory::process::CpuProcess {
         resident_at_start,
-        threads: kernels::cpu::pool_threads() + comms.len(),
+        // A rank alone on a pool of its own (below) runs its GEMMs on that pool's threads, as
+        // many as the shared pool's; the thread counted for it then waits and runs none.
+        threads: pool_threads + comms.len(),
         ranks: comms.len(),
         gemm_per_thread: gemm.per_thread,
         gemm_per_call: gemm.per_call,
@@ -260,6 +262,13 @@ pub fn run_ranks(
     )?;
     let inputs = &inputs;
     let mut progress = Some(progress);
+    // A CPU rank alone in its process trains on a worker of a kernel pool of its own, as many
+    // threads as the shared one, so that each kernel call forks on the thread that makes it.
+    // Handed in from a thread outside the pool, every call cost two futex waits and a wake-up,
+    // more than a tiny model's kernels take (docs/testing.md, "CI"). Ranks that share a
+    // process stay threads of their own over the shared pool, where one blocked on a
+    // neighbour holds no kernel thread.
+    let own_pool = comms.len() == 1 && opts.target(comms[0].rank()) == Target::Cpu;
     let results: Vec<Result<RankRun, Error>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -267,8 +276,6 @@ pub fn run_ranks(
                 let report = progress.take();
                 let setup = &setup;
                 scope.spawn(move || {
-                    kernels::cpu::flush_denormals();
-                    let _gemm_buffer = kernels::matmul::Workspace::keep();
                     let job = RankJob {
                         spec,
                         plan,
@@ -279,11 +286,23 @@ pub fn run_ranks(
                         inputs,
                         progress: report,
                     };
-                    match spec.precision.dtype {
-                        Dtype::Fp32 => on_device::<f32>(job, comm),
-                        Dtype::Fp16 => on_device::<f16>(job, comm),
-                        Dtype::Bf16 => on_device::<bf16>(job, comm),
+                    let train = move || {
+                        kernels::cpu::flush_denormals();
+                        let _gemm_buffer = kernels::matmul::Workspace::keep();
+                        match spec.precision.dtype {
+                            Dtype::Fp32 => on_device::<f32>(job, comm),
+                            Dtype::Fp16 => on_device::<f16>(job, comm),
+                            Dtype::Bf16 => on_device::<bf16>(job, comm),
+                        }
+                    };
+                    if !own_pool {
+                        return train();
                     }
+                    kernels::cpu::thread_pool(pool_threads)
+                        .map_err(|e| {
+                            Error::Device(format!("a kernel pool of {pool_threads} threads: {e}"))
+                        })?
+                        .install(train)
                 })
             })
             .collect();

@@ -17,8 +17,16 @@ fn train(json: &str) -> Summary {
 }
 
 fn run_default(spec: &JobSpec) -> Result<Summary, runner::Error> {
+    run_with(spec, &mut |_| {})
+}
+
+/// Runs `spec` as planned locally, with default options, reporting its progress to `progress`.
+fn run_with(
+    spec: &JobSpec,
+    progress: &mut (dyn FnMut(runner::train::Progress) + Send),
+) -> Result<Summary, runner::Error> {
     let plan = plan_local(spec, None).unwrap();
-    run(spec, &plan, &Options::default(), &mut |_| {})
+    run(spec, &plan, &Options::default(), progress)
 }
 
 /// An optimizer with a learning rate that suits it on gpt2-tiny, and what training proves.
@@ -308,6 +316,32 @@ fn the_run_follows_the_plan_it_is_given_not_one_of_its_own() {
         assert_eq!(
             r.predicted_bytes.overhead, 0,
             "the process's, not the rank's"
+        );
+    }
+}
+
+/// A CPU rank alone in its process trains on a worker of a kernel pool of its own, as large as
+/// the caller's, so that its kernel calls fork where they are made; ranks that share a process
+/// train on threads outside any pool, where one blocked on a neighbour holds no kernel thread.
+#[test]
+fn a_lone_cpu_rank_trains_inside_a_kernel_pool_and_ranks_that_share_a_process_outside() {
+    let threads = rayon::current_num_threads();
+    for (world, in_a_pool) in [(1, true), (2, false)] {
+        let s = spec(&format!(
+            r#"{{"model": {{"preset": "gpt2-tiny"}}, "world_size": {world}, "training": {{"steps": 2}}}}"#
+        ));
+        let mut seen = Vec::new();
+        run_with(&s, &mut |_| {
+            seen.push((
+                rayon::current_thread_index().is_some(),
+                rayon::current_num_threads(),
+            ))
+        })
+        .unwrap();
+        assert!(!seen.is_empty());
+        assert!(
+            seen.iter().all(|&x| x == (in_a_pool, threads)),
+            "world_size {world}: {seen:?}"
         );
     }
 }
